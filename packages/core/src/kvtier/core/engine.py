@@ -1,0 +1,332 @@
+"""CacheEngine: the engine-facing API (lookup, store, retrieve) over a StorageManager.
+
+Chunking: a prompt is cut into full chunks of ``chunk_size`` tokens; with ``save_unfull_chunk``
+the tail after the last full chunk is also stored, cut down to whole blocks, as a *partial
+chunk* (its hash chains from the previous chunk like any other). A lookup takes the contiguous
+run of full-chunk hits and then, at the first full-chunk miss, the longest stored partial chunk
+there (probed at block granularity). A repeated prompt therefore recomputes less than a block,
+not up to a whole chunk, without shrinking the chunk size for everything.
+
+Slot mappings: ``slot_mapping[i]`` is token ``i``'s slot in the paged cache, ``-1`` when the
+engine does not hold it (store: the chunk cannot be saved) or does not want it (retrieve: the
+engine already has it, or it is past what the engine asked for).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvtier.core.config import KVTierConfig
+from kvtier.core.connector import DeviceConnector, Transfer
+from kvtier.core.errors import ConfigError, KVTierError
+from kvtier.core.keys import ChunkKey, KeyFactory, TokenIds, chain_hash, salt_seed, token_bytes
+from kvtier.core.layout import KVLayout
+from kvtier.core.memory import MemoryObj, MemoryObjMeta
+from kvtier.core.platform import Platform, get_platform
+from kvtier.core.storage import StorageManager, create_storage_manager
+
+logger = logging.getLogger("kvtier")
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ChunkSpan:
+    """Tokens ``[start, end)`` of a prompt, stored under ``key``."""
+
+    start: int
+    end: int
+    key: ChunkKey
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class EngineStats:
+    lookups: int = 0
+    lookup_hit_tokens: int = 0
+    stored_tokens: int = 0
+    store_skipped_chunks: int = 0
+    retrieved_tokens: int = 0
+    retrieve_misses: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+
+@dataclass
+class RetrieveJob:
+    """A layer-wise retrieval: ``mask`` (tokens that will be loaded) is known up front; iterating
+    ``layers`` loads layer by layer (each yielded index is ready for attention)."""
+
+    mask: torch.Tensor
+    layers: Iterator[int]
+
+
+class CacheEngine:
+    """Stores and retrieves the KV of token chunks for one engine (model, layout, rank)."""
+
+    def __init__(
+        self,
+        config: KVTierConfig,
+        layout: KVLayout,
+        *,
+        model: str,
+        world_size: int = 1,
+        rank: int = 0,
+        platform: Platform | None = None,
+        storage: StorageManager | None = None,
+    ) -> None:
+        if config.chunk_size % layout.block_size:
+            raise ConfigError(
+                "chunk_size", config.chunk_size,
+                f"must be a multiple of the engine's block size {layout.block_size}",
+            )
+        self.config = config
+        self.layout = layout
+        self.chunk_size = config.chunk_size
+        self.keys = KeyFactory(model, layout.fingerprint(), world_size, rank)
+        self.platform = platform or get_platform(config.platform, config.plugins)
+        if storage is None:
+            arena = self.platform.create_arena(
+                int(config.local_cpu_size_gb * GiB), pin_memory=config.pin_memory
+            )
+            namespace = self.keys.key(b"").namespace()
+            storage = create_storage_manager(config, arena, layout, namespace)
+        self.storage = storage
+        self.connector: DeviceConnector | None = None
+        self.stats = EngineStats()
+
+    # -- setup ---------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        """Hand over the engine's per-layer paged KV tensors (once, before any transfer)."""
+        self.connector = self.platform.create_connector(
+            kv_caches, self.layout, staging_buffer=self.config.device_staging_buffer
+        )
+
+    def _require_connector(self) -> DeviceConnector:
+        if self.connector is None:
+            raise KVTierError("register_kv_caches must be called before store/retrieve")
+        return self.connector
+
+    # -- chunking ------------------------------------------------------------------------------
+    def full_spans(self, tokens: TokenIds, salt: str | None = None) -> list[ChunkSpan]:
+        arr = token_bytes(tokens)
+        c = self.chunk_size
+        prev = salt_seed(salt)
+        spans = []
+        for start in range(0, len(arr) - c + 1, c):
+            prev = chain_hash(prev, arr[start : start + c])
+            spans.append(ChunkSpan(start, start + c, self.keys.key(prev, salt)))
+        return spans
+
+    def _prev_hash(self, spans: Sequence[ChunkSpan], index: int, salt: str | None) -> bytes:
+        return bytes.fromhex(spans[index - 1].key.chunk_hash) if index else salt_seed(salt)
+
+    def _partial_span(
+        self, arr: np.ndarray, spans: Sequence[ChunkSpan], index: int, length: int, salt: str | None
+    ) -> ChunkSpan:
+        start = index * self.chunk_size
+        h = chain_hash(self._prev_hash(spans, index, salt), arr[start : start + length])
+        return ChunkSpan(start, start + length, self.keys.key(h, salt))
+
+    def hit_spans(self, tokens: TokenIds, salt: str | None = None) -> list[ChunkSpan]:
+        """The contiguous run of stored spans covering a prefix of ``tokens``."""
+        arr = token_bytes(tokens)
+        spans = self.full_spans(arr, salt)
+        n_hit = self.storage.prefix_hits([s.key for s in spans])
+        hits = spans[:n_hit]
+        if not self.config.save_unfull_chunk:
+            return hits
+        bs = self.layout.block_size
+        room = min(len(arr) - n_hit * self.chunk_size, self.chunk_size - bs)
+        lengths = list(range(room - room % bs, 0, -bs))
+        if lengths:
+            candidates = [self._partial_span(arr, spans, n_hit, n, salt) for n in lengths]
+            found = self.storage.contains([c.key for c in candidates])
+            for cand, ok in zip(candidates, found, strict=True):
+                if ok:
+                    hits.append(cand)
+                    break
+        return hits
+
+    def store_spans(self, tokens: TokenIds, salt: str | None = None) -> list[ChunkSpan]:
+        """Spans ``store`` would save for ``tokens``: full chunks, then the block-aligned tail."""
+        arr = token_bytes(tokens)
+        spans = self.full_spans(arr, salt)
+        if self.config.save_unfull_chunk:
+            bs = self.layout.block_size
+            tail = len(arr) - len(spans) * self.chunk_size
+            tail -= tail % bs
+            if tail > 0:
+                spans.append(self._partial_span(arr, spans, len(spans), tail, salt))
+        return spans
+
+    # -- API -----------------------------------------------------------------------------------
+    def lookup(self, tokens: TokenIds, salt: str | None = None) -> int:
+        """Number of leading tokens of ``tokens`` whose KV is stored (a multiple of the block size)."""
+        hits = self.hit_spans(tokens, salt)
+        n = hits[-1].end if hits else 0
+        self.stats.add(lookups=1, lookup_hit_tokens=n)
+        return n
+
+    def _slots(self, slot_mapping: torch.Tensor | Sequence[int], n_tokens: int) -> torch.Tensor:
+        slots = torch.as_tensor(slot_mapping, dtype=torch.long)
+        if slots.dim() != 1 or slots.numel() != n_tokens:
+            raise ValueError(
+                f"slot_mapping must have one entry per token ({n_tokens}), got shape {tuple(slots.shape)}"
+            )
+        return slots
+
+    def _meta(self, num_tokens: int) -> MemoryObjMeta:
+        return MemoryObjMeta(self.layout.chunk_shape(num_tokens), self.layout.torch_dtype, num_tokens)
+
+    def _plan_store(
+        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], salt: str | None
+    ) -> list[tuple[ChunkSpan, Transfer]]:
+        arr = token_bytes(tokens)
+        slots = self._slots(slot_mapping, len(arr))
+        cpu_slots = slots.cpu()
+        spans = [
+            s for s in self.store_spans(arr, salt) if bool((cpu_slots[s.start : s.end] >= 0).all())
+        ]
+        if not spans:
+            return []
+        present = self.storage.contains([s.key for s in spans])
+        plan: list[tuple[ChunkSpan, Transfer]] = []
+        for span, have in zip(spans, present, strict=True):
+            if have:
+                continue
+            obj = self.storage.allocate(self._meta(span.num_tokens))
+            if obj is None:
+                logger.warning("kvtier host memory is full: %d chunk(s) not stored", len(spans) - len(plan))
+                self.stats.add(store_skipped_chunks=len(spans) - len(plan))
+                break
+            plan.append((span, Transfer(obj, slots[span.start : span.end])))
+        return plan
+
+    def _commit_store(self, plan: Sequence[tuple[ChunkSpan, Transfer]]) -> int:
+        stored = 0
+        for span, t in plan:
+            with t.obj:
+                self.storage.put(span.key, t.obj)
+            stored += span.num_tokens
+        self.stats.add(stored_tokens=stored)
+        return stored
+
+    def _abort(self, objs: Sequence[MemoryObj]) -> None:
+        for obj in objs:
+            if not obj.released:
+                obj.release()
+
+    def store(
+        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], *, salt: str | None = None
+    ) -> int:
+        """Save every storable span of ``tokens`` not already stored; returns tokens newly stored.
+
+        A span is storable when all its slots are valid (>= 0). Skipped silently when host
+        memory is exhausted (counted in ``stats.store_skipped_chunks``).
+        """
+        connector = self._require_connector()
+        plan = self._plan_store(tokens, slot_mapping, salt)
+        if not plan:
+            return 0
+        try:
+            connector.store([t for _, t in plan])
+        except BaseException:
+            self._abort([t.obj for _, t in plan])
+            raise
+        return self._commit_store(plan)
+
+    def store_layerwise(
+        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], *, salt: str | None = None
+    ) -> Iterator[int]:
+        """Like ``store``, one layer per ``next()``; the chunks are saved when it is exhausted."""
+        connector = self._require_connector()
+        plan = self._plan_store(tokens, slot_mapping, salt)
+        try:
+            if plan:
+                yield from connector.store_layerwise([t for _, t in plan])
+            else:
+                yield from range(self.layout.num_layers)
+        except BaseException:
+            self._abort([t.obj for _, t in plan])
+            raise
+        self._commit_store(plan)
+
+    def _plan_retrieve(
+        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], salt: str | None
+    ) -> tuple[list[Transfer], torch.Tensor]:
+        arr = token_bytes(tokens)
+        slots = self._slots(slot_mapping, len(arr))
+        cpu_slots = slots.cpu()
+        mask = torch.zeros(len(arr), dtype=torch.bool)
+        spans = [s for s in self.hit_spans(arr, salt) if bool((cpu_slots[s.start : s.end] >= 0).any())]
+        objs = self.storage.batched_get([s.key for s in spans]) if spans else []
+        transfers: list[Transfer] = []
+        missed = False
+        for span, obj in zip(spans, objs, strict=True):
+            if obj is None or missed or obj.num_tokens != span.num_tokens:
+                # Only a contiguous prefix is usable: once a chunk is gone, later ones are too.
+                missed = True
+                if obj is not None:
+                    obj.release()
+                continue
+            transfers.append(Transfer(obj, slots[span.start : span.end]))
+            mask[span.start : span.end] = cpu_slots[span.start : span.end] >= 0
+        if missed:
+            self.stats.add(retrieve_misses=1)
+        return transfers, mask
+
+    def retrieve(
+        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], *, salt: str | None = None
+    ) -> torch.Tensor:
+        """Load the stored prefix of ``tokens`` into the slots that are not -1.
+
+        Returns a bool mask (one per token) of the tokens whose KV was written into the cache.
+        """
+        connector = self._require_connector()
+        transfers, mask = self._plan_retrieve(tokens, slot_mapping, salt)
+        try:
+            if transfers:
+                connector.load(transfers)
+        finally:
+            self._abort([t.obj for t in transfers])
+        self.stats.add(retrieved_tokens=int(mask.sum()))
+        return mask
+
+    def retrieve_layerwise(
+        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], *, salt: str | None = None
+    ) -> RetrieveJob:
+        """Fetch the stored prefix now; load it layer by layer as the job's ``layers`` is iterated."""
+        connector = self._require_connector()
+        transfers, mask = self._plan_retrieve(tokens, slot_mapping, salt)
+
+        def layers() -> Iterator[int]:
+            try:
+                if transfers:
+                    yield from connector.load_layerwise(transfers)
+                else:
+                    yield from range(self.layout.num_layers)
+            finally:
+                self._abort([t.obj for t in transfers])
+            self.stats.add(retrieved_tokens=int(mask.sum()))
+
+        return RetrieveJob(mask, layers())
+
+    def close(self) -> None:
+        self.storage.close()

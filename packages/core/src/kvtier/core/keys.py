@@ -1,0 +1,132 @@
+"""Chunk keys and prefix-chained chunk hashing.
+
+A prompt is cut into chunks of ``chunk_size`` tokens. Chunk ``i``'s hash covers every token before
+it: ``h_i = blake2b(h_{i-1} || tokens of chunk i)``, seeded with the cache salt, so two prompts
+share a chunk key exactly when they share the whole prefix up to the end of that chunk. The hash
+depends only on token ids (as little-endian int64), never on Python's ``hash()``, so keys agree
+across processes, hash seeds and machines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+HASH_VERSION = b"kvtier-chunk-v1"
+DIGEST_SIZE = 16
+
+TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+
+_MODEL_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def token_bytes(tokens: TokenIds) -> np.ndarray:
+    """Token ids as a contiguous little-endian int64 array (the bytes that are hashed)."""
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.ascontiguousarray(np.asarray(tokens), dtype="<i8")
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
+    return arr
+
+
+def salt_seed(salt: str | None) -> bytes:
+    """The chain's seed: depends on the hash version and on the cache salt (if any)."""
+    h = hashlib.blake2b(HASH_VERSION, digest_size=DIGEST_SIZE)
+    if salt:
+        h.update(b"\x00salt\x00")
+        h.update(salt.encode())
+    return h.digest()
+
+
+def chain_hash(prev: bytes, token_arr: np.ndarray) -> bytes:
+    """``H(prev || tokens)``: the hash of one chunk (full or partial) after the prefix ``prev``."""
+    h = hashlib.blake2b(prev, digest_size=DIGEST_SIZE)
+    h.update(memoryview(token_arr).cast("B"))
+    return h.digest()
+
+
+def prefix_hashes(tokens: TokenIds, chunk_size: int, salt: str | None = None) -> list[bytes]:
+    """Hashes of every *full* chunk of ``tokens`` (a trailing partial chunk is not included)."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    arr = token_bytes(tokens)
+    prev = salt_seed(salt)
+    out: list[bytes] = []
+    for start in range(0, len(arr) - chunk_size + 1, chunk_size):
+        prev = chain_hash(prev, arr[start : start + chunk_size])
+        out.append(prev)
+    return out
+
+
+@dataclass(frozen=True, order=True)
+class ChunkKey:
+    """The identity of one stored chunk.
+
+    ``(model, layout fingerprint, world size, rank, salt id, chunk hash)``. The chunk hash is
+    already seeded by the salt; the salt id is kept so a namespace can be listed or dropped per
+    salt. ``to_string`` is stable and parseable by ``from_string``.
+    """
+
+    model: str
+    layout_fp: str
+    world_size: int
+    rank: int
+    salt_id: str
+    chunk_hash: str
+
+    def to_string(self) -> str:
+        return (
+            f"kvtier@{self.model}@{self.layout_fp}@{self.world_size}x{self.rank}"
+            f"@{self.salt_id}@{self.chunk_hash}"
+        )
+
+    @classmethod
+    def from_string(cls, text: str) -> ChunkKey:
+        parts = text.split("@")
+        if len(parts) != 6 or parts[0] != "kvtier":
+            raise ValueError(f"not a kvtier chunk key: {text!r}")
+        _, model, layout_fp, ws_rank, salt_id, chunk_hash = parts
+        ws, _, rank = ws_rank.partition("x")
+        return cls(model, layout_fp, int(ws), int(rank), salt_id, chunk_hash)
+
+    def namespace(self) -> str:
+        """Everything but the chunk hash: the prefix under which a tier keeps this engine's chunks."""
+        return self.to_string().rsplit("@", 1)[0]
+
+    def digest(self) -> str:
+        """A fixed-length hex name for the key (file names, short logs)."""
+        return hashlib.blake2b(self.to_string().encode(), digest_size=16).hexdigest()
+
+
+def model_id(model: str) -> str:
+    """A model name made safe to sit inside a key (no '@', '/', whitespace)."""
+    safe = _MODEL_SAFE.sub("_", model)
+    return safe or "model"
+
+
+def salt_id(salt: str | None) -> str:
+    if not salt:
+        return "-"
+    return hashlib.blake2b(salt.encode(), digest_size=6).hexdigest()
+
+
+@dataclass(frozen=True)
+class KeyFactory:
+    """Makes the chunk keys of one engine (model, layout, parallel rank)."""
+
+    model: str
+    layout_fp: str
+    world_size: int = 1
+    rank: int = 0
+
+    def key(self, chunk_hash: bytes, salt: str | None = None) -> ChunkKey:
+        return ChunkKey(
+            model_id(self.model), self.layout_fp, self.world_size, self.rank, salt_id(salt),
+            chunk_hash.hex(),
+        )

@@ -1,0 +1,214 @@
+"""Host memory: one arena per process, and memory objects carved from it.
+
+Ownership is explicit. ``HostArena.allocate`` returns a ``MemoryObj``: a *handle*. Each handle is
+released exactly once (``release()`` or leaving a ``with`` block); ``share()`` makes another
+handle on the same bytes for another holder (a tier that indexes it, a reader that borrows it).
+The bytes go back to the arena when the last handle is released. Releasing a handle twice, or
+sharing a released one, raises ``DoubleReleaseError``: a bug is loud, never a silent double free.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.core.errors import DoubleReleaseError, OutOfHostMemory
+
+
+@dataclass(frozen=True)
+class MemoryObjMeta:
+    """What a memory object holds: ``shape``/``dtype`` of the tensor view and its token count."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    num_tokens: int
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+class HostArena:
+    """A fixed block of host memory (pinned where the platform pins) with a first-fit allocator.
+
+    Thread-safe. ``allocate`` never blocks and never spins: it returns ``None`` when the bytes are
+    not there, and the caller (a storage tier) decides whether to evict and try again
+    (``allocate_evicting``).
+    """
+
+    def __init__(self, buffer: torch.Tensor, *, alignment: int = 256) -> None:
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+            raise ValueError("HostArena needs a one-dimensional uint8 buffer")
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two, got {alignment}")
+        self.buffer = buffer
+        self.alignment = alignment
+        self.capacity = (buffer.numel() // alignment) * alignment
+        self._lock = threading.Lock()
+        # Free extents as two parallel sorted lists (offset -> size), coalesced on free.
+        self._free_offsets: list[int] = [0] if self.capacity else []
+        self._free_sizes: list[int] = [self.capacity] if self.capacity else []
+        self._used = 0
+
+    @classmethod
+    def create(cls, nbytes: int, *, pin_memory: bool = False, alignment: int = 256) -> HostArena:
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+        return cls(buf, alignment=alignment)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self._used
+
+    @property
+    def is_pinned(self) -> bool:
+        return bool(self.buffer.is_pinned())
+
+    def _round(self, nbytes: int) -> int:
+        a = self.alignment
+        return max(a, (nbytes + a - 1) // a * a)
+
+    def allocate(self, meta: MemoryObjMeta) -> MemoryObj | None:
+        """A new object for ``meta``, or ``None`` if no free extent is large enough."""
+        size = self._round(meta.nbytes)
+        with self._lock:
+            for i, free in enumerate(self._free_sizes):
+                if free >= size:
+                    offset = self._free_offsets[i]
+                    if free == size:
+                        del self._free_offsets[i]
+                        del self._free_sizes[i]
+                    else:
+                        self._free_offsets[i] = offset + size
+                        self._free_sizes[i] = free - size
+                    self._used += size
+                    break
+            else:
+                return None
+        return MemoryObj(_Allocation(self, offset, size), meta)
+
+    def allocate_evicting(
+        self, meta: MemoryObjMeta, evict_one: Callable[[], bool] | None
+    ) -> MemoryObj | None:
+        """Allocate, evicting through ``evict_one`` (returns False when nothing more can go).
+
+        Terminates: every round either allocates, frees one object, or gives up.
+        """
+        if self._round(meta.nbytes) > self.capacity:
+            raise OutOfHostMemory(
+                f"a {meta.nbytes}-byte object cannot fit a {self.capacity}-byte host arena"
+            )
+        while True:
+            obj = self.allocate(meta)
+            if obj is not None or evict_one is None or not evict_one():
+                return obj
+
+    def _free(self, offset: int, size: int) -> None:
+        with self._lock:
+            self._used -= size
+            i = bisect.bisect_left(self._free_offsets, offset)
+            if i < len(self._free_offsets) and offset + size == self._free_offsets[i]:
+                size += self._free_sizes[i]
+                del self._free_offsets[i]
+                del self._free_sizes[i]
+            if i > 0 and self._free_offsets[i - 1] + self._free_sizes[i - 1] == offset:
+                self._free_sizes[i - 1] += size
+            else:
+                self._free_offsets.insert(i, offset)
+                self._free_sizes.insert(i, size)
+
+
+class _Allocation:
+    """The bytes behind one or more handles; returned to the arena when the last handle goes."""
+
+    __slots__ = ("arena", "handles", "lock", "nbytes", "offset")
+
+    def __init__(self, arena: HostArena, offset: int, nbytes: int) -> None:
+        self.arena = arena
+        self.offset = offset
+        self.nbytes = nbytes
+        self.handles = 1
+        self.lock = threading.Lock()
+
+    def drop(self) -> None:
+        with self.lock:
+            self.handles -= 1
+            last = self.handles == 0
+        if last:
+            self.arena._free(self.offset, self.nbytes)
+
+
+class MemoryObj:
+    """A handle on one chunk of KV in host memory. Release it exactly once.
+
+    ``tensor`` is a view of the arena shaped ``meta.shape`` with ``meta.dtype``; it is valid until
+    this handle is released.
+    """
+
+    __slots__ = ("_alloc", "_released", "_tensor", "meta")
+
+    def __init__(self, alloc: _Allocation, meta: MemoryObjMeta) -> None:
+        self._alloc = alloc
+        self.meta = meta
+        self._released = False
+        raw = alloc.arena.buffer[alloc.offset : alloc.offset + meta.nbytes]
+        self._tensor = raw.view(meta.dtype).view(meta.shape)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._released:
+            raise DoubleReleaseError("memory object used after release")
+        return self._tensor
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def num_tokens(self) -> int:
+        return self.meta.num_tokens
+
+    def byte_view(self) -> memoryview:
+        """The object's bytes (no copy), for writing to a file or a socket."""
+        return memoryview(self.tensor.view(torch.uint8).reshape(-1).numpy())
+
+    def share(self) -> MemoryObj:
+        """Another handle on the same bytes, for another holder; release it separately."""
+        with self._alloc.lock:
+            if self._released:
+                raise DoubleReleaseError("cannot share a released memory object")
+            self._alloc.handles += 1
+        twin = MemoryObj.__new__(MemoryObj)
+        twin._alloc = self._alloc
+        twin.meta = self.meta
+        twin._released = False
+        twin._tensor = self._tensor
+        return twin
+
+    def release(self) -> None:
+        """Give this handle back. The bytes are freed when the last handle is released."""
+        with self._alloc.lock:
+            if self._released:
+                raise DoubleReleaseError("memory object handle released twice")
+            self._released = True
+        self._alloc.drop()
+
+    def __enter__(self) -> MemoryObj:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else f"{self._alloc.handles} handle(s)"
+        return f"MemoryObj(shape={self.meta.shape}, dtype={self.meta.dtype}, {state})"

@@ -1,0 +1,151 @@
+"""Platforms and their discovery through the ``kvtier.platforms`` entry-point group.
+
+A platform package declares ``[project.entry-points."kvtier.platforms"] NAME = "mod:probe"``. The
+probe is cheap (no heavy import, no device initialisation) and returns the dotted path of the
+platform class (``"pkg.mod:Class"``) when its hardware is usable, else ``None``. Classes are
+imported only for platforms that are available, so importing kvtier never imports triton, vLLM
+or initialises CUDA.
+
+Choice: ``platform`` in the config (or ``KVTIER_PLATFORM``) names one; otherwise the available
+platform with the highest ``priority`` wins. Two available platforms tied at the top priority is
+an error that asks for an explicit choice. A probe that raises is logged and skipped.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from importlib.metadata import EntryPoint, entry_points
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from kvtier.core.errors import PlatformError
+
+if TYPE_CHECKING:
+    from kvtier.core.connector import DeviceConnector
+    from kvtier.core.layout import KVLayout
+    from kvtier.core.memory import HostArena
+
+logger = logging.getLogger("kvtier")
+
+PLATFORM_GROUP = "kvtier.platforms"
+
+
+class Platform(ABC):
+    """One kind of accelerator (or the CPU): where the KV cache lives and how chunks move."""
+
+    name: ClassVar[str]
+    priority: ClassVar[int]
+    device_type: ClassVar[str]
+
+    def __init__(self, device_index: int | None = None) -> None:
+        self.device_index = device_index
+
+    @property
+    def device(self) -> torch.device:
+        if self.device_index is None:
+            return torch.device(self.device_type)
+        return torch.device(self.device_type, self.device_index)
+
+    @property
+    def has_pinned_memory(self) -> bool:
+        """Whether host buffers should be page-locked for this platform's copies."""
+        return False
+
+    def create_arena(self, nbytes: int, *, pin_memory: bool = True) -> HostArena:
+        """The host arena for this platform: one allocation, pinned where that helps."""
+        from kvtier.core.memory import HostArena
+
+        return HostArena.create(nbytes, pin_memory=pin_memory and self.has_pinned_memory)
+
+    @abstractmethod
+    def create_connector(
+        self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, **options: object
+    ) -> DeviceConnector:
+        """A device connector over the engine's per-layer paged KV tensors."""
+
+    def synchronize(self) -> None:
+        """Wait for every copy this platform started (no-op on CPU)."""
+
+
+def load_object(path: str) -> object:
+    """Import ``"pkg.mod:attr"`` (or ``"pkg.mod.attr"``)."""
+    module, sep, attr = path.partition(":")
+    if not sep:
+        module, _, attr = path.rpartition(".")
+    obj: object = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def plugin_entry_points(group: str, allow: Iterable[str] | None = None) -> list[EntryPoint]:
+    """Entry points of ``group``, narrowed by the allow-list (config ``plugins``/``KVTIER_PLUGINS``)."""
+    eps = list(entry_points(group=group))
+    allowed = set(allow or ())
+    if allowed:
+        eps = [ep for ep in eps if ep.name in allowed]
+    seen: dict[str, EntryPoint] = {}
+    for ep in eps:
+        # the same distribution installed twice (editable + wheel) yields duplicate names
+        seen.setdefault(ep.name, ep)
+    return list(seen.values())
+
+
+def discover_platforms(allow: Iterable[str] | None = None) -> dict[str, str | None]:
+    """``{name: class path or None}`` for every declared platform; a failing probe maps to None."""
+    found: dict[str, str | None] = {}
+    for ep in plugin_entry_points(PLATFORM_GROUP, allow):
+        try:
+            probe: Callable[[], str | None] = ep.load()
+            found[ep.name] = probe()
+        except Exception as e:  # a broken plugin must not take kvtier down
+            logger.warning("kvtier platform plugin %r failed its probe and is skipped: %s", ep.name, e)
+            found[ep.name] = None
+    return found
+
+
+def resolve_platform_class(
+    name: str | None = None, allow: Iterable[str] | None = None
+) -> type[Platform]:
+    """The platform class to use: ``name`` if given, else the best available one."""
+    found = discover_platforms(allow)
+    if name:
+        if name not in found:
+            raise PlatformError(
+                f"kvtier platform {name!r} is not installed (installed: {', '.join(sorted(found)) or 'none'}); "
+                f"install kvtier[{name}] or pick another with KVTIER_PLATFORM"
+            )
+        path = found[name]
+        if path is None:
+            raise PlatformError(
+                f"kvtier platform {name!r} was asked for (platform/KVTIER_PLATFORM) but its hardware "
+                f"is not available on this machine"
+            )
+        return _load_platform(name, path)
+    available = {n: _load_platform(n, p) for n, p in found.items() if p is not None}
+    if not available:
+        raise PlatformError("no kvtier platform is available (is kvtier-core installed?)")
+    best = max(cls.priority for cls in available.values())
+    top = sorted(n for n, cls in available.items() if cls.priority == best)
+    if len(top) > 1:
+        raise PlatformError(
+            f"platforms {', '.join(top)} all claim this machine at priority {best}; "
+            f"choose one with KVTIER_PLATFORM"
+        )
+    return available[top[0]]
+
+
+def _load_platform(name: str, path: str) -> type[Platform]:
+    cls = load_object(path)
+    if not (isinstance(cls, type) and issubclass(cls, Platform)):
+        raise PlatformError(f"platform plugin {name!r} points at {path!r}, which is not a Platform")
+    return cls
+
+
+def get_platform(name: str | None = None, allow: Iterable[str] | None = None,
+                 device_index: int | None = None) -> Platform:
+    return resolve_platform_class(name, allow)(device_index)

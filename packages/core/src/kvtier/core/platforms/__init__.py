@@ -1,0 +1,1 @@
+"""Platforms shipped with kvtier-core (the CPU reference platform)."""

@@ -1,0 +1,154 @@
+"""The interface the CacheEngine stores through, and a host-memory-only implementation.
+
+The tiered implementation (host memory, disk, Redis, ...) lives in kvtier-storage and is found
+through the ``kvtier.storage`` entry-point group (name ``manager``); ``create_storage_manager``
+falls back to ``HostMemoryStorageManager`` when kvtier-storage is not installed and only the
+``local_cpu`` tier is configured.
+
+Ownership contract (all implementations):
+- ``allocate`` returns a new handle owned by the caller.
+- ``put(key, obj)`` takes its *own* share of ``obj``; the caller still owns (and releases) its
+  handle.
+- ``get``/``batched_get`` return new handles owned by the caller (release them); an object a
+  reader holds is never freed or reused under it, even if its tier evicts the key.
+- No method raises because a tier is slow or down: that is a miss. Only programming errors raise.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from kvtier.core.errors import ConfigError
+from kvtier.core.keys import ChunkKey
+from kvtier.core.memory import HostArena, MemoryObj, MemoryObjMeta
+from kvtier.core.platform import load_object, plugin_entry_points
+
+if TYPE_CHECKING:
+    from kvtier.core.config import KVTierConfig
+    from kvtier.core.layout import KVLayout
+
+logger = logging.getLogger("kvtier")
+
+STORAGE_GROUP = "kvtier.storage"
+
+
+class StorageManager(ABC):
+    """Where chunks are kept. See the module docstring for who owns what."""
+
+    @abstractmethod
+    def allocate(self, meta: MemoryObjMeta) -> MemoryObj | None:
+        """A host object for ``meta``, evicting cold host-tier entries if needed; None if full."""
+
+    @abstractmethod
+    def put(self, key: ChunkKey, obj: MemoryObj) -> None:
+        """Keep ``obj`` under ``key`` (host tier now, lower tiers asynchronously)."""
+
+    @abstractmethod
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Whether each key is held by some tier."""
+
+    def prefix_hits(self, keys: Sequence[ChunkKey]) -> int:
+        """How many of ``keys``, from the first, are held (contiguously)."""
+        n = 0
+        for hit in self.contains(keys):
+            if not hit:
+                break
+            n += 1
+        return n
+
+    @abstractmethod
+    def batched_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
+        """Objects for ``keys`` (None for a miss); the caller releases each returned handle."""
+
+    def get(self, key: ChunkKey) -> MemoryObj | None:
+        return self.batched_get([key])[0]
+
+    def get_non_blocking(self, key: ChunkKey) -> Future[MemoryObj | None]:
+        fut: Future[MemoryObj | None] = Future()
+        fut.set_result(self.get(key))
+        return fut
+
+    def prefetch(self, keys: Sequence[ChunkKey]) -> Future[int]:
+        """Bring the contiguous hit prefix of ``keys`` into host memory; resolves to its length."""
+        fut: Future[int] = Future()
+        fut.set_result(self.prefix_hits(keys))
+        return fut
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until queued lower-tier writes are done; False if ``timeout`` passed first."""
+        return True
+
+    def close(self) -> None:
+        """Stop background work and release every object this manager holds."""
+
+
+class HostMemoryStorageManager(StorageManager):
+    """One tier: an LRU by bytes over the host arena. Enough for the engine to run end to end."""
+
+    def __init__(self, arena: HostArena) -> None:
+        self.arena = arena
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[ChunkKey, MemoryObj] = OrderedDict()
+
+    def _evict_one(self) -> bool:
+        with self._lock:
+            if not self._entries:
+                return False
+            _, obj = self._entries.popitem(last=False)
+        obj.release()
+        return True
+
+    def allocate(self, meta: MemoryObjMeta) -> MemoryObj | None:
+        return self.arena.allocate_evicting(meta, self._evict_one)
+
+    def put(self, key: ChunkKey, obj: MemoryObj) -> None:
+        mine = obj.share()
+        with self._lock:
+            old = self._entries.pop(key, None)
+            self._entries[key] = mine
+        if old is not None:
+            old.release()
+
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        with self._lock:
+            return [k in self._entries for k in keys]
+
+    def batched_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
+        out: list[MemoryObj | None] = []
+        with self._lock:
+            for k in keys:
+                obj = self._entries.get(k)
+                if obj is not None:
+                    self._entries.move_to_end(k)
+                    obj = obj.share()
+                out.append(obj)
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            entries, self._entries = list(self._entries.values()), OrderedDict()
+        for obj in entries:
+            obj.release()
+
+
+def create_storage_manager(
+    config: KVTierConfig, arena: HostArena, layout: KVLayout, namespace: str
+) -> StorageManager:
+    """The tiered manager from kvtier-storage if installed, else host memory only."""
+    eps = [ep for ep in plugin_entry_points(STORAGE_GROUP) if ep.name == "manager"]
+    if eps:
+        factory = load_object(eps[0].value)
+        return factory(config=config, arena=arena, layout=layout, namespace=namespace)  # type: ignore[operator]
+    extra = [t for t in config.tiers if t != "local_cpu"]
+    if extra:
+        raise ConfigError(
+            "tiers", config.tiers,
+            f"tier(s) {', '.join(extra)} need kvtier-storage: install kvtier[redis] or kvtier",
+        )
+    return HostMemoryStorageManager(arena)
