@@ -1,0 +1,1 @@
+"""Storage backends. Each is registered in the ``kvtier.backends`` entry-point group."""

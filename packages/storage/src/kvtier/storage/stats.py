@@ -1,0 +1,32 @@
+"""Counters of one StorageManager: what hit where, what was dropped, what failed its checks."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+
+class StorageStats:
+    """Thread-safe named counters. Names are ``<event>`` or ``<tier>.<event>``, for example
+    ``local_disk.hits``, ``redis.corrupt``, ``write_queue.dropped``, ``writeback.chunks``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+
+    def add(self, name: str, n: int = 1) -> None:
+        if n:
+            with self._lock:
+                self._counts[name] += n
+
+    def get(self, name: str) -> int:
+        with self._lock:
+            return self._counts[name]
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def __repr__(self) -> str:
+        return f"StorageStats({self.snapshot()})"
