@@ -63,9 +63,9 @@ def _ensure_redis_server(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    _install(session, ("core", "storage", "xpu"), extra=("ruff>=0.6", "pyright>=1.1.380", *TEST_DEPS))
+    _install(session, ("core", "storage", "xpu"), extra=("ruff>=0.6", "mypy>=1.10", "types-PyYAML", *TEST_DEPS))
     session.run("ruff", "check", ".")
-    session.run("pyright")
+    session.run("mypy")
 
 
 @nox.session(name="tests-cpu", python=PYTHON)

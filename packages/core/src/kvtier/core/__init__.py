@@ -49,4 +49,6 @@ __all__ = [
     "Transfer",
     "__version__",
     "get_platform",
+    "load_config",
+    "prefix_hashes",
 ]

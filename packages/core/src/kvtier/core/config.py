@@ -253,7 +253,7 @@ def reference_table() -> str:
         if f.default is not dataclasses.MISSING:
             default = f.default
         else:
-            default = f.default_factory()  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc,operator]
         type_name = str(hints[f.name]).replace("typing.", "")
         if isinstance(hints[f.name], type):
             type_name = hints[f.name].__name__

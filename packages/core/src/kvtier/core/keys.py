@@ -47,7 +47,7 @@ def salt_seed(salt: str | None) -> bytes:
 def chain_hash(prev: bytes, token_arr: np.ndarray) -> bytes:
     """``H(prev || tokens)``: the hash of one chunk (full or partial) after the prefix ``prev``."""
     h = hashlib.blake2b(prev, digest_size=DIGEST_SIZE)
-    h.update(memoryview(token_arr).cast("B"))
+    h.update(token_arr.tobytes())
     return h.digest()
 
 

@@ -180,7 +180,7 @@ class MemoryObj:
 
     def byte_view(self) -> memoryview:
         """The object's bytes (no copy), for writing to a file or a socket."""
-        return memoryview(self.tensor.view(torch.uint8).reshape(-1).numpy())
+        return memoryview(self.tensor.view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]
 
     def share(self) -> MemoryObj:
         """Another handle on the same bytes, for another holder; release it separately."""

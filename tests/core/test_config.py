@@ -1,0 +1,90 @@
+"""Configuration: file < environment < dict, validated with errors that name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.core.config import KVTierConfig, load_config, reference_table
+from kvtier.core.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults() -> None:
+    cfg = load_config(env={})
+    assert cfg == KVTierConfig()
+    assert cfg.chunk_size == 256 and cfg.tiers == ["local_cpu", "local_disk"]
+    assert cfg.disk_path().name == "disk"
+
+
+def test_precedence_file_env_dict(tmp_path: Path) -> None:
+    f = tmp_path / "kvtier.yaml"
+    f.write_text("chunk_size: 512\nlocal_cpu_size_gb: 1.5\nuse_layerwise: true\nlog_level: INFO\n")
+    env = {"KVTIER_CONFIG_FILE": str(f), "KVTIER_CHUNK_SIZE": "128", "KVTIER_USE_LAYERWISE": "false",
+           "KVTIER_TIERS": "local_cpu", "KVTIER_TEST_DEVICE": "cpu"}
+    cfg = load_config(env=env, overrides={"chunk_size": 64})
+    assert cfg.chunk_size == 64  # dict beats env beats file
+    assert cfg.use_layerwise is False  # env beats file
+    assert cfg.local_cpu_size_gb == 1.5  # file beats default
+    assert cfg.log_level == "INFO"
+    assert cfg.tiers == ["local_cpu"]  # comma-separated list from env
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"chunk_size": "lots"}, "chunk_size"),
+        ({"chunk_size": True}, "chunk_size"),
+        ({"use_layerwise": "maybe"}, "use_layerwise"),
+        ({"local_cpu_size_gb": -1}, "local_cpu_size_gb"),
+        ({"tiers": []}, "tiers"),
+        ({"tiers": ["local_cpu", "local_cpu"]}, "tiers"),
+        ({"tiers": ["local_cpu", "redis"]}, "redis_url"),
+        ({"redis_url": "http://x"}, "redis_url"),
+        ({"redis_ttl_s": -5}, "redis_ttl_s"),
+        ({"log_level": "LOUD"}, "log_level"),
+        ({"chunk_sise": 256}, "chunk_sise"),
+        ({"backend_options": 3}, "backend_options"),
+    ],
+)
+def test_bad_values_name_the_field(overrides: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_config(env={}, overrides=overrides)
+    assert exc.value.field == field
+    assert field in str(exc.value)
+
+
+def test_bad_env_and_file_name_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="io_threads"):
+        load_config(env={"KVTIER_IO_THREADS": "four"})
+    f = tmp_path / "bad.yaml"
+    f.write_text("pin_memory: 3\n")
+    with pytest.raises(ConfigError, match="pin_memory"):
+        load_config(f, env={})
+    f.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="config_file"):
+        load_config(f, env={})
+    with pytest.raises(ConfigError, match="config_file"):
+        load_config(tmp_path / "missing.yaml", env={})
+
+
+def test_unrelated_kvtier_env_vars_are_ignored() -> None:
+    assert load_config(env={"KVTIER_SOMETHING_ELSE": "1"}) == KVTierConfig()
+
+
+def test_optional_and_mapping_fields() -> None:
+    cfg = load_config(env={"KVTIER_PLATFORM": "", "KVTIER_BACKEND_OPTIONS": "{s3: {bucket: b}}"})
+    assert cfg.platform is None
+    assert cfg.backend_options == {"s3": {"bucket": "b"}}
+    assert cfg.replace(chunk_size=64).chunk_size == 64
+    with pytest.raises(ConfigError):
+        cfg.replace(chunk_size=-1)
+
+
+def test_readme_documents_every_key() -> None:
+    readme = (ROOT / "README.md").read_text()
+    for line in reference_table().splitlines()[2:]:
+        assert line in readme, f"README config reference is stale: {line}"
