@@ -1,0 +1,334 @@
+"""The local-disk tier: one file per chunk, an LRU by bytes, and an index rebuilt on start.
+
+Layout: ``<local_disk_path>/<namespace digest>/<key digest>.kvc``, each file a header + payload
+(``kvtier.storage.codec``). A file appears only complete: it is written to a temporary name in
+the same directory, fsync'ed, then renamed over its final name, so a reader (this process or
+another) sees either nothing or the whole file. The directory itself is not fsync'ed: after a
+crash a rename may be lost, which is a miss, never a wrong hit.
+
+Restart and sharing: the index is rebuilt from the directory when the tier starts (oldest
+modification first, for LRU order), and a key this process has not indexed is looked up on disk,
+so a second process using the same directory sees what the first wrote. Budget accounting is per
+process: each process evicts only files it has indexed.
+
+Every read is checked (key, layout, shape, dtype, length, checksum); a file that fails is a miss,
+is counted as ``local_disk.corrupt``, logged, and deleted. A full disk or a chunk larger than the
+budget skips the store with a warning (``local_disk.store_skipped``).
+
+``local_disk_o_direct`` is not implemented: O_DIRECT needs page-aligned host buffers, and the
+host arena aligns objects to 256 bytes; asking for it raises NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvtier.core.errors import ConfigError
+from kvtier.storage import codec
+from kvtier.storage._log import warn_throttled
+from kvtier.storage.backends.base import BackendContext, StorageBackend
+
+if TYPE_CHECKING:
+    from kvtier.core.keys import ChunkKey
+    from kvtier.core.memory import MemoryObj, MemoryObjMeta
+
+logger = logging.getLogger("kvtier.storage")
+
+GiB = 1 << 30
+SUFFIX = ".kvc"
+TMP_SUFFIX = ".tmp"
+# Temporary files older than this at start-up belong to a writer that died mid-write.
+_STALE_TMP_S = 300.0
+
+
+def namespace_dir(root: Path, namespace: str) -> Path:
+    """The directory of one namespace under the tier's root."""
+    return root / hashlib.blake2b(namespace.encode(), digest_size=10).hexdigest()
+
+
+def _write_all(fd: int, parts: Sequence[memoryview | bytes]) -> None:
+    views = [memoryview(p).cast("B") for p in parts]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def _read_into(fd: int, view: memoryview, offset: int) -> int:
+    done = 0
+    while done < view.nbytes:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+class LocalDiskBackend(StorageBackend):
+    """One file per chunk under a byte budget. See the module docstring."""
+
+    name = "local_disk"
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        cfg = ctx.config
+        if cfg.local_disk_o_direct:
+            raise NotImplementedError(
+                "local_disk_o_direct: O_DIRECT needs page-aligned buffers and the host arena "
+                "aligns objects to 256 bytes; leave it off"
+            )
+        self.budget = int(cfg.local_disk_size_gb * GiB)
+        self.max_tokens = cfg.chunk_size
+        self.root = cfg.disk_path()
+        self.dir = namespace_dir(self.root, ctx.namespace)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            marker = self.dir / "NAMESPACE"
+            if not marker.exists():
+                marker.write_text(ctx.namespace + "\n")
+        except OSError as e:
+            raise ConfigError("local_disk_path", str(self.root), f"cannot be used: {e}") from None
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, oldest first
+        self._reading: dict[str, int] = {}
+        self._used = 0
+        self._reserved = 0
+        self._rebuild_index()
+
+    # -- index ---------------------------------------------------------------------------------
+    def _rebuild_index(self) -> None:
+        now = time.time()
+        found: list[tuple[float, str, int]] = []
+        with os.scandir(self.dir) as it:
+            for entry in it:
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:
+                    continue
+                if entry.name.endswith(SUFFIX):
+                    found.append((st.st_mtime, entry.name, st.st_size))
+                elif entry.name.endswith(TMP_SUFFIX) and now - st.st_mtime > _STALE_TMP_S:
+                    self._unlink(entry.name)
+        found.sort()
+        for _, name, size in found:
+            self._index[name] = size
+            self._used += size
+        if found:
+            logger.info("kvtier disk tier %s: %d chunk file(s), %d bytes", self.dir, len(found), self._used)
+        self._evict_to(0)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @staticmethod
+    def file_name(key: ChunkKey) -> str:
+        return key.digest() + SUFFIX
+
+    def path_of(self, key: ChunkKey) -> Path:
+        return self.dir / self.file_name(key)
+
+    def _unlink(self, name: str) -> None:
+        try:
+            os.unlink(self.dir / name)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            warn_throttled("disk-unlink", "kvtier disk tier: cannot delete %s: %s", name, e)
+
+    def _forget(self, name: str) -> None:
+        """Drop ``name`` from the index (caller holds the lock)."""
+        size = self._index.pop(name, None)
+        if size is not None:
+            self._used -= size
+
+    def _evict_to(self, incoming: int) -> bool:
+        """Evict LRU files until ``incoming`` more bytes fit the budget (caller holds the lock
+        or is the constructor); False if files being read are all that is left."""
+        victims: list[str] = []
+        skipped = 0
+        while self._used + self._reserved + incoming > self.budget and skipped < len(self._index):
+            name, size = next(iter(self._index.items()))
+            if self._reading.get(name):
+                self._index.move_to_end(name)
+                skipped += 1
+                continue
+            del self._index[name]
+            self._used -= size
+            victims.append(name)
+        for name in victims:
+            self._unlink(name)
+        self.ctx.stats.add(f"{self.name}.evicted", len(victims))
+        return self._used + self._reserved + incoming <= self.budget
+
+    def _lookup(self, name: str) -> bool:
+        """Whether ``name`` exists: the index, else the directory (another process wrote it)."""
+        with self._lock:
+            if name in self._index:
+                self._index.move_to_end(name)
+                return True
+        try:
+            size = os.stat(self.dir / name).st_size
+        except OSError:
+            return False
+        with self._lock:
+            if name not in self._index:
+                self._index[name] = size
+                self._used += size
+        return True
+
+    # -- interface -----------------------------------------------------------------------------
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        return [self._lookup(self.file_name(k)) for k in keys]
+
+    def batched_put(self, items: Sequence[tuple[ChunkKey, MemoryObj]]) -> None:
+        for key, obj in items:
+            self._put_one(key, obj)
+
+    def _put_one(self, key: ChunkKey, obj: MemoryObj) -> None:
+        name = self.file_name(key)
+        if self._lookup(name):
+            return
+        payload = obj.byte_view()
+        header = codec.encode_header(key, obj.meta, self.ctx.layout, payload)
+        size = len(header) + payload.nbytes
+        if size > self.budget:
+            self.ctx.stats.add(f"{self.name}.store_skipped")
+            warn_throttled("disk-budget", "kvtier disk tier: a %d-byte chunk exceeds the budget "
+                           "local_disk_size_gb=%s; not stored", size, self.ctx.config.local_disk_size_gb)
+            return
+        with self._lock:
+            if not self._evict_to(size):
+                self.ctx.stats.add(f"{self.name}.store_skipped")
+                warn_throttled("disk-full-budget", "kvtier disk tier: budget full of chunks being "
+                               "read; chunk not stored")
+                return
+            self._reserved += size
+        tmp = f".{name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
+        ok = False
+        try:
+            fd = os.open(self.dir / tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                _write_all(fd, [header, payload])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(self.dir / tmp, self.dir / name)
+            ok = True
+        except OSError as e:
+            self._unlink(tmp)
+            self.ctx.stats.add(f"{self.name}.store_skipped")
+            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+            warn_throttled(
+                "disk-write", "kvtier disk tier: %s writing %s; chunk not stored",
+                "disk full" if full else e, self.dir,
+            )
+        finally:
+            with self._lock:
+                self._reserved -= size
+                if ok:
+                    self._forget(name)
+                    self._index[name] = size
+                    self._used += size
+        if ok:
+            self.ctx.stats.add(f"{self.name}.stored")
+
+    def batched_get(
+        self,
+        keys: Sequence[ChunkKey],
+        allocate: Callable[[MemoryObjMeta], MemoryObj | None],
+    ) -> list[MemoryObj | None]:
+        return [self._get_one(k, allocate) for k in keys]
+
+    def _get_one(
+        self, key: ChunkKey, allocate: Callable[[MemoryObjMeta], MemoryObj | None]
+    ) -> MemoryObj | None:
+        name = self.file_name(key)
+        with self._lock:
+            self._reading[name] = self._reading.get(name, 0) + 1
+        try:
+            try:
+                fd = os.open(self.dir / name, os.O_RDONLY)
+            except FileNotFoundError:
+                with self._lock:
+                    self._forget(name)
+                return None
+            try:
+                return self._read(fd, key, name, allocate)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            warn_throttled("disk-read", "kvtier disk tier: cannot read %s: %s", name, e)
+            self.ctx.stats.add(f"{self.name}.errors")
+            return None
+        finally:
+            with self._lock:
+                left = self._reading[name] - 1
+                if left:
+                    self._reading[name] = left
+                else:
+                    del self._reading[name]
+
+    def _read(
+        self, fd: int, key: ChunkKey, name: str, allocate: Callable[[MemoryObjMeta], MemoryObj | None]
+    ) -> MemoryObj | None:
+        size = os.fstat(fd).st_size
+        try:
+            prefix = os.pread(fd, codec.PREFIX.size, 0)
+            header_len, payload_len = codec.prefix_lengths(prefix)
+            if size != header_len + payload_len:
+                raise codec.PayloadError(f"truncated: file of {size} bytes, header says "
+                                         f"{header_len + payload_len}")
+            head = os.pread(fd, header_len, 0)
+            header = codec.decode_header(head, key=key, layout=self.ctx.layout, max_tokens=self.max_tokens)
+        except codec.PayloadError as e:
+            self._reject(name, e)
+            return None
+        obj = allocate(header.meta)
+        if obj is None:
+            self.ctx.stats.add(f"{self.name}.no_host_memory")
+            return None
+        try:
+            view = obj.byte_view()
+            got = _read_into(fd, view, header.header_len)
+            codec.verify(header, view[:got])
+        except codec.PayloadError as e:
+            obj.release()
+            self._reject(name, e)
+            return None
+        except BaseException:
+            obj.release()
+            raise
+        with self._lock:
+            if name in self._index:
+                self._index.move_to_end(name)
+        return obj
+
+    def _reject(self, name: str, err: codec.PayloadError) -> None:
+        self.ctx.stats.add(f"{self.name}.corrupt")
+        logger.warning("kvtier disk tier: %s rejected (%s); deleted", self.dir / name, err.reason)
+        with self._lock:
+            self._forget(name)
+        self._unlink(name)
+
+    def remove(self, keys: Sequence[ChunkKey]) -> None:
+        for key in keys:
+            name = self.file_name(key)
+            with self._lock:
+                self._forget(name)
+            self._unlink(name)

@@ -1,0 +1,176 @@
+"""The payload format of every chunk that leaves process memory (disk files, Redis values).
+
+::
+
+    prefix   "<4sHHIQI": magic b"KVTC", format version, flags (0), meta_len, payload_len, crc32
+    meta     meta_len bytes: UTF-8 JSON {"key", "layout", "dtype", "shape", "tokens"},
+             padded with spaces so the payload starts at a multiple of ``align`` when asked
+             (O_DIRECT-friendly disk files)
+    payload  payload_len bytes: the chunk's tensor bytes ([2, layers, tokens, hidden] or MLA)
+
+The checksum is CRC-32 over the prefix (without its crc field), the meta and the payload. A
+decoder accepts a payload only if *every* field agrees with what the reader asked for: the full
+key string (so a value swapped between keys, or written by another model, layout or rank, is
+foreign), the layout fingerprint, the dtype, the shape (which must be the layout's chunk shape
+for ``tokens``) and the payload length; sizes are checked before anything is read into host
+memory, and the checksum last. Anything else raises ``PayloadError``: the caller turns it into
+a miss, counts it, logs it, and removes the entry. CRC-32 catches storage and transfer
+corruption (it is not a defence against an adversary who can write to the tier: such a writer
+could also write well-formed wrong KV).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvtier.core.layout import dtype_name
+from kvtier.core.memory import MemoryObjMeta
+
+if TYPE_CHECKING:
+    from kvtier.core.keys import ChunkKey
+    from kvtier.core.layout import KVLayout
+
+MAGIC = b"KVTC"
+FORMAT_VERSION = 1
+PREFIX = struct.Struct("<4sHHIQI")
+# A meta section is a few hundred bytes; a larger one is not ours. Alignment padding is
+# bounded by the largest alignment we write (one page for O_DIRECT).
+MAX_META = 64 * 1024
+
+
+class PayloadError(ValueError):
+    """A stored payload is corrupt, truncated, foreign or stale; ``reason`` says which check."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed, checked header; ``header_len`` is where the payload starts."""
+
+    key: str
+    meta: MemoryObjMeta
+    header_len: int
+    payload_len: int
+    crc: int
+    crc_of_header: int
+
+    @property
+    def total_len(self) -> int:
+        return self.header_len + self.payload_len
+
+
+def _crc_after_header(prefix_no_crc: bytes, meta: bytes) -> int:
+    return zlib.crc32(meta, zlib.crc32(prefix_no_crc))
+
+
+def encode_header(
+    key: ChunkKey, meta: MemoryObjMeta, layout: KVLayout, payload: memoryview, *, align: int = 0
+) -> bytes:
+    """The header of ``payload`` (the chunk's bytes) stored under ``key``."""
+    body = json.dumps(
+        {
+            "key": key.to_string(),
+            "layout": layout.fingerprint(),
+            "dtype": dtype_name(meta.dtype),
+            "shape": list(meta.shape),
+            "tokens": meta.num_tokens,
+        },
+        separators=(",", ":"),
+    ).encode()
+    if align > 1:
+        pad = -(PREFIX.size + len(body)) % align
+        body += b" " * pad
+    if len(body) > MAX_META:
+        raise ValueError(f"chunk header of {len(body)} bytes is too large")
+    nbytes = payload.nbytes
+    if nbytes != meta.nbytes:
+        raise ValueError(f"payload has {nbytes} bytes, its meta says {meta.nbytes}")
+    head = PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(body), nbytes, 0)[:-4]
+    crc = zlib.crc32(payload, _crc_after_header(head, body))
+    return head + struct.pack("<I", crc) + body
+
+
+def prefix_lengths(prefix: bytes | memoryview) -> tuple[int, int]:
+    """``(header_len, payload_len)`` from the first ``PREFIX.size`` bytes, before trusting more."""
+    if len(prefix) < PREFIX.size:
+        raise PayloadError(f"truncated: {len(prefix)} bytes, a header needs {PREFIX.size}")
+    magic, version, flags, meta_len, payload_len, _ = PREFIX.unpack_from(prefix)
+    if magic != MAGIC:
+        raise PayloadError("foreign: bad magic")
+    if version != FORMAT_VERSION:
+        raise PayloadError(f"stale: format version {version}, this kvtier reads {FORMAT_VERSION}")
+    if flags != 0:
+        raise PayloadError(f"unknown flags {flags:#x}")
+    if meta_len > MAX_META:
+        raise PayloadError(f"corrupt: meta length {meta_len}")
+    return PREFIX.size + meta_len, payload_len
+
+
+def decode_header(
+    buf: bytes | memoryview, *, key: ChunkKey, layout: KVLayout, max_tokens: int
+) -> Header:
+    """Check the header at the start of ``buf`` against what the reader asked for.
+
+    ``buf`` must hold at least the whole header (``prefix_lengths(...)[0]`` bytes). The payload
+    itself is not looked at: call ``verify`` once it has been read.
+    """
+
+    header_len, payload_len = prefix_lengths(buf)
+    if len(buf) < header_len:
+        raise PayloadError(f"truncated: {len(buf)} bytes, the header needs {header_len}")
+    view = memoryview(buf)
+    try:
+        fields = json.loads(bytes(view[PREFIX.size : header_len]))
+        stored_key = fields["key"]
+        fp = fields["layout"]
+        dtype = fields["dtype"]
+        shape = tuple(int(s) for s in fields["shape"])
+        tokens = fields["tokens"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise PayloadError(f"corrupt: unreadable meta ({type(e).__name__})") from None
+    want = key.to_string()
+    if stored_key != want:
+        raise PayloadError(f"foreign: stored under {str(stored_key)[:200]!r}, asked for {want!r}")
+    if fp != layout.fingerprint():
+        raise PayloadError(f"stale: layout {fp!r}, expected {layout.fingerprint()!r}")
+    if dtype != layout.dtype:
+        raise PayloadError(f"stale: dtype {dtype!r}, expected {layout.dtype!r}")
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or not 0 < tokens <= max_tokens:
+        raise PayloadError(f"corrupt: token count {tokens!r}")
+    if shape != layout.chunk_shape(tokens):
+        raise PayloadError(f"corrupt: shape {shape}, expected {layout.chunk_shape(tokens)}")
+    meta = MemoryObjMeta(shape, layout.torch_dtype, tokens)
+    if payload_len != meta.nbytes:
+        raise PayloadError(f"corrupt: payload length {payload_len}, shape needs {meta.nbytes}")
+    (crc,) = struct.unpack_from("<I", view, PREFIX.size - 4)
+    crc_head = _crc_after_header(bytes(view[: PREFIX.size - 4]), bytes(view[PREFIX.size : header_len]))
+    return Header(want, meta, header_len, payload_len, crc, crc_head)
+
+
+def verify(header: Header, payload: memoryview | bytes) -> None:
+    """Raise ``PayloadError`` unless ``payload`` is exactly the bytes ``header`` was written for."""
+    n = memoryview(payload).nbytes
+    if n != header.payload_len:
+        raise PayloadError(f"truncated: payload of {n} bytes, expected {header.payload_len}")
+    if zlib.crc32(payload, header.crc_of_header) != header.crc:
+        raise PayloadError("corrupt: checksum mismatch")
+
+
+def decode(
+    blob: bytes | memoryview, *, key: ChunkKey, layout: KVLayout, max_tokens: int
+) -> tuple[Header, memoryview]:
+    """Check a whole stored value; return its header and a view of its payload (no copy)."""
+    header = decode_header(blob, key=key, layout=layout, max_tokens=max_tokens)
+    view = memoryview(blob)
+    if view.nbytes != header.total_len:
+        raise PayloadError(f"truncated: {view.nbytes} bytes, expected {header.total_len}")
+    payload = view[header.header_len :]
+    verify(header, payload)
+    return header, payload
