@@ -1,0 +1,232 @@
+"""The XPU device connector: core's torch paged copy, run on a transfer stream.
+
+What this adds to ``TorchPagedConnector`` (whose ``index_select``/``index_copy_`` paged indexing it
+reuses unchanged):
+
+- **A transfer stream.** Every gather, scatter and host copy is issued on one side stream of the
+  cache's device, so copies overlap the engine's compute. Ordering with the engine's current
+  stream is explicit: a store waits for the engine's work before reading a layer (per layer for
+  the layer-wise store, whose next layer is computed between calls); a layer-wise load makes the
+  engine's stream wait for that layer's event, so attention on layer ``l`` starts as soon as
+  layer ``l`` landed, without blocking the host.
+- **Asynchronous host copies.** Device-to-host and host-to-device copies are
+  ``non_blocking`` and contiguous (K and V halves are copied separately, so each is one DMA from
+  or to the pinned host arena). The host waits for the transfer stream before anything reads a
+  host buffer written by a store, and before a load returns the objects it read to their owner
+  (who may free and reuse them): that is at the end of ``store``/``load`` and when a layer-wise
+  generator is exhausted *or closed early*.
+- **A device staging buffer** (``staging_buffer=True``, config ``device_staging_buffer``): per
+  layer, the tokens of *all* chunks are gathered in one indexing op into a preallocated device
+  buffer, then each chunk is one copy to host; loading copies each chunk into the buffer and
+  scatters all of them in one op. Without it, each chunk is gathered/scattered on its own
+  through a temporary. The buffer holds one layer of the largest batch seen and grows on demand.
+
+A connector is used from one thread. Its staging buffer is shared by stores and loads: safe,
+because every use is issued on the one transfer stream and consumed within the same layer step.
+On CPU tensors the streams are no-ops (``kvtier.xpu.streams``) and the same code runs, which is
+how the tests check it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.core.connector import TorchPagedConnector, Transfer, _Rows
+from kvtier.core.layout import KVLayout, PagedLayout
+from kvtier.xpu.streams import Stream, StreamAPI
+
+
+@dataclass
+class _Plan:
+    """A batch of transfers, prepared once (slots moved to the device, merged) for all layers.
+
+    ``spans[i]`` is where ``prepared[i]``'s tokens sit in the staging buffer: its valid tokens
+    when storing, all its tokens when loading. ``positions`` (load only) picks the valid tokens
+    out of the staging buffer when some slots are -1. ``merged`` is None without staging.
+    """
+
+    prepared: list[tuple[Transfer, _Rows]]
+    merged: _Rows | None = None
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    positions: torch.Tensor | None = None
+    num_tokens: int = 0
+
+
+class XPUPagedConnector(TorchPagedConnector):
+    """Paged KV transfers on an XPU (or, for tests, CPU) cache; see the module docstring."""
+
+    def __init__(
+        self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, *, staging_buffer: bool = True
+    ) -> None:
+        super().__init__(kv_caches, layout)
+        self.streams = StreamAPI(self.device)
+        self.use_staging = staging_buffer
+        self._stream: Stream = self.streams.new_stream()
+        self._staging: torch.Tensor | None = None
+
+    @property
+    def staging_nbytes(self) -> int:
+        """Bytes held by the device staging buffer (0 until a staged transfer ran, or without)."""
+        return 0 if self._staging is None else self._staging.numel() * self._staging.element_size()
+
+    # -- planning ------------------------------------------------------------------------------
+    def _plan(self, transfers: Sequence[Transfer], *, whole_chunks: bool) -> _Plan:
+        prepared = [(t, r) for t in transfers if (r := self._rows(t)).slots.numel()]
+        if not self.use_staging or not prepared:
+            return _Plan(prepared)
+        spans: list[tuple[int, int]] = []
+        positions: list[torch.Tensor] = []
+        lo = 0
+        for t, r in prepared:
+            n = t.obj.num_tokens if whole_chunks else r.slots.numel()
+            spans.append((lo, lo + n))
+            if whole_chunks:
+                rows = r.rows if r.rows is not None else torch.arange(n, device=self.device)
+                positions.append(rows + lo)
+            lo += n
+        merged = _Rows(
+            torch.cat([r.slots for _, r in prepared]),
+            None,
+            torch.cat([r.blocks for _, r in prepared]),
+            torch.cat([r.offsets for _, r in prepared]),
+        )
+        partial = whole_chunks and any(r.rows is not None for _, r in prepared)
+        return _Plan(prepared, merged, spans, torch.cat(positions) if partial else None, lo)
+
+    def _staging_view(self, num_tokens: int) -> torch.Tensor:
+        """``[2, num_tokens, h*d]`` (MLA ``[num_tokens, latent]``) of the staging buffer.
+
+        Called on the transfer stream, so the buffer belongs to it in the caching allocator.
+        """
+        lay = self.layout
+        shape = (num_tokens, lay.head_size) if lay.use_mla else (2, num_tokens, lay.hidden_size)
+        numel = math.prod(shape)
+        if self._staging is None or self._staging.numel() < numel:
+            self._staging = torch.empty(numel, dtype=lay.torch_dtype, device=self.device)
+        return self._staging[:numel].view(shape)
+
+    # -- copies between host and device -------------------------------------------------------
+    def _halves(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The parts of a layer slice that are contiguous in a memory object (K and V for MHA)."""
+        return (t,) if self.layout.use_mla else (t[0], t[1])
+
+    def _copy_to_host(self, dst: torch.Tensor, rows: torch.Tensor | None, src: torch.Tensor) -> None:
+        if rows is not None:
+            # Scattering into some rows of a host tensor is a host op: core's path brings the
+            # values over with a copy synchronous with the (transfer) stream first.
+            super()._copy_to_host(dst, rows, src)
+            return
+        for d, s in zip(self._halves(dst), self._halves(src), strict=True):
+            d.copy_(s, non_blocking=True)
+
+    def _copy_into_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        for d, s in zip(self._halves(dst), self._halves(src), strict=True):
+            d.copy_(s, non_blocking=True)
+
+    def _copy_to_device(self, src: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+        self._copy_into_device(out, src)
+        if rows is not None:
+            out = out.index_select(self._token_dim(), rows)
+        return out
+
+    def _gather_into(self, layer: int, r: _Rows, out: torch.Tensor) -> None:
+        lay = self.layout
+        if lay.paged_layout in (PagedLayout.FLASH_NHD, PagedLayout.MLA):
+            # Core's gather for these layouts is one index_select over the paged view: run it
+            # straight into the staging buffer.
+            torch.index_select(self._views[layer][0], self._token_dim(), r.slots, out=out)
+        else:
+            # Advanced indexing (block-first, CPU layouts) allocates its result; one on-device
+            # copy into the buffer is cheap next to the host copies.
+            out.copy_(self.gather(layer, r))
+
+    # -- per layer -----------------------------------------------------------------------------
+    def _store_planned(self, layer: int, plan: _Plan) -> None:
+        if plan.merged is None:
+            self._store_layer(layer, plan.prepared)
+            return
+        buf = self._staging_view(plan.num_tokens)
+        self._gather_into(layer, plan.merged, buf)
+        dim = self._token_dim()
+        for (t, r), (lo, hi) in zip(plan.prepared, plan.spans, strict=True):
+            self._copy_to_host(self.host_layer(t.obj, layer), r.rows, buf.narrow(dim, lo, hi - lo))
+
+    def _load_planned(self, layer: int, plan: _Plan) -> None:
+        if plan.merged is None:
+            self._load_layer(layer, plan.prepared)
+            return
+        buf = self._staging_view(plan.num_tokens)
+        dim = self._token_dim()
+        for (t, _), (lo, hi) in zip(plan.prepared, plan.spans, strict=True):
+            self._copy_into_device(buf.narrow(dim, lo, hi - lo), self.host_layer(t.obj, layer))
+        values = buf if plan.positions is None else buf.index_select(dim, plan.positions)
+        self.scatter(layer, plan.merged, values)
+
+    # -- the moves, on the transfer stream -----------------------------------------------------
+    def _run_store(self, transfers: Sequence[Transfer], layers: Sequence[int],
+                   layerwise: bool) -> Iterator[int]:
+        compute = self.streams.current_stream()
+        try:
+            with self.streams.use(self._stream):
+                plan = self._plan(transfers, whole_chunks=False)
+            for layer in layers:
+                # The engine wrote this layer before asking (layer-wise: just before this step).
+                self._stream.wait_stream(compute)
+                with self.streams.use(self._stream):
+                    self._store_planned(layer, plan)
+                    captured = self._stream.record_event()
+                if layerwise:
+                    # The engine may overwrite the layer once the gather has read it.
+                    compute.wait_event(captured)
+                    yield layer
+        finally:
+            # The caller reads (or, on failure, frees) the host objects next.
+            self._stream.synchronize()
+
+    def _run_load(self, transfers: Sequence[Transfer], layers: Sequence[int],
+                  layerwise: bool) -> Iterator[int]:
+        compute = self.streams.current_stream()
+        try:
+            # The engine's earlier work on the destination blocks comes first.
+            self._stream.wait_stream(compute)
+            with self.streams.use(self._stream):
+                plan = self._plan(transfers, whole_chunks=True)
+            for layer in layers:
+                with self.streams.use(self._stream):
+                    self._load_planned(layer, plan)
+                    landed = self._stream.record_event()
+                if layerwise:
+                    compute.wait_event(landed)
+                    yield layer
+            if not layerwise:
+                compute.wait_event(self._stream.record_event())
+        finally:
+            # The caller releases the host objects next; pending copies still read them.
+            self._stream.synchronize()
+
+    def store(self, transfers: Sequence[Transfer]) -> None:
+        for _ in self._run_store(transfers, range(self.layout.num_layers), layerwise=False):
+            pass
+
+    def load(self, transfers: Sequence[Transfer]) -> None:
+        for _ in self._run_load(transfers, range(self.layout.num_layers), layerwise=False):
+            pass
+
+    def store_layerwise(self, transfers: Sequence[Transfer]) -> Iterator[int]:
+        return self._run_store(transfers, range(self.layout.num_layers), layerwise=True)
+
+    def load_layerwise(self, transfers: Sequence[Transfer]) -> Iterator[int]:
+        return self._run_load(transfers, range(self.layout.num_layers), layerwise=True)
+
+    def store_layer(self, layer: int, transfers: Sequence[Transfer]) -> None:
+        for _ in self._run_store(transfers, (layer,), layerwise=False):
+            pass
+
+    def load_layer(self, layer: int, transfers: Sequence[Transfer]) -> None:
+        for _ in self._run_load(transfers, (layer,), layerwise=False):
+            pass

@@ -1,0 +1,46 @@
+"""The Intel XPU platform: the engine's KV cache lives on an Intel GPU, driven through torch.xpu.
+
+Chosen automatically over the CPU platform when ``torch.xpu.is_available()`` (priority 50; CUDA
+is 100, CPU 0), or explicitly with ``platform: xpu`` / ``KVTIER_PLATFORM=xpu``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvtier.core.layout import KVLayout
+from kvtier.core.platform import Platform
+from kvtier.xpu.connector import XPUPagedConnector
+
+
+def _xpu_available() -> bool:
+    return hasattr(torch, "xpu") and torch.xpu.is_available()
+
+
+class XPUPlatform(Platform):
+    name = "xpu"
+    priority = 50
+    device_type = "xpu"
+
+    @property
+    def has_pinned_memory(self) -> bool:
+        # Pinned host memory needs a device runtime to register it with; without one, torch
+        # refuses to pin (and the platform is not usable anyway, save for tests on CPU tensors).
+        return _xpu_available()
+
+    def create_connector(
+        self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, **options: object
+    ) -> XPUPagedConnector:
+        """An ``XPUPagedConnector``; option ``staging_buffer`` (bool, default True) turns the
+        device staging buffer on or off. Options meant for other platforms are ignored."""
+        staging = options.get("staging_buffer", True)
+        if not isinstance(staging, bool):
+            raise TypeError(f"staging_buffer must be a bool, got {staging!r}")
+        return XPUPagedConnector(kv_caches, layout, staging_buffer=staging)
+
+    def synchronize(self) -> None:
+        """Wait for every copy issued on this platform's device (every stream)."""
+        if _xpu_available():
+            torch.xpu.synchronize(self.device)
