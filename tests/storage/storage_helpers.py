@@ -1,0 +1,62 @@
+"""Shared pieces of the storage tests: a small layout, keys, chunks with known contents."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvtier.core.config import load_config
+from kvtier.core.keys import ChunkKey, KeyFactory
+from kvtier.core.layout import KVLayout
+from kvtier.core.memory import MemoryObj, MemoryObjMeta
+from kvtier.storage.manager import TieredStorageManager
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="float16", block_size=16,
+                  paged_layout="flash_nhd")
+CHUNK = 16
+KEYS = KeyFactory("test-model", LAYOUT.fingerprint())
+NAMESPACE = KEYS.key(b"").namespace()
+
+
+def key(i: int, factory: KeyFactory = KEYS) -> ChunkKey:
+    return factory.key(i.to_bytes(16, "little"))
+
+
+def meta(tokens: int = CHUNK) -> MemoryObjMeta:
+    return MemoryObjMeta(LAYOUT.chunk_shape(tokens), LAYOUT.torch_dtype, tokens)
+
+
+def chunk_value(i: int, tokens: int = CHUNK) -> torch.Tensor:
+    """Distinct, position-dependent contents for chunk ``i``."""
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(LAYOUT.chunk_shape(tokens), generator=g).to(LAYOUT.torch_dtype)
+
+
+def put_chunk(m: TieredStorageManager, i: int, tokens: int = CHUNK) -> None:
+    obj = m.allocate(meta(tokens))
+    assert obj is not None
+    with obj:
+        obj.tensor.copy_(chunk_value(i, tokens))
+        m.put(key(i), obj)
+
+
+def check_obj(obj: MemoryObj | None, i: int) -> None:
+    assert obj is not None, f"chunk {i} missed"
+    assert torch.equal(obj.tensor, chunk_value(i, obj.num_tokens)), f"chunk {i} has wrong bytes"
+
+
+def config(tmp_path, **kw: Any):
+    base: dict[str, Any] = {
+        "tiers": ["local_cpu", "local_disk"],
+        "local_disk_path": str(tmp_path / "disk"),
+        "chunk_size": CHUNK,
+        "io_threads": 2,
+        "redis_timeout_s": 0.5,
+        "redis_connect_timeout_s": 0.5,
+    }
+    base.update(kw)
+    return load_config(overrides=base, env={})
+
+
+ARENA_BYTES = 64 * meta().nbytes
