@@ -1,0 +1,208 @@
+"""The disk tier: atomic files, budget LRU, restart index, integrity, sharing between processes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from storage_helpers import check_obj, key, meta, put_chunk
+
+from kvtier.storage.backends.local_disk import SUFFIX, TMP_SUFFIX
+
+GiB = 1 << 30
+
+
+def disk_of(m):
+    (disk,) = m.lower
+    return disk
+
+
+def stored(m, *idx):
+    for i in idx:
+        put_chunk(m, i)
+    assert m.flush(10)
+    m.host.remove([key(i) for i in idx])
+
+
+def test_files_are_complete_and_no_temporaries_remain(make_manager):
+    m = make_manager()
+    stored(m, 0, 1, 2)
+    disk = disk_of(m)
+    names = sorted(p.name for p in disk.dir.iterdir())
+    assert names == sorted([disk.file_name(key(i)) for i in range(3)] + ["NAMESPACE"])
+    assert len(disk) == 3
+    for i in range(3):
+        assert disk.path_of(key(i)).stat().st_size > meta().nbytes
+
+
+def test_budget_evicts_least_recently_used_files(make_manager):
+    probe = make_manager()
+    stored(probe, 99)
+    file_bytes = disk_of(probe).path_of(key(99)).stat().st_size
+    m = make_manager(local_disk_size_gb=3.5 * file_bytes / GiB, local_disk_path=str(
+        disk_of(probe).root.parent / "small"))
+    stored(m, 0, 1, 2)
+    m.get(key(0)).release()  # disk read: 0 becomes the most recent file
+    m.host.remove([key(0)])
+    stored(m, 3)
+    disk = disk_of(m)
+    assert disk.contains([key(i) for i in range(4)]) == [True, False, True, True]
+    assert disk.used_bytes <= disk.budget
+
+
+def test_chunk_larger_than_the_budget_is_skipped_with_a_warning(make_manager, caplog):
+    m = make_manager(local_disk_size_gb=1000 / GiB)
+    with caplog.at_level(logging.WARNING, logger="kvtier.storage"):
+        stored(m, 0)
+    assert m.stats.get("local_disk.store_skipped") == 1
+    assert "exceeds the budget" in caplog.text
+    assert m.get(key(0)) is None
+
+
+def test_restart_rebuilds_the_index_in_lru_order(make_manager, tmp_path):
+    m = make_manager()
+    stored(m, 0, 1, 2)
+    disk = disk_of(m)
+    now = time.time()
+    for age, i in ((30, 1), (20, 0), (10, 2)):
+        os.utime(disk.path_of(key(i)), (now - age, now - age))
+    stale = disk.dir / f".x.1.2{TMP_SUFFIX}"
+    stale.write_bytes(b"half a chunk")
+    os.utime(stale, (now - 3600, now - 3600))
+    m.close()
+
+    m2 = make_manager()
+    disk2 = disk_of(m2)
+    assert list(disk2._index) == [disk2.file_name(key(i)) for i in (1, 0, 2)]
+    assert not stale.exists()
+    objs = m2.batched_get([key(i) for i in range(3)])
+    for i, obj in enumerate(objs):
+        check_obj(obj, i)
+        obj.release()
+    assert m2.stats.get("local_disk.hits") == 3
+
+
+def corrupt_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["payload_byte", "header_byte", "truncate", "extend", "swap", "empty"])
+def test_damaged_file_is_a_miss_and_is_removed(make_manager, caplog, damage):
+    m = make_manager()
+    stored(m, 0, 1)
+    disk = disk_of(m)
+    p0, p1 = disk.path_of(key(0)), disk.path_of(key(1))
+    size = p0.stat().st_size
+    if damage == "payload_byte":
+        corrupt_byte(p0, size - 7)
+    elif damage == "header_byte":
+        corrupt_byte(p0, 30)
+    elif damage == "truncate":
+        os.truncate(p0, size - 100)
+    elif damage == "extend":
+        with open(p0, "ab") as f:
+            f.write(b"\0" * 64)
+    elif damage == "swap":
+        tmp = p0.with_suffix(".swap")
+        os.replace(p0, tmp)
+        os.replace(p1, p0)
+        os.replace(tmp, p1)
+    else:
+        p0.write_bytes(b"")
+    with caplog.at_level(logging.WARNING, logger="kvtier.storage"):
+        assert m.get(key(0)) is None
+    assert "rejected" in caplog.text
+    assert m.stats.get("local_disk.corrupt") == 1
+    assert not p0.exists()
+    assert disk.contains([key(0)]) == [False]
+    assert m.host.contains([key(0)]) == [False]
+    if damage == "swap":
+        assert m.get(key(1)) is None
+        assert not p1.exists()
+    else:
+        obj = m.get(key(1))
+        check_obj(obj, 1)
+        obj.release()
+
+
+def test_a_second_process_sees_what_the_first_wrote(make_manager, tmp_path):
+    m = make_manager()
+    stored(m, 0, 1, 2)
+    disk_root = disk_of(m).root
+    code = f"""
+from kvtier.core.memory import HostArena
+from kvtier.storage.manager import create_storage_manager
+from storage_helpers import LAYOUT, NAMESPACE, check_obj, config, key
+from pathlib import Path
+cfg = config(Path({str(tmp_path)!r}), local_disk_path={str(disk_root)!r})
+arena = HostArena.create(1 << 22)
+m = create_storage_manager(config=cfg, arena=arena, layout=LAYOUT, namespace=NAMESPACE)
+assert m.prefix_hits([key(i) for i in range(4)]) == 3
+for i, obj in enumerate(m.batched_get([key(i) for i in range(3)])):
+    check_obj(obj, i)
+    obj.release()
+m.close()
+assert arena.used_bytes == 0
+print("OK")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parent)
+    assert out.stdout.strip() == "OK", out.stderr
+    # and the other way: a chunk written after this process started is found on disk
+    other = make_manager()
+    stored(other, 5)
+    assert m.contains([key(5)]) == [True]
+    obj = m.get(key(5))
+    check_obj(obj, 5)
+    obj.release()
+
+
+def test_write_error_skips_the_store_with_a_warning(make_manager, caplog):
+    m = make_manager()
+    disk = disk_of(m)
+    disk.dir.chmod(0o500)
+    try:
+        if os.access(disk.dir, os.W_OK):
+            pytest.skip("running as a user who can write to a read-only directory (root)")
+        with caplog.at_level(logging.WARNING, logger="kvtier.storage"):
+            stored(m, 0)
+    finally:
+        disk.dir.chmod(0o755)
+    assert m.stats.get("local_disk.store_skipped") == 1
+    assert "not stored" in caplog.text
+
+
+def test_full_disk_skips_the_store(tmp_path):
+    """A file-size limit makes writes fail like a full disk (EFBIG): the store is skipped."""
+    code = f"""
+import resource, signal
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+from pathlib import Path
+from kvtier.core.memory import HostArena
+from kvtier.storage.manager import create_storage_manager
+from storage_helpers import LAYOUT, NAMESPACE, config, key, put_chunk
+arena = HostArena.create(1 << 22)
+m = create_storage_manager(config=config(Path({str(tmp_path)!r})), arena=arena, layout=LAYOUT,
+                           namespace=NAMESPACE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+put_chunk(m, 0)
+assert m.flush(10)
+assert m.stats.get("local_disk.store_skipped") == 1, m.stats
+m.host.remove([key(0)])
+assert m.get(key(0)) is None
+m.close()
+assert arena.used_bytes == 0
+print("OK")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parent)
+    assert out.stdout.strip() == "OK", out.stderr
+    assert "not stored" in out.stderr
+    assert not [p for p in (tmp_path / "disk").rglob("*") if p.name.endswith((SUFFIX, TMP_SUFFIX))]
