@@ -1,0 +1,59 @@
+"""The Triton kernel that moves token rows between a paged KV cache and flat row buffers.
+
+Imported only by ``kvtier.cuda.kernels`` when a copy is first launched: importing ``kvtier.cuda``
+never imports triton.
+
+One program copies ``BLOCK_T`` tokens of one *row*. A row is one ``(k|v, layer)`` slice of one
+chunk (MLA: one layer): ``n`` tokens of ``HD`` words each, contiguous in the flat buffer (a staging
+slot on the device, or the pinned host object itself). Each row is described by four int64s in
+``table``: the paged base address of its ``(k|v, layer)`` (a token sits
+``(slot // block_size) * block_stride + (slot % block_size) * token_stride`` words from it), the
+flat address of its first token, the address of its int64 slot list and its token count.
+Addresses are raw ``data_ptr()`` values cast to ``WORD`` pointers, so the kernel moves bytes
+whatever the KV dtype (fp8 included) and one compiled kernel serves every layer and chunk of a call.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def paged_rows_kernel(
+    table,
+    total_slots,
+    block_size,
+    block_stride,
+    token_stride,
+    HD: tl.constexpr,
+    WORD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    TO_PAGED: tl.constexpr,
+):
+    row = tl.program_id(0)
+    tok_block = tl.program_id(1)
+    entry = table + row * 4
+    paged = tl.load(entry).to(tl.pointer_type(WORD))
+    flat = tl.load(entry + 1).to(tl.pointer_type(WORD))
+    slot_list = tl.load(entry + 2).to(tl.pointer_type(tl.int64))
+    n = tl.load(entry + 3)
+
+    t = tok_block * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_row = t < n
+    slots = tl.load(slot_list + t, mask=in_row, other=-1)
+    # -1 means "skip this token"; an out-of-range slot is refused on the host, and masked here
+    # too so that a bug can never write outside the cache.
+    valid = in_row & (slots >= 0) & (slots < total_slots)
+    paged_off = (slots // block_size) * block_stride + (slots % block_size) * token_stride
+    flat_off = t.to(tl.int64) * HD
+    for d0 in tl.static_range(0, HD, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        mask = valid[:, None] & (d < HD)[None, :]
+        p_ptr = paged + paged_off[:, None] + d[None, :]
+        f_ptr = flat + flat_off[:, None] + d[None, :]
+        if TO_PAGED:
+            tl.store(p_ptr, tl.load(f_ptr, mask=mask), mask=mask)
+        else:
+            tl.store(f_ptr, tl.load(p_ptr, mask=mask), mask=mask)

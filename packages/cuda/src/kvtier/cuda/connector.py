@@ -1,0 +1,613 @@
+"""The CUDA device connector: Triton gathers/scatters on the GPU, copy engines move the bytes.
+
+Why this shape: a kernel that writes straight into pinned host memory ("zero-copy") reaches
+about 0.9 of PCIe in one direction but gains almost nothing when stores and loads run at once,
+because zero-copy traffic does not go through the copy engines. So by default (``mode="dma"``)
+a store gathers a chunk's scattered paged rows into a small ring of device staging slots and the
+copy engine DMAs each slot to the pinned host object while the next slot is gathered; a load runs
+the same pipeline backwards (DMA into a slot, scatter from it). Stores and loads each have their
+own pair of streams and their own ring, so both directions run at once (PCIe is full duplex).
+``mode="zerocopy"`` keeps the one-kernel path for comparison (needs pinned host objects).
+
+Streams and events (CUDA):
+
+- Every call first records an event on the caller's current stream (the engine's compute
+  stream) and its own streams wait on it: a store reads the KV the forward pass wrote, a load
+  writes blocks only after the engine's earlier use of them.
+- The compute stream is never made to wait for PCIe by ``store``. ``store_layerwise`` makes it
+  wait (on the device, not the host) only for the on-device gather of each layer, so the engine
+  may overwrite that layer as soon as the generator yields; if PCIe falls more than the staging
+  ring behind, that gather waits for a free slot rather than losing data.
+- ``load`` returns once the KV is in the cache. ``load_layerwise`` enqueues every layer at the
+  first ``next()`` and, before yielding layer ``i``, makes the compute stream wait on layer
+  ``i``'s event: attention on layer ``i`` runs as soon as that layer has landed, while later layers
+  are still in flight.
+- Whole-call methods (``store``, ``load``, ``store_layer``, ``load_layer``) return after the host
+  has waited for their copies: the host objects may then be read, written to disk or released.
+  The generators do the same when exhausted or closed.
+
+Slots: ``-1`` skips a token in both directions (a store leaves that row of the object as it was,
+which in ``dma`` mode costs a host-to-device copy of the chunk into its staging slot first). Slot
+tensors may live on the host (no synchronisation) or on the GPU (one blocking read to validate
+them, which waits for the work that produced them). A slot past the cache is an error, never a
+write outside it.
+
+On a CPU device (tests under ``TRITON_INTERPRET=1``) the same plans run synchronously.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.core.connector import DeviceConnector, Transfer
+from kvtier.core.errors import LayoutError
+from kvtier.core.layout import KVLayout, PagedLayout
+from kvtier.cuda.kernels import RowGeometry, copy_rows, word_bytes_for
+
+MODES = ("dma", "zerocopy")
+_DEFAULT_SLOTS = 4
+_DEFAULT_SLOT_BYTES = 8 << 20
+
+
+@dataclass
+class _Prepared:
+    """One transfer, checked: where its bytes live and where its slots sit on the device."""
+
+    transfer: Transfer
+    storage: torch.UntypedStorage
+    host_offset: int  # byte offset of the object in ``storage``
+    host_ptr: int
+    row_bytes: int  # one row: num_tokens * kv_heads * head_size * itemsize
+    slot_index: int  # element offset of this transfer's slots in the call's slot tensor
+    has_holes: bool
+    empty: bool  # every slot is -1: nothing to move
+
+
+@dataclass
+class _Copy:
+    """A contiguous host byte range and where it sits in a staging slot."""
+
+    storage: torch.UntypedStorage
+    host_offset: int
+    slot_offset: int
+    nbytes: int
+
+    def host_view(self) -> torch.Tensor:
+        t = torch.empty(0, dtype=torch.uint8)
+        return t.set_(self.storage, self.host_offset, (self.nbytes,))
+
+
+@dataclass
+class _Piece:
+    """Rows ``[start, stop)`` of the call's row table: one kernel launch, one staging slot."""
+
+    start: int
+    stop: int
+    max_tokens: int
+    slot: int
+    nbytes: int = 0
+    prefill: bool = False
+    copies: list[_Copy] = field(default_factory=list)
+    layers_done: list[int] = field(default_factory=list)
+
+
+class _Lane:
+    """One direction's streams and staging ring.
+
+    Every slot has two events: ``filled`` (the producer side is done writing it) and ``free``
+    (the consumer side is done reading it). Reusing a slot waits on ``free`` on the device, so
+    callers interleaving on one lane stay correct; the lock only keeps the ring position and
+    the Python-side bookkeeping consistent while a plan is enqueued.
+    """
+
+    def __init__(self, device: torch.device, num_slots: int, slot_bytes: int) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.lock = threading.Lock()
+        self.next_slot = 0
+        self.slots: list[torch.Tensor] = []
+        if self.is_cuda:
+            self.kernel_stream = torch.cuda.Stream(device)
+            self.copy_stream = torch.cuda.Stream(device)
+            self.filled = [torch.cuda.Event() for _ in range(num_slots)]
+            self.free = [torch.cuda.Event() for _ in range(num_slots)]
+
+    def ensure_slots(self, nbytes: int) -> None:
+        """Allocate the ring on first use; grow it (after draining) for a row larger than a slot."""
+        if self.slots and nbytes <= self.slot_bytes:
+            return
+        if self.slots:
+            self.synchronize()
+        self.slot_bytes = max(self.slot_bytes, nbytes)
+        if self.is_cuda:
+            with torch.cuda.stream(self.kernel_stream):
+                self.slots = [
+                    torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+                    for _ in range(self.num_slots)
+                ]
+            for s in self.slots:
+                s.record_stream(self.copy_stream)
+        else:
+            self.slots = [
+                torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+                for _ in range(self.num_slots)
+            ]
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            self.kernel_stream.synchronize()
+            self.copy_stream.synchronize()
+
+
+def _record_current(device: torch.device) -> torch.cuda.Event:
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    return ev
+
+
+class CUDAPagedConnector(DeviceConnector):
+    """Moves chunks between a CUDA paged KV cache and pinned host objects (see module doc).
+
+    Options: ``mode`` (``"dma"``, default, or ``"zerocopy"``), ``staging_slots`` (ring length,
+    default 4) and ``staging_slot_bytes`` (default 8 MiB; grown to fit one row if needed). The
+    ring costs ``2 * staging_slots * staging_slot_bytes`` of device memory (store + load).
+    """
+
+    def __init__(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        layout: KVLayout,
+        *,
+        mode: str = "dma",
+        staging_slots: int = _DEFAULT_SLOTS,
+        staging_slot_bytes: int = _DEFAULT_SLOT_BYTES,
+    ) -> None:
+        super().__init__(kv_caches, layout)
+        if mode not in MODES:
+            raise ValueError(f"CUDAPagedConnector mode must be one of {MODES}, got {mode!r}")
+        if not isinstance(staging_slots, int) or staging_slots < 2:
+            raise ValueError(f"staging_slots must be an int >= 2 (double buffering), got {staging_slots!r}")
+        if not isinstance(staging_slot_bytes, int) or staging_slot_bytes <= 0:
+            raise ValueError(f"staging_slot_bytes must be a positive int, got {staging_slot_bytes!r}")
+        if layout.paged_layout is PagedLayout.VLLM_CPU:
+            raise LayoutError("the CUDA connector does not handle the vllm_cpu paged layout")
+        self.mode = mode
+        device = self.device
+        for cache in self.kv_caches:
+            if cache.device != device:
+                raise LayoutError(f"every KV tensor must be on {device}, one is on {cache.device}")
+        self._itemsize = layout.torch_dtype.itemsize
+        self._rows_per_obj = layout.num_layers * (1 if layout.use_mla else 2)
+        self._bases, self._geo_bytes = self._row_bases()
+        self._store_lane = _Lane(device, staging_slots, staging_slot_bytes)
+        self._load_lane = _Lane(device, staging_slots, staging_slot_bytes)
+
+    # -- geometry ---------------------------------------------------------------------------
+    def _row_bases(self) -> tuple[list[int], tuple[int, int, int]]:
+        """Paged base address of each object row, and (block, token, kv) strides in bytes.
+
+        Strides come from the tensors, so a permuted view (e.g. ``[2, nb, ...]`` over a
+        block-first allocation) works as long as one token's ``heads * head_size`` is contiguous.
+        """
+        lay = self.layout
+        es = self._itemsize
+        dims = {
+            PagedLayout.FLASH_NHD: (1, 2, 0),
+            PagedLayout.FLASH_BLOCK_FIRST: (0, 2, 1),
+            PagedLayout.MLA: (0, 1, None),
+        }[lay.paged_layout]
+        block_dim, token_dim, kv_dim = dims
+        strides: tuple[int, int, int] | None = None
+        k_bases: list[int] = []
+        v_bases: list[int] = []
+        for layer, cache in enumerate(self.kv_caches):
+            inner = cache.stride()[token_dim + 1 :]
+            sizes = cache.shape[token_dim + 1 :]
+            expect, contiguous = 1, True
+            for size, stride in zip(reversed(sizes), reversed(inner), strict=True):
+                if size > 1 and stride != expect:
+                    contiguous = False
+                expect *= size
+            if not contiguous:
+                raise LayoutError(
+                    f"layer {layer}: KV tensor strides {cache.stride()} do not keep one token's "
+                    f"heads * head_size contiguous; the CUDA connector cannot copy it"
+                )
+            st = (
+                cache.stride(block_dim) * es,
+                cache.stride(token_dim) * es,
+                cache.stride(kv_dim) * es if kv_dim is not None else 0,
+            )
+            if strides is None:
+                strides = st
+            elif st != strides:
+                raise LayoutError(
+                    f"layer {layer}: KV tensor strides {cache.stride()} differ from layer 0's; "
+                    "every layer must share one geometry"
+                )
+            k_bases.append(cache.data_ptr())
+            v_bases.append(cache.data_ptr() + st[2])
+        assert strides is not None
+        bases = k_bases if lay.use_mla else k_bases + v_bases
+        return bases, strides
+
+    def _geometry(self, extra_addresses: Iterable[int]) -> RowGeometry:
+        lay = self.layout
+        block_b, token_b, _ = self._geo_bytes
+        hd_bytes = lay.hidden_size * self._itemsize
+        w = word_bytes_for(hd_bytes, block_b, token_b, *self._bases, *extra_addresses)
+        return RowGeometry(
+            word_bytes=w,
+            hd_words=hd_bytes // w,
+            block_size=lay.block_size,
+            block_stride_words=block_b // w,
+            token_stride_words=token_b // w,
+            total_slots=self.num_blocks * lay.block_size,
+        )
+
+    def _row_layer(self, row: int) -> int:
+        return row % self.layout.num_layers
+
+    # -- preparing a call ---------------------------------------------------------------------
+    def _prepare(self, transfers: Sequence[Transfer]) -> tuple[list[_Prepared], torch.Tensor]:
+        """Validate every transfer; return them with one int64 slot tensor for the whole call.
+
+        The slot tensor is built on the host (pinned on CUDA) and must be copied to the device by
+        the caller on the stream that uses it (``_upload``).
+        """
+        total_slots = self.num_blocks * self.layout.block_size
+        expect_shape = self.layout.chunk_shape
+        prepared: list[_Prepared] = []
+        host_slots: list[torch.Tensor] = []
+        index = 0
+        for i, t in enumerate(transfers):
+            obj = t.obj.tensor
+            if tuple(obj.shape) != expect_shape(t.obj.num_tokens) or obj.dtype != self.layout.torch_dtype:
+                raise LayoutError(
+                    f"transfer {i}: memory object {tuple(obj.shape)} {obj.dtype} does not match the "
+                    f"layout's chunk {expect_shape(t.obj.num_tokens)} {self.layout.torch_dtype}"
+                )
+            if obj.device.type != "cpu" or not obj.is_contiguous():
+                raise ValueError(f"transfer {i}: memory objects must be contiguous host tensors")
+            slots = t.slots.to(device="cpu", dtype=torch.int64)
+            n = slots.numel()
+            if n:
+                lo, hi = int(slots.min()), int(slots.max())
+                if lo < -1 or hi >= total_slots:
+                    raise IndexError(
+                        f"transfer {i}: slot values must be -1 or in [0, {total_slots}), got "
+                        f"[{lo}, {hi}]"
+                    )
+                has_holes, empty = lo < 0, hi < 0
+            else:
+                has_holes, empty = False, True
+            if self.mode == "zerocopy" and not empty and self.device.type == "cuda" and not obj.is_pinned():
+                raise ValueError(
+                    f"transfer {i}: mode='zerocopy' needs memory objects in pinned host memory"
+                )
+            host_slots.append(slots)
+            prepared.append(
+                _Prepared(
+                    transfer=t,
+                    storage=obj.untyped_storage(),
+                    host_offset=obj.storage_offset() * obj.element_size(),
+                    host_ptr=obj.data_ptr(),
+                    row_bytes=n * self.layout.hidden_size * self._itemsize,
+                    slot_index=index,
+                    has_holes=has_holes,
+                    empty=empty,
+                )
+            )
+            index += n
+        slot_tensor = torch.cat(host_slots) if host_slots else torch.empty(0, dtype=torch.int64)
+        return prepared, slot_tensor
+
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device, copied on the current stream without blocking the host."""
+        if self.device.type != "cuda":
+            return host.clone()
+        if host.numel() == 0:
+            return torch.empty_like(host, device=self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    # -- planning ---------------------------------------------------------------------------
+    def _plan(
+        self,
+        lane: _Lane,
+        prepared: Sequence[_Prepared],
+        rows: Iterable[tuple[int, int]],
+        slots_dev: torch.Tensor,
+        *,
+        store: bool,
+    ) -> tuple[list[_Piece], torch.Tensor]:
+        """Pack ``(transfer, row)`` pairs into pieces; return them and the host row table.
+
+        Called with ``lane.lock`` held: it claims ring slots in order. In ``zerocopy`` mode every
+        row points straight at its host object and one piece holds the whole call.
+        """
+        zero_copy = self.mode == "zerocopy"
+        slot_ptr = slots_dev.data_ptr()
+        order = [(p, r) for p, r in ((prepared[i], r) for i, r in rows) if not p.empty]
+        if not zero_copy and order:
+            lane.ensure_slots(max(p.row_bytes for p, _ in order))
+        table: list[tuple[int, int, int, int]] = []
+        pieces: list[_Piece] = []
+        last_row_of_layer: dict[int, int] = {}
+        for k, (_, r) in enumerate(order):
+            last_row_of_layer[self._row_layer(r)] = k
+        piece: _Piece | None = None
+        for k, (p, r) in enumerate(order):
+            n = p.transfer.obj.num_tokens
+            if zero_copy:
+                if piece is None:
+                    piece = _Piece(start=0, stop=0, max_tokens=0, slot=-1)
+                    pieces.append(piece)
+                flat = p.host_ptr + r * p.row_bytes
+            else:
+                if piece is None or piece.nbytes + p.row_bytes > lane.slot_bytes:
+                    piece = _Piece(start=len(table), stop=len(table), max_tokens=0, slot=lane.next_slot)
+                    lane.next_slot = (lane.next_slot + 1) % lane.num_slots
+                    pieces.append(piece)
+                flat = lane.slots[piece.slot].data_ptr() + piece.nbytes
+                host_offset = p.host_offset + r * p.row_bytes
+                last = piece.copies[-1] if piece.copies else None
+                if (
+                    last is not None
+                    and last.storage.data_ptr() == p.storage.data_ptr()
+                    and last.host_offset + last.nbytes == host_offset
+                ):
+                    last.nbytes += p.row_bytes
+                else:
+                    piece.copies.append(_Copy(p.storage, host_offset, piece.nbytes, p.row_bytes))
+                piece.nbytes += p.row_bytes
+                piece.prefill = piece.prefill or (store and p.has_holes)
+            table.append((self._bases[r], flat, slot_ptr + 8 * p.slot_index, n))
+            piece.stop = len(table)
+            piece.max_tokens = max(piece.max_tokens, n)
+            layer = self._row_layer(r)
+            if last_row_of_layer[layer] == k:
+                piece.layers_done.append(layer)
+        return pieces, torch.tensor(table, dtype=torch.int64).view(-1, 4)
+
+    # -- enqueueing ---------------------------------------------------------------------------
+    def _enqueue(
+        self,
+        lane: _Lane,
+        prepared: Sequence[_Prepared],
+        rows: Iterable[tuple[int, int]],
+        slots_dev: torch.Tensor,
+        keep: list[torch.Tensor],
+        *,
+        store: bool,
+        layer_events: dict[int, torch.cuda.Event] | None = None,
+    ) -> torch.cuda.Event | None:
+        """Plan and enqueue one batch of rows after the caller's current stream.
+
+        Returns an event recorded after the batch's last device write (store: the last DMA to
+        the host; load: the last scatter into the cache), or None on CPU where everything has run
+        on return. Device tensors the batch uses are appended to ``keep`` and must outlive it.
+        """
+        with lane.lock:
+            pieces, table = self._plan(lane, prepared, rows, slots_dev, store=store)
+            if not pieces:
+                return None
+            geo = self._geometry(
+                () if self.mode == "dma" else [p.host_ptr for p in prepared if not p.empty]
+            )
+            if not lane.is_cuda:
+                self._run_sync(lane, pieces, table, geo, store=store)
+                return None
+            after = _record_current(self.device)
+            ks, cs = lane.kernel_stream, lane.copy_stream
+            ks.wait_event(after)
+            with torch.cuda.stream(ks):
+                table_dev = self._upload(table)
+            keep.append(table_dev)
+            if self.mode == "zerocopy":
+                with torch.cuda.stream(ks):
+                    copy_rows(table_dev, pieces[0].max_tokens, geo, to_paged=not store)
+                done = torch.cuda.Event()
+                done.record(ks)
+                for layer in pieces[0].layers_done if layer_events is not None else ():
+                    layer_events[layer] = done
+                return done
+            for piece in pieces:
+                if store:
+                    self._enqueue_store_piece(lane, piece, table_dev, geo)
+                else:
+                    self._enqueue_load_piece(lane, piece, table_dev, geo)
+                    if layer_events is not None and piece.layers_done:
+                        ev = torch.cuda.Event()
+                        ev.record(ks)
+                        for layer in piece.layers_done:
+                            layer_events[layer] = ev
+            done = torch.cuda.Event()
+            done.record(cs if store else ks)
+            return done
+
+    def _enqueue_store_piece(
+        self, lane: _Lane, piece: _Piece, table_dev: torch.Tensor, geo: RowGeometry
+    ) -> None:
+        ks, cs = lane.kernel_stream, lane.copy_stream
+        s = piece.slot
+        slot = lane.slots[s]
+        # The slot's previous DMA ran on cs; gathering into it must wait for that.
+        ks.wait_event(lane.free[s])
+        if piece.prefill:
+            # Rows with -1 slots keep the object's bytes: bring them into the slot first so the
+            # DMA back writes them unchanged. cs already follows the slot's previous DMA.
+            with torch.cuda.stream(cs):
+                for c in piece.copies:
+                    slot[c.slot_offset : c.slot_offset + c.nbytes].copy_(c.host_view(), non_blocking=True)
+                lane.filled[s].record(cs)
+            ks.wait_event(lane.filled[s])
+        with torch.cuda.stream(ks):
+            copy_rows(table_dev[piece.start : piece.stop], piece.max_tokens, geo, to_paged=False)
+            lane.filled[s].record(ks)
+        cs.wait_event(lane.filled[s])
+        with torch.cuda.stream(cs):
+            for c in piece.copies:
+                c.host_view().copy_(slot[c.slot_offset : c.slot_offset + c.nbytes], non_blocking=True)
+            lane.free[s].record(cs)
+
+    def _enqueue_load_piece(
+        self, lane: _Lane, piece: _Piece, table_dev: torch.Tensor, geo: RowGeometry
+    ) -> None:
+        ks, cs = lane.kernel_stream, lane.copy_stream
+        s = piece.slot
+        slot = lane.slots[s]
+        # The slot's previous scatter ran on ks; overwriting it must wait for that.
+        cs.wait_event(lane.free[s])
+        with torch.cuda.stream(cs):
+            for c in piece.copies:
+                slot[c.slot_offset : c.slot_offset + c.nbytes].copy_(c.host_view(), non_blocking=True)
+            lane.filled[s].record(cs)
+        ks.wait_event(lane.filled[s])
+        with torch.cuda.stream(ks):
+            copy_rows(table_dev[piece.start : piece.stop], piece.max_tokens, geo, to_paged=True)
+            lane.free[s].record(ks)
+
+    def _run_sync(
+        self, lane: _Lane, pieces: list[_Piece], table: torch.Tensor, geo: RowGeometry, *, store: bool
+    ) -> None:
+        """The same plan, run in order on a CPU device (the Triton interpreter)."""
+        for piece in pieces:
+            rows = table[piece.start : piece.stop]
+            if self.mode == "zerocopy":
+                copy_rows(rows, piece.max_tokens, geo, to_paged=not store)
+                continue
+            slot = lane.slots[piece.slot]
+            if store:
+                if piece.prefill:
+                    for c in piece.copies:
+                        slot[c.slot_offset : c.slot_offset + c.nbytes].copy_(c.host_view())
+                copy_rows(rows, piece.max_tokens, geo, to_paged=False)
+                for c in piece.copies:
+                    c.host_view().copy_(slot[c.slot_offset : c.slot_offset + c.nbytes])
+            else:
+                for c in piece.copies:
+                    slot[c.slot_offset : c.slot_offset + c.nbytes].copy_(c.host_view())
+                copy_rows(rows, piece.max_tokens, geo, to_paged=True)
+
+    # -- row orders --------------------------------------------------------------------------
+    def _all_rows(self, count: int) -> list[tuple[int, int]]:
+        """Object order: each transfer's rows in a row, so its DMA is one contiguous copy."""
+        return [(i, r) for i in range(count) for r in range(self._rows_per_obj)]
+
+    def _layer_rows(self, count: int, layer: int) -> list[tuple[int, int]]:
+        rows = [layer] if self.layout.use_mla else [layer, self.layout.num_layers + layer]
+        return [(i, r) for i in range(count) for r in rows]
+
+    def _slots_on_device(self, lane: _Lane, slots: torch.Tensor) -> torch.Tensor:
+        if not lane.is_cuda:
+            return slots
+        with torch.cuda.stream(lane.kernel_stream):
+            dev = self._upload(slots)
+        dev.record_stream(lane.copy_stream)
+        return dev
+
+    @staticmethod
+    def _wait(done: torch.cuda.Event | None) -> None:
+        if done is not None:
+            done.synchronize()
+
+    # -- the DeviceConnector contract --------------------------------------------------------
+    def store(self, transfers: Sequence[Transfer]) -> None:
+        prepared, slots = self._prepare(transfers)
+        lane = self._store_lane
+        keep = [self._slots_on_device(lane, slots)]
+        self._wait(
+            self._enqueue(lane, prepared, self._all_rows(len(prepared)), keep[0], keep, store=True)
+        )
+
+    def load(self, transfers: Sequence[Transfer]) -> None:
+        prepared, slots = self._prepare(transfers)
+        lane = self._load_lane
+        keep = [self._slots_on_device(lane, slots)]
+        done = self._enqueue(lane, prepared, self._all_rows(len(prepared)), keep[0], keep, store=False)
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+        self._wait(done)
+
+    def store_layer(self, layer: int, transfers: Sequence[Transfer]) -> None:
+        self._check_layer(layer)
+        prepared, slots = self._prepare(transfers)
+        lane = self._store_lane
+        keep = [self._slots_on_device(lane, slots)]
+        rows = self._layer_rows(len(prepared), layer)
+        self._wait(self._enqueue(lane, prepared, rows, keep[0], keep, store=True))
+
+    def load_layer(self, layer: int, transfers: Sequence[Transfer]) -> None:
+        self._check_layer(layer)
+        prepared, slots = self._prepare(transfers)
+        lane = self._load_lane
+        keep = [self._slots_on_device(lane, slots)]
+        rows = self._layer_rows(len(prepared), layer)
+        done = self._enqueue(lane, prepared, rows, keep[0], keep, store=False)
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+        self._wait(done)
+
+    def store_layerwise(self, transfers: Sequence[Transfer]) -> Iterator[int]:
+        """Yield each layer once its gather is ordered before the engine's next write to it.
+
+        Call ``next()`` after the forward pass has written layer ``i`` (on the current stream):
+        the layer is captured after that point, and the current stream waits (on the device)
+        for the capture before anything later runs. The host waits for the DMAs at exhaustion.
+        """
+        prepared, slots = self._prepare(transfers)
+        lane = self._store_lane
+        keep = [self._slots_on_device(lane, slots)]
+        last: torch.cuda.Event | None = None
+        try:
+            for layer in range(self.layout.num_layers):
+                rows = self._layer_rows(len(prepared), layer)
+                last = self._enqueue(lane, prepared, rows, keep[0], keep, store=True) or last
+                if lane.is_cuda:
+                    gathered = torch.cuda.Event()
+                    gathered.record(lane.kernel_stream)
+                    torch.cuda.current_stream(self.device).wait_event(gathered)
+                yield layer
+        finally:
+            # Also on close()/abandonment: the objects must not be released under a live DMA.
+            self._wait(last)
+            lane.synchronize()
+
+    def load_layerwise(self, transfers: Sequence[Transfer]) -> Iterator[int]:
+        """Enqueue every layer at once; yield layer ``i`` once the current stream waits for it."""
+        prepared, slots = self._prepare(transfers)
+        lane = self._load_lane
+        keep = [self._slots_on_device(lane, slots)]
+        layer_events: dict[int, torch.cuda.Event] = {}
+        rows = [
+            row for layer in range(self.layout.num_layers) for row in self._layer_rows(len(prepared), layer)
+        ]
+        done = None
+        try:
+            done = self._enqueue(
+                lane, prepared, rows, keep[0], keep, store=False, layer_events=layer_events
+            )
+            current = torch.cuda.current_stream(self.device) if lane.is_cuda else None
+            for layer in range(self.layout.num_layers):
+                ev = layer_events.get(layer)
+                if current is not None and ev is not None:
+                    current.wait_event(ev)
+                yield layer
+        finally:
+            self._wait(done)
+            lane.synchronize()
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.layout.num_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.layout.num_layers})")
+
+    def synchronize(self) -> None:
+        """Wait for every copy this connector started, in both directions."""
+        self._store_lane.synchronize()
+        self._load_lane.synchronize()

@@ -1,0 +1,85 @@
+"""Launching the paged-row copy kernel (triton is imported on the first launch, not before).
+
+Every address a launch touches sits in a row table built by the connector (four int64s a row:
+paged base, flat address, slot-list address, token count), so the launch itself takes only the
+table and the geometry. All sizes here are in *words*: the widest integer (8, 4, 2 or 1 bytes)
+that divides every row, block and address of the call, so the kernel copies bytes and never
+interprets the KV dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+# Bytes one program moves: large enough to keep the memory system busy, small enough to stay in
+# registers (an 8B-shaped row of 2 KiB gives 8 tokens a program).
+_TILE_BYTES = 16 * 1024
+_MAX_BLOCK_D = 256
+
+
+@dataclass(frozen=True)
+class RowGeometry:
+    """How a row maps onto the paged cache, in words of ``word_bytes``."""
+
+    word_bytes: int
+    hd_words: int  # one token of one row (kv_heads * head_size elements)
+    block_size: int  # tokens per paged block
+    block_stride_words: int  # distance between consecutive blocks of one row's base
+    token_stride_words: int  # distance between consecutive tokens of one block
+    total_slots: int  # num_blocks * block_size: slots at or past this are refused
+
+
+def word_bytes_for(*values: int) -> int:
+    """The widest word (8, 4, 2, 1 bytes) dividing every byte count and address given."""
+    for w in (8, 4, 2, 1):
+        if all(v % w == 0 for v in values):
+            return w
+    return 1
+
+
+@functools.cache
+def _triton():
+    import triton
+    import triton.language as tl
+
+    from kvtier.cuda._triton_kernels import paged_rows_kernel
+
+    words = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
+    return triton, paged_rows_kernel, words
+
+
+def _blocks(hd_words: int, word_bytes: int) -> tuple[int, int]:
+    block_d = min(_MAX_BLOCK_D, 1 << max(0, (hd_words - 1).bit_length()))
+    block_t = max(1, min(64, _TILE_BYTES // (block_d * word_bytes)))
+    block_t = 1 << (block_t.bit_length() - 1)
+    return block_t, block_d
+
+
+def copy_rows(table: torch.Tensor, max_tokens: int, geo: RowGeometry, *, to_paged: bool) -> None:
+    """Copy every row of ``table`` (``[rows, 4]`` int64 on the cache's device) in one launch.
+
+    ``to_paged=False`` gathers paged -> flat (store), ``True`` scatters flat -> paged (load).
+    Asynchronous on CUDA (runs on the current stream); synchronous under ``TRITON_INTERPRET=1``.
+    """
+    rows = table.shape[0]
+    if rows == 0 or max_tokens == 0:
+        return
+    triton, kernel, words = _triton()
+    block_t, block_d = _blocks(geo.hd_words, geo.word_bytes)
+    grid = (rows, triton.cdiv(max_tokens, block_t))
+    kernel[grid](
+        table,
+        geo.total_slots,
+        geo.block_size,
+        geo.block_stride_words,
+        geo.token_stride_words,
+        HD=geo.hd_words,
+        WORD=words[geo.word_bytes],
+        BLOCK_T=block_t,
+        BLOCK_D=block_d,
+        TO_PAGED=to_paged,
+        num_warps=4,
+    )

@@ -1,0 +1,120 @@
+"""Stream and event behaviour on a real GPU: ordering after compute, per-layer readiness, and
+store + load running at once. (Speed is measured by ``kvtier bench transfer``, not asserted.)"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from conftest import ON_GPU, SHAPE, Objects, as_bytes, make_caches, make_layout, random_slots
+from kvtier.core.connector import TorchPagedConnector
+from kvtier.core.layout import PagedLayout
+from kvtier.cuda.connector import CUDAPagedConnector
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (KVTIER_TEST_DEVICE=cuda)"),
+]
+
+LENGTHS = [SHAPE.chunk] * 4
+# About 50 ms of GPU time: long enough that a copy not ordered after it would read stale KV.
+SLEEP_CYCLES = 100_000_000
+
+
+@pytest.fixture(params=["dma", "zerocopy"])
+def setup(request, device, arena):
+    layout = make_layout(PagedLayout.FLASH_NHD, torch.bfloat16)
+    caches = make_caches(layout, device, seed=1)
+    conn = CUDAPagedConnector(caches, layout, mode=request.param)
+    slots = random_slots(SHAPE.blocks * SHAPE.block, LENGTHS, seed=2, holes="none")
+    return layout, conn, slots
+
+
+def test_store_reads_what_the_compute_stream_wrote_before_it(setup, arena):
+    layout, conn, slots = setup
+    new_values = [torch.randn_like(c, dtype=torch.float32).to(c.dtype) for c in conn.kv_caches]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)  # the "forward pass" is still running...
+    for c, v in zip(conn.kv_caches, new_values, strict=True):
+        c.copy_(v)  # ...and writes the KV last
+    objs = Objects(arena, layout, LENGTHS, 3)
+    conn.store(objs.transfers(slots))
+    ref = TorchPagedConnector([v.clone() for v in new_values], layout)
+    expected = Objects(arena, layout, LENGTHS, 3)
+    ref.store(expected.transfers(slots))
+    assert all(torch.equal(a, b) for a, b in zip(objs.bytes(), expected.bytes(), strict=True))
+
+
+def test_layerwise_load_orders_each_layer_before_the_compute_stream_reads_it(setup, arena):
+    layout, conn, _ = setup
+    objs = Objects(arena, layout, LENGTHS * 2, 5)
+    slots = random_slots(SHAPE.blocks * SHAPE.block, LENGTHS * 2, seed=6, holes="prefix")
+    ref = TorchPagedConnector([c.clone() for c in conn.kv_caches], layout)
+    ref.load(objs.transfers(slots))
+    snapshots = []
+    for layer in conn.load_layerwise(objs.transfers(slots)):
+        # Read on the compute stream with no host synchronisation: only the event orders it.
+        snapshots.append(conn.kv_caches[layer].clone())
+    torch.cuda.synchronize()
+    for snap, expected in zip(snapshots, ref.kv_caches, strict=True):
+        assert torch.equal(as_bytes(snap), as_bytes(expected))
+
+
+def test_layerwise_store_captures_each_layer_after_the_compute_stream_wrote_it(setup, arena):
+    layout, conn, slots = setup
+    objs = Objects(arena, layout, LENGTHS, 7)
+    written = []
+    gen = conn.store_layerwise(objs.transfers(slots))
+    for layer, cache in enumerate(conn.kv_caches):
+        torch.cuda._sleep(SLEEP_CYCLES // 20)
+        value = torch.randn_like(cache, dtype=torch.float32).to(cache.dtype)
+        cache.copy_(value)
+        written.append(value)
+        assert next(gen) == layer
+        cache.zero_()  # the engine overwrites the layer right after the yield
+    with pytest.raises(StopIteration):
+        next(gen)
+    ref = TorchPagedConnector(written, layout)
+    expected = Objects(arena, layout, LENGTHS, 7)
+    ref.store(expected.transfers(slots))
+    assert all(torch.equal(a, b) for a, b in zip(objs.bytes(), expected.bytes(), strict=True))
+
+
+def test_store_and_load_at_once_from_two_threads(setup, arena):
+    layout, conn, _ = setup
+    all_slots = random_slots(SHAPE.blocks * SHAPE.block, LENGTHS * 2, seed=8, holes="none")
+    store_slots, load_slots = all_slots[: len(LENGTHS)], all_slots[len(LENGTHS) :]
+    ref = TorchPagedConnector([c.clone() for c in conn.kv_caches], layout)
+    to_store = Objects(arena, layout, LENGTHS, 9)
+    to_load = Objects(arena, layout, LENGTHS, 10)
+    expected_store = Objects(arena, layout, LENGTHS, 9)
+    ref.store(expected_store.transfers(store_slots))
+    ref.load(to_load.transfers(load_slots))
+    torch.cuda.synchronize()
+    errors: list[BaseException] = []
+
+    def run(fn, transfers):
+        try:
+            for _ in range(5):
+                fn(transfers)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [
+        threading.Thread(target=run, args=(conn.store, to_store.transfers(store_slots))),
+        threading.Thread(target=run, args=(conn.load, to_load.transfers(load_slots))),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(to_store.bytes(), expected_store.bytes(), strict=True))
+    for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
+        assert torch.equal(as_bytes(a), as_bytes(b))
+    # The two directions ran on their own streams, not the caller's.
+    streams = {conn._store_lane.copy_stream, conn._load_lane.copy_stream, torch.cuda.current_stream()}
+    assert len(streams) == 3
