@@ -41,6 +41,7 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvtier.core.connector import DeviceConnector, Transfer
@@ -61,6 +62,7 @@ class _Prepared:
     storage: torch.UntypedStorage
     host_offset: int  # byte offset of the object in ``storage``
     host_ptr: int
+    num_tokens: int
     row_bytes: int  # one row: num_tokens * kv_heads * head_size * itemsize
     slot_index: int  # element offset of this transfer's slots in the call's slot tensor
     has_holes: bool
@@ -185,6 +187,8 @@ class CUDAPagedConnector(DeviceConnector):
         self._itemsize = layout.torch_dtype.itemsize
         self._rows_per_obj = layout.num_layers * (1 if layout.use_mla else 2)
         self._bases, self._geo_bytes = self._row_bases()
+        self._bases_np = np.asarray(self._bases, dtype=np.int64)
+        self._dma_geometry = self._geometry(())
         self._store_lane = _Lane(device, staging_slots, staging_slot_bytes)
         self._load_lane = _Lane(device, staging_slots, staging_slot_bytes)
 
@@ -251,61 +255,71 @@ class CUDAPagedConnector(DeviceConnector):
             total_slots=self.num_blocks * lay.block_size,
         )
 
-    def _row_layer(self, row: int) -> int:
-        return row % self.layout.num_layers
-
     # -- preparing a call ---------------------------------------------------------------------
     def _prepare(self, transfers: Sequence[Transfer]) -> tuple[list[_Prepared], torch.Tensor]:
         """Validate every transfer; return them with one int64 slot tensor for the whole call.
 
-        The slot tensor is built on the host (pinned on CUDA) and must be copied to the device by
-        the caller on the stream that uses it (``_upload``).
+        The slot tensor is on the host; ``_slots_on_device`` uploads it on the lane's stream.
+        Checks run once over the concatenated slots (a call may hold hundreds of chunks).
         """
-        total_slots = self.num_blocks * self.layout.block_size
-        expect_shape = self.layout.chunk_shape
-        prepared: list[_Prepared] = []
+        lay = self.layout
+        dtype = lay.torch_dtype
         host_slots: list[torch.Tensor] = []
-        index = 0
+        lengths: list[int] = []
+        objs: list[torch.Tensor] = []
         for i, t in enumerate(transfers):
             obj = t.obj.tensor
-            if tuple(obj.shape) != expect_shape(t.obj.num_tokens) or obj.dtype != self.layout.torch_dtype:
+            n = t.obj.num_tokens
+            if obj.shape != lay.chunk_shape(n) or obj.dtype != dtype:
                 raise LayoutError(
                     f"transfer {i}: memory object {tuple(obj.shape)} {obj.dtype} does not match the "
-                    f"layout's chunk {expect_shape(t.obj.num_tokens)} {self.layout.torch_dtype}"
+                    f"layout's chunk {lay.chunk_shape(n)} {dtype}"
                 )
             if obj.device.type != "cpu" or not obj.is_contiguous():
                 raise ValueError(f"transfer {i}: memory objects must be contiguous host tensors")
-            slots = t.slots.to(device="cpu", dtype=torch.int64)
-            n = slots.numel()
-            if n:
-                lo, hi = int(slots.min()), int(slots.max())
-                if lo < -1 or hi >= total_slots:
-                    raise IndexError(
-                        f"transfer {i}: slot values must be -1 or in [0, {total_slots}), got "
-                        f"[{lo}, {hi}]"
-                    )
-                has_holes, empty = lo < 0, hi < 0
-            else:
-                has_holes, empty = False, True
-            if self.mode == "zerocopy" and not empty and self.device.type == "cuda" and not obj.is_pinned():
+            objs.append(obj)
+            lengths.append(n)
+            host_slots.append(t.slots.to(device="cpu", dtype=torch.int64))
+        slot_tensor = torch.cat(host_slots) if host_slots else torch.empty(0, dtype=torch.int64)
+        values = slot_tensor.numpy()
+        total = self.num_blocks * lay.block_size
+        starts = np.cumsum([0, *lengths[:-1]], dtype=np.int64)
+        counts = np.asarray(lengths, dtype=np.int64)
+        lows = np.full(len(lengths), -1, dtype=np.int64)
+        highs = np.full(len(lengths), -1, dtype=np.int64)
+        if values.size:
+            nonempty = counts > 0
+            lows[nonempty] = np.minimum.reduceat(values, starts[nonempty])
+            highs[nonempty] = np.maximum.reduceat(values, starts[nonempty])
+            bad = np.flatnonzero((lows < -1) | (highs >= total))
+            if bad.size:
+                i = int(bad[0])
+                raise IndexError(
+                    f"transfer {i}: slot values must be -1 or in [0, {total}), got "
+                    f"[{lows[i]}, {highs[i]}]"
+                )
+        hd_bytes = lay.hidden_size * self._itemsize
+        check_pinned = self.mode == "zerocopy" and self.device.type == "cuda"
+        prepared: list[_Prepared] = []
+        for i, (t, obj) in enumerate(zip(transfers, objs, strict=True)):
+            empty = bool(highs[i] < 0)
+            if check_pinned and not empty and not obj.is_pinned():
                 raise ValueError(
                     f"transfer {i}: mode='zerocopy' needs memory objects in pinned host memory"
                 )
-            host_slots.append(slots)
             prepared.append(
                 _Prepared(
                     transfer=t,
                     storage=obj.untyped_storage(),
                     host_offset=obj.storage_offset() * obj.element_size(),
                     host_ptr=obj.data_ptr(),
-                    row_bytes=n * self.layout.hidden_size * self._itemsize,
-                    slot_index=index,
-                    has_holes=has_holes,
+                    num_tokens=lengths[i],
+                    row_bytes=lengths[i] * hd_bytes,
+                    slot_index=int(starts[i]),
+                    has_holes=bool(lows[i] < 0),
                     empty=empty,
                 )
             )
-            index += n
-        slot_tensor = torch.cat(host_slots) if host_slots else torch.empty(0, dtype=torch.int64)
         return prepared, slot_tensor
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
@@ -321,66 +335,109 @@ class CUDAPagedConnector(DeviceConnector):
         self,
         lane: _Lane,
         prepared: Sequence[_Prepared],
-        rows: Iterable[tuple[int, int]],
+        segments: Iterable[tuple[int, int, int, int, int]],
         slots_dev: torch.Tensor,
         *,
         store: bool,
     ) -> tuple[list[_Piece], torch.Tensor]:
-        """Pack ``(transfer, row)`` pairs into pieces; return them and the host row table.
+        """Pack row segments into pieces; return them and the row table (host, ``[rows, 4]``).
 
-        Called with ``lane.lock`` held: it claims ring slots in order. In ``zerocopy`` mode every
-        row points straight at its host object and one piece holds the whole call.
+        A segment ``(transfer, start, stop, step, layer)`` is the object rows
+        ``range(start, stop, step)`` of one transfer; ``layer`` (or -1) tags the segments of one
+        layer so the piece that finishes it can be marked. Called with ``lane.lock`` held: it
+        claims ring slots in order. In ``zerocopy`` mode rows point straight at their host
+        object and one piece holds the whole call.
         """
         zero_copy = self.mode == "zerocopy"
-        slot_ptr = slots_dev.data_ptr()
-        order = [(p, r) for p, r in ((prepared[i], r) for i, r in rows) if not p.empty]
-        if not zero_copy and order:
-            lane.ensure_slots(max(p.row_bytes for p, _ in order))
-        table: list[tuple[int, int, int, int]] = []
+        segs = [sg for sg in segments if not prepared[sg[0]].empty]
+        if not segs:
+            return [], torch.empty((0, 4), dtype=torch.int64)
+        if not zero_copy:
+            lane.ensure_slots(max(prepared[sg[0]].row_bytes for sg in segs))
+        slot_base = slots_dev.data_ptr()
+        # One entry per run of rows: (first row, row step, rows, first flat address, flat step,
+        # slot-list address, tokens). The table is expanded from these with numpy at the end.
+        runs: list[tuple[int, int, int, int, int, int, int]] = []
         pieces: list[_Piece] = []
-        last_row_of_layer: dict[int, int] = {}
-        for k, (_, r) in enumerate(order):
-            last_row_of_layer[self._row_layer(r)] = k
+        last_piece_of_layer: dict[int, _Piece] = {}
         piece: _Piece | None = None
-        for k, (p, r) in enumerate(order):
-            n = p.transfer.obj.num_tokens
-            if zero_copy:
-                if piece is None:
-                    piece = _Piece(start=0, stop=0, max_tokens=0, slot=-1)
-                    pieces.append(piece)
-                flat = p.host_ptr + r * p.row_bytes
-            else:
-                if piece is None or piece.nbytes + p.row_bytes > lane.slot_bytes:
-                    piece = _Piece(start=len(table), stop=len(table), max_tokens=0, slot=lane.next_slot)
-                    lane.next_slot = (lane.next_slot + 1) % lane.num_slots
-                    pieces.append(piece)
-                flat = lane.slots[piece.slot].data_ptr() + piece.nbytes
-                host_offset = p.host_offset + r * p.row_bytes
-                last = piece.copies[-1] if piece.copies else None
-                if (
-                    last is not None
-                    and last.storage.data_ptr() == p.storage.data_ptr()
-                    and last.host_offset + last.nbytes == host_offset
-                ):
-                    last.nbytes += p.row_bytes
+        rows_so_far = 0
+        for i, start, stop, step, layer in segs:
+            p = prepared[i]
+            rb, n = p.row_bytes, p.num_tokens
+            slot_list = slot_base + 8 * p.slot_index
+            r = start
+            left = len(range(start, stop, step))
+            while left:
+                if zero_copy:
+                    if piece is None:
+                        piece = _Piece(start=0, stop=0, max_tokens=0, slot=-1)
+                        pieces.append(piece)
+                    k = left
+                    runs.append((r, step, k, p.host_ptr + r * rb, step * rb, slot_list, n))
                 else:
-                    piece.copies.append(_Copy(p.storage, host_offset, piece.nbytes, p.row_bytes))
-                piece.nbytes += p.row_bytes
-                piece.prefill = piece.prefill or (store and p.has_holes)
-            table.append((self._bases[r], flat, slot_ptr + 8 * p.slot_index, n))
-            piece.stop = len(table)
-            piece.max_tokens = max(piece.max_tokens, n)
-            layer = self._row_layer(r)
-            if last_row_of_layer[layer] == k:
-                piece.layers_done.append(layer)
-        return pieces, torch.tensor(table, dtype=torch.int64).view(-1, 4)
+                    room = (lane.slot_bytes - piece.nbytes) // rb if piece is not None else 0
+                    if room == 0:
+                        piece = _Piece(start=rows_so_far, stop=rows_so_far, max_tokens=0, slot=lane.next_slot)
+                        lane.next_slot = (lane.next_slot + 1) % lane.num_slots
+                        pieces.append(piece)
+                        room = lane.slot_bytes // rb
+                    assert piece is not None
+                    k = min(room, left)
+                    flat = lane.slots[piece.slot].data_ptr() + piece.nbytes
+                    runs.append((r, step, k, flat, rb, slot_list, n))
+                    if step == 1:
+                        self._add_copy(piece, p, p.host_offset + r * rb, k * rb)
+                    else:
+                        for j in range(k):
+                            self._add_copy(piece, p, p.host_offset + (r + j * step) * rb, rb)
+                    piece.prefill = piece.prefill or (store and p.has_holes)
+                rows_so_far += k
+                piece.stop = rows_so_far
+                piece.max_tokens = max(piece.max_tokens, n)
+                r += k * step
+                left -= k
+            if layer >= 0:
+                last_piece_of_layer[layer] = piece
+        for layer, pc in last_piece_of_layer.items():
+            pc.layers_done.append(layer)
+        return pieces, self._expand(runs)
+
+    @staticmethod
+    def _add_copy(piece: _Piece, p: _Prepared, host_offset: int, nbytes: int) -> None:
+        """Append a host range to the piece, merged with the previous one when adjacent (objects
+        carved back to back from one arena then move in one DMA)."""
+        last = piece.copies[-1] if piece.copies else None
+        if (
+            last is not None
+            and last.storage.data_ptr() == p.storage.data_ptr()
+            and last.host_offset + last.nbytes == host_offset
+            and last.slot_offset + last.nbytes == piece.nbytes
+        ):
+            last.nbytes += nbytes
+        else:
+            piece.copies.append(_Copy(p.storage, host_offset, piece.nbytes, nbytes))
+        piece.nbytes += nbytes
+
+    def _expand(self, runs: list[tuple[int, int, int, int, int, int, int]]) -> torch.Tensor:
+        r0, step, k, flat0, flat_step, slot_list, n = (np.asarray(c, dtype=np.int64) for c in zip(*runs, strict=True))
+        total = int(k.sum())
+        first = np.cumsum(k) - k
+        j = np.arange(total, dtype=np.int64) - np.repeat(first, k)
+        rows = np.repeat(r0, k) + j * np.repeat(step, k)
+        table = np.empty((total, 4), dtype=np.int64)
+        table[:, 0] = self._bases_np[rows]
+        table[:, 1] = np.repeat(flat0, k) + j * np.repeat(flat_step, k)
+        table[:, 2] = np.repeat(slot_list, k)
+        table[:, 3] = np.repeat(n, k)
+        return torch.from_numpy(table)
 
     # -- enqueueing ---------------------------------------------------------------------------
     def _enqueue(
         self,
         lane: _Lane,
         prepared: Sequence[_Prepared],
-        rows: Iterable[tuple[int, int]],
+        rows: Iterable[tuple[int, int, int, int, int]],
         slots_dev: torch.Tensor,
         keep: list[torch.Tensor],
         *,
@@ -397,8 +454,10 @@ class CUDAPagedConnector(DeviceConnector):
             pieces, table = self._plan(lane, prepared, rows, slots_dev, store=store)
             if not pieces:
                 return None
-            geo = self._geometry(
-                () if self.mode == "dma" else [p.host_ptr for p in prepared if not p.empty]
+            geo = (
+                self._dma_geometry
+                if self.mode == "dma"
+                else self._geometry([p.host_ptr for p in prepared if not p.empty])
             )
             if not lane.is_cuda:
                 self._run_sync(lane, pieces, table, geo, store=store)
@@ -496,13 +555,13 @@ class CUDAPagedConnector(DeviceConnector):
                 copy_rows(rows, piece.max_tokens, geo, to_paged=True)
 
     # -- row orders --------------------------------------------------------------------------
-    def _all_rows(self, count: int) -> list[tuple[int, int]]:
+    def _all_rows(self, count: int) -> list[tuple[int, int, int, int, int]]:
         """Object order: each transfer's rows in a row, so its DMA is one contiguous copy."""
-        return [(i, r) for i in range(count) for r in range(self._rows_per_obj)]
+        return [(i, 0, self._rows_per_obj, 1, -1) for i in range(count)]
 
-    def _layer_rows(self, count: int, layer: int) -> list[tuple[int, int]]:
-        rows = [layer] if self.layout.use_mla else [layer, self.layout.num_layers + layer]
-        return [(i, r) for i in range(count) for r in rows]
+    def _layer_rows(self, count: int, layer: int) -> list[tuple[int, int, int, int, int]]:
+        """One layer of every transfer: its K row and its V row (MLA: its one row)."""
+        return [(i, layer, self._rows_per_obj, self.layout.num_layers, layer) for i in range(count)]
 
     def _slots_on_device(self, lane: _Lane, slots: torch.Tensor) -> torch.Tensor:
         if not lane.is_cuda:
@@ -586,7 +645,7 @@ class CUDAPagedConnector(DeviceConnector):
         keep = [self._slots_on_device(lane, slots)]
         layer_events: dict[int, torch.cuda.Event] = {}
         rows = [
-            row for layer in range(self.layout.num_layers) for row in self._layer_rows(len(prepared), layer)
+            seg for layer in range(self.layout.num_layers) for seg in self._layer_rows(len(prepared), layer)
         ]
         done = None
         try:
