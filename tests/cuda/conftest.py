@@ -77,16 +77,23 @@ def random_bytes_like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 
 
 def make_caches(layout: KVLayout, device: torch.device, seed: int, blocks: int = SHAPE.blocks) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
+    """Per-layer paged caches of random bytes, generated on ``device`` (fast at GPU sizes)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     shape = layout.expected_cache_shape(blocks)
+    nbytes = layout.torch_dtype.itemsize
+    for s in shape:
+        nbytes *= s
     return [
-        random_bytes_like(torch.empty(shape, dtype=layout.torch_dtype), gen).to(device)
+        torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device, generator=gen)
+        .view(layout.torch_dtype)
+        .view(shape)
         for _ in range(layout.num_layers)
     ]
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8).cpu()
+    """The bytes of ``t`` (on its own device) for exact comparisons."""
+    return t.contiguous().view(torch.uint8)
 
 
 def random_slots(total: int, lengths: list[int], seed: int, holes: str) -> list[torch.Tensor]:

@@ -7,6 +7,8 @@ and, with KVTIER_TEST_DEVICE=cuda, on a GPU at an 8B-like size.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -213,3 +215,27 @@ def test_bad_input_is_refused_with_a_clear_error(device, arena):
     cpu_layout = KVLayout(SHAPE.layers, SHAPE.heads, SHAPE.head, "float16", SHAPE.block, PagedLayout.VLLM_CPU)
     with pytest.raises(LayoutError, match="vllm_cpu"):
         CUDAPagedConnector(make_caches(cpu_layout, device, seed=28), cpu_layout)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head", "word"),
+    [(torch.float16, 3, 2), (torch.float8_e4m3fn, 3, 1), (torch.float16, 2, 4), (torch.float8_e5m2, 8, 8)],
+)
+def test_every_word_width(device, arena, dtype, head, word):
+    """Rows whose byte width is not a multiple of 8 are moved in narrower words, still exactly."""
+    shape = dataclasses.replace(SHAPE, heads=1, head=head)
+    layout = make_layout(PagedLayout.FLASH_BLOCK_FIRST, dtype, shape)
+    caches = make_caches(layout, device, seed=30)
+    ref = _reference(layout, caches)
+    conn = CUDAPagedConnector(caches, layout)
+    assert conn._dma_geometry.word_bytes == word
+    slots = random_slots(SHAPE.blocks * SHAPE.block, LENGTHS, seed=31, holes="scatter")
+    mine, theirs = Objects(arena, layout, LENGTHS, 32), Objects(arena, ref.layout, LENGTHS, 32)
+    conn.store(mine.transfers(slots))
+    ref.store(theirs.transfers(slots))
+    assert all(torch.equal(a, b) for a, b in zip(mine.bytes(), theirs.bytes(), strict=True))
+    fresh, fresh_ref = Objects(arena, layout, LENGTHS, 33), Objects(arena, ref.layout, LENGTHS, 33)
+    conn.load(fresh.transfers(slots))
+    ref.load(fresh_ref.transfers(slots))
+    for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
+        assert torch.equal(as_bytes(a), as_bytes(b))

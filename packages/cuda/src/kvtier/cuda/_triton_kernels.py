@@ -9,8 +9,9 @@ slot on the device, or the pinned host object itself). Each row is described by 
 ``table``: the paged base address of its ``(k|v, layer)`` (a token sits
 ``(slot // block_size) * block_stride + (slot % block_size) * token_stride`` words from it), the
 flat address of its first token, the address of its int64 slot list and its token count.
-Addresses are raw ``data_ptr()`` values cast to ``WORD`` pointers, so the kernel moves bytes
-whatever the KV dtype (fp8 included) and one compiled kernel serves every layer and chunk of a call.
+Addresses are raw ``data_ptr()`` values cast to pointers of ``WORD_BYTES``-wide integers, so the
+kernel moves bytes whatever the KV dtype (fp8 included) and one compiled kernel serves every layer
+and chunk of a call.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def paged_rows_kernel(
     block_stride,
     token_stride,
     HD: tl.constexpr,
-    WORD: tl.constexpr,
+    WORD_BYTES: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     TO_PAGED: tl.constexpr,
@@ -35,8 +36,21 @@ def paged_rows_kernel(
     row = tl.program_id(0)
     tok_block = tl.program_id(1)
     entry = table + row * 4
-    paged = tl.load(entry).to(tl.pointer_type(WORD))
-    flat = tl.load(entry + 1).to(tl.pointer_type(WORD))
+    paged_addr = tl.load(entry)
+    flat_addr = tl.load(entry + 1)
+    # A literal element type per branch (constexpr dtypes as arguments vary across Triton versions).
+    if WORD_BYTES == 8:
+        paged = paged_addr.to(tl.pointer_type(tl.int64))
+        flat = flat_addr.to(tl.pointer_type(tl.int64))
+    elif WORD_BYTES == 4:
+        paged = paged_addr.to(tl.pointer_type(tl.int32))
+        flat = flat_addr.to(tl.pointer_type(tl.int32))
+    elif WORD_BYTES == 2:
+        paged = paged_addr.to(tl.pointer_type(tl.int16))
+        flat = flat_addr.to(tl.pointer_type(tl.int16))
+    else:
+        paged = paged_addr.to(tl.pointer_type(tl.int8))
+        flat = flat_addr.to(tl.pointer_type(tl.int8))
     slot_list = tl.load(entry + 2).to(tl.pointer_type(tl.int64))
     n = tl.load(entry + 3)
 

@@ -43,12 +43,10 @@ def word_bytes_for(*values: int) -> int:
 @functools.cache
 def _triton():
     import triton
-    import triton.language as tl
 
     from kvtier.cuda._triton_kernels import paged_rows_kernel
 
-    words = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
-    return triton, paged_rows_kernel, words
+    return triton, paged_rows_kernel
 
 
 def _blocks(hd_words: int, word_bytes: int) -> tuple[int, int]:
@@ -67,7 +65,7 @@ def copy_rows(table: torch.Tensor, max_tokens: int, geo: RowGeometry, *, to_page
     rows = table.shape[0]
     if rows == 0 or max_tokens == 0:
         return
-    triton, kernel, words = _triton()
+    triton, kernel = _triton()
     block_t, block_d = _blocks(geo.hd_words, geo.word_bytes)
     grid = (rows, triton.cdiv(max_tokens, block_t))
     kernel[grid](
@@ -77,7 +75,7 @@ def copy_rows(table: torch.Tensor, max_tokens: int, geo: RowGeometry, *, to_page
         geo.block_stride_words,
         geo.token_stride_words,
         HD=geo.hd_words,
-        WORD=words[geo.word_bytes],
+        WORD_BYTES=geo.word_bytes,
         BLOCK_T=block_t,
         BLOCK_D=block_d,
         TO_PAGED=to_paged,

@@ -1,0 +1,375 @@
+"""``kvtier bench transfer``: paged KV <-> pinned host throughput on one NVIDIA GPU.
+
+In one run, per model shape (8B: 32 layers, 8 kv heads, head 128; small: 16 layers, 2 kv heads,
+head 64; bf16, block 16, chunks of 256 tokens, flash-attn layout), it measures:
+
+- ``limit``: one contiguous pinned-host copy of the same bytes, each direction, and both
+  directions at once on two streams (what PCIe and the copy engines can do);
+- ``torch``: core's TorchPagedConnector (index_select / index_copy_ per layer + copy);
+- ``kvtier``: the CUDA connector (default mode), store, retrieve and both at once (a store
+  thread and a load thread, as an engine would run them).
+
+It also measures the one-kernel zero-copy mode and a few staging-ring sizes (``variants``), so
+the default can be chosen from numbers. Every path's bytes are checked against the torch
+reference before timing. Times are host wall-clock medians of whole calls (each call returns
+with its copies done), so host overhead counts. Writes ``transfer-<device>.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvtier.core.connector import TorchPagedConnector, Transfer
+from kvtier.core.layout import KVLayout, PagedLayout
+from kvtier.core.memory import HostArena, MemoryObj, MemoryObjMeta
+
+CHUNK = 256
+BLOCK = 16
+SHAPES = {"8b": (32, 8, 128), "small": (16, 2, 64)}
+TARGETS = {"8b": 0.95, "small": 0.85}
+DUPLEX_TARGET = 1.7
+
+
+@dataclass
+class _Case:
+    shape: str
+    layout: KVLayout
+    caches: list[torch.Tensor]
+    store_objs: list[MemoryObj]
+    load_objs: list[MemoryObj]
+    store_slots: list[torch.Tensor]
+    load_slots: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(o.meta.nbytes for o in self.store_objs)
+
+    def store_transfers(self) -> list[Transfer]:
+        return [Transfer(o, s) for o, s in zip(self.store_objs, self.store_slots, strict=True)]
+
+    def load_transfers(self) -> list[Transfer]:
+        return [Transfer(o, s) for o, s in zip(self.load_objs, self.load_slots, strict=True)]
+
+
+def _device_slug(name: str) -> str:
+    m = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", name)
+    return (m.group(1) if m else re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")).lower()
+
+
+def _median_seconds(fn: Callable[[], None], repeat: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _make_case(shape: str, chunks: int, arena: HostArena, seed: int) -> _Case:
+    layers, heads, head = SHAPES[shape]
+    layout = KVLayout(layers, heads, head, "bfloat16", BLOCK, PagedLayout.FLASH_NHD)
+    blocks_per_chunk = CHUNK // BLOCK
+    num_blocks = 2 * chunks * blocks_per_chunk + 7  # room for a store set and a load set
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    caches = [
+        torch.randn(layout.expected_cache_shape(num_blocks), device="cuda", generator=gen).to(torch.bfloat16)
+        for _ in range(layers)
+    ]
+    # Blocks in random order, as a long-running engine hands them out.
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
+    offsets = torch.arange(BLOCK)
+
+    def slots_of(k: int) -> torch.Tensor:
+        ids = perm[k * blocks_per_chunk : (k + 1) * blocks_per_chunk]
+        return (ids[:, None] * BLOCK + offsets).reshape(-1)
+
+    meta = MemoryObjMeta(layout.chunk_shape(CHUNK), torch.bfloat16, CHUNK)
+
+    def objects() -> list[MemoryObj]:
+        objs = []
+        for _ in range(chunks):
+            obj = arena.allocate(meta)
+            if obj is None:
+                raise MemoryError("benchmark arena too small")
+            obj.tensor.normal_()
+            objs.append(obj)
+        return objs
+
+    return _Case(
+        shape=shape,
+        layout=layout,
+        caches=caches,
+        store_objs=objects(),
+        load_objs=objects(),
+        store_slots=[slots_of(k) for k in range(chunks)],
+        load_slots=[slots_of(chunks + k) for k in range(chunks)],
+    )
+
+
+def _release(case: _Case) -> None:
+    for o in case.store_objs + case.load_objs:
+        o.release()
+
+
+def _check(case: _Case, conn, name: str) -> None:  # type: ignore[no-untyped-def]
+    """The connector's bytes equal the torch reference's (store and load), or raise."""
+    ref = TorchPagedConnector([c.clone() for c in case.caches], case.layout)
+    conn.store(case.store_transfers())
+    got = [o.tensor.clone() for o in case.store_objs]
+    ref.store(case.store_transfers())
+    if not all(torch.equal(a.view(torch.int16), o.tensor.view(torch.int16)) for a, o in zip(got, case.store_objs, strict=True)):
+        raise AssertionError(f"{name}: stored bytes differ from the torch reference")
+    conn.load(case.load_transfers())
+    ref.load(case.load_transfers())
+    torch.cuda.synchronize()
+    for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
+        if not torch.equal(a.view(torch.int16), b.view(torch.int16)):
+            raise AssertionError(f"{name}: loaded cache differs from the torch reference")
+
+
+class _Pair:
+    """Two persistent threads that run a store and a load at the same moment, on demand."""
+
+    def __init__(self, store: Callable[[], None], load: Callable[[], None]) -> None:
+        self._start = threading.Barrier(3, timeout=120)
+        self._end = threading.Barrier(3, timeout=120)
+        self._stop = False
+        self._errors: list[BaseException] = []
+        self._threads = [threading.Thread(target=self._loop, args=(f,), daemon=True) for f in (store, load)]
+        for t in self._threads:
+            t.start()
+
+    def _loop(self, fn: Callable[[], None]) -> None:
+        while True:
+            self._start.wait()
+            if self._stop:
+                return
+            try:
+                fn()
+            except BaseException as e:
+                self._errors.append(e)
+            self._end.wait()
+
+    def __call__(self) -> None:
+        self._start.wait()
+        self._end.wait()
+        if self._errors:
+            raise self._errors[0]
+
+    def close(self) -> None:
+        self._stop = True
+        self._start.wait()
+        for t in self._threads:
+            t.join(timeout=30)
+
+
+def _measure_connector(case: _Case, conn, repeat: int, warmup: int, both: bool) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    stores, loads = case.store_transfers(), case.load_transfers()
+    out = {
+        "store": _median_seconds(lambda: conn.store(stores), repeat, warmup),
+        "retrieve": _median_seconds(lambda: conn.load(loads), repeat, warmup),
+    }
+    if both:
+        pair = _Pair(lambda: conn.store(stores), lambda: conn.load(loads))
+        try:
+            out["both"] = _median_seconds(pair, repeat, warmup)
+        finally:
+            pair.close()
+    return out
+
+
+def _measure_limit(nbytes: int, arena: HostArena, repeat: int, warmup: int) -> dict[str, float]:
+    """One contiguous copy of ``nbytes`` each way (pinned host <-> device), and both at once."""
+    dev_out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev_in = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    objs = [arena.allocate(MemoryObjMeta((nbytes,), torch.uint8, 1)) for _ in range(2)]
+    if any(o is None for o in objs):
+        raise MemoryError("benchmark arena too small")
+    host_out, host_in = objs[0].tensor, objs[1].tensor  # type: ignore[union-attr]
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def d2h() -> None:
+        with torch.cuda.stream(s1):
+            host_out.copy_(dev_out, non_blocking=True)
+        s1.synchronize()
+
+    def h2d() -> None:
+        with torch.cuda.stream(s2):
+            dev_in.copy_(host_in, non_blocking=True)
+        s2.synchronize()
+
+    def both() -> None:
+        with torch.cuda.stream(s1):
+            host_out.copy_(dev_out, non_blocking=True)
+        with torch.cuda.stream(s2):
+            dev_in.copy_(host_in, non_blocking=True)
+        s1.synchronize()
+        s2.synchronize()
+
+    try:
+        return {
+            "store": _median_seconds(d2h, repeat, warmup),
+            "retrieve": _median_seconds(h2d, repeat, warmup),
+            "both": _median_seconds(both, repeat, warmup),
+        }
+    finally:
+        for o in objs:
+            o.release()  # type: ignore[union-attr]
+
+
+def _rows(shape: str, impl: str, seconds: dict[str, float], nbytes: int, limit_gbps: dict[str, float]) -> list[dict]:
+    rows = []
+    one_way = (limit_gbps["store"] + limit_gbps["retrieve"]) / 2
+    for direction, s in seconds.items():
+        moved = nbytes * (2 if direction == "both" else 1)
+        gbps = moved / s / 1e9
+        row = {
+            "shape": shape,
+            "direction": direction,
+            "impl": impl,
+            "gbps": round(gbps, 2),
+            "ratio_to_limit": round(gbps / limit_gbps[direction], 3),
+            "bytes": moved,
+            "seconds": s,
+        }
+        if direction == "both":
+            # The duplex target: both directions at once vs one direction of the contiguous copy.
+            row["x_one_direction_limit"] = round(gbps / one_way, 3)
+        rows.append(row)
+    return rows
+
+
+def _plot(result: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = result["results"] + [r for r in result["variants"] if r.get("config") == "zerocopy"]
+    groups = [(s, d) for s in SHAPES for d in ("store", "retrieve", "both")]
+    impls = ["torch", "kvtier", "kvtier-zerocopy"]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(impls)
+    for k, impl in enumerate(impls):
+        ys = []
+        for s, d in groups:
+            match = [r for r in rows if r["shape"] == s and r["direction"] == d and r["impl"] == impl]
+            ys.append(match[0]["ratio_to_limit"] if match else 0.0)
+        ax.bar([g + k * width for g in range(len(groups))], ys, width, label=impl)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([g + width for g in range(len(groups))])
+    ax.set_xticklabels([f"{s}\n{d}" for s, d in groups])
+    ax.set_ylabel("fraction of the contiguous pinned copy")
+    ax.set_title(f"paged KV transfer on {result['device']} (limit: " + ", ".join(
+        f"{r['shape']} {r['direction']} {r['gbps']} GB/s" for r in result["results"]
+        if r["impl"] == "limit" and r["shape"] == "8b") + ")", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvtier bench transfer", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    ap.add_argument("--chunks", type=int, default=16, help="256-token chunks per call (default 16)")
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--device-name", help="name in the output files (default: from the GPU)")
+    ap.add_argument("--suffix", default="", help="appended to the output file names")
+    ap.add_argument("--no-variants", action="store_true", help="skip zerocopy and ring-size variants")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kvtier bench transfer needs an NVIDIA GPU (torch.cuda.is_available() is False)")
+        return 2
+
+    from kvtier.cuda.connector import CUDAPagedConnector
+    from kvtier.cuda.platform import CUDAPlatform
+
+    name = torch.cuda.get_device_name()
+    slug = args.device_name or _device_slug(name)
+    largest = max(KVLayout(*SHAPES[s], "bfloat16", BLOCK, PagedLayout.FLASH_NHD).chunk_nbytes(CHUNK) for s in args.shapes)
+    arena = CUDAPlatform().create_arena(4 * args.chunks * largest + (64 << 20))
+    results: list[dict] = []
+    variants: list[dict] = []
+    configs = [] if args.no_variants else [
+        ("zerocopy", {"mode": "zerocopy"}),
+        ("ring 2x4MiB", {"staging_slots": 2, "staging_slot_bytes": 4 << 20}),
+        ("ring 4x16MiB", {"staging_slots": 4, "staging_slot_bytes": 16 << 20}),
+        ("ring 8x2MiB", {"staging_slots": 8, "staging_slot_bytes": 2 << 20}),
+    ]
+    print(f"device: {name}; {args.chunks} chunks of {CHUNK} tokens per call; median of {args.repeat}")
+    print(f"{'shape':<6} {'direction':<9} {'impl':<22} {'GB/s':>7} {'ratio':>6}")
+    for shape in args.shapes:
+        case = _make_case(shape, args.chunks, arena, seed=len(results))
+        limit_s = _measure_limit(case.nbytes, arena, args.repeat, args.warmup)
+        limit_gbps = {d: case.nbytes * (2 if d == "both" else 1) / s / 1e9 for d, s in limit_s.items()}
+        rows = _rows(shape, "limit", limit_s, case.nbytes, limit_gbps)
+        torch_conn = TorchPagedConnector(case.caches, case.layout)
+        rows += _rows(shape, "torch", _measure_connector(case, torch_conn, max(3, args.repeat // 4), 1, both=False),
+                      case.nbytes, limit_gbps)
+        conn = CUDAPagedConnector(case.caches, case.layout)
+        _check(case, conn, "kvtier")
+        rows += _rows(shape, "kvtier", _measure_connector(case, conn, args.repeat, args.warmup, both=True),
+                      case.nbytes, limit_gbps)
+        results += rows
+        for label, opts in configs:
+            vconn = CUDAPagedConnector(case.caches, case.layout, **opts)
+            _check(case, vconn, label)
+            vrows = _rows(shape, "kvtier-" + label.replace(" ", "-"),
+                          _measure_connector(case, vconn, args.repeat, args.warmup, both=True),
+                          case.nbytes, limit_gbps)
+            for r in vrows:
+                r["config"] = label
+            variants += vrows
+            rows += vrows
+            del vconn
+        for r in rows:
+            extra = f"  ({r['x_one_direction_limit']}x one-way limit)" if "x_one_direction_limit" in r else ""
+            print(f"{r['shape']:<6} {r['direction']:<9} {r['impl']:<22} {r['gbps']:>7.2f} {r['ratio_to_limit']:>6.3f}{extra}")
+        _release(case)
+        del conn, torch_conn, case
+        torch.cuda.empty_cache()
+    result = {
+        "benchmark": "transfer",
+        "device": name,
+        "device_slug": slug,
+        "torch": torch.__version__,
+        "chunks_per_call": args.chunks,
+        "chunk_tokens": CHUNK,
+        "block_size": BLOCK,
+        "dtype": "bfloat16",
+        "layout": PagedLayout.FLASH_NHD.value,
+        "timing": "host wall-clock median of whole calls (copies complete on return)",
+        "targets": {"per_direction": TARGETS, "both_x_one_direction_limit": DUPLEX_TARGET},
+        "verified_against_torch_reference": True,
+        "results": results,
+        "variants": variants,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"transfer-{slug}{'-' + args.suffix if args.suffix else ''}"
+    out = args.out / f"{stem}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    if _plot(result, args.out / f"{stem}.png"):
+        print(f"wrote {args.out / f'{stem}.png'}")
+    return 0

@@ -1,0 +1,32 @@
+"""``kvtier bench transfer`` wiring (the measurement itself needs a GPU: nox -s bench)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.core.cli import main as kvtier_main
+from kvtier.cuda.bench import _device_slug, _rows
+
+
+def test_device_names_become_file_slugs():
+    assert _device_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert _device_slug("NVIDIA H200") == "h200"
+    assert _device_slug("NVIDIA GeForce RTX 4090") == "nvidia-geforce-rtx-4090"
+
+
+def test_rows_carry_the_fields_the_results_promise():
+    limit = {"store": 50.0, "retrieve": 50.0, "both": 90.0}
+    rows = _rows("8b", "kvtier", {"store": 0.01, "both": 0.012}, 500_000_000, limit)
+    assert [r["direction"] for r in rows] == ["store", "both"]
+    store, both = rows
+    assert {"shape", "direction", "impl", "gbps", "ratio_to_limit"} <= set(store)
+    assert store["gbps"] == 50.0 and store["ratio_to_limit"] == 1.0
+    assert both["gbps"] == pytest.approx(83.33, abs=0.01)
+    assert both["x_one_direction_limit"] == pytest.approx(1.667, abs=0.001)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_cli_says_a_gpu_is_needed(capsys):
+    assert kvtier_main(["bench", "transfer"]) == 2
+    assert "needs an NVIDIA GPU" in capsys.readouterr().out
