@@ -18,8 +18,8 @@ from kvtier.storage import codec
 def encode(i: int = 1, tokens: int = CHUNK, k=None, layout=LAYOUT, align: int = 0) -> bytes:
     t = chunk_value(i, tokens)
     payload = memoryview(t.view(torch.uint8).reshape(-1).numpy())
-    header = codec.encode_header(k or key(i), meta(tokens), layout, payload, align=align)
-    return header + payload.tobytes()
+    header, tail = codec.encode(k or key(i), meta(tokens), layout, payload, align=align)
+    return header + payload.tobytes() + tail
 
 
 def decode(blob: bytes, i: int = 1):

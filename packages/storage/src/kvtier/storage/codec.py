@@ -2,13 +2,14 @@
 
 ::
 
-    prefix   "<4sHHIQI": magic b"KVTC", format version, flags (0), meta_len, payload_len, crc32
+    prefix   "<4sHHIQ": magic b"KVTC", format version, flags (0), meta_len, payload_len
     meta     meta_len bytes: UTF-8 JSON {"key", "layout", "dtype", "shape", "tokens"},
              padded with spaces so the payload starts at a multiple of ``align`` when asked
-             (O_DIRECT-friendly disk files)
     payload  payload_len bytes: the chunk's tensor bytes ([2, layers, tokens, hidden] or MLA)
+    trailer  "<I": CRC-32 over prefix, meta and payload
 
-The checksum is CRC-32 over the prefix (without its crc field), the meta and the payload. A
+The checksum trails the payload so a writer can send the header and the payload while it is
+still being computed (``checksum_async``), and a reader can check each piece as it arrives. A
 decoder accepts a payload only if *every* field agrees with what the reader asked for: the full
 key string (so a value swapped between keys, or written by another model, layout or rank, is
 foreign), the layout fingerprint, the dtype, the shape (which must be the layout's chunk shape
@@ -23,7 +24,9 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,7 +39,8 @@ if TYPE_CHECKING:
 
 MAGIC = b"KVTC"
 FORMAT_VERSION = 1
-PREFIX = struct.Struct("<4sHHIQI")
+PREFIX = struct.Struct("<4sHHIQ")
+TRAILER = struct.Struct("<I")
 # A meta section is a few hundred bytes; a larger one is not ours. Alignment padding is
 # bounded by the largest alignment we write (one page for O_DIRECT).
 MAX_META = 64 * 1024
@@ -58,22 +62,15 @@ class Header:
     meta: MemoryObjMeta
     header_len: int
     payload_len: int
-    crc: int
     crc_of_header: int
 
     @property
     def total_len(self) -> int:
-        return self.header_len + self.payload_len
+        return self.header_len + self.payload_len + TRAILER.size
 
 
-def _crc_after_header(prefix_no_crc: bytes, meta: bytes) -> int:
-    return zlib.crc32(meta, zlib.crc32(prefix_no_crc))
-
-
-def encode_header(
-    key: ChunkKey, meta: MemoryObjMeta, layout: KVLayout, payload: memoryview, *, align: int = 0
-) -> bytes:
-    """The header of ``payload`` (the chunk's bytes) stored under ``key``."""
+def encode_header(key: ChunkKey, meta: MemoryObjMeta, layout: KVLayout, *, align: int = 0) -> bytes:
+    """The header (prefix + meta) of the chunk ``meta`` stored under ``key``."""
     body = json.dumps(
         {
             "key": key.to_string(),
@@ -89,19 +86,49 @@ def encode_header(
         body += b" " * pad
     if len(body) > MAX_META:
         raise ValueError(f"chunk header of {len(body)} bytes is too large")
-    nbytes = payload.nbytes
-    if nbytes != meta.nbytes:
-        raise ValueError(f"payload has {nbytes} bytes, its meta says {meta.nbytes}")
-    head = PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(body), nbytes, 0)[:-4]
-    crc = zlib.crc32(payload, _crc_after_header(head, body))
-    return head + struct.pack("<I", crc) + body
+    return PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(body), meta.nbytes) + body
+
+
+def trailer(header: bytes, payload: memoryview | bytes) -> bytes:
+    """The checksum trailer of ``header`` + ``payload``."""
+    return TRAILER.pack(zlib.crc32(payload, zlib.crc32(header)))
+
+
+def encode(
+    key: ChunkKey, meta: MemoryObjMeta, layout: KVLayout, payload: memoryview, *, align: int = 0
+) -> tuple[bytes, bytes]:
+    """``(header, trailer)`` of ``payload``: the stored value is header + payload + trailer."""
+    if payload.nbytes != meta.nbytes:
+        raise ValueError(f"payload has {payload.nbytes} bytes, its meta says {meta.nbytes}")
+    header = encode_header(key, meta, layout, align=align)
+    return header, trailer(header, payload)
+
+
+_crc_pool: ThreadPoolExecutor | None = None
+_crc_pool_lock = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _crc_pool
+    with _crc_pool_lock:
+        if _crc_pool is None:
+            _crc_pool = ThreadPoolExecutor(2, thread_name_prefix="kvtier-crc")
+        return _crc_pool
+
+
+def checksum_async(data: memoryview | bytes, start: int = 0) -> Future[int]:
+    """``zlib.crc32(data, start)`` on a helper thread (it releases the GIL), so it overlaps
+    with the caller's I/O or copies. The caller must keep ``data`` alive until it resolves."""
+    return _pool().submit(zlib.crc32, data, start)
 
 
 def prefix_lengths(prefix: bytes | memoryview) -> tuple[int, int]:
-    """``(header_len, payload_len)`` from the first ``PREFIX.size`` bytes, before trusting more."""
+    """``(header_len, payload_len)`` from the first ``PREFIX.size`` bytes, before trusting more.
+
+    The whole stored value is ``header_len + payload_len + TRAILER.size`` bytes."""
     if len(prefix) < PREFIX.size:
         raise PayloadError(f"truncated: {len(prefix)} bytes, a header needs {PREFIX.size}")
-    magic, version, flags, meta_len, payload_len, _ = PREFIX.unpack_from(prefix)
+    magic, version, flags, meta_len, payload_len = PREFIX.unpack_from(prefix)
     if magic != MAGIC:
         raise PayloadError("foreign: bad magic")
     if version != FORMAT_VERSION:
@@ -149,28 +176,42 @@ def decode_header(
     meta = MemoryObjMeta(shape, layout.torch_dtype, tokens)
     if payload_len != meta.nbytes:
         raise PayloadError(f"corrupt: payload length {payload_len}, shape needs {meta.nbytes}")
-    (crc,) = struct.unpack_from("<I", view, PREFIX.size - 4)
-    crc_head = _crc_after_header(bytes(view[: PREFIX.size - 4]), bytes(view[PREFIX.size : header_len]))
-    return Header(want, meta, header_len, payload_len, crc, crc_head)
+    return Header(want, meta, header_len, payload_len, zlib.crc32(view[:header_len]))
 
 
-def verify(header: Header, payload: memoryview | bytes) -> None:
+def check_trailer(crc: int, trailer_bytes: bytes | memoryview) -> None:
+    """Raise ``PayloadError`` unless ``trailer_bytes`` holds ``crc`` (header + payload's CRC)."""
+    if len(trailer_bytes) != TRAILER.size:
+        raise PayloadError(f"truncated: trailer of {len(trailer_bytes)} bytes")
+    if TRAILER.unpack(trailer_bytes)[0] != crc:
+        raise PayloadError("corrupt: checksum mismatch")
+
+
+def verify(header: Header, payload: memoryview | bytes, trailer_bytes: bytes | memoryview) -> None:
     """Raise ``PayloadError`` unless ``payload`` is exactly the bytes ``header`` was written for."""
     n = memoryview(payload).nbytes
     if n != header.payload_len:
         raise PayloadError(f"truncated: payload of {n} bytes, expected {header.payload_len}")
-    if zlib.crc32(payload, header.crc_of_header) != header.crc:
-        raise PayloadError("corrupt: checksum mismatch")
+    check_trailer(zlib.crc32(payload, header.crc_of_header), trailer_bytes)
 
 
 def decode(
     blob: bytes | memoryview, *, key: ChunkKey, layout: KVLayout, max_tokens: int
 ) -> tuple[Header, memoryview]:
     """Check a whole stored value; return its header and a view of its payload (no copy)."""
+    header, payload, tail = split(blob, key=key, layout=layout, max_tokens=max_tokens)
+    verify(header, payload, tail)
+    return header, payload
+
+
+def split(
+    blob: bytes | memoryview, *, key: ChunkKey, layout: KVLayout, max_tokens: int
+) -> tuple[Header, memoryview, memoryview]:
+    """Check a whole stored value's header and length; return ``(header, payload, trailer)``
+    views. The checksum is *not* checked: pass them to ``verify``."""
     header = decode_header(blob, key=key, layout=layout, max_tokens=max_tokens)
     view = memoryview(blob)
     if view.nbytes != header.total_len:
         raise PayloadError(f"truncated: {view.nbytes} bytes, expected {header.total_len}")
-    payload = view[header.header_len :]
-    verify(header, payload)
-    return header, payload
+    end = header.header_len + header.payload_len
+    return header, view[header.header_len : end], view[end:]

@@ -27,8 +27,10 @@ import logging
 import os
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -74,6 +76,29 @@ def _read_into(fd: int, view: memoryview, offset: int) -> int:
             break
         done += n
     return done
+
+
+# Reads go in segments so the checksum of one overlaps the read of the next.
+_SEGMENT = 8 << 20
+
+
+def _read_checksummed(fd: int, view: memoryview, offset: int, crc: int) -> int:
+    """Read ``view.nbytes`` bytes at ``offset`` into ``view``; return the CRC-32 continued from
+    ``crc``. Raises ``PayloadError`` if the file is short."""
+    pending: Future[int] | None = None
+    try:
+        for start in range(0, view.nbytes, _SEGMENT):
+            seg = view[start : start + _SEGMENT]
+            if _read_into(fd, seg, offset + start) != seg.nbytes:
+                raise codec.PayloadError("truncated: file ended inside the payload")
+            if pending is not None:
+                crc = pending.result()
+            pending = codec.checksum_async(seg, crc)
+    finally:
+        # never hand the buffer back (or fail) while a helper thread still reads it
+        if pending is not None:
+            crc = pending.result()
+    return crc
 
 
 class LocalDiskBackend(StorageBackend):
@@ -205,8 +230,8 @@ class LocalDiskBackend(StorageBackend):
         if self._lookup(name):
             return
         payload = obj.byte_view()
-        header = codec.encode_header(key, obj.meta, self.ctx.layout, payload)
-        size = len(header) + payload.nbytes
+        header = codec.encode_header(key, obj.meta, self.ctx.layout)
+        size = len(header) + payload.nbytes + codec.TRAILER.size
         if size > self.budget:
             self.ctx.stats.add(f"{self.name}.store_skipped")
             warn_throttled("disk-budget", "kvtier disk tier: a %d-byte chunk exceeds the budget "
@@ -223,10 +248,13 @@ class LocalDiskBackend(StorageBackend):
         ok = False
         try:
             fd = os.open(self.dir / tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            crc = codec.checksum_async(payload, zlib.crc32(header))
             try:
                 _write_all(fd, [header, payload])
+                _write_all(fd, [codec.TRAILER.pack(crc.result())])
                 os.fsync(fd)
             finally:
+                crc.result()
                 os.close(fd)
             os.replace(self.dir / tmp, self.dir / name)
             ok = True
@@ -291,9 +319,9 @@ class LocalDiskBackend(StorageBackend):
         try:
             prefix = os.pread(fd, codec.PREFIX.size, 0)
             header_len, payload_len = codec.prefix_lengths(prefix)
-            if size != header_len + payload_len:
+            if size != header_len + payload_len + codec.TRAILER.size:
                 raise codec.PayloadError(f"truncated: file of {size} bytes, header says "
-                                         f"{header_len + payload_len}")
+                                         f"{header_len + payload_len + codec.TRAILER.size}")
             head = os.pread(fd, header_len, 0)
             header = codec.decode_header(head, key=key, layout=self.ctx.layout, max_tokens=self.max_tokens)
         except codec.PayloadError as e:
@@ -304,9 +332,9 @@ class LocalDiskBackend(StorageBackend):
             self.ctx.stats.add(f"{self.name}.no_host_memory")
             return None
         try:
-            view = obj.byte_view()
-            got = _read_into(fd, view, header.header_len)
-            codec.verify(header, view[:got])
+            crc = _read_checksummed(fd, obj.byte_view(), header.header_len, header.crc_of_header)
+            tail = os.pread(fd, codec.TRAILER.size, header.header_len + header.payload_len)
+            codec.check_trailer(crc, tail)
         except codec.PayloadError as e:
             obj.release()
             self._reject(name, e)

@@ -24,8 +24,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import zlib
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from kvtier.core.errors import ConfigError, MissingExtraError
 from kvtier.storage import codec
@@ -176,12 +180,10 @@ class RedisBackend(StorageBackend):
                 self.ctx.stats.add(f"{self.name}.store_skipped", len(items))
             return
         try:
-            pipe = self._pipeline(client)
-            for key, obj in items:
-                payload = obj.byte_view()
-                header = codec.encode_header(key, obj.meta, self.ctx.layout, payload)
-                pipe.set(self._key(key), b"".join((header, payload)), ex=self.ttl)
-            replies = pipe.execute(raise_on_error=False)
+            if self.ctx.config.redis_cluster:
+                replies = self._put_pipelined(client, items)
+            else:
+                replies = self._put_streamed(client, items)
         except Exception as e:
             self._failed("set", e)
             self.ctx.stats.add(f"{self.name}.store_skipped", len(items))
@@ -192,6 +194,51 @@ class RedisBackend(StorageBackend):
             self.ctx.stats.add(f"{self.name}.store_skipped", len(failed))
             warn_throttled("redis-set", "kvtier redis tier: %d chunk(s) not stored: %s", len(failed), failed[0])
         self.ctx.stats.add(f"{self.name}.stored", len(items) - len(failed))
+
+    def _put_pipelined(self, client: Any, items: Sequence[tuple[ChunkKey, MemoryObj]]) -> list[Any]:
+        """Cluster path: redis-py's cluster pipeline routes each SET to its node (one copy of
+        each value is made to join header, payload and trailer)."""
+        pipe = self._pipeline(client)
+        for key, obj in items:
+            payload = obj.byte_view()
+            header, tail = codec.encode(key, obj.meta, self.ctx.layout, payload)
+            pipe.set(self._key(key), b"".join((header, payload, tail)), ex=self.ttl)
+        return pipe.execute(raise_on_error=False)
+
+    def _put_streamed(self, client: Any, items: Sequence[tuple[ChunkKey, MemoryObj]]) -> list[Any]:
+        """Single-server path: pipelined SETs written as RESP on one pooled connection, each
+        payload sent straight from host memory (no copy) while its checksum is computed on a
+        helper thread; the trailer follows once both are done."""
+        ex = [b"EX", str(self.ttl).encode()] if self.ttl else []
+        ex_resp = b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in ex)
+        pool = client.connection_pool
+        conn = pool.get_connection()
+        pending: list[Future[int]] = []
+        try:
+            for key, obj in items:
+                payload = obj.byte_view()
+                header = codec.encode_header(key, obj.meta, self.ctx.layout)
+                crc = codec.checksum_async(payload, zlib.crc32(header))
+                pending.append(crc)
+                k = self._key(key).encode()
+                size = len(header) + payload.nbytes + codec.TRAILER.size
+                head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 + len(ex), len(k), k, size)
+                conn.send_packed_command([head + header, payload])
+                conn.send_packed_command([codec.TRAILER.pack(crc.result()) + b"\r\n" + ex_resp])
+            replies: list[Any] = []
+            for _ in items:
+                try:
+                    replies.append(conn.read_response())
+                except self._redis.ResponseError as e:
+                    replies.append(e)
+            return replies
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            for fut in pending:  # the caller's buffers must not be read after we return
+                fut.result()
+            pool.release(conn)
 
     def batched_get(
         self,
@@ -216,23 +263,33 @@ class RedisBackend(StorageBackend):
             if blob is None:
                 continue
             try:
-                header, payload = codec.decode(
-                    blob, key=key, layout=self.ctx.layout, max_tokens=self.max_tokens
-                )
+                out[i] = self._decode_into(key, blob, allocate)
             except codec.PayloadError as e:
                 self.ctx.stats.add(f"{self.name}.corrupt")
                 logger.warning("kvtier redis tier: value of %s rejected (%s); deleted", key.to_string(), e.reason)
                 bad.append(key)
-                continue
-            obj = allocate(header.meta)
-            if obj is None:
-                self.ctx.stats.add(f"{self.name}.no_host_memory")
-                continue
-            obj.byte_view()[:] = payload
-            out[i] = obj
         if bad:
             self.remove(bad)
         return out
+
+    def _decode_into(
+        self, key: ChunkKey, blob: bytes, allocate: Callable[[MemoryObjMeta], MemoryObj | None]
+    ) -> MemoryObj | None:
+        """A new host object holding ``blob``'s payload; the checksum runs while it is copied."""
+        header, payload, tail = codec.split(blob, key=key, layout=self.ctx.layout, max_tokens=self.max_tokens)
+        obj = allocate(header.meta)
+        if obj is None:
+            self.ctx.stats.add(f"{self.name}.no_host_memory")
+            return None
+        crc = codec.checksum_async(payload, header.crc_of_header)
+        try:
+            np.copyto(np.frombuffer(obj.byte_view(), dtype=np.uint8), np.frombuffer(payload, dtype=np.uint8))
+            codec.check_trailer(crc.result(), tail)
+        except BaseException:
+            crc.result()
+            obj.release()
+            raise
+        return obj
 
     def remove(self, keys: Sequence[ChunkKey]) -> None:
         client = self._get_client()
