@@ -263,3 +263,20 @@ def test_partial_chunk_round_trip(make_manager, redis_clean):
     assert got.meta.shape == LAYOUT.chunk_shape(CHUNK // 2)
     check_obj(got, 9)
     got.release()
+
+
+def test_close_during_a_hung_read_is_bounded_and_leaks_nothing(make_manager, redis_clean):
+    m = redis_manager(make_manager, redis_clean.url)
+    stored(m, 0, 1)
+    redis_clean.pause()
+    try:
+        futs = [m.prefetch([key(0), key(1)]), m.get_non_blocking(key(1))]
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        m.close()
+        assert time.monotonic() - t0 < 10
+    finally:
+        redis_clean.resume()
+    assert futs[0].cancelled() or futs[0].result(10) == 0
+    assert futs[1].cancelled() or futs[1].result(10) is None
+    assert m.arena.used_bytes == 0

@@ -338,7 +338,9 @@ class TieredStorageManager(StorageManager):
         if dropped:
             self._done_pending(dropped)
             self.stats.add("write_queue.dropped_at_close", dropped)
-        self._readers.shutdown(wait=False, cancel_futures=True)
+        # In-flight reads finish within their tiers' timeouts; they must not write back into a
+        # host tier that is already closed.
+        self._readers.shutdown(wait=True, cancel_futures=True)
         for tier in reversed(self.tiers):
             try:
                 tier.close()

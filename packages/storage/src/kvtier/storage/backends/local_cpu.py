@@ -36,6 +36,7 @@ class LocalCPUBackend(StorageBackend):
         self._lock = threading.Lock()
         self._entries: OrderedDict[ChunkKey, MemoryObj] = OrderedDict()
         self._bytes = 0
+        self._closed = False
 
     @property
     def used_bytes(self) -> int:
@@ -67,6 +68,8 @@ class LocalCPUBackend(StorageBackend):
     def batched_put(self, items: Sequence[tuple[ChunkKey, MemoryObj]]) -> None:
         replaced: list[MemoryObj] = []
         with self._lock:
+            if self._closed:
+                return
             for key, obj in items:
                 mine = obj.share()
                 old = self._entries.pop(key, None)
@@ -112,7 +115,9 @@ class LocalCPUBackend(StorageBackend):
         return True
 
     def close(self) -> None:
+        """Release every held object; later puts keep nothing."""
         with self._lock:
+            self._closed = True
             entries, self._entries = list(self._entries.values()), OrderedDict()
             self._bytes = 0
         for obj in entries:
