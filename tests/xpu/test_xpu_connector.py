@@ -13,7 +13,9 @@ import torch
 from xpu_helpers import (
     BLOCK,
     NUM_BLOCKS,
+    SIZES_3,
     bits,
+    chunk_slots,
     make_arena,
     make_caches,
     make_obj,
@@ -25,24 +27,8 @@ from xpu_helpers import (
 from kvtier.core import KVLayout, PagedLayout, PlatformError, TorchPagedConnector, Transfer
 from kvtier.xpu import StreamAPI, XPUPagedConnector
 
-# Three chunks, the last one partial (8 of 16 tokens).
-SIZES = (16, 16, 8)
+SIZES = SIZES_3
 MODES = ("whole", "layerwise", "per_layer")
-
-
-def chunk_slots(sizes: Sequence[int], seed: int, holes: bool) -> list[list[int]]:
-    """Distinct random slots per chunk; with ``holes``: a -1 prefix (the engine already has those
-    tokens), a -1 in the middle, and one extra chunk that is all -1."""
-    perm = torch.randperm(NUM_BLOCKS * BLOCK, generator=torch.Generator().manual_seed(seed))
-    out, at = [], 0
-    for n in sizes:
-        out.append(perm[at : at + n].tolist())
-        at += n
-    if holes:
-        out[0][:5] = [-1] * 5
-        out[1][7] = -1
-        out.append([-1] * 8)
-    return out
 
 
 def sizes_of(slots: Sequence[Sequence[int]]) -> list[int]:

@@ -17,6 +17,9 @@ LAYOUTS = {
     "mla": KVLayout(3, 1, 16, "bfloat16", BLOCK, PagedLayout.MLA, use_mla=True),
 }
 
+# Three chunks, the last one partial (8 of 16 tokens).
+SIZES_3 = (16, 16, 8)
+
 
 def xpu_available() -> bool:
     return hasattr(torch, "xpu") and torch.xpu.is_available()
@@ -72,3 +75,18 @@ def transfers_for(objs: Sequence[MemoryObj], slots: Sequence[Sequence[int]],
         Transfer(o, torch.tensor(list(s), dtype=torch.long, device=device))
         for o, s in zip(objs, slots, strict=True)
     ]
+
+
+def chunk_slots(sizes: Sequence[int], seed: int, holes: bool) -> list[list[int]]:
+    """Distinct random slots per chunk; with ``holes``: a -1 prefix (the engine already has those
+    tokens), a -1 in the middle, and one extra chunk that is all -1."""
+    perm = torch.randperm(NUM_BLOCKS * BLOCK, generator=torch.Generator().manual_seed(seed))
+    out, at = [], 0
+    for n in sizes:
+        out.append(perm[at : at + n].tolist())
+        at += n
+    if holes:
+        out[0][:5] = [-1] * 5
+        out[1][7] = -1
+        out.append([-1] * 8)
+    return out
