@@ -32,8 +32,12 @@ export PYTHONPATH="$SITE:$PWD/packages/core/src:$PWD/packages/cuda/src"
 echo "== KVTIER_TEST_DEVICE=cuda python3 -m pytest tests/cuda"
 KVTIER_TEST_DEVICE=cuda timeout 240 python3 -m pytest tests/cuda -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest-cuda.log"
 
-echo "== kvtier bench transfer"
-timeout 240 python3 -m kvtier.core.cli bench transfer --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+echo "== host cost of the operations a transfer issues"
+timeout 120 python3 benchmarks/transfer_profile.py 2>&1 | tee "$OUT/profile.log"
+
 echo "== kvtier bench transfer --shapes small --chunks 64 (a 16k-token prefix in one call)"
 timeout 120 python3 -m kvtier.core.cli bench transfer --shapes small --chunks 64 --no-variants \
-  --suffix small-64chunks --out "$OUT" 2>&1 | tee "$OUT/bench-small-64.log"
+  --suffix small-64chunks --out "$OUT" 2>&1 | tail -n 12
+
+echo "== kvtier bench transfer"
+timeout 300 python3 -m kvtier.core.cli bench transfer --out "$OUT" 2>&1 | tee "$OUT/bench.log"

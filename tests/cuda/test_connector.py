@@ -239,3 +239,26 @@ def test_every_word_width(device, arena, dtype, head, word):
     ref.load(fresh_ref.transfers(slots))
     for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
         assert torch.equal(as_bytes(a), as_bytes(b))
+
+
+def test_async_store_and_load_complete_on_wait(device, arena):
+    layout = make_layout(PagedLayout.FLASH_NHD, torch.bfloat16)
+    caches = make_caches(layout, device, seed=40)
+    ref = _reference(layout, caches)
+    conn = CUDAPagedConnector(caches, layout)
+    total = SHAPE.blocks * SHAPE.block
+    slots = random_slots(total, LENGTHS * 2, seed=41, holes="none")
+    store_slots, load_slots = slots[: len(LENGTHS)], slots[len(LENGTHS) :]
+    mine, theirs = Objects(arena, layout, LENGTHS, 42), Objects(arena, layout, LENGTHS, 42)
+    fresh = Objects(arena, layout, LENGTHS, 43)
+    pending_store = conn.store_async(mine.transfers(store_slots))
+    pending_load = conn.load_async(fresh.transfers(load_slots))
+    pending_store.wait()
+    pending_load.wait()
+    pending_load.wait()  # idempotent
+    assert pending_store.done() and pending_load.done()
+    ref.store(theirs.transfers(store_slots))
+    ref.load(fresh.transfers(load_slots))
+    assert all(torch.equal(a, b) for a, b in zip(mine.bytes(), theirs.bytes(), strict=True))
+    for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
+        assert torch.equal(as_bytes(a), as_bytes(b))

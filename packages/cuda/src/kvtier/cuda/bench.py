@@ -6,8 +6,9 @@ head 64; bf16, block 16, chunks of 256 tokens, flash-attn layout), it measures:
 - ``limit``: one contiguous pinned-host copy of the same bytes, each direction, and both
   directions at once on two streams (what PCIe and the copy engines can do);
 - ``torch``: core's TorchPagedConnector (index_select / index_copy_ per layer + copy);
-- ``kvtier``: the CUDA connector (default mode), store, retrieve and both at once (a store
-  thread and a load thread, as an engine would run them).
+- ``kvtier``: the CUDA connector (default settings), store, retrieve, and both at once (a
+  ``store_async`` and a ``load_async`` in flight together from one thread; the same with two
+  threads calling ``store()`` and ``load()`` is a variant).
 
 It also measures the one-kernel zero-copy mode and a few staging-ring sizes (``variants``), so
 the default can be chosen from numbers. Every path's bytes are checked against the torch
@@ -178,13 +179,23 @@ class _Pair:
             t.join(timeout=30)
 
 
-def _measure_connector(case: _Case, conn, repeat: int, warmup: int, both: bool) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def _measure_connector(case: _Case, conn, repeat: int, warmup: int, both: str | None) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Median seconds per call; ``both``: None, "async" (one thread keeps a store_async and a
+    load_async in flight together) or "threads" (a thread calls store(), another load())."""
     stores, loads = case.store_transfers(), case.load_transfers()
     out = {
         "store": _median_seconds(lambda: conn.store(stores), repeat, warmup),
         "retrieve": _median_seconds(lambda: conn.load(loads), repeat, warmup),
     }
-    if both:
+    if both == "async":
+
+        def together() -> None:
+            s, ld = conn.store_async(stores), conn.load_async(loads)
+            s.wait()
+            ld.wait()
+
+        out["both"] = _median_seconds(together, repeat, warmup)
+    elif both == "threads":
         pair = _Pair(lambda: conn.store(stores), lambda: conn.load(loads))
         try:
             out["both"] = _median_seconds(pair, repeat, warmup)
@@ -313,9 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     variants: list[dict] = []
     configs = [] if args.no_variants else [
         ("zerocopy", {"mode": "zerocopy"}),
-        ("ring 2x4MiB", {"staging_slots": 2, "staging_slot_bytes": 4 << 20}),
-        ("ring 4x16MiB", {"staging_slots": 4, "staging_slot_bytes": 16 << 20}),
-        ("ring 8x2MiB", {"staging_slots": 8, "staging_slot_bytes": 2 << 20}),
+        ("ring 4x8MiB", {"staging_slots": 4, "staging_slot_bytes": 8 << 20}),
+        ("ring 2x16MiB", {"staging_slots": 2, "staging_slot_bytes": 16 << 20}),
+        ("ring 3x32MiB", {"staging_slots": 3, "staging_slot_bytes": 32 << 20}),
+        ("ring 2x64MiB", {"staging_slots": 2, "staging_slot_bytes": 64 << 20}),
     ]
     print(f"device: {name}; {args.chunks} chunks of {CHUNK} tokens per call; median of {args.repeat}")
     print(f"{'shape':<6} {'direction':<9} {'impl':<22} {'GB/s':>7} {'ratio':>6}")
@@ -325,18 +337,26 @@ def main(argv: list[str] | None = None) -> int:
         limit_gbps = {d: case.nbytes * (2 if d == "both" else 1) / s / 1e9 for d, s in limit_s.items()}
         rows = _rows(shape, "limit", limit_s, case.nbytes, limit_gbps)
         torch_conn = TorchPagedConnector(case.caches, case.layout)
-        rows += _rows(shape, "torch", _measure_connector(case, torch_conn, max(3, args.repeat // 4), 1, both=False),
+        rows += _rows(shape, "torch", _measure_connector(case, torch_conn, max(3, args.repeat // 4), 1, both=None),
                       case.nbytes, limit_gbps)
         conn = CUDAPagedConnector(case.caches, case.layout)
         _check(case, conn, "kvtier")
-        rows += _rows(shape, "kvtier", _measure_connector(case, conn, args.repeat, args.warmup, both=True),
+        rows += _rows(shape, "kvtier", _measure_connector(case, conn, args.repeat, args.warmup, both="async"),
                       case.nbytes, limit_gbps)
         results += rows
+        if configs:
+            trows = [r for r in _rows(shape, "kvtier-two-threads",
+                                       _measure_connector(case, conn, args.repeat, args.warmup, both="threads"),
+                                       case.nbytes, limit_gbps) if r["direction"] == "both"]
+            for r in trows:
+                r["config"] = "two threads"
+            variants += trows
+            rows += trows
         for label, opts in configs:
             vconn = CUDAPagedConnector(case.caches, case.layout, **opts)
             _check(case, vconn, label)
             vrows = _rows(shape, "kvtier-" + label.replace(" ", "-"),
-                          _measure_connector(case, vconn, args.repeat, args.warmup, both=True),
+                          _measure_connector(case, vconn, args.repeat, args.warmup, both="async"),
                           case.nbytes, limit_gbps)
             for r in vrows:
                 r["config"] = label

@@ -50,8 +50,8 @@ from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.cuda.kernels import RowGeometry, copy_rows, word_bytes_for
 
 MODES = ("dma", "zerocopy")
-_DEFAULT_SLOTS = 4
-_DEFAULT_SLOT_BYTES = 8 << 20
+_DEFAULT_SLOTS = 2
+_DEFAULT_SLOT_BYTES = 32 << 20
 
 
 @dataclass
@@ -147,17 +147,42 @@ class _Lane:
             self.copy_stream.synchronize()
 
 
-def _record_current(device: torch.device) -> torch.cuda.Event:
-    ev = torch.cuda.Event()
-    ev.record(torch.cuda.current_stream(device))
-    return ev
+class PendingTransfer:
+    """A transfer in flight (``store_async``/``load_async``). Call ``wait()`` exactly when the
+    result is needed; it is idempotent.
+
+    ``wait()`` blocks the host until the copies are done (the host objects may then be read,
+    written or released) and, for a load, also orders the caller's current stream after it.
+    """
+
+    __slots__ = ("_done", "_keep", "_load_device")
+
+    def __init__(
+        self, done: torch.cuda.Event | None, keep: list[torch.Tensor], load_device: torch.device | None
+    ) -> None:
+        self._done = done
+        self._keep = keep  # device tensors the enqueued work reads; freed after the wait
+        self._load_device = load_device
+
+    def done(self) -> bool:
+        """Whether the copies have finished (never blocks)."""
+        return self._done is None or self._done.query()
+
+    def wait(self) -> None:
+        if self._done is None:
+            return
+        if self._load_device is not None:
+            torch.cuda.current_stream(self._load_device).wait_event(self._done)
+        self._done.synchronize()
+        self._done = None
+        self._keep = []
 
 
 class CUDAPagedConnector(DeviceConnector):
     """Moves chunks between a CUDA paged KV cache and pinned host objects (see module doc).
 
     Options: ``mode`` (``"dma"``, default, or ``"zerocopy"``), ``staging_slots`` (ring length,
-    default 4) and ``staging_slot_bytes`` (default 8 MiB; grown to fit one row if needed). The
+    default 2) and ``staging_slot_bytes`` (default 32 MiB; grown to fit one row if needed). The
     ring costs ``2 * staging_slots * staging_slot_bytes`` of device memory (store + load).
     """
 
@@ -259,7 +284,7 @@ class CUDAPagedConnector(DeviceConnector):
     def _prepare(self, transfers: Sequence[Transfer]) -> tuple[list[_Prepared], torch.Tensor]:
         """Validate every transfer; return them with one int64 slot tensor for the whole call.
 
-        The slot tensor is on the host; ``_slots_on_device`` uploads it on the lane's stream.
+        The slot tensor stays on the host; it travels to the device with the row table.
         Checks run once over the concatenated slots (a call may hold hundreds of chunks).
         """
         lay = self.layout
@@ -322,25 +347,17 @@ class CUDAPagedConnector(DeviceConnector):
             )
         return prepared, slot_tensor
 
-    def _upload(self, host: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the device, copied on the current stream without blocking the host."""
-        if self.device.type != "cuda":
-            return host.clone()
-        if host.numel() == 0:
-            return torch.empty_like(host, device=self.device)
-        return host.pin_memory().to(self.device, non_blocking=True)
-
     # -- planning ---------------------------------------------------------------------------
     def _plan(
         self,
         lane: _Lane,
         prepared: Sequence[_Prepared],
         segments: Iterable[tuple[int, int, int, int, int]],
-        slots_dev: torch.Tensor,
         *,
         store: bool,
     ) -> tuple[list[_Piece], torch.Tensor]:
-        """Pack row segments into pieces; return them and the row table (host, ``[rows, 4]``).
+        """Pack row segments into pieces; return them and the row table (host, ``[rows, 4]``,
+        slot-list column relative to the call's slot tensor).
 
         A segment ``(transfer, start, stop, step, layer)`` is the object rows
         ``range(start, stop, step)`` of one transfer; ``layer`` (or -1) tags the segments of one
@@ -354,7 +371,6 @@ class CUDAPagedConnector(DeviceConnector):
             return [], torch.empty((0, 4), dtype=torch.int64)
         if not zero_copy:
             lane.ensure_slots(max(prepared[sg[0]].row_bytes for sg in segs))
-        slot_base = slots_dev.data_ptr()
         # One entry per run of rows: (first row, row step, rows, first flat address, flat step,
         # slot-list address, tokens). The table is expanded from these with numpy at the end.
         runs: list[tuple[int, int, int, int, int, int, int]] = []
@@ -365,7 +381,7 @@ class CUDAPagedConnector(DeviceConnector):
         for i, start, stop, step, layer in segs:
             p = prepared[i]
             rb, n = p.row_bytes, p.num_tokens
-            slot_list = slot_base + 8 * p.slot_index
+            slot_list = 8 * p.slot_index  # the slot tensor's address is added at upload
             r = start
             left = len(range(start, stop, step))
             while left:
@@ -438,7 +454,7 @@ class CUDAPagedConnector(DeviceConnector):
         lane: _Lane,
         prepared: Sequence[_Prepared],
         rows: Iterable[tuple[int, int, int, int, int]],
-        slots_dev: torch.Tensor,
+        slots: torch.Tensor,
         keep: list[torch.Tensor],
         *,
         store: bool,
@@ -446,12 +462,18 @@ class CUDAPagedConnector(DeviceConnector):
     ) -> torch.cuda.Event | None:
         """Plan and enqueue one batch of rows after the caller's current stream.
 
-        Returns an event recorded after the batch's last device write (store: the last DMA to
-        the host; load: the last scatter into the cache), or None on CPU where everything has run
-        on return. Device tensors the batch uses are appended to ``keep`` and must outlive it.
+        ``slots`` is the call's slot tensor: on the host (uploaded here together with the row
+        table, one copy) or already on the device. Returns an event recorded after the batch's
+        last device write (store: the last DMA to the host; load: the last scatter into the
+        cache), or None on CPU where everything has run on return. Device tensors the batch
+        uses are appended to ``keep`` and must outlive it.
+
+        Host cost matters as much as device cost here (a small model's 2 MiB chunk crosses PCIe
+        in under 40 us), so streams are switched with ``set_stream`` rather than context
+        managers and each piece costs one launch, its DMAs and four event operations.
         """
         with lane.lock:
-            pieces, table = self._plan(lane, prepared, rows, slots_dev, store=store)
+            pieces, table = self._plan(lane, prepared, rows, store=store)
             if not pieces:
                 return None
             geo = (
@@ -460,39 +482,67 @@ class CUDAPagedConnector(DeviceConnector):
                 else self._geometry([p.host_ptr for p in prepared if not p.empty])
             )
             if not lane.is_cuda:
+                table[:, 2] += slots.data_ptr()
                 self._run_sync(lane, pieces, table, geo, store=store)
                 return None
-            after = _record_current(self.device)
             ks, cs = lane.kernel_stream, lane.copy_stream
+            caller = torch.cuda.current_stream(self.device)
+            after = torch.cuda.Event()
+            after.record(caller)
             ks.wait_event(after)
-            with torch.cuda.stream(ks):
-                table_dev = self._upload(table)
-            keep.append(table_dev)
-            if self.mode == "zerocopy":
-                with torch.cuda.stream(ks):
+            torch.cuda.set_stream(ks)
+            try:
+                table_dev = self._upload_table(table, slots, keep)
+                if self.mode == "zerocopy":
                     copy_rows(table_dev, pieces[0].max_tokens, geo, to_paged=not store)
+                    done = torch.cuda.Event()
+                    done.record(ks)
+                    for layer in pieces[0].layers_done if layer_events is not None else ():
+                        layer_events[layer] = done
+                    return done
+                for piece in pieces:
+                    if store:
+                        self._enqueue_store_piece(lane, piece, table_dev, geo)
+                    else:
+                        self._enqueue_load_piece(lane, piece, table_dev, geo)
+                        if layer_events is not None and piece.layers_done:
+                            ev = torch.cuda.Event()
+                            ev.record(ks)
+                            for layer in piece.layers_done:
+                                layer_events[layer] = ev
                 done = torch.cuda.Event()
-                done.record(ks)
-                for layer in pieces[0].layers_done if layer_events is not None else ():
-                    layer_events[layer] = done
+                done.record(cs if store else ks)
                 return done
-            for piece in pieces:
-                if store:
-                    self._enqueue_store_piece(lane, piece, table_dev, geo)
-                else:
-                    self._enqueue_load_piece(lane, piece, table_dev, geo)
-                    if layer_events is not None and piece.layers_done:
-                        ev = torch.cuda.Event()
-                        ev.record(ks)
-                        for layer in piece.layers_done:
-                            layer_events[layer] = ev
-            done = torch.cuda.Event()
-            done.record(cs if store else ks)
-            return done
+            except BaseException:
+                # Nothing half-enqueued may outlive the call: the objects may be released next.
+                lane.synchronize()
+                raise
+            finally:
+                torch.cuda.set_stream(caller)
+
+    def _upload_table(self, table: torch.Tensor, slots: torch.Tensor, keep: list[torch.Tensor]) -> torch.Tensor:
+        """The row table on the device (current stream), with slot-list addresses filled in.
+
+        Host slots travel in the same copy as the table: ``[slots..., table...]``.
+        """
+        if slots.device.type == "cuda":
+            table[:, 2] += slots.data_ptr()
+            buf = torch.empty(table.numel(), dtype=torch.int64, device=self.device)
+            host = table.view(-1)
+            table_at = 0
+        else:
+            buf = torch.empty(slots.numel() + table.numel(), dtype=torch.int64, device=self.device)
+            table[:, 2] += buf.data_ptr()
+            host = torch.cat((slots, table.view(-1)))
+            table_at = slots.numel()
+        buf.copy_(host.pin_memory(), non_blocking=True)
+        keep.append(buf)
+        return buf[table_at:].view(-1, 4)
 
     def _enqueue_store_piece(
         self, lane: _Lane, piece: _Piece, table_dev: torch.Tensor, geo: RowGeometry
     ) -> None:
+        """Gather into the piece's slot on ks, then DMA it to the host on cs (current: ks)."""
         ks, cs = lane.kernel_stream, lane.copy_stream
         s = piece.slot
         slot = lane.slots[s]
@@ -501,36 +551,38 @@ class CUDAPagedConnector(DeviceConnector):
         if piece.prefill:
             # Rows with -1 slots keep the object's bytes: bring them into the slot first so the
             # DMA back writes them unchanged. cs already follows the slot's previous DMA.
-            with torch.cuda.stream(cs):
-                for c in piece.copies:
-                    slot[c.slot_offset : c.slot_offset + c.nbytes].copy_(c.host_view(), non_blocking=True)
-                lane.filled[s].record(cs)
-            ks.wait_event(lane.filled[s])
-        with torch.cuda.stream(ks):
-            copy_rows(table_dev[piece.start : piece.stop], piece.max_tokens, geo, to_paged=False)
-            lane.filled[s].record(ks)
-        cs.wait_event(lane.filled[s])
-        with torch.cuda.stream(cs):
+            torch.cuda.set_stream(cs)
             for c in piece.copies:
-                c.host_view().copy_(slot[c.slot_offset : c.slot_offset + c.nbytes], non_blocking=True)
-            lane.free[s].record(cs)
+                slot[c.slot_offset : c.slot_offset + c.nbytes].copy_(c.host_view(), non_blocking=True)
+            lane.filled[s].record(cs)
+            torch.cuda.set_stream(ks)
+            ks.wait_event(lane.filled[s])
+        copy_rows(table_dev[piece.start : piece.stop], piece.max_tokens, geo, to_paged=False)
+        lane.filled[s].record(ks)
+        cs.wait_event(lane.filled[s])
+        torch.cuda.set_stream(cs)
+        for c in piece.copies:
+            c.host_view().copy_(slot[c.slot_offset : c.slot_offset + c.nbytes], non_blocking=True)
+        lane.free[s].record(cs)
+        torch.cuda.set_stream(ks)
 
     def _enqueue_load_piece(
         self, lane: _Lane, piece: _Piece, table_dev: torch.Tensor, geo: RowGeometry
     ) -> None:
+        """DMA the host rows into the piece's slot on cs, then scatter on ks (current: ks)."""
         ks, cs = lane.kernel_stream, lane.copy_stream
         s = piece.slot
         slot = lane.slots[s]
         # The slot's previous scatter ran on ks; overwriting it must wait for that.
         cs.wait_event(lane.free[s])
-        with torch.cuda.stream(cs):
-            for c in piece.copies:
-                slot[c.slot_offset : c.slot_offset + c.nbytes].copy_(c.host_view(), non_blocking=True)
-            lane.filled[s].record(cs)
+        torch.cuda.set_stream(cs)
+        for c in piece.copies:
+            slot[c.slot_offset : c.slot_offset + c.nbytes].copy_(c.host_view(), non_blocking=True)
+        lane.filled[s].record(cs)
+        torch.cuda.set_stream(ks)
         ks.wait_event(lane.filled[s])
-        with torch.cuda.stream(ks):
-            copy_rows(table_dev[piece.start : piece.stop], piece.max_tokens, geo, to_paged=True)
-            lane.free[s].record(ks)
+        copy_rows(table_dev[piece.start : piece.stop], piece.max_tokens, geo, to_paged=True)
+        lane.free[s].record(ks)
 
     def _run_sync(
         self, lane: _Lane, pieces: list[_Piece], table: torch.Tensor, geo: RowGeometry, *, store: bool
@@ -564,12 +616,11 @@ class CUDAPagedConnector(DeviceConnector):
         return [(i, layer, self._rows_per_obj, self.layout.num_layers, layer) for i in range(count)]
 
     def _slots_on_device(self, lane: _Lane, slots: torch.Tensor) -> torch.Tensor:
-        if not lane.is_cuda:
+        """For calls enqueued in several batches: the slot tensor on the device, once."""
+        if not lane.is_cuda or slots.numel() == 0:
             return slots
         with torch.cuda.stream(lane.kernel_stream):
-            dev = self._upload(slots)
-        dev.record_stream(lane.copy_stream)
-        return dev
+            return slots.pin_memory().to(self.device, non_blocking=True)
 
     @staticmethod
     def _wait(done: torch.cuda.Event | None) -> None:
@@ -578,40 +629,46 @@ class CUDAPagedConnector(DeviceConnector):
 
     # -- the DeviceConnector contract --------------------------------------------------------
     def store(self, transfers: Sequence[Transfer]) -> None:
-        prepared, slots = self._prepare(transfers)
-        lane = self._store_lane
-        keep = [self._slots_on_device(lane, slots)]
-        self._wait(
-            self._enqueue(lane, prepared, self._all_rows(len(prepared)), keep[0], keep, store=True)
-        )
+        self.store_async(transfers).wait()
 
     def load(self, transfers: Sequence[Transfer]) -> None:
+        self.load_async(transfers).wait()
+
+    def store_async(self, transfers: Sequence[Transfer]) -> PendingTransfer:
+        """Enqueue a whole-chunk store after the current stream's work and return at once.
+
+        The objects must stay alive and unread until ``wait()`` returns. One thread can keep a
+        store and a load in flight together this way (no second thread, no GIL contention).
+        """
         prepared, slots = self._prepare(transfers)
-        lane = self._load_lane
-        keep = [self._slots_on_device(lane, slots)]
-        done = self._enqueue(lane, prepared, self._all_rows(len(prepared)), keep[0], keep, store=False)
-        if done is not None:
-            torch.cuda.current_stream(self.device).wait_event(done)
-        self._wait(done)
+        keep: list[torch.Tensor] = []
+        rows = self._all_rows(len(prepared))
+        done = self._enqueue(self._store_lane, prepared, rows, slots, keep, store=True)
+        return PendingTransfer(done, keep, None)
+
+    def load_async(self, transfers: Sequence[Transfer]) -> PendingTransfer:
+        """Enqueue a whole-chunk load and return at once; ``wait()`` before attention reads it."""
+        prepared, slots = self._prepare(transfers)
+        keep: list[torch.Tensor] = []
+        rows = self._all_rows(len(prepared))
+        done = self._enqueue(self._load_lane, prepared, rows, slots, keep, store=False)
+        return PendingTransfer(done, keep, self.device)
 
     def store_layer(self, layer: int, transfers: Sequence[Transfer]) -> None:
         self._check_layer(layer)
         prepared, slots = self._prepare(transfers)
-        lane = self._store_lane
-        keep = [self._slots_on_device(lane, slots)]
+        keep: list[torch.Tensor] = []
         rows = self._layer_rows(len(prepared), layer)
-        self._wait(self._enqueue(lane, prepared, rows, keep[0], keep, store=True))
+        self._wait(self._enqueue(self._store_lane, prepared, rows, slots, keep, store=True))
 
     def load_layer(self, layer: int, transfers: Sequence[Transfer]) -> None:
         self._check_layer(layer)
         prepared, slots = self._prepare(transfers)
-        lane = self._load_lane
-        keep = [self._slots_on_device(lane, slots)]
+        keep: list[torch.Tensor] = []
         rows = self._layer_rows(len(prepared), layer)
-        done = self._enqueue(lane, prepared, rows, keep[0], keep, store=False)
-        if done is not None:
-            torch.cuda.current_stream(self.device).wait_event(done)
-        self._wait(done)
+        done = self._enqueue(self._load_lane, prepared, rows, slots, keep, store=False)
+        PendingTransfer(done, keep, self.device).wait()
+
 
     def store_layerwise(self, transfers: Sequence[Transfer]) -> Iterator[int]:
         """Yield each layer once its gather is ordered before the engine's next write to it.
@@ -622,6 +679,7 @@ class CUDAPagedConnector(DeviceConnector):
         """
         prepared, slots = self._prepare(transfers)
         lane = self._store_lane
+        # Uploaded once for every layer's batch.
         keep = [self._slots_on_device(lane, slots)]
         last: torch.cuda.Event | None = None
         try:
@@ -642,7 +700,7 @@ class CUDAPagedConnector(DeviceConnector):
         """Enqueue every layer at once; yield layer ``i`` once the current stream waits for it."""
         prepared, slots = self._prepare(transfers)
         lane = self._load_lane
-        keep = [self._slots_on_device(lane, slots)]
+        keep: list[torch.Tensor] = []
         layer_events: dict[int, torch.cuda.Event] = {}
         rows = [
             seg for layer in range(self.layout.num_layers) for seg in self._layer_rows(len(prepared), layer)
@@ -650,7 +708,7 @@ class CUDAPagedConnector(DeviceConnector):
         done = None
         try:
             done = self._enqueue(
-                lane, prepared, rows, keep[0], keep, store=False, layer_events=layer_events
+                lane, prepared, rows, slots, keep, store=False, layer_events=layer_events
             )
             current = torch.cuda.current_stream(self.device) if lane.is_cuda else None
             for layer in range(self.layout.num_layers):
