@@ -1,0 +1,208 @@
+"""The lookup channel: how the scheduler-side connector sees what the worker's tiers hold.
+
+In vLLM's default multiprocess mode the scheduler (EngineCore process) and the worker (which owns
+the KV tensors, the host-memory tier and the CacheEngine) are different processes. The worker
+serves lookups on a Unix socket in a private directory (``0700``); the scheduler asks it with a
+bounded timeout. A slow, dead or missing worker is a miss (logged), never a hang. In-process
+mode uses the same path, so both modes run the same code.
+
+Frames: 4-byte big-endian length + a JSON header; a lookup's header carries ``n`` and is followed
+by ``n`` little-endian int64 token ids. Nothing is unpickled from the socket.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import struct
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger("kvtier")
+
+_LEN = struct.Struct(">I")
+_MAX_HEADER = 1 << 20
+MAX_TOKENS = 1 << 24
+
+Handler = Callable[[dict[str, Any], np.ndarray | None], dict[str, Any]]
+
+
+def socket_path(engine_id: str, rank: int) -> str:
+    """Where rank ``rank`` of engine ``engine_id`` serves lookups (same in every process)."""
+    base = Path(os.environ.get("KVTIER_RUNTIME_DIR") or tempfile.gettempdir())
+    d = base / f"kvtier-{os.getuid()}"
+    d.mkdir(mode=0o700, exist_ok=True)
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)[:48]
+    return str(d / f"{safe}-r{rank}.sock")
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("lookup channel closed")
+        got += k
+    return bytes(buf)
+
+
+def _send(sock: socket.socket, header: dict[str, Any], payload: bytes = b"") -> None:
+    blob = json.dumps(header).encode()
+    sock.sendall(_LEN.pack(len(blob)) + blob + payload)
+
+
+def _recv_header(sock: socket.socket) -> dict[str, Any]:
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    if n > _MAX_HEADER:
+        raise ConnectionError(f"lookup channel header of {n} bytes is too large")
+    header = json.loads(_recv_exact(sock, n))
+    if not isinstance(header, dict):
+        raise ConnectionError("lookup channel header is not an object")
+    return header
+
+
+class LookupServer:
+    """Serves ``handler`` on a Unix socket from daemon threads until ``close``.
+
+    ``handler(header, tokens)`` runs on a server thread; it must be thread-safe. An exception in
+    it is sent back as ``{"error": ...}`` (the client treats it as a miss).
+    """
+
+    def __init__(self, path: str, handler: Handler) -> None:
+        self.path = path
+        self._handler = handler
+        if os.path.exists(path):
+            # A stale socket from a process that died; engine ids are unique, so no live owner.
+            os.unlink(path)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(path)
+        self._sock.listen(16)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._accept_loop, name="kvtier-lookup", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="kvtier-lookup-conn",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            while not self._closed.is_set():
+                try:
+                    header = _recv_header(conn)
+                    tokens = None
+                    if "n" in header:
+                        n = int(header["n"])
+                        if not 0 <= n <= MAX_TOKENS:
+                            raise ConnectionError(f"bad token count {n}")
+                        tokens = np.frombuffer(_recv_exact(conn, 8 * n), dtype="<i8")
+                except (OSError, ConnectionError, ValueError):
+                    return
+                try:
+                    reply = self._handler(header, tokens)
+                except Exception as e:  # reported to the client, which treats it as a miss
+                    logger.warning("kvtier lookup handler failed: %s", e)
+                    reply = {"error": f"{type(e).__name__}: {e}"}
+                try:
+                    _send(conn, reply)
+                except OSError:
+                    return
+
+    def close(self) -> None:
+        self._closed.set()
+        try:
+            self._sock.close()
+        finally:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+class LookupClient:
+    """A connection to one worker's ``LookupServer``; every call is bounded by ``timeout_s``.
+
+    Thread-safe (one call at a time). On any failure the connection is dropped and the call
+    raises ``ChannelError``; the next call reconnects.
+    """
+
+    def __init__(self, path: str, timeout_s: float) -> None:
+        self.path = path
+        self.timeout_s = timeout_s
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    def _connect(self) -> socket.socket:
+        if self._sock is None:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(self.timeout_s)
+            try:
+                s.connect(self.path)
+            except OSError:
+                s.close()
+                raise
+            self._sock = s
+        return self._sock
+
+    def call(self, header: dict[str, Any], tokens: np.ndarray | None = None) -> dict[str, Any]:
+        payload = b""
+        if tokens is not None:
+            arr = np.ascontiguousarray(tokens, dtype="<i8")
+            header = {**header, "n": int(arr.size)}
+            payload = arr.tobytes()
+        with self._lock:
+            try:
+                sock = self._connect()
+                _send(sock, header, payload)
+                reply = _recv_header(sock)
+            except (OSError, ConnectionError, ValueError) as e:
+                self.close_locked()
+                raise ChannelError(f"kvtier lookup channel {self.path}: {e}") from e
+        if "error" in reply:
+            raise ChannelError(f"kvtier worker failed the request: {reply['error']}")
+        return reply
+
+    def close_locked(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def close(self) -> None:
+        with self._lock:
+            self.close_locked()
+
+
+class ChannelError(ConnectionError):
+    """The worker could not be asked (not up, gone, too slow) or failed to answer."""
+
+
+def flush_worker(engine_id: str, rank: int = 0, timeout_s: float = 30.0) -> bool:
+    """Wait until a running engine's queued saves reached every tier (before a planned restart)."""
+    client = LookupClient(socket_path(engine_id, rank), timeout_s + 5.0)
+    try:
+        return bool(client.call({"op": "flush", "timeout_s": timeout_s})["flushed"])
+    finally:
+        client.close()
+
+
+def query_worker_stats(engine_id: str, rank: int = 0, timeout_s: float = 5.0) -> dict[str, Any]:
+    """The worker-side connector's counters for a running engine (tests, monitoring)."""
+    client = LookupClient(socket_path(engine_id, rank), timeout_s)
+    try:
+        return client.call({"op": "stats"})["stats"]
+    finally:
+        client.close()

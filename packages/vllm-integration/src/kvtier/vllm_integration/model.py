@@ -1,0 +1,118 @@
+"""A small Llama-shaped model with random weights and a locally trained tokenizer.
+
+kvtier's tests, ``kvtier demo`` and ``kvtier bench e2e`` run real vLLM without downloading
+anything: the model is built here from a seed. Weights are drawn with a large init range (0.2) so
+the output depends clearly on the context: loading the wrong KV changes the generation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+_TEXT = (
+    "the of and to in is was for on that with as by at from his her it an were are which this be "
+    "or has had not but first one their its new after who they have two been other when there all "
+    "during into school time may years more most only over city some world would where later up "
+    "such used many can state about national out known university united then made river system "
+    "between under also family team game season north south east west during series war album "
+    "company history government village population music film station house while church county "
+    "water light energy market cache memory engine token layer model server storage network disk "
+    "report document question answer section chapter table figure result method value number"
+)
+_WORDS = _TEXT.split()
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of the random model (Llama architecture, bf16)."""
+
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    vocab_size: int = 3300
+    max_position_embeddings: int = 4096
+    init_range: float = 0.2
+    seed: int = 0
+
+    @property
+    def head_size(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+def synthetic_text(rng: random.Random, num_words: int) -> str:
+    """Sentence-like filler text over a fixed vocabulary (documents, questions, training text)."""
+    out: list[str] = []
+    while len(out) < num_words:
+        n = rng.randint(6, 18)
+        sentence = [rng.choice(_WORDS) for _ in range(n)]
+        sentence[0] = sentence[0].capitalize()
+        out.extend(sentence)
+        out[-1] += "."
+    return " ".join(out[:num_words])
+
+
+def _train_tokenizer(path: Path, spec: ModelSpec) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(spec.seed)
+    corpus = [synthetic_text(rng, 200) for _ in range(200)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size - 8,
+        special_tokens=["<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.model_max_length = spec.max_position_embeddings
+    fast.save_pretrained(str(path))
+
+
+def build_model(path: str | os.PathLike[str], spec: ModelSpec | None = None) -> Path:
+    """Write the model and tokenizer into ``path`` unless a model of the same spec is there.
+
+    Idempotent: a directory holding ``kvtier_model_spec.json`` equal to ``spec`` is reused.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = spec or ModelSpec()
+    path = Path(path)
+    marker = path / "kvtier_model_spec.json"
+    if marker.exists() and json.loads(marker.read_text()) == asdict(spec):
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    _train_tokenizer(path, spec)
+    config = LlamaConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.init_range,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(str(path), safe_serialization=True)
+    # Written last: a half-built directory is rebuilt on the next call.
+    marker.write_text(json.dumps(asdict(spec), sort_keys=True))
+    return path

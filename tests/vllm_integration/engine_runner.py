@@ -1,0 +1,97 @@
+"""Runs one real vLLM engine in a fresh process and executes a scripted list of steps.
+
+Usage: ``python engine_runner.py SPEC.json OUT.json``. Each test scenario is one process, so
+engines never share vLLM's process-global state, and "a second engine in a new process" is
+literally that. The spec:
+
+- ``model`` (path), ``multiprocess`` (bool: vLLM's default multiprocess mode, else in-process),
+  ``prefix_caching`` (bool), ``engine_id`` (str), ``kvtier`` (None = no connector, else the
+  ``kv_connector_extra_config`` dict), ``max_tokens`` (int).
+- ``steps``: ``{"op": "generate", "prompt": [token ids], "salt": str|None}`` -> generated token
+  ids and the logprob of each; ``{"op": "stats"}`` -> the worker connector's counters (over the
+  lookup channel); ``{"op": "flush"}``; ``{"op": "reset_prefix_cache"}``;
+  ``{"op": "corrupt", "prompt": [...], "salt": ...}`` (in-process only) -> overwrite every stored
+  chunk of the prompt with zeros through the storage manager's public API.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def _corrupt(prompt: list[int], salt: str | None) -> int:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    engine = get_kv_transfer_group().engine
+    n = 0
+    for span in engine.store_spans(prompt, salt):
+        obj = engine.storage.allocate(engine._meta(span.num_tokens))
+        assert obj is not None
+        with obj:
+            obj.tensor.zero_()
+            engine.storage.put(span.key, obj)
+        n += 1
+    return n
+
+
+def main(spec_path: str, out_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocess") else "0"
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from vllm import LLM, SamplingParams
+
+    from kvtier.vllm_integration.channel import flush_worker, query_worker_stats
+
+    kwargs = {}
+    engine_id = spec["engine_id"]
+    if spec.get("kvtier") is not None:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "KVTierConnector", "kv_role": "kv_both", "engine_id": engine_id,
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": spec["kvtier"],
+        }
+    llm = LLM(
+        model=spec["model"], enforce_eager=True, block_size=32, kv_cache_memory_bytes=64 << 20,
+        max_model_len=4096, enable_prefix_caching=bool(spec.get("prefix_caching")),
+        dtype="bfloat16", seed=0, **kwargs,
+    )
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, logprobs=0)
+    results = []
+    for step in spec["steps"]:
+        op = step["op"]
+        if op == "generate":
+            prompt = {"prompt_token_ids": step["prompt"]}
+            if step.get("salt"):
+                prompt["cache_salt"] = step["salt"]
+            out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            logprobs = [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
+            results.append({"tokens": list(out.token_ids), "logprobs": logprobs})
+        elif op == "stats":
+            results.append(query_worker_stats(engine_id))
+        elif op == "flush":
+            results.append(flush_worker(engine_id))
+        elif op == "reset_prefix_cache":
+            # A finished request whose saves were pending keeps its blocks until the engine's
+            # next step reports the saves done; the offline LLM steps only inside generate().
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+            results.append(llm.reset_prefix_cache())
+        elif op == "corrupt":
+            results.append(_corrupt(step["prompt"], step.get("salt")))
+        else:
+            raise ValueError(f"unknown step {op!r}")
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+    # Stop the engine (its EngineCore/worker processes in multiprocess mode), then skip the
+    # interpreter teardown, which races vLLM's background threads; results are written.
+    llm.llm_engine.engine_core.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

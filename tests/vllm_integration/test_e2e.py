@@ -1,0 +1,128 @@
+"""kvtier through real vLLM on CPU: outputs, logprobs and hits, with the local random model.
+
+Every engine runs in its own process (``run_engine``); hits are counted by the worker-side
+connector's counters (``loaded_tokens``), never inferred from timings. Block size 32, chunk
+256: a 700-token prompt stores chunks [0,256) [256,512) and the block-aligned tail [512,672);
+a repeat loads 672 tokens (the most that leaves the last token to recompute).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytestmark = [pytest.mark.vllm]
+
+RNG = random.Random(1234)
+DOC = [RNG.randrange(3, 3000) for _ in range(700)]
+SHARED = DOC[:400] + [RNG.randrange(3, 3000) for _ in range(200)]  # shares 400 tokens with DOC
+OTHER = [RNG.randrange(3, 3000) for _ in range(500)]
+FULL_HIT = (len(DOC) - 1) // 32 * 32  # 672
+PARTIAL_HIT = 256  # SHARED matches DOC's first chunk only (it diverges inside the second)
+
+
+def gen(prompt: list[int], salt: str | None = None) -> dict:
+    return {"op": "generate", "prompt": prompt, "salt": salt}
+
+
+STATS = {"op": "stats"}
+
+
+def loaded_after_each(results: list) -> list[int]:
+    """``loaded_tokens`` added by each generate step (the runs interleave generate and stats)."""
+    counts = [r["loaded_tokens"] for r in results[1::2]]
+    return [b - a for a, b in zip([0, *counts], counts, strict=False)]
+
+
+@pytest.fixture(scope="session")
+def reference(run_engine) -> dict[str, dict]:
+    """Greedy outputs and logprobs of vLLM without kvtier (prefix caching off)."""
+    out = run_engine({"kvtier": None, "steps": [gen(DOC), gen(SHARED), gen(OTHER)]})
+    return dict(zip(("doc", "shared", "other"), out, strict=True))
+
+
+def kvtier_config(tmp_path, **extra) -> dict:
+    return {"local_disk_path": str(tmp_path / "disk"), "local_cpu_size_gb": 0.25, **extra}
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+def test_outputs_match_and_hits_are_used(run_engine, reference, tmp_path, layerwise) -> None:
+    steps = [
+        gen(DOC), STATS,  # cold
+        gen(DOC), STATS,  # full hit
+        gen(SHARED), STATS,  # partial-prefix hit
+        gen(DOC, "tenant-a"), STATS,  # another salt: stored apart, no hit
+        gen(DOC, "tenant-a"), STATS,  # its own salt hits
+        gen(DOC, "tenant-b"), STATS,  # a third salt does not see tenant-a's chunks
+        gen(OTHER), STATS,
+        {"op": "corrupt", "prompt": OTHER}, gen(OTHER), STATS,  # negative control
+    ]
+    out = run_engine({"kvtier": kvtier_config(tmp_path, use_layerwise=layerwise), "steps": steps})
+    corrupted = out.pop(-2)
+    assert out.pop(-2) > 0  # chunks overwritten
+    out.insert(-1, corrupted)
+    results = out[0::2]
+    for r in results[:2] + results[3:6]:
+        assert r == reference["doc"]  # tokens and logprobs, exactly
+    assert results[2] == reference["shared"]
+    assert results[6] == reference["other"]
+    assert loaded_after_each(out) == [0, FULL_HIT, PARTIAL_HIT, 0, FULL_HIT, 0, 0,
+                                      (len(OTHER) - 1) // 32 * 32]
+    # The loaded KV is what the model attended to: zeros in the cache change the answer.
+    assert corrupted["logprobs"] != reference["other"]["logprobs"]
+    stats = out[-1]
+    assert stats["load_failed_blocks"] == 0 and stats["save_errors"] == 0
+
+
+def test_with_vllm_prefix_caching(run_engine, reference, tmp_path) -> None:
+    steps = [
+        gen(DOC), STATS,
+        gen(DOC), STATS,  # vLLM's own prefix cache answers first: nothing to load
+        {"op": "reset_prefix_cache"}, gen(DOC), STATS,  # vLLM forgot it: kvtier serves it
+        gen(SHARED), STATS,  # vLLM's cache holds more of it (384 tokens) than kvtier (256)
+    ]
+    out = run_engine({"kvtier": kvtier_config(tmp_path), "prefix_caching": True, "steps": steps})
+    assert out.pop(4) is True
+    assert [out[0], out[2], out[4]] == [reference["doc"]] * 3
+    assert out[6] == reference["shared"]
+    assert loaded_after_each(out) == [0, 0, FULL_HIT, 0]
+
+
+@pytest.mark.slow
+def test_multiprocess_scheduler_sees_worker_host_memory(run_engine, reference) -> None:
+    """Default vLLM mode (scheduler and worker in different processes), host-memory tier only:
+    the scheduler's lookup must reach the worker's memory through the lookup channel."""
+    steps = [gen(DOC), STATS, gen(DOC), STATS, gen(SHARED), STATS]
+    out = run_engine({"kvtier": {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.25},
+                      "multiprocess": True, "steps": steps})
+    assert out[0::2] == [reference["doc"], reference["doc"], reference["shared"]]
+    assert loaded_after_each(out) == [0, FULL_HIT, PARTIAL_HIT]
+
+
+@pytest.mark.slow
+def test_restart_hits_the_disk_tier(run_engine, reference, tmp_path) -> None:
+    config = kvtier_config(tmp_path)
+    first = run_engine({"kvtier": config, "steps": [gen(DOC), {"op": "flush"}]})
+    assert first == [reference["doc"], True]
+    second = run_engine({"kvtier": config, "steps": [gen(DOC), STATS]})
+    assert second[0] == reference["doc"]
+    assert second[1]["loaded_tokens"] == FULL_HIT
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_two_engines_share_through_redis(run_engine, reference, redis_clean) -> None:
+    config = {"tiers": ["local_cpu", "redis"], "redis_url": redis_clean.url,
+              "local_cpu_size_gb": 0.25}
+    first = run_engine({"kvtier": config, "steps": [gen(DOC), {"op": "flush"}, STATS]})
+    assert first[:2] == [reference["doc"], True]
+    assert first[2]["loaded_tokens"] == 0
+    second = run_engine({"kvtier": config, "steps": [gen(DOC), STATS]})
+    assert second[0] == reference["doc"]
+    assert second[1]["loaded_tokens"] == FULL_HIT
+
+
+def test_bad_extra_config_fails_fast_naming_the_key(run_engine, tmp_path) -> None:
+    with pytest.raises(AssertionError, match="chunk_sise"):
+        run_engine({"kvtier": {"chunk_sise": 128}, "steps": []})

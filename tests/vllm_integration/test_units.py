@@ -1,0 +1,163 @@
+"""Fast tests of the integration's parts that need no running engine: layout detection, slot
+mappings, plugin registration and the lookup channel."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (install kvtier[vllm])")
+
+from kvtier.core.errors import LayoutError
+from kvtier.core.layout import PagedLayout
+from kvtier.vllm_integration.channel import (
+    ChannelError,
+    LookupClient,
+    LookupServer,
+    socket_path,
+)
+from kvtier.vllm_integration.connector import slot_mapping
+from kvtier.vllm_integration.layout import build_layout, detect_paged_layout, layer_index
+
+BS, H, D, NB = 32, 2, 64, 5
+
+
+@pytest.mark.parametrize(
+    ("shape", "mla", "expected"),
+    [
+        ((NB, H, BS, 2 * D), False, PagedLayout.VLLM_CPU),
+        ((2, NB, BS, H, D), False, PagedLayout.FLASH_NHD),
+        ((NB, 2, BS, H, D), False, PagedLayout.FLASH_BLOCK_FIRST),
+        ((NB, BS, D), True, PagedLayout.MLA),
+    ],
+)
+def test_detects_known_layouts(shape, mla, expected) -> None:
+    heads = 1 if mla else H
+    assert detect_paged_layout(shape, block_size=BS, num_kv_heads=heads, head_size=D,
+                               use_mla=mla) is expected
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (NB, H, BS, D),  # CPU-like but one head size wide
+        (NB, BS, H, 2 * D),  # heads and block swapped
+        (2, NB, BS, H + 1, D),  # wrong head count
+        (3, NB, BS, H, D),
+        (NB * BS, H, D),
+    ],
+)
+def test_refuses_unknown_layouts(shape) -> None:
+    with pytest.raises(LayoutError, match="kvtier knows"):
+        detect_paged_layout(shape, block_size=BS, num_kv_heads=H, head_size=D, use_mla=False)
+
+
+def test_ambiguous_layout_is_refused() -> None:
+    # With 2 blocks, [2, 2, B, H, D] is both flash layouts: guessing could load wrong bytes.
+    with pytest.raises(LayoutError, match="more than one"):
+        detect_paged_layout((2, 2, BS, H, D), block_size=BS, num_kv_heads=H, head_size=D,
+                            use_mla=False)
+
+
+def test_build_layout_orders_layers_and_checks_them() -> None:
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(NB, H, BS, 2 * D,
+                                                              dtype=torch.bfloat16)
+              for i in (2, 0, 10, 1)}
+    layout = build_layout(caches, block_size=BS, num_kv_heads=H, head_size=D)
+    assert (layout.num_layers, layout.paged_layout, layout.dtype) == (4, PagedLayout.VLLM_CPU,
+                                                                      "bfloat16")
+    assert layer_index("model.layers.10.self_attn.attn") == 10
+    caches["model.layers.3.self_attn.attn"] = torch.zeros(NB + 1, H, BS, 2 * D,
+                                                          dtype=torch.bfloat16)
+    with pytest.raises(LayoutError, match="differ between layers"):
+        build_layout(caches, block_size=BS, num_kv_heads=H, head_size=D)
+    with pytest.raises(LayoutError, match="no KV tensors"):
+        build_layout({}, block_size=BS, num_kv_heads=H, head_size=D)
+
+
+def test_slot_mapping_marks_only_the_asked_tokens() -> None:
+    slots = slot_mapping([7, 3, 9], 4, 12, 2, 9)
+    expected = [-1, -1, 30, 31, 12, 13, 14, 15, 36, -1, -1, -1]
+    assert slots.tolist() == expected
+    with pytest.raises(ValueError, match="cannot hold"):
+        slot_mapping([7], 4, 8, 0, 6)
+
+
+def test_plugin_registration_is_idempotent() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvtier.vllm_integration.plugin import register
+
+    register()
+    register()  # vLLM runs plugins in every process, sometimes twice: must not raise
+    cls = KVConnectorFactory.get_connector_class_by_name("KVTierConnector")
+    assert cls.__name__ == "KVTierConnector"
+    assert cls.__module__ == "kvtier.vllm_integration.connector"
+
+
+@pytest.fixture
+def channel_path(tmp_path, monkeypatch) -> str:
+    monkeypatch.setenv("KVTIER_RUNTIME_DIR", str(tmp_path))
+    return socket_path("unit-test", 0)
+
+
+def test_channel_round_trip_and_errors(channel_path: str) -> None:
+    seen = []
+
+    def handler(header, tokens):
+        if header["op"] == "boom":
+            raise RuntimeError("handler failed")
+        seen.append((header.get("salt"), None if tokens is None else tokens.tolist()))
+        return {"hit": 0 if tokens is None else int(tokens.sum())}
+
+    server = LookupServer(channel_path, handler)
+    client = LookupClient(channel_path, timeout_s=2.0)
+    try:
+        assert client.call({"op": "lookup", "salt": "s"}, np.arange(5))["hit"] == 10
+        assert client.call({"op": "lookup"}, np.array([], dtype=np.int64))["hit"] == 0
+        with pytest.raises(ChannelError, match="handler failed"):
+            client.call({"op": "boom"})
+        # the connection survives a handler error
+        assert client.call({"op": "lookup"}, np.array([2**40]))["hit"] == 2**40
+        assert seen[0] == ("s", [0, 1, 2, 3, 4])
+    finally:
+        client.close()
+        server.close()
+    with pytest.raises(ChannelError):
+        LookupClient(channel_path, timeout_s=1.0).call({"op": "lookup"}, np.arange(3))
+
+
+def test_channel_is_bounded_when_the_worker_hangs(channel_path: str) -> None:
+    release = threading.Event()
+
+    def handler(header, tokens):
+        release.wait(10)
+        return {"hit": 1}
+
+    server = LookupServer(channel_path, handler)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ChannelError):
+            LookupClient(channel_path, timeout_s=0.3).call({"op": "lookup"}, np.arange(3))
+        assert time.monotonic() - t0 < 5
+    finally:
+        release.set()
+        server.close()
+
+
+def test_channel_drops_malformed_frames(channel_path: str) -> None:
+    server = LookupServer(channel_path, lambda h, t: {"hit": 1})
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(2)
+            s.connect(channel_path)
+            s.sendall((1 << 30).to_bytes(4, "big"))  # absurd header length
+            assert s.recv(16) == b""  # the server hangs up instead of allocating it
+        assert LookupClient(channel_path, 2.0).call({"op": "x"}, np.arange(2))["hit"] == 1
+    finally:
+        server.close()
