@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvtier bench storage", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a small run: 2 rounds, batches halved")
-    ap.add_argument("--repeat", type=int, default=7, help="timed rounds per figure (median)")
+    ap.add_argument("--repeat", type=int, default=15, help="timed rounds per figure (median)")
     ap.add_argument("--tiers", nargs="+", default=["local_cpu", "local_disk", "redis"],
                     choices=["local_cpu", "local_disk", "redis"])
     ap.add_argument("--shapes", nargs="+", default=[s.name for s in SHAPES],

@@ -345,6 +345,9 @@ class LocalDiskBackend(StorageBackend):
         with self._lock:
             if name in self._index:
                 self._index.move_to_end(name)
+            else:  # written by another process: now this one counts it against its budget
+                self._index[name] = size
+                self._used += size
         return obj
 
     def _reject(self, name: str, err: codec.PayloadError) -> None:

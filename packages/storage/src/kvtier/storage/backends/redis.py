@@ -70,6 +70,8 @@ class RedisBackend(StorageBackend):
                 "backend_options", dict(ctx.options),
                 f"unknown redis option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}",
             )
+        if cfg.redis_cluster and cfg.redis_url.startswith("unix://"):
+            raise ConfigError("redis_url", cfg.redis_url, "a Redis Cluster is reached over TCP, not unix://")
         self.url = cfg.redis_url
         self.prefix = str(ctx.options.get("key_prefix", "kvtier:"))
         self.retry_interval_s = float(ctx.options.get("retry_interval_s", 1.0))
