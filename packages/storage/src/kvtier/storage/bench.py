@@ -48,7 +48,7 @@ import torch
 
 from kvtier.core.config import load_config
 from kvtier.core.keys import KeyFactory
-from kvtier.core.layout import KVLayout
+from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena, MemoryObj, MemoryObjMeta
 from kvtier.storage.backends.base import BackendContext, StorageBackend
 from kvtier.storage.manager import create_storage_manager
@@ -69,8 +69,8 @@ class Shape:
 
 
 SHAPES = [
-    Shape("8b", KVLayout(32, 8, 128, "bfloat16", 16, "flash_nhd"), 256, 4),
-    Shape("small", KVLayout(16, 2, 64, "bfloat16", 16, "flash_nhd"), 256, 16),
+    Shape("8b", KVLayout(32, 8, 128, "bfloat16", 16, PagedLayout.FLASH_NHD), 256, 4),
+    Shape("small", KVLayout(16, 2, 64, "bfloat16", 16, PagedLayout.FLASH_NHD), 256, 16),
 ]
 
 
@@ -242,6 +242,7 @@ def bench_disk(b: _Bench, shape: Shape, disk_dir: Path) -> None:
     raw_dir.mkdir()
     disk = _backend(LocalDiskBackend, shape, arena, local_disk_path=str(root / "tier"),
                     local_disk_size_gb=64.0)
+    assert isinstance(disk, LocalDiskBackend)
     keys = KeyFactory("bench", shape.layout.fingerprint())
     nbytes = shape.meta.nbytes * shape.batch
     sink = [np.empty(shape.meta.nbytes, dtype=np.uint8) for _ in range(shape.batch)]
@@ -255,7 +256,10 @@ def bench_disk(b: _Bench, shape: Shape, disk_dir: Path) -> None:
             p.unlink()
 
     def raw_put(r: int) -> Callable[[], None]:
-        return lambda: [_write_raw(str(raw_dir / f"{i}"), o.byte_view()) for i, o in enumerate(objs)]
+        def run() -> None:
+            for i, o in enumerate(objs):
+                _write_raw(str(raw_dir / f"{i}"), o.byte_view())
+        return run
 
     def put(r: int) -> Callable[[], None]:
         return lambda: disk.batched_put([(k(r, i), o) for i, o in enumerate(objs)])
@@ -266,7 +270,11 @@ def bench_disk(b: _Bench, shape: Shape, disk_dir: Path) -> None:
         raw_put(r)()
         if cold:
             _drop_cache(raw_dir)
-        return lambda: [_read_raw(str(raw_dir / f"{i}"), memoryview(s)) for i, s in enumerate(sink)]
+
+        def run() -> None:
+            for i, buf in enumerate(sink):
+                _read_raw(str(raw_dir / f"{i}"), buf.data)
+        return run
 
     def get(r: int) -> Callable[[], None]:
         put(r)()

@@ -26,7 +26,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, TypeVar
 
 from kvtier.core.errors import ConfigError, OutOfHostMemory
 from kvtier.core.platform import load_object, plugin_entry_points
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from kvtier.core.memory import HostArena, MemoryObj, MemoryObjMeta
 
 logger = logging.getLogger("kvtier.storage")
+T = TypeVar("T")
 
 BACKEND_GROUP = "kvtier.backends"
 HOST_TIER = "local_cpu"
@@ -181,7 +183,7 @@ class TieredStorageManager(StorageManager):
         return True
 
     # -- lookups -------------------------------------------------------------------------------
-    def _tier_call(self, tier: StorageBackend, what: str, fn: Callable[[], object], default: object):
+    def _tier_call(self, tier: StorageBackend, what: str, fn: Callable[[], T], default: T) -> T:
         try:
             return fn()
         except Exception:
@@ -197,7 +199,7 @@ class TieredStorageManager(StorageManager):
             if not unknown:
                 break
             sub = [keys[i] for i in unknown]
-            hits = self._tier_call(tier, "contains", lambda t=tier, s=sub: t.contains(s), [False] * len(sub))
+            hits = self._tier_call(tier, "contains", partial(tier.contains, sub), [False] * len(sub))
             still = []
             for i, hit in zip(unknown, hits, strict=True):
                 if hit:
@@ -208,7 +210,7 @@ class TieredStorageManager(StorageManager):
         return found
 
     def _prefix_length(self, tier: StorageBackend, keys: Sequence[ChunkKey]) -> int:
-        return self._tier_call(tier, "prefix lookup", lambda: tier.prefix_length(keys), 0)  # type: ignore[return-value]
+        return self._tier_call(tier, "prefix lookup", partial(tier.prefix_length, keys), 0)
 
     def prefix_hits(self, keys: Sequence[ChunkKey]) -> int:
         self._check_open()
@@ -225,10 +227,8 @@ class TieredStorageManager(StorageManager):
         return pos
 
     def _lower_get(self, tier: StorageBackend, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
-        objs = self._tier_call(
-            tier, "get", lambda: tier.batched_get(keys, self._allocate_for_read), [None] * len(keys)
-        )
-        return objs  # type: ignore[return-value]
+        miss: list[MemoryObj | None] = [None] * len(keys)
+        return self._tier_call(tier, "get", partial(tier.batched_get, keys, self._allocate_for_read), miss)
 
     def _write_back(self, tier: StorageBackend, items: list[tuple[ChunkKey, MemoryObj]]) -> None:
         if items:
