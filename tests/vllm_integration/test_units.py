@@ -150,6 +150,23 @@ def test_channel_is_bounded_when_the_worker_hangs(channel_path: str) -> None:
         server.close()
 
 
+def test_channel_refuses_a_second_live_server_but_replaces_a_stale_socket(channel_path) -> None:
+    server = LookupServer(channel_path, lambda h, t: {"hit": 1})
+    try:
+        with pytest.raises(ChannelError, match="engine_id"):
+            LookupServer(channel_path, lambda h, t: {"hit": 2})
+    finally:
+        server.close()
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(channel_path)  # bound, never listening: what a killed process leaves
+    stale.close()
+    server = LookupServer(channel_path, lambda h, t: {"hit": 3})
+    try:
+        assert LookupClient(channel_path, 2.0).call({"op": "x"})["hit"] == 3
+    finally:
+        server.close()
+
+
 def test_channel_drops_malformed_frames(channel_path: str) -> None:
     server = LookupServer(channel_path, lambda h, t: {"hit": 1})
     try:

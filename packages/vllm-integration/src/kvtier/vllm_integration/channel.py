@@ -70,6 +70,16 @@ def _recv_header(sock: socket.socket) -> dict[str, Any]:
     return header
 
 
+def _is_served(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        try:
+            s.connect(path)
+        except OSError:
+            return False
+    return True
+
+
 class LookupServer:
     """Serves ``handler`` on a Unix socket from daemon threads until ``close``.
 
@@ -81,8 +91,12 @@ class LookupServer:
         self.path = path
         self._handler = handler
         if os.path.exists(path):
-            # A stale socket from a process that died; engine ids are unique, so no live owner.
-            os.unlink(path)
+            if _is_served(path):
+                raise ChannelError(
+                    f"another live engine serves {path}: two engines share an engine_id; give "
+                    f"each its own (kv_transfer_config.engine_id) or leave it unset"
+                )
+            os.unlink(path)  # left behind by a process that died
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(path)
         self._sock.listen(16)
