@@ -1,13 +1,19 @@
 """The CUDA device connector: Triton gathers/scatters on the GPU, copy engines move the bytes.
 
-Why this shape: a kernel that writes straight into pinned host memory ("zero-copy") reaches
-about 0.9 of PCIe in one direction but gains almost nothing when stores and loads run at once,
+Why this shape: a kernel that writes straight into pinned host memory ("zero-copy") reached
+0.84 of PCIe in one direction on an H200 and gained nothing when stores and loads ran at once,
 because zero-copy traffic does not go through the copy engines. So by default (``mode="dma"``)
-a store gathers a chunk's scattered paged rows into a small ring of device staging slots and the
-copy engine DMAs each slot to the pinned host object while the next slot is gathered; a load runs
-the same pipeline backwards (DMA into a slot, scatter from it). Stores and loads each have their
-own pair of streams and their own ring, so both directions run at once (PCIe is full duplex).
-``mode="zerocopy"`` keeps the one-kernel path for comparison (needs pinned host objects).
+a store gathers a chunk's scattered paged rows into a ring of device staging slots (two of
+32 MiB) and the copy engine DMAs each slot to the pinned host object while the next slot is
+gathered; a load runs the same pipeline backwards (DMA into a slot, scatter from it). Stores and
+loads each have their own pair of streams and their own ring, so both directions run at once
+(PCIe is full duplex). ``mode="zerocopy"`` keeps the one-kernel path for comparison.
+
+Host time is the other budget: a small model's 2 MiB chunk crosses PCIe in under 40 us, about
+what one Triton launch plus a few stream operations cost in Python. So pieces are large (one
+launch and one DMA per contiguous host range per 32 MiB), a call is prepared in batches of
+growing size (the GPU starts after the first small batch while the host prepares the rest), and
+``store_async``/``load_async`` let one thread keep a store and a load in flight together.
 
 Streams and events (CUDA):
 
@@ -24,7 +30,8 @@ Streams and events (CUDA):
   are still in flight.
 - Whole-call methods (``store``, ``load``, ``store_layer``, ``load_layer``) return after the host
   has waited for their copies: the host objects may then be read, written to disk or released.
-  The generators do the same when exhausted or closed.
+  The generators do the same when exhausted or closed; ``store_async``/``load_async`` return a
+  ``PendingTransfer`` whose ``wait()`` does it.
 
 Slots: ``-1`` skips a token in both directions (a store leaves that row of the object as it was,
 which in ``dma`` mode costs a host-to-device copy of the chunk into its staging slot first). Slot
@@ -52,6 +59,9 @@ from kvtier.cuda.kernels import RowGeometry, copy_rows, word_bytes_for
 MODES = ("dma", "zerocopy")
 _DEFAULT_SLOTS = 2
 _DEFAULT_SLOT_BYTES = 32 << 20
+# A call's first batch of chunks and first staging piece (see _whole_call).
+_FIRST_BATCH_BYTES = 4 << 20
+_FIRST_PIECE_BYTES = 4 << 20
 
 
 @dataclass
@@ -91,6 +101,7 @@ class _Piece:
     stop: int
     max_tokens: int
     slot: int
+    cap: int = 0  # bytes of the slot this piece may fill
     nbytes: int = 0
     prefill: bool = False
     copies: list[_Copy] = field(default_factory=list)
@@ -214,6 +225,8 @@ class CUDAPagedConnector(DeviceConnector):
         self._bases, self._geo_bytes = self._row_bases()
         self._bases_np = np.asarray(self._bases, dtype=np.int64)
         self._dma_geometry = self._geometry(())
+        self._first_batch_bytes = _FIRST_BATCH_BYTES
+        self._first_piece_bytes = _FIRST_PIECE_BYTES
         self._store_lane = _Lane(device, staging_slots, staging_slot_bytes)
         self._load_lane = _Lane(device, staging_slots, staging_slot_bytes)
 
@@ -281,8 +294,10 @@ class CUDAPagedConnector(DeviceConnector):
         )
 
     # -- preparing a call ---------------------------------------------------------------------
-    def _prepare(self, transfers: Sequence[Transfer]) -> tuple[list[_Prepared], torch.Tensor]:
-        """Validate every transfer; return them with one int64 slot tensor for the whole call.
+    def _prepare(self, transfers: Sequence[Transfer], base: int = 0) -> tuple[list[_Prepared], torch.Tensor]:
+        """Validate every transfer; return them with one int64 slot tensor for the whole batch.
+
+        ``base`` is the batch's first transfer index within the call (for error messages).
 
         The slot tensor stays on the host; it travels to the device with the row table.
         Checks run once over the concatenated slots (a call may hold hundreds of chunks).
@@ -292,15 +307,18 @@ class CUDAPagedConnector(DeviceConnector):
         host_slots: list[torch.Tensor] = []
         lengths: list[int] = []
         objs: list[torch.Tensor] = []
-        for i, t in enumerate(transfers):
+        shapes: dict[int, tuple[int, ...]] = {}
+        cpu = torch.device("cpu")
+        for i, t in enumerate(transfers, base):
             obj = t.obj.tensor
             n = t.obj.num_tokens
-            if obj.shape != lay.chunk_shape(n) or obj.dtype != dtype:
+            shape = shapes.get(n) or shapes.setdefault(n, lay.chunk_shape(n))
+            if obj.shape != shape or obj.dtype != dtype:
                 raise LayoutError(
                     f"transfer {i}: memory object {tuple(obj.shape)} {obj.dtype} does not match the "
                     f"layout's chunk {lay.chunk_shape(n)} {dtype}"
                 )
-            if obj.device.type != "cpu" or not obj.is_contiguous():
+            if obj.device != cpu or not obj.is_contiguous():
                 raise ValueError(f"transfer {i}: memory objects must be contiguous host tensors")
             objs.append(obj)
             lengths.append(n)
@@ -320,7 +338,7 @@ class CUDAPagedConnector(DeviceConnector):
             if bad.size:
                 i = int(bad[0])
                 raise IndexError(
-                    f"transfer {i}: slot values must be -1 or in [0, {total}), got "
+                    f"transfer {base + i}: slot values must be -1 or in [0, {total}), got "
                     f"[{lows[i]}, {highs[i]}]"
                 )
         hd_bytes = lay.hidden_size * self._itemsize
@@ -330,7 +348,7 @@ class CUDAPagedConnector(DeviceConnector):
             empty = bool(highs[i] < 0)
             if check_pinned and not empty and not obj.is_pinned():
                 raise ValueError(
-                    f"transfer {i}: mode='zerocopy' needs memory objects in pinned host memory"
+                    f"transfer {base + i}: mode='zerocopy' needs memory objects in pinned host memory"
                 )
             prepared.append(
                 _Prepared(
@@ -355,6 +373,7 @@ class CUDAPagedConnector(DeviceConnector):
         segments: Iterable[tuple[int, int, int, int, int]],
         *,
         store: bool,
+        first_piece_bytes: int | None = None,
     ) -> tuple[list[_Piece], torch.Tensor]:
         """Pack row segments into pieces; return them and the row table (host, ``[rows, 4]``,
         slot-list column relative to the call's slot tensor).
@@ -392,12 +411,18 @@ class CUDAPagedConnector(DeviceConnector):
                     k = left
                     runs.append((r, step, k, p.host_ptr + r * rb, step * rb, slot_list, n))
                 else:
-                    room = (lane.slot_bytes - piece.nbytes) // rb if piece is not None else 0
+                    room = (piece.cap - piece.nbytes) // rb if piece is not None else 0
                     if room == 0:
-                        piece = _Piece(start=rows_so_far, stop=rows_so_far, max_tokens=0, slot=lane.next_slot)
+                        cap = lane.slot_bytes
+                        if not pieces and first_piece_bytes:
+                            # A small first piece: its gather is short, so the DMA starts early.
+                            cap = min(cap, max(first_piece_bytes, rb))
+                        piece = _Piece(
+                            start=rows_so_far, stop=rows_so_far, max_tokens=0, slot=lane.next_slot, cap=cap
+                        )
                         lane.next_slot = (lane.next_slot + 1) % lane.num_slots
                         pieces.append(piece)
-                        room = lane.slot_bytes // rb
+                        room = cap // rb
                     assert piece is not None
                     k = min(room, left)
                     flat = lane.slots[piece.slot].data_ptr() + piece.nbytes
@@ -459,6 +484,7 @@ class CUDAPagedConnector(DeviceConnector):
         *,
         store: bool,
         layer_events: dict[int, torch.cuda.Event] | None = None,
+        first_piece_bytes: int | None = None,
     ) -> torch.cuda.Event | None:
         """Plan and enqueue one batch of rows after the caller's current stream.
 
@@ -473,7 +499,9 @@ class CUDAPagedConnector(DeviceConnector):
         managers and each piece costs one launch, its DMAs and four event operations.
         """
         with lane.lock:
-            pieces, table = self._plan(lane, prepared, rows, store=store)
+            pieces, table = self._plan(
+                lane, prepared, rows, store=store, first_piece_bytes=first_piece_bytes
+            )
             if not pieces:
                 return None
             geo = (
@@ -640,19 +668,48 @@ class CUDAPagedConnector(DeviceConnector):
         The objects must stay alive and unread until ``wait()`` returns. One thread can keep a
         store and a load in flight together this way (no second thread, no GIL contention).
         """
-        prepared, slots = self._prepare(transfers)
-        keep: list[torch.Tensor] = []
-        rows = self._all_rows(len(prepared))
-        done = self._enqueue(self._store_lane, prepared, rows, slots, keep, store=True)
-        return PendingTransfer(done, keep, None)
+        return self._whole_call(self._store_lane, transfers, store=True)
 
     def load_async(self, transfers: Sequence[Transfer]) -> PendingTransfer:
         """Enqueue a whole-chunk load and return at once; ``wait()`` before attention reads it."""
-        prepared, slots = self._prepare(transfers)
+        return self._whole_call(self._load_lane, transfers, store=False)
+
+    def _whole_call(self, lane: _Lane, transfers: Sequence[Transfer], *, store: bool) -> PendingTransfer:
+        """Prepare and enqueue a whole-chunk call in batches of growing size.
+
+        Preparing costs a few microseconds of host time per chunk; in one batch it would all
+        come before the first byte moves. The first batch is small (its first piece smaller
+        still), so the GPU starts at once and the host prepares the rest while it works; each
+        later batch doubles, keeping the per-batch cost rare. If a later batch is refused
+        (bad slots), the earlier ones have completed when the error is raised: nothing outside
+        the given slots and objects is touched, but the call as a whole must count as failed.
+        """
         keep: list[torch.Tensor] = []
-        rows = self._all_rows(len(prepared))
-        done = self._enqueue(self._load_lane, prepared, rows, slots, keep, store=False)
-        return PendingTransfer(done, keep, self.device)
+        done: torch.cuda.Event | None = None
+        try:
+            for start, stop in self._batches(transfers):
+                prepared, slots = self._prepare(transfers[start:stop], base=start)
+                rows = self._all_rows(len(prepared))
+                first = self._first_piece_bytes if start == 0 else None
+                batch_done = self._enqueue(
+                    lane, prepared, rows, slots, keep, store=store, first_piece_bytes=first
+                )
+                done = batch_done or done
+        except BaseException:
+            lane.synchronize()
+            raise
+        return PendingTransfer(done, keep, None if store else self.device)
+
+    def _batches(self, transfers: Sequence[Transfer]) -> Iterator[tuple[int, int]]:
+        per_token = self.layout.bytes_per_token()
+        limit, size, start = self._first_batch_bytes, 0, 0
+        for i, t in enumerate(transfers):
+            size += t.obj.num_tokens * per_token
+            if size >= limit:
+                yield start, i + 1
+                start, size, limit = i + 1, 0, 2 * limit
+        if start < len(transfers):
+            yield start, len(transfers)
 
     def store_layer(self, layer: int, transfers: Sequence[Transfer]) -> None:
         self._check_layer(layer)
