@@ -6,10 +6,12 @@
     meta     meta_len bytes: UTF-8 JSON {"key", "layout", "dtype", "shape", "tokens"},
              padded with spaces so the payload starts at a multiple of ``align`` when asked
     payload  payload_len bytes: the chunk's tensor bytes ([2, layers, tokens, hidden] or MLA)
-    trailer  "<I": CRC-32 over prefix, meta and payload
+    trailer  "<I": the checksum: CRC-32 over prefix, meta and then the little-endian CRC-32 of
+             each 1 MiB segment of the payload (the last one may be shorter)
 
-The checksum trails the payload so a writer can send the header and the payload while it is
-still being computed (``checksum_async``), and a reader can check each piece as it arrives. A
+Segment CRCs are independent, so ``Checksum`` computes them on helper threads in parallel (one
+chunk's check is not bound to one core) and while the payload is written, sent, read or copied;
+the checksum trails the payload so a writer never waits for it before sending. A
 decoder accepts a payload only if *every* field agrees with what the reader asked for: the full
 key string (so a value swapped between keys, or written by another model, layout or rank, is
 foreign), the layout fingerprint, the dtype, the shape (which must be the layout's chunk shape
@@ -23,6 +25,7 @@ could also write well-formed wrong KV).
 from __future__ import annotations
 
 import json
+import os
 import struct
 import threading
 import zlib
@@ -91,7 +94,9 @@ def encode_header(key: ChunkKey, meta: MemoryObjMeta, layout: KVLayout, *, align
 
 def trailer(header: bytes, payload: memoryview | bytes) -> bytes:
     """The checksum trailer of ``header`` + ``payload``."""
-    return TRAILER.pack(zlib.crc32(payload, zlib.crc32(header)))
+    cs = Checksum(zlib.crc32(header))
+    cs.add(payload)
+    return TRAILER.pack(cs.value())
 
 
 def encode(
@@ -104,6 +109,8 @@ def encode(
     return header, trailer(header, payload)
 
 
+SEGMENT = 1 << 20
+
 _crc_pool: ThreadPoolExecutor | None = None
 _crc_pool_lock = threading.Lock()
 
@@ -112,14 +119,43 @@ def _pool() -> ThreadPoolExecutor:
     global _crc_pool
     with _crc_pool_lock:
         if _crc_pool is None:
-            _crc_pool = ThreadPoolExecutor(2, thread_name_prefix="kvtier-crc")
+            workers = max(2, min(8, os.cpu_count() or 2))
+            _crc_pool = ThreadPoolExecutor(workers, thread_name_prefix="kvtier-crc")
         return _crc_pool
 
 
-def checksum_async(data: memoryview | bytes, start: int = 0) -> Future[int]:
-    """``zlib.crc32(data, start)`` on a helper thread (it releases the GIL), so it overlaps
-    with the caller's I/O or copies. The caller must keep ``data`` alive until it resolves."""
-    return _pool().submit(zlib.crc32, data, start)
+class Checksum:
+    """The trailer checksum of one value, its payload segments hashed on helper threads.
+
+    ``add`` payload bytes in order, in pieces whose sizes are multiples of ``SEGMENT`` (except
+    the last piece). ``zlib.crc32`` releases the GIL, so the caller overlaps its own I/O or
+    copies with the hashing. The caller must keep the added buffers alive and unchanged until
+    ``value()`` or ``wait()`` returns; call ``wait()`` in a ``finally`` on error paths.
+    """
+
+    def __init__(self, header_crc: int) -> None:
+        self._start = header_crc
+        self._parts: list[Future[int]] = []
+        self._tail = False
+
+    def add(self, data: memoryview | bytes) -> None:
+        view = memoryview(data).cast("B")
+        if self._tail:
+            raise ValueError("payload pieces after a partial segment")
+        for start in range(0, view.nbytes, SEGMENT):
+            seg = view[start : start + SEGMENT]
+            self._tail = seg.nbytes < SEGMENT
+            self._parts.append(_pool().submit(zlib.crc32, seg))
+
+    def wait(self) -> None:
+        for fut in self._parts:
+            fut.exception()
+
+    def value(self) -> int:
+        crc = self._start
+        for fut in self._parts:
+            crc = zlib.crc32(TRAILER.pack(fut.result()), crc)
+        return crc
 
 
 def prefix_lengths(prefix: bytes | memoryview) -> tuple[int, int]:
@@ -192,7 +228,12 @@ def verify(header: Header, payload: memoryview | bytes, trailer_bytes: bytes | m
     n = memoryview(payload).nbytes
     if n != header.payload_len:
         raise PayloadError(f"truncated: payload of {n} bytes, expected {header.payload_len}")
-    check_trailer(zlib.crc32(payload, header.crc_of_header), trailer_bytes)
+    cs = Checksum(header.crc_of_header)
+    try:
+        cs.add(payload)
+    finally:
+        cs.wait()
+    check_trailer(cs.value(), trailer_bytes)
 
 
 def decode(

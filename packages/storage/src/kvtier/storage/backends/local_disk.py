@@ -34,7 +34,6 @@ import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -91,27 +90,23 @@ def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
-# Reads go in segments so the checksum of one overlaps the read of the next.
-_SEGMENT = 8 << 20
+# Reads go in pieces so the checksum of one overlaps the read of the next (a multiple of the
+# codec's checksum segment).
+_SEGMENT = 8 * codec.SEGMENT
 
 
-def _read_checksummed(fd: int, view: memoryview, offset: int, crc: int) -> int:
-    """Read ``view.nbytes`` bytes at ``offset`` into ``view``; return the CRC-32 continued from
-    ``crc``. Raises ``PayloadError`` if the file is short."""
-    pending: Future[int] | None = None
+def _read_checksummed(fd: int, view: memoryview, offset: int, cs: codec.Checksum) -> None:
+    """Read ``view.nbytes`` bytes at ``offset`` into ``view``, each piece hashed into ``cs`` as
+    soon as it is in. Raises ``PayloadError`` if the file is short."""
     try:
         for start in range(0, view.nbytes, _SEGMENT):
             seg = view[start : start + _SEGMENT]
             if _read_into(fd, seg, offset + start) != seg.nbytes:
                 raise codec.PayloadError("truncated: file ended inside the payload")
-            if pending is not None:
-                crc = pending.result()
-            pending = codec.checksum_async(seg, crc)
+            cs.add(seg)
     finally:
         # never hand the buffer back (or fail) while a helper thread still reads it
-        if pending is not None:
-            crc = pending.result()
-    return crc
+        cs.wait()
 
 
 class LocalDiskBackend(StorageBackend):
@@ -173,13 +168,14 @@ class LocalDiskBackend(StorageBackend):
         buf = self._bounce(padded)
         end = len(header) + payload.nbytes
         buf[: len(header)] = header
-        crc = codec.checksum_async(payload, zlib.crc32(header))
+        cs = codec.Checksum(zlib.crc32(header))
         try:
+            cs.add(payload)
             np.copyto(np.frombuffer(buf[len(header) : end], dtype=np.uint8),
                       np.frombuffer(payload, dtype=np.uint8))
         finally:
-            crc_value = crc.result()  # the helper must be done with the buffer
-        buf[end:total] = codec.TRAILER.pack(crc_value)
+            cs.wait()  # the helpers must be done with the buffer
+        buf[end:total] = codec.TRAILER.pack(cs.value())
         buf[total:padded] = bytes(padded - total)
         _write_all(fd, [buf[:padded]])
         os.ftruncate(fd, total)
@@ -205,12 +201,14 @@ class LocalDiskBackend(StorageBackend):
         obj = allocate(header.meta)
         if obj is None:
             return None
-        crc = codec.checksum_async(payload, header.crc_of_header)
+        cs = codec.Checksum(header.crc_of_header)
         try:
+            cs.add(payload)
             np.copyto(np.frombuffer(obj.byte_view(), dtype=np.uint8), np.frombuffer(payload, dtype=np.uint8))
-            codec.check_trailer(crc.result(), tail)
+            cs.wait()
+            codec.check_trailer(cs.value(), tail)
         except BaseException:
-            crc.result()
+            cs.wait()
             obj.release()
             raise
         return obj
@@ -336,12 +334,13 @@ class LocalDiskBackend(StorageBackend):
                 if self.o_direct:
                     self._write_direct(fd, header, payload)
                 else:
-                    crc = codec.checksum_async(payload, zlib.crc32(header))
+                    cs = codec.Checksum(zlib.crc32(header))
                     try:
+                        cs.add(payload)
                         _write_all(fd, [header, payload])
                     finally:
-                        crc_value = crc.result()  # the helper must be done with the buffer
-                    _write_all(fd, [codec.TRAILER.pack(crc_value)])
+                        cs.wait()  # the helpers must be done with the buffer
+                    _write_all(fd, [codec.TRAILER.pack(cs.value())])
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -432,9 +431,10 @@ class LocalDiskBackend(StorageBackend):
             self.ctx.stats.add(f"{self.name}.no_host_memory")
             return None
         try:
-            crc = _read_checksummed(fd, obj.byte_view(), header.header_len, header.crc_of_header)
+            cs = codec.Checksum(header.crc_of_header)
+            _read_checksummed(fd, obj.byte_view(), header.header_len, cs)
             tail = os.pread(fd, codec.TRAILER.size, header.header_len + header.payload_len)
-            codec.check_trailer(crc, tail)
+            codec.check_trailer(cs.value(), tail)
         except codec.PayloadError as e:
             obj.release()
             self._reject(name, e)

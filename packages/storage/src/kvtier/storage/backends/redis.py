@@ -26,7 +26,6 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -215,18 +214,19 @@ class RedisBackend(StorageBackend):
         ex_resp = b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in ex)
         pool = client.connection_pool
         conn = pool.get_connection()
-        pending: list[Future[int]] = []
+        pending: list[codec.Checksum] = []
         try:
             for key, obj in items:
                 payload = obj.byte_view()
                 header = codec.encode_header(key, obj.meta, self.ctx.layout)
-                crc = codec.checksum_async(payload, zlib.crc32(header))
-                pending.append(crc)
+                cs = codec.Checksum(zlib.crc32(header))
+                pending.append(cs)
+                cs.add(payload)
                 k = self._key(key).encode()
                 size = len(header) + payload.nbytes + codec.TRAILER.size
                 head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 + len(ex), len(k), k, size)
                 conn.send_packed_command([head + header, payload])
-                conn.send_packed_command([codec.TRAILER.pack(crc.result()) + b"\r\n" + ex_resp])
+                conn.send_packed_command([codec.TRAILER.pack(cs.value()) + b"\r\n" + ex_resp])
             replies: list[Any] = []
             for _ in items:
                 try:
@@ -238,8 +238,8 @@ class RedisBackend(StorageBackend):
             conn.disconnect()
             raise
         finally:
-            for fut in pending:  # the caller's buffers must not be read after we return
-                fut.result()
+            for cs in pending:  # the caller's buffers must not be read after we return
+                cs.wait()
             pool.release(conn)
 
     def batched_get(
@@ -283,12 +283,14 @@ class RedisBackend(StorageBackend):
         if obj is None:
             self.ctx.stats.add(f"{self.name}.no_host_memory")
             return None
-        crc = codec.checksum_async(payload, header.crc_of_header)
+        cs = codec.Checksum(header.crc_of_header)
         try:
+            cs.add(payload)
             np.copyto(np.frombuffer(obj.byte_view(), dtype=np.uint8), np.frombuffer(payload, dtype=np.uint8))
-            codec.check_trailer(crc.result(), tail)
+            cs.wait()
+            codec.check_trailer(cs.value(), tail)
         except BaseException:
-            crc.result()
+            cs.wait()
             obj.release()
             raise
         return obj
