@@ -51,7 +51,8 @@ from kvtier.core.keys import KeyFactory
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena, MemoryObj, MemoryObjMeta
 from kvtier.storage.backends.base import BackendContext, StorageBackend
-from kvtier.storage.manager import create_storage_manager
+from kvtier.storage.backends.local_cpu import LocalCPUBackend
+from kvtier.storage.manager import TieredStorageManager
 
 TARGETS = {"local_cpu": 0.8, "local_disk": 0.8, "redis": 0.9}
 
@@ -130,12 +131,11 @@ def _fill(obj: MemoryObj, seed: int) -> None:
 
 
 def bench_cpu(b: _Bench, shape: Shape) -> None:
-    cfg = load_config(overrides={"tiers": ["local_cpu"], "chunk_size": shape.tokens}, env={})
     meta = shape.meta
     arena = _arena(meta.nbytes * (2 * shape.batch + 2))
     keys = KeyFactory("bench", shape.layout.fingerprint())
-    m = create_storage_manager(config=cfg, arena=arena, layout=shape.layout,
-                               namespace=keys.key(b"").namespace())
+    host = _backend(LocalCPUBackend, shape, arena, tiers=["local_cpu"])
+    m = TieredStorageManager([host], arena=arena, stats=host.ctx.stats)
     src = [torch.empty(meta.shape, dtype=meta.dtype) for _ in range(shape.batch)]
     dst = [torch.empty(meta.shape, dtype=meta.dtype) for _ in range(shape.batch)]
     for i, t in enumerate(src):
@@ -407,7 +407,8 @@ def _chart(rows: list[dict[str, Any]], path: Path) -> None:
     except ImportError:
         print("matplotlib not installed: no chart")
         return
-    labels = [f"{r['tier']}\n{r['shape']} {r['op']}" for r in rows]
+    labels = [f"{r['tier']}\n{r['shape']} {r['op']}" + (f"\n{r['variant']}" if "variant" in r else "")
+              for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4.5))
     bars = ax.bar(range(len(rows)), [r["ratio"] for r in rows],
                   color=["tab:blue" if r["ratio"] >= r["target"] else "tab:orange" for r in rows])

@@ -7,7 +7,7 @@
              padded with spaces so the payload starts at a multiple of ``align`` when asked
     payload  payload_len bytes: the chunk's tensor bytes ([2, layers, tokens, hidden] or MLA)
     trailer  "<I": the checksum: CRC-32 over prefix, meta and then the little-endian CRC-32 of
-             each 1 MiB segment of the payload (the last one may be shorter)
+             each 512 KiB segment of the payload (the last one may be shorter)
 
 Segment CRCs are independent, so ``Checksum`` computes them on helper threads in parallel (one
 chunk's check is not bound to one core) and while the payload is written, sent, read or copied;
@@ -109,7 +109,7 @@ def encode(
     return header, trailer(header, payload)
 
 
-SEGMENT = 1 << 20
+SEGMENT = 512 << 10
 
 _crc_pool: ThreadPoolExecutor | None = None
 _crc_pool_lock = threading.Lock()

@@ -92,7 +92,7 @@ def _round_up(n: int, to: int) -> int:
 
 # Reads go in pieces so the checksum of one overlaps the read of the next (a multiple of the
 # codec's checksum segment).
-_SEGMENT = 8 * codec.SEGMENT
+_SEGMENT = 2 * codec.SEGMENT
 
 
 def _read_checksummed(fd: int, view: memoryview, offset: int, cs: codec.Checksum) -> None:
