@@ -31,6 +31,17 @@ SIZES = SIZES_3
 MODES = ("whole", "layerwise", "per_layer")
 
 
+# whole: objects staged whole on the device (one copy per chunk); layer: one layer at a time
+# (the path of batches over max_staging_bytes); off: no staging buffer.
+STAGINGS = {"whole": (True, 256 << 20), "layer": (True, 0), "off": (False, 0)}
+STAGING = pytest.mark.parametrize("staging", sorted(STAGINGS))
+
+
+def make_conn(caches: list[torch.Tensor], layout: KVLayout, staging: str) -> XPUPagedConnector:
+    on, cap = STAGINGS[staging]
+    return XPUPagedConnector(caches, layout, staging_buffer=on, max_staging_bytes=cap)
+
+
 def sizes_of(slots: Sequence[Sequence[int]]) -> list[int]:
     return [len(s) for s in slots]
 
@@ -59,9 +70,9 @@ def run_load(conn: TorchPagedConnector, transfers: list[Transfer], mode: str) ->
 
 @pytest.mark.parametrize("holes", [False, True], ids=["dense", "holes"])
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("staging", [True, False], ids=["staging", "no_staging"])
+@STAGING
 def test_store_is_bit_identical_to_reference(
-    layout: KVLayout, device: torch.device, staging: bool, mode: str, holes: bool
+    layout: KVLayout, device: torch.device, staging: str, mode: str, holes: bool
 ) -> None:
     slots = chunk_slots(SIZES, seed=1, holes=holes)
     caches = make_caches(layout, device)
@@ -70,7 +81,7 @@ def test_store_is_bit_identical_to_reference(
     ref_objs = [make_obj(ref_arena, layout, n, seed=10 + i) for i, n in enumerate(sizes_of(slots))]
     before = [o.tensor.clone() for o in objs]
 
-    conn = XPUPagedConnector(caches, layout, staging_buffer=staging)
+    conn = make_conn(caches, layout, staging)
     run_store(conn, transfers_for(objs, slots, device), mode)
     ref = TorchPagedConnector([c.cpu() for c in caches], layout)
     ref.store(transfers_for(ref_objs, slots, torch.device("cpu")))
@@ -96,9 +107,9 @@ def obj_token_of(t: torch.Tensor, layout: KVLayout, layer: int, i: int) -> torch
 
 @pytest.mark.parametrize("holes", [False, True], ids=["dense", "holes"])
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("staging", [True, False], ids=["staging", "no_staging"])
+@STAGING
 def test_load_is_bit_identical_to_reference(
-    layout: KVLayout, device: torch.device, staging: bool, mode: str, holes: bool
+    layout: KVLayout, device: torch.device, staging: str, mode: str, holes: bool
 ) -> None:
     slots = chunk_slots(SIZES, seed=2, holes=holes)
     caches = make_caches(layout, device, seed=3)
@@ -106,7 +117,7 @@ def test_load_is_bit_identical_to_reference(
     arena = make_arena(device)
     objs = [make_obj(arena, layout, n, seed=20 + i) for i, n in enumerate(sizes_of(slots))]
 
-    conn = XPUPagedConnector(caches, layout, staging_buffer=staging)
+    conn = make_conn(caches, layout, staging)
     run_load(conn, transfers_for(objs, slots, device), mode)
     ref_caches = [c.clone() for c in originals]
     ref = TorchPagedConnector(ref_caches, layout)
@@ -131,9 +142,9 @@ def test_load_is_bit_identical_to_reference(
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("staging", [True, False], ids=["staging", "no_staging"])
+@STAGING
 def test_round_trip_into_other_slots(
-    layout: KVLayout, device: torch.device, staging: bool, mode: str
+    layout: KVLayout, device: torch.device, staging: str, mode: str
 ) -> None:
     """Store from one set of slots, wipe the cache, load into another: the KV bytes follow."""
     src = chunk_slots(SIZES, seed=4, holes=False)
@@ -142,7 +153,7 @@ def test_round_trip_into_other_slots(
     originals = [c.cpu().clone() for c in caches]
     arena = make_arena(device)
     objs = [make_obj(arena, layout, n, seed=0) for n in SIZES]
-    conn = XPUPagedConnector(caches, layout, staging_buffer=staging)
+    conn = make_conn(caches, layout, staging)
     run_store(conn, transfers_for(objs, src, device), mode)
     for c in caches:
         c.zero_()
@@ -159,20 +170,28 @@ def test_round_trip_into_other_slots(
     assert arena.used_bytes == 0
 
 
-@pytest.mark.parametrize("direction", ["store", "load"])
-def test_staging_buffer_gathers_all_chunks_once_per_layer(
-    layout: KVLayout, device: torch.device, direction: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("op", ["store", "store_layerwise", "load", "load_layerwise"])
+def test_staging_moves_all_chunks_in_one_op_per_layer(
+    layout: KVLayout, device: torch.device, op: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With staging, one gather (store) or one scatter (load) per layer covers every chunk;
-    without it, one per chunk per layer and no device buffer."""
+    """With staging, one gather (store) or one scatter (load) per layer covers every chunk,
+    through a buffer of the documented size; without it, one per chunk per layer, no buffer."""
     slots = chunk_slots(SIZES, seed=7, holes=True)
-    n_live = sum(1 for s in slots if any(x >= 0 for x in s))
-    calls: dict[bool, dict[str, int]] = {}
-    for staging in (True, False):
+    live = [s for s in slots if any(x >= 0 for x in s)]
+    valid_tokens = sum(1 for s in slots for x in s if x >= 0)
+    all_tokens = sum(len(s) for s in live)
+    layer_bytes = layout.chunk_nbytes(1) // layout.num_layers
+    expect_bytes = {  # (staging) -> staging_nbytes after the op
+        "whole": layout.chunk_nbytes(all_tokens) if op == "load"
+        else layer_bytes * (valid_tokens if op.startswith("store") else all_tokens),
+        "layer": layer_bytes * (valid_tokens if op.startswith("store") else all_tokens),
+        "off": 0,
+    }
+    for staging in STAGINGS:
         caches = make_caches(layout, device)
         arena = make_arena(device)
         objs = [make_obj(arena, layout, n, seed=i) for i, n in enumerate(sizes_of(slots))]
-        conn = XPUPagedConnector(caches, layout, staging_buffer=staging)
+        conn = make_conn(caches, layout, staging)
         count = {"gather": 0, "_gather_into": 0, "scatter": 0}
         for name in count:
             real = getattr(conn, name)
@@ -183,35 +202,29 @@ def test_staging_buffer_gathers_all_chunks_once_per_layer(
 
             monkeypatch.setattr(conn, name, spy)
         transfers = transfers_for(objs, slots, device)
-        list(conn.store_layerwise(transfers) if direction == "store" else conn.load_layerwise(transfers))
-        calls[staging] = count
-        if staging:
-            tokens = sum(sum(1 for x in s if x >= 0) for s in slots) if direction == "store" \
-                else sum(len(s) for s in slots if any(x >= 0 for x in s))
-            assert conn.staging_nbytes == layout.chunk_nbytes(tokens) // layout.num_layers
-        else:
-            assert conn.staging_nbytes == 0
+        result = getattr(conn, op)(transfers)
+        if op.endswith("layerwise"):
+            assert list(result) == list(range(layout.num_layers))
+        per_layer = 1 if staging != "off" else len(live)
+        # (_gather_into may itself go through gather: count the outer call)
+        moves = count["scatter"] if op.startswith("load") else count["_gather_into"] or count["gather"]
+        assert moves == layout.num_layers * per_layer, (staging, count)
+        assert conn.staging_nbytes == expect_bytes[staging], staging
         for o in objs:
             o.release()
-    layers = layout.num_layers
-    if direction == "store":
-        assert calls[True]["_gather_into"] == layers
-        assert calls[False] == {"gather": layers * n_live, "_gather_into": 0, "scatter": 0}
-    else:
-        assert calls[True] == {"gather": 0, "_gather_into": 0, "scatter": layers}
-        assert calls[False] == {"gather": 0, "_gather_into": 0, "scatter": layers * n_live}
+        assert arena.used_bytes == 0
 
 
-@pytest.mark.parametrize("staging", [True, False], ids=["staging", "no_staging"])
+@STAGING
 def test_layerwise_load_lands_layer_by_layer(
-    layout: KVLayout, device: torch.device, staging: bool
+    layout: KVLayout, device: torch.device, staging: str
 ) -> None:
     slots = chunk_slots(SIZES, seed=8, holes=False)
     caches = make_caches(layout, device)
     originals = [c.cpu().clone() for c in caches]
     arena = make_arena(device)
     objs = [make_obj(arena, layout, n, seed=30 + i) for i, n in enumerate(SIZES)]
-    conn = XPUPagedConnector(caches, layout, staging_buffer=staging)
+    conn = make_conn(caches, layout, staging)
     slot0 = slots[0][0]
     for layer in conn.load_layerwise(transfers_for(objs, slots, device)):
         # Read on the engine's (current) stream: it waits for this layer's event.
@@ -225,16 +238,16 @@ def test_layerwise_load_lands_layer_by_layer(
         o.release()
 
 
-@pytest.mark.parametrize("staging", [True, False], ids=["staging", "no_staging"])
+@STAGING
 def test_layerwise_store_captures_each_layer_before_the_engine_overwrites_it(
-    layout: KVLayout, device: torch.device, staging: bool
+    layout: KVLayout, device: torch.device, staging: str
 ) -> None:
     slots = chunk_slots(SIZES, seed=9, holes=False)
     caches = make_caches(layout, device, seed=11)
     originals = [c.cpu().clone() for c in caches]
     arena = make_arena(device)
     objs = [make_obj(arena, layout, n, seed=0) for n in SIZES]
-    conn = XPUPagedConnector(caches, layout, staging_buffer=staging)
+    conn = make_conn(caches, layout, staging)
     for layer in conn.store_layerwise(transfers_for(objs, slots, device)):
         caches[layer].fill_(7.0)  # the engine reuses the layer's blocks right away
     for layer in range(layout.num_layers):
@@ -248,16 +261,16 @@ def test_layerwise_store_captures_each_layer_before_the_engine_overwrites_it(
         o.release()
 
 
-@pytest.mark.parametrize("staging", [True, False], ids=["staging", "no_staging"])
+@STAGING
 def test_closing_a_layerwise_load_early_stops_cleanly(
-    layout: KVLayout, device: torch.device, staging: bool
+    layout: KVLayout, device: torch.device, staging: str
 ) -> None:
     slots = chunk_slots(SIZES, seed=12, holes=False)
     caches = make_caches(layout, device)
     originals = [c.cpu().clone() for c in caches]
     arena = make_arena(device)
     objs = [make_obj(arena, layout, n, seed=40 + i) for i, n in enumerate(SIZES)]
-    conn = XPUPagedConnector(caches, layout, staging_buffer=staging)
+    conn = make_conn(caches, layout, staging)
     gen = conn.load_layerwise(transfers_for(objs, slots, device))
     assert next(gen) == 0
     gen.close()  # the copies it issued are complete: the objects may go now

@@ -57,14 +57,15 @@ def _slow_transfers(conn: XPUPagedConnector, monkeypatch: pytest.MonkeyPatch) ->
         monkeypatch.setattr(conn, name, slow)
 
 
-def _setup(layout: KVLayout, device: torch.device, staging: bool, seed: int
+def _setup(layout: KVLayout, device: torch.device, staging: str, seed: int
            ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[MemoryObj], list[list[int]],
                       XPUPagedConnector]:
     slots = chunk_slots(SIZES_3, seed=seed, holes=False)
     caches = make_caches(layout, device, seed=seed)
     originals = [c.cpu().clone() for c in caches]
     objs = [make_obj(make_arena(device), layout, n, seed=seed + i) for i, n in enumerate(SIZES_3)]
-    conn = XPUPagedConnector(caches, layout, staging_buffer=staging)
+    on, cap = STAGINGS[staging]
+    conn = XPUPagedConnector(caches, layout, staging_buffer=on, max_staging_bytes=cap)
     return caches, originals, objs, slots, conn
 
 
@@ -82,12 +83,14 @@ def _objs_hold(objs: list[MemoryObj], slots: list[list[int]], layout: KVLayout,
     )
 
 
-STAGING = pytest.mark.parametrize("staging", [True, False], ids=["staging", "no_staging"])
+# whole-object staging, layer-at-a-time staging (cap 0), no staging
+STAGINGS = {"whole": (True, 256 << 20), "layer": (True, 0), "off": (False, 0)}
+STAGING = pytest.mark.parametrize("staging", sorted(STAGINGS))
 
 
 @STAGING
 def test_store_waits_for_the_engines_pending_writes(layout: KVLayout, accel: torch.device,
-                                                    staging: bool) -> None:
+                                                    staging: str) -> None:
     caches, _, objs, slots, conn = _setup(layout, accel, staging, seed=1)
     new = [torch.randn(c.shape, device=accel).to(c.dtype) for c in caches]
     # Built first: creating device tensors from host data would wait for the busy stream.
@@ -105,7 +108,7 @@ def test_store_waits_for_the_engines_pending_writes(layout: KVLayout, accel: tor
 
 @STAGING
 def test_store_returns_only_when_host_objects_are_written(
-    layout: KVLayout, accel: torch.device, staging: bool, monkeypatch: pytest.MonkeyPatch
+    layout: KVLayout, accel: torch.device, staging: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _, originals, objs, slots, conn = _setup(layout, accel, staging, seed=2)
     _slow_transfers(conn, monkeypatch)
@@ -115,7 +118,7 @@ def test_store_returns_only_when_host_objects_are_written(
 
 @STAGING
 def test_layerwise_store_orders_the_engines_overwrite_after_the_capture(
-    layout: KVLayout, accel: torch.device, staging: bool, monkeypatch: pytest.MonkeyPatch
+    layout: KVLayout, accel: torch.device, staging: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     caches, originals, objs, slots, conn = _setup(layout, accel, staging, seed=3)
     _slow_transfers(conn, monkeypatch)
@@ -126,7 +129,7 @@ def test_layerwise_store_orders_the_engines_overwrite_after_the_capture(
 
 @STAGING
 def test_layerwise_load_orders_the_engines_reads_after_the_layer(
-    layout: KVLayout, accel: torch.device, staging: bool, monkeypatch: pytest.MonkeyPatch
+    layout: KVLayout, accel: torch.device, staging: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     caches, _, objs, slots, conn = _setup(layout, accel, staging, seed=4)
     _slow_transfers(conn, monkeypatch)
@@ -138,7 +141,7 @@ def test_layerwise_load_orders_the_engines_reads_after_the_layer(
 
 @STAGING
 def test_load_returns_only_when_host_objects_may_be_reused(
-    layout: KVLayout, accel: torch.device, staging: bool, monkeypatch: pytest.MonkeyPatch
+    layout: KVLayout, accel: torch.device, staging: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     caches, _, objs, slots, conn = _setup(layout, accel, staging, seed=5)
     want = [o.tensor.clone() for o in objs]

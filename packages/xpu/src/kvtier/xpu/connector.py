@@ -15,14 +15,19 @@ reuses unchanged):
   host buffer written by a store, and before a load returns the objects it read to their owner
   (who may free and reuse them): that is at the end of ``store``/``load`` and when a layer-wise
   generator is exhausted *or closed early*.
-- **A device staging buffer** (``staging_buffer=True``, config ``device_staging_buffer``): per
-  layer, the tokens of *all* chunks are gathered in one indexing op into a preallocated device
-  buffer, then each chunk is one copy to host; loading copies each chunk into the buffer and
-  scatters all of them in one op. Without it, each chunk is gathered/scattered on its own
-  through a temporary. The buffer holds one layer of the largest batch seen and grows on demand.
+- **Device staging buffers** (``staging_buffer=True``, config ``device_staging_buffer``). Store
+  (whole and layer-wise): per layer, the tokens of *all* chunks are gathered in one indexing op
+  into a preallocated device buffer (one layer of the batch), then each chunk's K and V go to
+  host in one copy each. Layer-wise load is the reverse: copy each chunk's layer into the buffer,
+  scatter all of them in one op. Whole load copies each object to the device in one copy (into a
+  buffer laid out like the objects, up to ``max_staging_bytes``; larger batches go layer by
+  layer), then gathers and scatters each layer of all chunks in one op each. Without staging,
+  each chunk is gathered/scattered on its own through a temporary. Buffers grow on demand and
+  are kept for the next transfer (``staging_nbytes``).
 
-A connector is used from one thread. Its staging buffer is shared by stores and loads: safe,
-because every use is issued on the one transfer stream and consumed within the same layer step.
+A connector is used from one thread. Its staging buffers are shared by stores and loads: safe,
+because every use is issued on the one transfer stream and consumed within one step (a layer,
+or a whole load).
 On CPU tensors the streams are no-ops (``kvtier.xpu.streams``) and the same code runs, which is
 how the tests check it.
 """
@@ -54,24 +59,57 @@ class _Plan:
     spans: list[tuple[int, int]] = field(default_factory=list)
     positions: torch.Tensor | None = None
     num_tokens: int = 0
+    whole: _WholeStaging | None = None
+
+
+@dataclass
+class _WholeStaging:
+    """Staging laid out exactly like the memory objects, back to back, so each chunk crosses
+    the link in one copy. Row ``base[j] + layer * step[j]`` (rows of ``width`` elements) holds
+    row ``j`` of ``layer`` as ``scatter`` takes it (K of every valid token, then V; MLA: the
+    latent)."""
+
+    base: torch.Tensor
+    step: torch.Tensor
+    regions: list[tuple[int, int]]  # (first row, rows) of each prepared transfer's object
+    rows: int
+    width: int
+
+
+# Whole-object staging (whole loads) holds a whole batch on the device; past this size the batch
+# is moved layer by layer through the one-layer staging buffer instead. Measured on an H200
+# (benchmarks/results/xpu-cuda.json): whole-object staging speeds up loads, but slows stores
+# (their copies to host could then start only after every layer is gathered), so stores always
+# go layer by layer.
+DEFAULT_MAX_STAGING_BYTES = 256 << 20
 
 
 class XPUPagedConnector(TorchPagedConnector):
     """Paged KV transfers on an XPU (or, for tests, CPU) cache; see the module docstring."""
 
     def __init__(
-        self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, *, staging_buffer: bool = True
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        layout: KVLayout,
+        *,
+        staging_buffer: bool = True,
+        max_staging_bytes: int = DEFAULT_MAX_STAGING_BYTES,
     ) -> None:
         super().__init__(kv_caches, layout)
+        if max_staging_bytes < 0:
+            raise ValueError(f"max_staging_bytes must be >= 0, got {max_staging_bytes}")
         self.streams = StreamAPI(self.device)
         self.use_staging = staging_buffer
+        self.max_staging_bytes = max_staging_bytes
         self._stream: Stream = self.streams.new_stream()
         self._staging: torch.Tensor | None = None
+        self._whole_buf: torch.Tensor | None = None
 
     @property
     def staging_nbytes(self) -> int:
-        """Bytes held by the device staging buffer (0 until a staged transfer ran, or without)."""
-        return 0 if self._staging is None else self._staging.numel() * self._staging.element_size()
+        """Device bytes held by the staging buffers (0 until a staged transfer ran, or without)."""
+        return sum(b.numel() * b.element_size() for b in (self._staging, self._whole_buf)
+                   if b is not None)
 
     # -- planning ------------------------------------------------------------------------------
     def _plan(self, transfers: Sequence[Transfer], *, whole_chunks: bool) -> _Plan:
@@ -96,6 +134,44 @@ class XPUPagedConnector(TorchPagedConnector):
         )
         partial = whole_chunks and any(r.rows is not None for _, r in prepared)
         return _Plan(prepared, merged, spans, torch.cat(positions) if partial else None, lo)
+
+    def _plan_whole(self, plan: _Plan) -> None:
+        """Attach whole-object staging to ``plan`` when the batch fits ``max_staging_bytes``."""
+        lay = self.layout
+        if plan.merged is None:
+            return
+        width = lay.head_size if lay.use_mla else lay.hidden_size
+        halves = 1 if lay.use_mla else 2
+        rows_of = [halves * lay.num_layers * t.obj.num_tokens for t, _ in plan.prepared]
+        if sum(rows_of) * width * lay.torch_dtype.itemsize > self.max_staging_bytes:
+            return
+        bases: list[list[torch.Tensor]] = [[] for _ in range(halves)]
+        steps, regions, first = [], [], 0
+        for (t, r), rows in zip(plan.prepared, rows_of, strict=True):
+            n = t.obj.num_tokens
+            valid = r.rows if r.rows is not None else torch.arange(n, device=self.device)
+            for kv in range(halves):
+                bases[kv].append(first + kv * lay.num_layers * n + valid)
+            steps.append(torch.full_like(valid, n))
+            regions.append((first, rows))
+            first += rows
+        plan.whole = _WholeStaging(
+            torch.cat([b for kv in bases for b in kv]),
+            torch.cat(steps).repeat(halves),
+            regions,
+            first,
+            width,
+        )
+
+    def _whole_view(self, w: _WholeStaging) -> torch.Tensor:
+        """``[rows, width]`` of the whole-object staging buffer (allocated on the transfer stream)."""
+        numel = w.rows * w.width
+        if self._whole_buf is None or self._whole_buf.numel() < numel:
+            self._whole_buf = torch.empty(numel, dtype=self.layout.torch_dtype, device=self.device)
+        return self._whole_buf[:numel].view(w.rows, w.width)
+
+    def _object_rows(self, transfer: Transfer, w: _WholeStaging) -> torch.Tensor:
+        return transfer.obj.tensor.view(-1, w.width)
 
     def _staging_view(self, num_tokens: int) -> torch.Tensor:
         """``[2, num_tokens, h*d]`` (MLA ``[num_tokens, latent]``) of the staging buffer.
@@ -167,6 +243,17 @@ class XPUPagedConnector(TorchPagedConnector):
         values = buf if plan.positions is None else buf.index_select(dim, plan.positions)
         self.scatter(layer, plan.merged, values)
 
+    def _whole_load(self, plan: _Plan, layers: Sequence[int]) -> None:
+        assert plan.whole is not None and plan.merged is not None
+        w = plan.whole
+        buf = self._whole_view(w)
+        for (t, _), (first, rows) in zip(plan.prepared, w.regions, strict=True):
+            buf[first : first + rows].copy_(self._object_rows(t, w), non_blocking=True)
+        shape = (-1, w.width) if self.layout.use_mla else (2, -1, w.width)
+        for layer in layers:
+            values = buf.index_select(0, w.base + layer * w.step).view(shape)
+            self.scatter(layer, plan.merged, values)
+
     # -- the moves, on the transfer stream -----------------------------------------------------
     def _run_store(self, transfers: Sequence[Transfer], layers: Sequence[int],
                    layerwise: bool) -> Iterator[int]:
@@ -196,17 +283,21 @@ class XPUPagedConnector(TorchPagedConnector):
             self._stream.wait_stream(compute)
             with self.streams.use(self._stream):
                 plan = self._plan(transfers, whole_chunks=True)
-            for layer in layers:
+                if not layerwise:
+                    # Nothing waits on single layers: one copy per chunk, then every layer.
+                    self._plan_whole(plan)
+                if plan.whole is not None:
+                    self._whole_load(plan, layers)
+            for layer in layers if plan.whole is None else ():
                 with self.streams.use(self._stream):
                     self._load_planned(layer, plan)
                     landed = self._stream.record_event()
                 if layerwise:
                     compute.wait_event(landed)
                     yield layer
-            if not layerwise:
-                compute.wait_event(self._stream.record_event())
         finally:
-            # The caller releases the host objects next; pending copies still read them.
+            # The caller releases the host objects next; pending copies still read them. (This
+            # also orders whatever the engine issues after a whole load returns.)
             self._stream.synchronize()
 
     def store(self, transfers: Sequence[Transfer]) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from kvtier.core.layout import KVLayout
 from kvtier.core.platform import Platform
-from kvtier.xpu.connector import XPUPagedConnector
+from kvtier.xpu.connector import DEFAULT_MAX_STAGING_BYTES, XPUPagedConnector
 
 
 def _xpu_available() -> bool:
@@ -33,12 +33,16 @@ class XPUPlatform(Platform):
     def create_connector(
         self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, **options: object
     ) -> XPUPagedConnector:
-        """An ``XPUPagedConnector``; option ``staging_buffer`` (bool, default True) turns the
-        device staging buffer on or off. Options meant for other platforms are ignored."""
+        """An ``XPUPagedConnector``. Options: ``staging_buffer`` (bool, default True) turns the
+        device staging buffers on or off; ``max_staging_bytes`` (int) caps whole-batch staging.
+        Options meant for other platforms are ignored."""
         staging = options.get("staging_buffer", True)
         if not isinstance(staging, bool):
             raise TypeError(f"staging_buffer must be a bool, got {staging!r}")
-        return XPUPagedConnector(kv_caches, layout, staging_buffer=staging)
+        cap = options.get("max_staging_bytes", DEFAULT_MAX_STAGING_BYTES)
+        if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
+            raise TypeError(f"max_staging_bytes must be an int >= 0, got {cap!r}")
+        return XPUPagedConnector(kv_caches, layout, staging_buffer=staging, max_staging_bytes=cap)
 
     def synchronize(self) -> None:
         """Wait for every copy issued on this platform's device (every stream)."""
