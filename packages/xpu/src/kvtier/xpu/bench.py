@@ -15,6 +15,7 @@ import json
 import platform
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -55,8 +56,8 @@ def _best_of(fn: Callable[[], object], device: torch.device, repeat: int) -> flo
     return best
 
 
-def _drain(it: Iterator[int]) -> None:
-    for _ in it:
+def _drain_op(op: Callable[[list[Transfer]], Iterator[int]], transfers: list[Transfer]) -> None:
+    for _ in op(transfers):
         pass
 
 
@@ -86,10 +87,10 @@ def run_shape(name: str, device: torch.device, chunks: int, chunk: int, repeat: 
     for staging in (True, False):
         conn = XPUPagedConnector(caches, layout, staging_buffer=staging)
         cases: dict[str, tuple[Callable[[], object], float]] = {
-            "store": (lambda c=conn: c.store(transfers), ref_d2h),
-            "store_layerwise": (lambda c=conn: _drain(c.store_layerwise(transfers)), ref_d2h),
-            "load": (lambda c=conn: c.load(transfers), ref_h2d),
-            "load_layerwise": (lambda c=conn: _drain(c.load_layerwise(transfers)), ref_h2d),
+            "store": (partial(conn.store, transfers), ref_d2h),
+            "store_layerwise": (partial(_drain_op, conn.store_layerwise, transfers), ref_d2h),
+            "load": (partial(conn.load, transfers), ref_h2d),
+            "load_layerwise": (partial(_drain_op, conn.load_layerwise, transfers), ref_h2d),
         }
         for op, (fn, ref) in cases.items():
             t = _best_of(fn, device, repeat)

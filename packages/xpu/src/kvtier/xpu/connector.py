@@ -166,9 +166,11 @@ class XPUPagedConnector(TorchPagedConnector):
     def _whole_view(self, w: _WholeStaging) -> torch.Tensor:
         """``[rows, width]`` of the whole-object staging buffer (allocated on the transfer stream)."""
         numel = w.rows * w.width
-        if self._whole_buf is None or self._whole_buf.numel() < numel:
-            self._whole_buf = torch.empty(numel, dtype=self.layout.torch_dtype, device=self.device)
-        return self._whole_buf[:numel].view(w.rows, w.width)
+        buf = self._whole_buf
+        if buf is None or buf.numel() < numel:
+            buf = self._whole_buf = torch.empty(numel, dtype=self.layout.torch_dtype,
+                                                device=self.device)
+        return buf[:numel].view(w.rows, w.width)
 
     def _object_rows(self, transfer: Transfer, w: _WholeStaging) -> torch.Tensor:
         return transfer.obj.tensor.view(-1, w.width)
@@ -181,9 +183,10 @@ class XPUPagedConnector(TorchPagedConnector):
         lay = self.layout
         shape = (num_tokens, lay.head_size) if lay.use_mla else (2, num_tokens, lay.hidden_size)
         numel = math.prod(shape)
-        if self._staging is None or self._staging.numel() < numel:
-            self._staging = torch.empty(numel, dtype=lay.torch_dtype, device=self.device)
-        return self._staging[:numel].view(shape)
+        buf = self._staging
+        if buf is None or buf.numel() < numel:
+            buf = self._staging = torch.empty(numel, dtype=lay.torch_dtype, device=self.device)
+        return buf[:numel].view(shape)
 
     # -- copies between host and device -------------------------------------------------------
     def _halves(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
