@@ -49,9 +49,10 @@ from kvtier.xpu.streams import Stream, StreamAPI
 class _Plan:
     """A batch of transfers, prepared once (slots moved to the device, merged) for all layers.
 
-    ``spans[i]`` is where ``prepared[i]``'s tokens sit in the staging buffer: its valid tokens
-    when storing, all its tokens when loading. ``positions`` (load only) picks the valid tokens
-    out of the staging buffer when some slots are -1. ``merged`` is None without staging.
+    ``spans[i]`` is where ``prepared[i]``'s tokens sit in the one-layer staging buffer: its
+    valid tokens when storing, all its tokens when loading (``all_tokens``). ``positions`` (load
+    only) picks the valid tokens out of that buffer when some slots are -1. ``merged`` is None
+    without staging; ``whole`` is set for a whole load that fits ``max_staging_bytes``.
     """
 
     prepared: list[tuple[Transfer, _Rows]]
@@ -112,7 +113,7 @@ class XPUPagedConnector(TorchPagedConnector):
                    if b is not None)
 
     # -- planning ------------------------------------------------------------------------------
-    def _plan(self, transfers: Sequence[Transfer], *, whole_chunks: bool) -> _Plan:
+    def _plan(self, transfers: Sequence[Transfer], *, all_tokens: bool) -> _Plan:
         prepared = [(t, r) for t in transfers if (r := self._rows(t)).slots.numel()]
         if not self.use_staging or not prepared:
             return _Plan(prepared)
@@ -120,9 +121,9 @@ class XPUPagedConnector(TorchPagedConnector):
         positions: list[torch.Tensor] = []
         lo = 0
         for t, r in prepared:
-            n = t.obj.num_tokens if whole_chunks else r.slots.numel()
+            n = t.obj.num_tokens if all_tokens else r.slots.numel()
             spans.append((lo, lo + n))
-            if whole_chunks:
+            if all_tokens:
                 rows = r.rows if r.rows is not None else torch.arange(n, device=self.device)
                 positions.append(rows + lo)
             lo += n
@@ -132,7 +133,7 @@ class XPUPagedConnector(TorchPagedConnector):
             torch.cat([r.blocks for _, r in prepared]),
             torch.cat([r.offsets for _, r in prepared]),
         )
-        partial = whole_chunks and any(r.rows is not None for _, r in prepared)
+        partial = all_tokens and any(r.rows is not None for _, r in prepared)
         return _Plan(prepared, merged, spans, torch.cat(positions) if partial else None, lo)
 
     def _plan_whole(self, plan: _Plan) -> None:
@@ -263,7 +264,7 @@ class XPUPagedConnector(TorchPagedConnector):
         compute = self.streams.current_stream()
         try:
             with self.streams.use(self._stream):
-                plan = self._plan(transfers, whole_chunks=False)
+                plan = self._plan(transfers, all_tokens=False)
             for layer in layers:
                 # The engine wrote this layer before asking (layer-wise: just before this step).
                 self._stream.wait_stream(compute)
@@ -285,7 +286,7 @@ class XPUPagedConnector(TorchPagedConnector):
             # The engine's earlier work on the destination blocks comes first.
             self._stream.wait_stream(compute)
             with self.streams.use(self._stream):
-                plan = self._plan(transfers, whole_chunks=True)
+                plan = self._plan(transfers, all_tokens=True)
                 if not layerwise:
                     # Nothing waits on single layers: one copy per chunk, then every layer.
                     self._plan_whole(plan)
