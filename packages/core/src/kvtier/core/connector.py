@@ -92,7 +92,7 @@ class DeviceConnector(ABC):
 
 
 @dataclass(frozen=True)
-class _Rows:
+class Rows:
     """A transfer's slots split into the valid ones and where they sit in the object."""
 
     slots: torch.Tensor  # valid slots only, on the cache device
@@ -135,7 +135,7 @@ class TorchPagedConnector(DeviceConnector):
             ) from None
         raise LayoutError(f"no torch paged copy for layout {lay.paged_layout!r}")
 
-    def _rows(self, transfer: Transfer) -> _Rows:
+    def _rows(self, transfer: Transfer) -> Rows:
         slots = transfer.slots.to(device=self.device, dtype=torch.long)
         valid = slots >= 0
         rows: torch.Tensor | None = None
@@ -143,9 +143,9 @@ class TorchPagedConnector(DeviceConnector):
             rows = valid.nonzero().squeeze(1)
             slots = slots[rows]
         bs = self.layout.block_size
-        return _Rows(slots, rows, torch.div(slots, bs, rounding_mode="floor"), slots % bs)
+        return Rows(slots, rows, torch.div(slots, bs, rounding_mode="floor"), slots % bs)
 
-    def gather(self, layer: int, r: _Rows) -> torch.Tensor:
+    def gather(self, layer: int, r: Rows) -> torch.Tensor:
         """One layer of the given tokens, on the device: ``[2, t, h*d]`` (MLA ``[t, latent]``)."""
         views = self._views[layer]
         lay = self.layout
@@ -160,7 +160,7 @@ class TorchPagedConnector(DeviceConnector):
             return torch.stack((k.flatten(1), vv.flatten(1)))
         return views[0].index_select(0, r.slots)
 
-    def scatter(self, layer: int, r: _Rows, values: torch.Tensor) -> None:
+    def scatter(self, layer: int, r: Rows, values: torch.Tensor) -> None:
         """Write one layer of the given tokens (``values`` shaped as ``gather`` returns)."""
         views = self._views[layer]
         lay = self.layout
@@ -204,12 +204,12 @@ class TorchPagedConnector(DeviceConnector):
     def load_layer(self, layer: int, transfers: Sequence[Transfer]) -> None:
         self._load_layer(layer, [(t, self._rows(t)) for t in transfers])
 
-    def _store_layer(self, layer: int, prepared: Sequence[tuple[Transfer, _Rows]]) -> None:
+    def _store_layer(self, layer: int, prepared: Sequence[tuple[Transfer, Rows]]) -> None:
         for t, r in prepared:
             if r.slots.numel():
                 self._copy_to_host(self.host_layer(t.obj, layer), r.rows, self.gather(layer, r))
 
-    def _load_layer(self, layer: int, prepared: Sequence[tuple[Transfer, _Rows]]) -> None:
+    def _load_layer(self, layer: int, prepared: Sequence[tuple[Transfer, Rows]]) -> None:
         for t, r in prepared:
             if r.slots.numel():
                 self.scatter(layer, r, self._copy_to_device(self.host_layer(t.obj, layer), r.rows))

@@ -178,6 +178,14 @@ class MemoryObj:
     def num_tokens(self) -> int:
         return self.meta.num_tokens
 
+    @property
+    def holders(self) -> int:
+        """How many unreleased handles share these bytes (this one included, if unreleased).
+
+        A tier uses it to skip evicting an object someone else still holds.
+        """
+        return self._alloc.handles
+
     def byte_view(self) -> memoryview:
         """The object's bytes (no copy), for writing to a file or a socket."""
         return memoryview(self.tensor.view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.core.connector import TorchPagedConnector, Transfer, _Rows
+from kvtier.core.connector import Rows, TorchPagedConnector, Transfer
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.xpu.streams import Stream, StreamAPI
 
@@ -55,8 +55,8 @@ class _Plan:
     without staging; ``whole`` is set for a whole load that fits ``max_staging_bytes``.
     """
 
-    prepared: list[tuple[Transfer, _Rows]]
-    merged: _Rows | None = None
+    prepared: list[tuple[Transfer, Rows]]
+    merged: Rows | None = None
     spans: list[tuple[int, int]] = field(default_factory=list)
     positions: torch.Tensor | None = None
     num_tokens: int = 0
@@ -127,7 +127,7 @@ class XPUPagedConnector(TorchPagedConnector):
                 rows = r.rows if r.rows is not None else torch.arange(n, device=self.device)
                 positions.append(rows + lo)
             lo += n
-        merged = _Rows(
+        merged = Rows(
             torch.cat([r.slots for _, r in prepared]),
             None,
             torch.cat([r.blocks for _, r in prepared]),
@@ -214,7 +214,7 @@ class XPUPagedConnector(TorchPagedConnector):
             out = out.index_select(self._token_dim(), rows)
         return out
 
-    def _gather_into(self, layer: int, r: _Rows, out: torch.Tensor) -> None:
+    def _gather_into(self, layer: int, r: Rows, out: torch.Tensor) -> None:
         lay = self.layout
         if lay.paged_layout in (PagedLayout.FLASH_NHD, PagedLayout.MLA):
             # Core's gather for these layouts is one index_select over the paged view: run it

@@ -20,11 +20,6 @@ if TYPE_CHECKING:
     from kvtier.core.memory import MemoryObj, MemoryObjMeta
 
 
-def holders(obj: MemoryObj) -> int:
-    """How many live handles share ``obj``'s bytes (the tier's own handle included)."""
-    return obj._alloc.handles
-
-
 class LocalCPUBackend(StorageBackend):
     """Keeps shared handles on host objects; ``evict_one`` is the arena's eviction callback."""
 
@@ -102,7 +97,7 @@ class LocalCPUBackend(StorageBackend):
         with self._lock:
             for _ in range(len(self._entries)):
                 key, obj = next(iter(self._entries.items()))
-                if holders(obj) == 1:
+                if obj.holders == 1:
                     del self._entries[key]
                     self._bytes -= obj.meta.nbytes
                     victim = obj
