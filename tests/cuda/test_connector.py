@@ -264,28 +264,22 @@ def test_async_store_and_load_complete_on_wait(device, arena):
         assert torch.equal(as_bytes(a), as_bytes(b))
 
 
-@pytest.mark.parametrize("store", [True, False], ids=["store", "load"])
-def test_calls_run_in_growing_batches_and_a_bad_later_batch_is_refused(device, arena, store):
-    layout = make_layout(PagedLayout.FLASH_NHD, torch.float16)
-    caches = make_caches(layout, device, seed=50)
+def test_store_and_load_together_from_one_thread(device, arena):
+    layout = make_layout(PagedLayout.FLASH_BLOCK_FIRST, torch.float16)
+    caches = make_caches(layout, device, seed=44)
     ref = _reference(layout, caches)
     conn = CUDAPagedConnector(caches, layout, **SMALL_RING)
-    conn._first_batch_bytes = layout.chunk_nbytes(SHAPE.chunk)  # batches of 1, 2, 4... chunks
-    conn._first_piece_bytes = 1
-    lengths = [SHAPE.chunk] * 4 + [3]
-    probe = Objects(arena, layout, lengths, 51).transfers([torch.zeros(n) for n in lengths])
-    assert list(conn._batches(probe)) == [(0, 1), (1, 3), (3, 5)]
-    slots = random_slots(SHAPE.blocks * SHAPE.block, lengths, seed=52, holes="prefix")
-    mine, theirs = Objects(arena, layout, lengths, 53), Objects(arena, layout, lengths, 53)
-    if store:
-        conn.store(mine.transfers(slots))
-        ref.store(theirs.transfers(slots))
-        assert all(torch.equal(a, b) for a, b in zip(mine.bytes(), theirs.bytes(), strict=True))
-    else:
-        conn.load(mine.transfers(slots))
-        ref.load(theirs.transfers(slots))
-        for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
-            assert torch.equal(as_bytes(a), as_bytes(b))
-    bad = [*slots[:-1], torch.full((3,), SHAPE.blocks * SHAPE.block)]
-    with pytest.raises(IndexError, match="transfer 4"):
-        (conn.store if store else conn.load)(mine.transfers(bad))
+    slots = random_slots(SHAPE.blocks * SHAPE.block, LENGTHS * 2, seed=45, holes="scatter")
+    store_slots, load_slots = slots[: len(LENGTHS)], slots[len(LENGTHS) :]
+    mine, theirs = Objects(arena, layout, LENGTHS, 46), Objects(arena, layout, LENGTHS, 46)
+    fresh = Objects(arena, layout, LENGTHS, 47)
+    pending_store, pending_load = conn.store_and_load_async(
+        mine.transfers(store_slots), fresh.transfers(load_slots)
+    )
+    pending_load.wait()
+    pending_store.wait()
+    ref.store(theirs.transfers(store_slots))
+    ref.load(fresh.transfers(load_slots))
+    assert all(torch.equal(a, b) for a, b in zip(mine.bytes(), theirs.bytes(), strict=True))
+    for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
+        assert torch.equal(as_bytes(a), as_bytes(b))

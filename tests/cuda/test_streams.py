@@ -118,3 +118,29 @@ def test_store_and_load_at_once_from_two_threads(setup, arena):
     # The two directions ran on their own streams, not the caller's.
     streams = {conn._store_lane.copy_stream, conn._load_lane.copy_stream, torch.cuda.current_stream()}
     assert len(streams) == 3
+
+
+def test_interleaved_store_and_load_follow_the_caller_and_restore_its_stream(setup, arena):
+    layout, conn, _ = setup
+    all_slots = random_slots(SHAPE.blocks * SHAPE.block, LENGTHS * 2, seed=11, holes="none")
+    store_slots, load_slots = all_slots[: len(LENGTHS)], all_slots[len(LENGTHS) :]
+    to_store, to_load = Objects(arena, layout, LENGTHS, 12), Objects(arena, layout, LENGTHS, 13)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        new_values = [torch.randn_like(c, dtype=torch.float32).to(c.dtype) for c in conn.kv_caches]
+        for c, v in zip(conn.kv_caches, new_values, strict=True):
+            c.copy_(v)
+        pending = conn.store_and_load_async(to_store.transfers(store_slots), to_load.transfers(load_slots))
+        assert torch.cuda.current_stream() == side
+        for p in pending:
+            p.wait()
+        snapshot = [c.clone() for c in conn.kv_caches]  # ordered after the load by wait()
+    torch.cuda.synchronize()
+    ref = TorchPagedConnector([v.clone() for v in new_values], layout)
+    expected = Objects(arena, layout, LENGTHS, 12)
+    ref.store(expected.transfers(store_slots))
+    ref.load(to_load.transfers(load_slots))
+    assert all(torch.equal(a, b) for a, b in zip(to_store.bytes(), expected.bytes(), strict=True))
+    for a, b in zip(snapshot, ref.kv_caches, strict=True):
+        assert torch.equal(as_bytes(a), as_bytes(b))

@@ -11,9 +11,8 @@ loads each have their own pair of streams and their own ring, so both directions
 
 Host time is the other budget: a small model's 2 MiB chunk crosses PCIe in under 40 us, about
 what one Triton launch plus a few stream operations cost in Python. So pieces are large (one
-launch and one DMA per contiguous host range per 32 MiB), a call is prepared in batches of
-growing size (the GPU starts after the first small batch while the host prepares the rest), and
-``store_async``/``load_async`` let one thread keep a store and a load in flight together.
+launch, and one DMA per contiguous host range, per 32 MiB), call preparation is vectorised, and
+``store_and_load_async`` lets one thread keep both directions busy, interleaving their pieces.
 
 Streams and events (CUDA):
 
@@ -30,7 +29,7 @@ Streams and events (CUDA):
   are still in flight.
 - Whole-call methods (``store``, ``load``, ``store_layer``, ``load_layer``) return after the host
   has waited for their copies: the host objects may then be read, written to disk or released.
-  The generators do the same when exhausted or closed; ``store_async``/``load_async`` return a
+  The generators do the same when exhausted or closed; the ``*_async`` methods return a
   ``PendingTransfer`` whose ``wait()`` does it.
 
 Slots: ``-1`` skips a token in both directions (a store leaves that row of the object as it was,
@@ -45,7 +44,7 @@ On a CPU device (tests under ``TRITON_INTERPRET=1``) the same plans run synchron
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,9 +58,6 @@ from kvtier.cuda.kernels import RowGeometry, copy_rows, word_bytes_for
 MODES = ("dma", "zerocopy")
 _DEFAULT_SLOTS = 2
 _DEFAULT_SLOT_BYTES = 32 << 20
-# A call's first batch of chunks and first staging piece (see _whole_call).
-_FIRST_BATCH_BYTES = 4 << 20
-_FIRST_PIECE_BYTES = 4 << 20
 
 
 @dataclass
@@ -101,7 +97,6 @@ class _Piece:
     stop: int
     max_tokens: int
     slot: int
-    cap: int = 0  # bytes of the slot this piece may fill
     nbytes: int = 0
     prefill: bool = False
     copies: list[_Copy] = field(default_factory=list)
@@ -225,8 +220,6 @@ class CUDAPagedConnector(DeviceConnector):
         self._bases, self._geo_bytes = self._row_bases()
         self._bases_np = np.asarray(self._bases, dtype=np.int64)
         self._dma_geometry = self._geometry(())
-        self._first_batch_bytes = _FIRST_BATCH_BYTES
-        self._first_piece_bytes = _FIRST_PIECE_BYTES
         self._store_lane = _Lane(device, staging_slots, staging_slot_bytes)
         self._load_lane = _Lane(device, staging_slots, staging_slot_bytes)
 
@@ -294,10 +287,8 @@ class CUDAPagedConnector(DeviceConnector):
         )
 
     # -- preparing a call ---------------------------------------------------------------------
-    def _prepare(self, transfers: Sequence[Transfer], base: int = 0) -> tuple[list[_Prepared], torch.Tensor]:
-        """Validate every transfer; return them with one int64 slot tensor for the whole batch.
-
-        ``base`` is the batch's first transfer index within the call (for error messages).
+    def _prepare(self, transfers: Sequence[Transfer]) -> tuple[list[_Prepared], torch.Tensor]:
+        """Validate every transfer; return them with one int64 slot tensor for the whole call.
 
         The slot tensor stays on the host; it travels to the device with the row table.
         Checks run once over the concatenated slots (a call may hold hundreds of chunks).
@@ -307,18 +298,15 @@ class CUDAPagedConnector(DeviceConnector):
         host_slots: list[torch.Tensor] = []
         lengths: list[int] = []
         objs: list[torch.Tensor] = []
-        shapes: dict[int, tuple[int, ...]] = {}
-        cpu = torch.device("cpu")
-        for i, t in enumerate(transfers, base):
+        for i, t in enumerate(transfers):
             obj = t.obj.tensor
             n = t.obj.num_tokens
-            shape = shapes.get(n) or shapes.setdefault(n, lay.chunk_shape(n))
-            if obj.shape != shape or obj.dtype != dtype:
+            if obj.shape != lay.chunk_shape(n) or obj.dtype != dtype:
                 raise LayoutError(
                     f"transfer {i}: memory object {tuple(obj.shape)} {obj.dtype} does not match the "
                     f"layout's chunk {lay.chunk_shape(n)} {dtype}"
                 )
-            if obj.device != cpu or not obj.is_contiguous():
+            if obj.device.type != "cpu" or not obj.is_contiguous():
                 raise ValueError(f"transfer {i}: memory objects must be contiguous host tensors")
             objs.append(obj)
             lengths.append(n)
@@ -338,7 +326,7 @@ class CUDAPagedConnector(DeviceConnector):
             if bad.size:
                 i = int(bad[0])
                 raise IndexError(
-                    f"transfer {base + i}: slot values must be -1 or in [0, {total}), got "
+                    f"transfer {i}: slot values must be -1 or in [0, {total}), got "
                     f"[{lows[i]}, {highs[i]}]"
                 )
         hd_bytes = lay.hidden_size * self._itemsize
@@ -348,7 +336,7 @@ class CUDAPagedConnector(DeviceConnector):
             empty = bool(highs[i] < 0)
             if check_pinned and not empty and not obj.is_pinned():
                 raise ValueError(
-                    f"transfer {base + i}: mode='zerocopy' needs memory objects in pinned host memory"
+                    f"transfer {i}: mode='zerocopy' needs memory objects in pinned host memory"
                 )
             prepared.append(
                 _Prepared(
@@ -373,7 +361,6 @@ class CUDAPagedConnector(DeviceConnector):
         segments: Iterable[tuple[int, int, int, int, int]],
         *,
         store: bool,
-        first_piece_bytes: int | None = None,
     ) -> tuple[list[_Piece], torch.Tensor]:
         """Pack row segments into pieces; return them and the row table (host, ``[rows, 4]``,
         slot-list column relative to the call's slot tensor).
@@ -411,18 +398,12 @@ class CUDAPagedConnector(DeviceConnector):
                     k = left
                     runs.append((r, step, k, p.host_ptr + r * rb, step * rb, slot_list, n))
                 else:
-                    room = (piece.cap - piece.nbytes) // rb if piece is not None else 0
+                    room = (lane.slot_bytes - piece.nbytes) // rb if piece is not None else 0
                     if room == 0:
-                        cap = lane.slot_bytes
-                        if not pieces and first_piece_bytes:
-                            # A small first piece: its gather is short, so the DMA starts early.
-                            cap = min(cap, max(first_piece_bytes, rb))
-                        piece = _Piece(
-                            start=rows_so_far, stop=rows_so_far, max_tokens=0, slot=lane.next_slot, cap=cap
-                        )
+                        piece = _Piece(start=rows_so_far, stop=rows_so_far, max_tokens=0, slot=lane.next_slot)
                         lane.next_slot = (lane.next_slot + 1) % lane.num_slots
                         pieces.append(piece)
-                        room = cap // rb
+                        room = lane.slot_bytes // rb
                     assert piece is not None
                     k = min(room, left)
                     flat = lane.slots[piece.slot].data_ptr() + piece.nbytes
@@ -484,9 +465,29 @@ class CUDAPagedConnector(DeviceConnector):
         *,
         store: bool,
         layer_events: dict[int, torch.cuda.Event] | None = None,
-        first_piece_bytes: int | None = None,
     ) -> torch.cuda.Event | None:
-        """Plan and enqueue one batch of rows after the caller's current stream.
+        """Plan and enqueue one batch of rows (all of ``_enqueue_steps`` at once)."""
+        steps = self._enqueue_steps(lane, prepared, rows, slots, keep, store=store, layer_events=layer_events)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as end:
+                return end.value
+
+    def _enqueue_steps(
+        self,
+        lane: _Lane,
+        prepared: Sequence[_Prepared],
+        rows: Iterable[tuple[int, int, int, int, int]],
+        slots: torch.Tensor,
+        keep: list[torch.Tensor],
+        *,
+        store: bool,
+        layer_events: dict[int, torch.cuda.Event] | None = None,
+        interleaved: bool = False,
+    ) -> Generator[None, None, torch.cuda.Event | None]:
+        """Plan and enqueue one batch of rows after the caller's current stream, one piece per
+        step (so a store and a load can be interleaved from one thread).
 
         ``slots`` is the call's slot tensor: on the host (uploaded here together with the row
         table, one copy) or already on the device. Returns an event recorded after the batch's
@@ -497,11 +498,11 @@ class CUDAPagedConnector(DeviceConnector):
         Host cost matters as much as device cost here (a small model's 2 MiB chunk crosses PCIe
         in under 40 us), so streams are switched with ``set_stream`` rather than context
         managers and each piece costs one launch, its DMAs and four event operations.
+        Between steps the lane's lock is held and the caller's stream may be anything; the
+        caller's stream is current again once the generator has finished or been closed.
         """
         with lane.lock:
-            pieces, table = self._plan(
-                lane, prepared, rows, store=store, first_piece_bytes=first_piece_bytes
-            )
+            pieces, table = self._plan(lane, prepared, rows, store=store)
             if not pieces:
                 return None
             geo = (
@@ -529,6 +530,7 @@ class CUDAPagedConnector(DeviceConnector):
                         layer_events[layer] = done
                     return done
                 for piece in pieces:
+                    torch.cuda.set_stream(ks)
                     if store:
                         self._enqueue_store_piece(lane, piece, table_dev, geo)
                     else:
@@ -538,6 +540,10 @@ class CUDAPagedConnector(DeviceConnector):
                             ev.record(ks)
                             for layer in piece.layers_done:
                                 layer_events[layer] = ev
+                    if interleaved:
+                        # The other direction's steps run next and read the caller's stream.
+                        torch.cuda.set_stream(caller)
+                    yield
                 done = torch.cuda.Event()
                 done.record(cs if store else ks)
                 return done
@@ -668,48 +674,49 @@ class CUDAPagedConnector(DeviceConnector):
         The objects must stay alive and unread until ``wait()`` returns. One thread can keep a
         store and a load in flight together this way (no second thread, no GIL contention).
         """
-        return self._whole_call(self._store_lane, transfers, store=True)
+        prepared, slots = self._prepare(transfers)
+        keep: list[torch.Tensor] = []
+        rows = self._all_rows(len(prepared))
+        done = self._enqueue(self._store_lane, prepared, rows, slots, keep, store=True)
+        return PendingTransfer(done, keep, None)
+
+    def store_and_load_async(
+        self, stores: Sequence[Transfer], loads: Sequence[Transfer]
+    ) -> tuple[PendingTransfer, PendingTransfer]:
+        """A store and a load at once from one thread: their pieces are enqueued alternately,
+        so both directions' copy engines start at once instead of the load waiting for the
+        store's whole enqueue. Returns ``(store, load)``; ``wait()`` on each as for the
+        ``*_async`` methods."""
+        ps, ss = self._prepare(stores)
+        pl, sl = self._prepare(loads)
+        keep_s: list[torch.Tensor] = []
+        keep_l: list[torch.Tensor] = []
+        gens = {
+            "store": self._enqueue_steps(self._store_lane, ps, self._all_rows(len(ps)), ss, keep_s, store=True, interleaved=True),
+            "load": self._enqueue_steps(self._load_lane, pl, self._all_rows(len(pl)), sl, keep_l, store=False, interleaved=True),
+        }
+        done: dict[str, torch.cuda.Event | None] = {}
+        try:
+            while gens:
+                for name, gen in list(gens.items()):
+                    try:
+                        next(gen)
+                    except StopIteration as end:
+                        done[name] = end.value
+                        del gens[name]
+        except BaseException:
+            for gen in gens.values():
+                gen.close()  # drains what it enqueued
+            raise
+        return PendingTransfer(done["store"], keep_s, None), PendingTransfer(done["load"], keep_l, self.device)
 
     def load_async(self, transfers: Sequence[Transfer]) -> PendingTransfer:
         """Enqueue a whole-chunk load and return at once; ``wait()`` before attention reads it."""
-        return self._whole_call(self._load_lane, transfers, store=False)
-
-    def _whole_call(self, lane: _Lane, transfers: Sequence[Transfer], *, store: bool) -> PendingTransfer:
-        """Prepare and enqueue a whole-chunk call in batches of growing size.
-
-        Preparing costs a few microseconds of host time per chunk; in one batch it would all
-        come before the first byte moves. The first batch is small (its first piece smaller
-        still), so the GPU starts at once and the host prepares the rest while it works; each
-        later batch doubles, keeping the per-batch cost rare. If a later batch is refused
-        (bad slots), the earlier ones have completed when the error is raised: nothing outside
-        the given slots and objects is touched, but the call as a whole must count as failed.
-        """
+        prepared, slots = self._prepare(transfers)
         keep: list[torch.Tensor] = []
-        done: torch.cuda.Event | None = None
-        try:
-            for start, stop in self._batches(transfers):
-                prepared, slots = self._prepare(transfers[start:stop], base=start)
-                rows = self._all_rows(len(prepared))
-                first = self._first_piece_bytes if start == 0 else None
-                batch_done = self._enqueue(
-                    lane, prepared, rows, slots, keep, store=store, first_piece_bytes=first
-                )
-                done = batch_done or done
-        except BaseException:
-            lane.synchronize()
-            raise
-        return PendingTransfer(done, keep, None if store else self.device)
-
-    def _batches(self, transfers: Sequence[Transfer]) -> Iterator[tuple[int, int]]:
-        per_token = self.layout.bytes_per_token()
-        limit, size, start = self._first_batch_bytes, 0, 0
-        for i, t in enumerate(transfers):
-            size += t.obj.num_tokens * per_token
-            if size >= limit:
-                yield start, i + 1
-                start, size, limit = i + 1, 0, 2 * limit
-        if start < len(transfers):
-            yield start, len(transfers)
+        rows = self._all_rows(len(prepared))
+        done = self._enqueue(self._load_lane, prepared, rows, slots, keep, store=False)
+        return PendingTransfer(done, keep, self.device)
 
     def store_layer(self, layer: int, transfers: Sequence[Transfer]) -> None:
         self._check_layer(layer)
