@@ -7,8 +7,8 @@ literally that. The spec:
 - ``model`` (path), ``multiprocess`` (bool: vLLM's default multiprocess mode, else in-process),
   ``prefix_caching`` (bool), ``engine_id`` (str), ``kvtier`` (None = no connector, else the
   ``kv_connector_extra_config`` dict), ``max_tokens`` (int).
-- ``steps``: ``{"op": "generate", "prompt": [token ids], "salt": str|None}`` -> generated token
-  ids and the logprob of each; ``{"op": "stats"}`` -> the worker connector's counters (over the
+- ``steps``: ``{"op": "generate", "prompt": [token ids], "salt": str|None, "max_tokens": n}``
+  (max_tokens optional) -> generated token ids and the logprob of each; ``{"op": "stats"}`` -> the worker connector's counters (over the
   lookup channel); ``{"op": "flush"}``; ``{"op": "reset_prefix_cache"}``;
   ``{"op": "corrupt", "prompt": [...], "salt": ...}`` (in-process only) -> overwrite every stored
   chunk of the prompt with zeros through the storage manager's public API.
@@ -67,7 +67,11 @@ def main(spec_path: str, out_path: str) -> None:
             prompt = {"prompt_token_ids": step["prompt"]}
             if step.get("salt"):
                 prompt["cache_salt"] = step["salt"]
-            out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            step_params = params
+            if "max_tokens" in step:
+                step_params = SamplingParams(max_tokens=step["max_tokens"], temperature=0.0,
+                                             logprobs=0)
+            out = llm.generate([prompt], step_params, use_tqdm=False)[0].outputs[0]
             logprobs = [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
             results.append({"tokens": list(out.token_ids), "logprobs": logprobs})
         elif op == "stats":

@@ -92,12 +92,16 @@ def test_with_vllm_prefix_caching(run_engine, reference, tmp_path) -> None:
 @pytest.mark.slow
 def test_multiprocess_scheduler_sees_worker_host_memory(run_engine, reference) -> None:
     """Default vLLM mode (scheduler and worker in different processes), host-memory tier only:
-    the scheduler's lookup must reach the worker's memory through the lookup channel."""
-    steps = [gen(DOC), STATS, gen(DOC), STATS, gen(SHARED), STATS]
+    the scheduler's lookup must reach the worker's memory through the lookup channel. The
+    first repeat comes as soon as a one-token request returned (its save runs after the step;
+    the worker's lookup waits for an in-flight save of the same prefix)."""
+    first = {**gen(DOC), "max_tokens": 1}
+    steps = [first, STATS, first, STATS, gen(DOC), STATS, gen(SHARED), STATS]
     out = run_engine({"kvtier": {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.25},
                       "multiprocess": True, "steps": steps})
-    assert out[0::2] == [reference["doc"], reference["doc"], reference["shared"]]
-    assert loaded_after_each(out) == [0, FULL_HIT, PARTIAL_HIT]
+    one_token = {k: v[:1] for k, v in reference["doc"].items()}
+    assert out[0::2] == [one_token, one_token, reference["doc"], reference["shared"]]
+    assert loaded_after_each(out) == [0, FULL_HIT, FULL_HIT, PARTIAL_HIT]
 
 
 @pytest.mark.slow

@@ -307,6 +307,7 @@ class KVTierConnector(KVConnectorBase_V1):
         # Saver thread: jobs are (req_id, SaveSpec); None stops it.
         self._save_queue: queue.Queue[SaveSpec | None] = queue.Queue()
         self._pending: dict[str, int] = {}  # req_id -> saves queued or running
+        self._inflight: dict[int, SaveSpec] = {}  # id(spec) -> spec, queued or running
         self._pending_cv = threading.Condition()
         self._saving_reqs: set[str] = set()  # requests that had a save (their blocks are held)
         self._finishing: set[str] = set()
@@ -353,7 +354,9 @@ class KVTierConnector(KVConnectorBase_V1):
         assert self.engine is not None
         op = header.get("op")
         if op == "lookup" and tokens is not None:
-            return {"hit": self.engine.lookup(tokens, header.get("salt") or None)}
+            salt = header.get("salt") or None
+            self._wait_for_related_saves(tokens, salt, self.config.lookup_timeout_s / 2)
+            return {"hit": self.engine.lookup(tokens, salt)}
         if op == "stats":
             with self._stats_lock:
                 stats = dict(self.worker_stats)
@@ -465,6 +468,7 @@ class KVTierConnector(KVConnectorBase_V1):
         for spec in meta.saves:
             with self._pending_cv:
                 self._pending[spec.req_id] = self._pending.get(spec.req_id, 0) + 1
+                self._inflight[id(spec)] = spec
             self._save_queue.put(spec)
 
     def _save_loop(self) -> None:
@@ -481,12 +485,33 @@ class KVTierConnector(KVConnectorBase_V1):
                 self._count(save_errors=1)
             finally:
                 with self._pending_cv:
+                    del self._inflight[id(spec)]
                     left = self._pending[spec.req_id] - 1
                     if left:
                         self._pending[spec.req_id] = left
                     else:
                         del self._pending[spec.req_id]
                     self._pending_cv.notify_all()
+
+    def _wait_for_related_saves(self, tokens: np.ndarray, salt: str | None, timeout_s: float) -> None:
+        """Let in-flight saves of the same prefix land before answering a lookup.
+
+        Saves run after the step that computed them, so a request repeated as soon as the
+        previous one returned would otherwise miss the chunks being saved. Only saves whose
+        first chunk is this prompt's first chunk are waited for, and never longer than
+        ``timeout_s`` (then the lookup answers with what is stored).
+        """
+        k = min(len(tokens), self.chunk_size)
+
+        def related() -> bool:
+            return any(
+                s.salt == salt and len(s.tokens) >= k and np.array_equal(s.tokens[:k], tokens[:k])
+                for s in self._inflight.values()
+            )
+
+        with self._pending_cv:
+            if k and not self._pending_cv.wait_for(lambda: not related(), timeout=timeout_s):
+                logger.warning("kvtier: lookup answered before a save of the same prefix finished")
 
     def _drain_saves(self, timeout_s: float = SAVE_DRAIN_TIMEOUT_S) -> bool:
         with self._pending_cv:

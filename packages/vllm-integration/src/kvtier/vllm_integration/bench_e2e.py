@@ -1,0 +1,135 @@
+"""``kvtier bench e2e``: time to first token through vLLM, cold and warm, in three modes.
+
+Model: a random Llama large enough that a cold 3000-token prefill takes about 2 s on a 2-core CPU
+(hidden 1024, 8 layers, 16 heads, 8 kv heads). Workload: ``--docs`` documents of
+``--doc-tokens`` tokens, one request at a time, ``max_tokens=1``; each document is sent twice
+(cold, then warm: the same request again). Modes, each a fresh engine:
+
+- ``no_connector``: vLLM alone, prefix caching off (the warm request recomputes everything);
+- ``prefix_cache``: vLLM's own in-memory prefix cache, no connector;
+- ``kvtier``: kvtier on its default tiers (host memory + disk), vLLM's prefix cache off, so the
+  warm request is served by kvtier.
+
+``kvtier_no_hit_overhead`` = kvtier's cold TTFT / no_connector's cold TTFT - 1 (what kvtier adds
+to a request it cannot help: the lookup and the save). Writes ``e2e.json`` and ``e2e.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvtier.core.config import default_cache_dir
+from kvtier.vllm_integration.model import ModelSpec, build_model
+from kvtier.vllm_integration.workload import Engine, build_requests, results_dir
+
+BENCH_MODEL = ModelSpec(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=8,
+                        intermediate_size=2816)
+MODES = ("no_connector", "prefix_cache", "kvtier")
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvtier bench e2e", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="directory for e2e.json and e2e.png (default benchmarks/results)")
+    p.add_argument("--docs", type=int, default=4)
+    p.add_argument("--doc-tokens", type=int, default=3000)
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
+    p.add_argument("--cache-dir", default=os.path.join(default_cache_dir(), "bench-e2e"),
+                   help="where the benchmark model is built (default ~/.cache/kvtier/bench-e2e)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = _parse(argv)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        print(f"kvtier bench e2e: unknown mode(s) {sorted(unknown)}; known: {MODES}")
+        return 2
+    model_dir = build_model(Path(args.cache_dir).expanduser() / "model", BENCH_MODEL)
+    disk = Path(tempfile.mkdtemp(prefix="kvtier-bench-disk-"))
+    results: dict[str, Any] = {}
+    prompt_tokens = 0
+    try:
+        for mode in modes:
+            engine = Engine(
+                str(model_dir), prefix_caching=mode == "prefix_cache",
+                kvtier={"local_disk_path": str(disk)} if mode == "kvtier" else None,
+                max_model_len=max(4096, args.doc_tokens + 256),
+            )
+            try:
+                docs = build_requests(engine.tokenizer, args.docs, args.doc_tokens, questions=1)
+                engine.warm_up(args.doc_tokens)
+                cold, warm, hits = [], [], []
+                for d in docs:
+                    tokens = d[0].tokens
+                    prompt_tokens = len(tokens)
+                    cold.append(engine.run(tokens, 1).ttft_s)
+                    res = engine.run(tokens, 1)
+                    warm.append(res.ttft_s)
+                    hits.append(res.loaded_tokens)
+                    print(f"{mode:>13} doc {d[0].doc}: cold {cold[-1]:.3f} s, warm {warm[-1]:.3f} s")
+                results[mode] = {
+                    "ttft_cold_s": statistics.mean(cold), "ttft_warm_s": statistics.mean(warm),
+                    "ttft_cold_all_s": cold, "ttft_warm_all_s": warm,
+                }
+                if mode == "kvtier":
+                    results[mode]["warm_hit_tokens"] = hits
+            finally:
+                engine.close()
+    finally:
+        shutil.rmtree(disk, ignore_errors=True)
+
+    for r in results.values():
+        r["warm_over_cold"] = r["ttft_warm_s"] / r["ttft_cold_s"]
+    report: dict[str, Any] = {
+        "model": {"hidden_size": BENCH_MODEL.hidden_size, "num_layers": BENCH_MODEL.num_layers,
+                  "num_heads": BENCH_MODEL.num_heads, "num_kv_heads": BENCH_MODEL.num_kv_heads,
+                  "dtype": "bfloat16"},
+        "prompt_tokens": prompt_tokens, "docs": args.docs, "max_tokens": 1,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cpus", **results,
+    }
+    if "kvtier" in results and "no_connector" in results:
+        report["kvtier_no_hit_overhead"] = (
+            results["kvtier"]["ttft_cold_s"] / results["no_connector"]["ttft_cold_s"] - 1
+        )
+    out = results_dir(args.out)
+    (out / "e2e.json").write_text(json.dumps(report, indent=2))
+    _chart(results, out / "e2e.png")
+
+    print(f"\n{'mode':>13} {'cold s':>8} {'warm s':>8} {'warm/cold':>9}")
+    for mode, r in results.items():
+        print(f"{mode:>13} {r['ttft_cold_s']:8.3f} {r['ttft_warm_s']:8.3f} {r['warm_over_cold']:9.3f}")
+    if "kvtier_no_hit_overhead" in report:
+        print(f"kvtier no-hit overhead: {report['kvtier_no_hit_overhead']:+.1%}")
+    print(f"wrote {out / 'e2e.json'} and {out / 'e2e.png'}")
+    return 0
+
+
+def _chart(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(results)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = range(len(modes))
+    ax.bar([x - 0.2 for x in xs], [results[m]["ttft_cold_s"] for m in modes], 0.4, label="cold")
+    ax.bar([x + 0.2 for x in xs], [results[m]["ttft_warm_s"] for m in modes], 0.4, label="warm")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(modes)
+    ax.set_ylabel("mean time to first token (s)")
+    ax.set_title("kvtier bench e2e (vLLM CPU, one request at a time)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

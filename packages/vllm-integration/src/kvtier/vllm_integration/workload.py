@@ -1,0 +1,131 @@
+"""The long-document QA workload that ``kvtier demo`` and ``kvtier bench e2e`` run through vLLM.
+
+Documents are synthetic text of a given token length (built from a seed); each gets questions
+appended after it, so every question on a document shares the document's tokens as a prefix.
+``Engine`` starts vLLM (with or without kvtier) and measures each request's time to first token
+from vLLM's own per-request metrics.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier.vllm_integration.model import synthetic_text
+
+_TOPICS = ("the river system", "the national market", "the energy network", "the first season",
+           "the village church", "the storage engine", "the county station", "the music album")
+
+
+@dataclass(frozen=True)
+class Request:
+    doc: int
+    question: int
+    tokens: list[int]
+    doc_tokens: int
+
+
+def build_requests(tokenizer: Any, num_docs: int, doc_tokens: int, questions: int = 2,
+                   seed: int = 0) -> list[list[Request]]:
+    """``num_docs`` documents of exactly ``doc_tokens`` tokens, each with ``questions`` questions."""
+    rng = random.Random(seed)
+    out = []
+    for d in range(num_docs):
+        text = synthetic_text(rng, doc_tokens * 2)
+        doc = tokenizer(f"Document {d}.\n{text}", add_special_tokens=False).input_ids[:doc_tokens]
+        reqs = []
+        for q in range(questions):
+            topic = _TOPICS[(d * questions + q) % len(_TOPICS)]
+            ask = tokenizer(f"\nQuestion {q + 1}: what does the document say about {topic}?"
+                            f"\nAnswer:", add_special_tokens=False).input_ids
+            reqs.append(Request(d, q, doc + ask, len(doc)))
+        out.append(reqs)
+    return out
+
+
+@dataclass
+class Result:
+    ttft_s: float
+    tokens: list[int]
+    text: str
+    loaded_tokens: int = 0
+
+
+@dataclass
+class Engine:
+    """One vLLM engine (default multiprocess mode) with or without kvtier.
+
+    ``kvtier``: None = no connector, else the ``kv_connector_extra_config`` dict.
+    """
+
+    model: str
+    kvtier: dict[str, Any] | None = None
+    prefix_caching: bool = False
+    max_model_len: int = 4096
+    kv_cache_bytes: int = 512 << 20
+    engine_id: str = field(default_factory=lambda: f"kvtier-{os.getpid()}-{time.monotonic_ns()}")
+
+    def __post_init__(self) -> None:
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = {}
+        if self.kvtier is not None:
+            kwargs["kv_transfer_config"] = {
+                "kv_connector": "KVTierConnector", "kv_role": "kv_both",
+                "engine_id": self.engine_id, "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": self.kvtier,
+            }
+        self.llm = LLM(
+            model=self.model, enforce_eager=True, block_size=32, dtype="bfloat16",
+            kv_cache_memory_bytes=self.kv_cache_bytes, max_model_len=self.max_model_len,
+            enable_prefix_caching=self.prefix_caching, disable_log_stats=False, seed=0, **kwargs,
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def loaded_tokens(self) -> int:
+        if self.kvtier is None:
+            return 0
+        from kvtier.vllm_integration.channel import query_worker_stats
+
+        return int(query_worker_stats(self.engine_id)["loaded_tokens"])
+
+    def run(self, tokens: list[int], max_tokens: int) -> Result:
+        from vllm import SamplingParams
+
+        before = self.loaded_tokens()
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        out = self.llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)[0]
+        ttft = out.metrics.first_token_latency if out.metrics is not None else float("nan")
+        comp = out.outputs[0]
+        return Result(ttft, list(comp.token_ids), comp.text, self.loaded_tokens() - before)
+
+    def warm_up(self, num_tokens: int = 512) -> None:
+        """The first requests of a process pay one-time kernel set-up (growing with the prompt
+        length); keep it out of timings with two unrelated prompts of ``num_tokens``."""
+        rng = random.Random(-1)
+        for _ in range(2):
+            self.run([rng.randrange(10, 2000) for _ in range(num_tokens)], 2)
+
+    def flush(self) -> bool:
+        if self.kvtier is None:
+            return True
+        from kvtier.vllm_integration.channel import flush_worker
+
+        return flush_worker(self.engine_id)
+
+    def close(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+
+
+def results_dir(out: str | None) -> Path:
+    path = Path(out) if out else Path("benchmarks") / "results"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
