@@ -58,6 +58,8 @@ from kvtier.cuda.kernels import RowGeometry, copy_rows, word_bytes_for
 MODES = ("dma", "zerocopy")
 _DEFAULT_SLOTS = 2
 _DEFAULT_SLOT_BYTES = 32 << 20
+# A whole-call store's first piece: small, so the first DMA starts after a short gather.
+_FIRST_PIECE_BYTES = 4 << 20
 
 
 @dataclass
@@ -65,8 +67,7 @@ class _Prepared:
     """One transfer, checked: where its bytes live and where its slots sit on the device."""
 
     transfer: Transfer
-    storage: torch.UntypedStorage
-    host_offset: int  # byte offset of the object in ``storage``
+    obj: torch.Tensor  # the memory object's tensor (contiguous, on the host)
     host_ptr: int
     num_tokens: int
     row_bytes: int  # one row: num_tokens * kv_heads * head_size * itemsize
@@ -77,16 +78,22 @@ class _Prepared:
 
 @dataclass
 class _Copy:
-    """A contiguous host byte range and where it sits in a staging slot."""
+    """A contiguous host byte range and where it sits in a staging slot.
 
-    storage: torch.UntypedStorage
-    host_offset: int
+    The range starts ``obj_offset`` bytes into ``obj`` and may run on into the objects after it
+    when they are adjacent in the same storage (one arena), so one DMA moves them all.
+    """
+
+    obj: torch.Tensor
+    obj_offset: int
+    host_ptr: int  # absolute address of the first byte
     slot_offset: int
     nbytes: int
 
     def host_view(self) -> torch.Tensor:
+        start = self.obj.storage_offset() * self.obj.element_size() + self.obj_offset
         t = torch.empty(0, dtype=torch.uint8)
-        return t.set_(self.storage, self.host_offset, (self.nbytes,))
+        return t.set_(self.obj.untyped_storage(), start, (self.nbytes,))
 
 
 @dataclass
@@ -97,6 +104,7 @@ class _Piece:
     stop: int
     max_tokens: int
     slot: int
+    cap: int = 0  # bytes of its slot this piece may fill
     nbytes: int = 0
     prefill: bool = False
     copies: list[_Copy] = field(default_factory=list)
@@ -298,19 +306,25 @@ class CUDAPagedConnector(DeviceConnector):
         host_slots: list[torch.Tensor] = []
         lengths: list[int] = []
         objs: list[torch.Tensor] = []
+        shapes: dict[int, tuple[int, ...]] = {}
+        cpu = torch.device("cpu")
         for i, t in enumerate(transfers):
             obj = t.obj.tensor
             n = t.obj.num_tokens
-            if obj.shape != lay.chunk_shape(n) or obj.dtype != dtype:
+            shape = shapes.get(n) or shapes.setdefault(n, lay.chunk_shape(n))
+            if obj.shape != shape or obj.dtype != dtype:
                 raise LayoutError(
                     f"transfer {i}: memory object {tuple(obj.shape)} {obj.dtype} does not match the "
                     f"layout's chunk {lay.chunk_shape(n)} {dtype}"
                 )
-            if obj.device.type != "cpu" or not obj.is_contiguous():
+            if obj.device != cpu or not obj.is_contiguous():
                 raise ValueError(f"transfer {i}: memory objects must be contiguous host tensors")
             objs.append(obj)
             lengths.append(n)
-            host_slots.append(t.slots.to(device="cpu", dtype=torch.int64))
+            sl = t.slots
+            if sl.dtype != torch.int64 or sl.device != cpu:
+                sl = sl.to(device=cpu, dtype=torch.int64)
+            host_slots.append(sl)
         slot_tensor = torch.cat(host_slots) if host_slots else torch.empty(0, dtype=torch.int64)
         values = slot_tensor.numpy()
         total = self.num_blocks * lay.block_size
@@ -341,8 +355,7 @@ class CUDAPagedConnector(DeviceConnector):
             prepared.append(
                 _Prepared(
                     transfer=t,
-                    storage=obj.untyped_storage(),
-                    host_offset=obj.storage_offset() * obj.element_size(),
+                    obj=obj,
                     host_ptr=obj.data_ptr(),
                     num_tokens=lengths[i],
                     row_bytes=lengths[i] * hd_bytes,
@@ -361,6 +374,7 @@ class CUDAPagedConnector(DeviceConnector):
         segments: Iterable[tuple[int, int, int, int, int]],
         *,
         store: bool,
+        first_piece_bytes: int | None = None,
     ) -> tuple[list[_Piece], torch.Tensor]:
         """Pack row segments into pieces; return them and the row table (host, ``[rows, 4]``,
         slot-list column relative to the call's slot tensor).
@@ -398,21 +412,28 @@ class CUDAPagedConnector(DeviceConnector):
                     k = left
                     runs.append((r, step, k, p.host_ptr + r * rb, step * rb, slot_list, n))
                 else:
-                    room = (lane.slot_bytes - piece.nbytes) // rb if piece is not None else 0
+                    room = (piece.cap - piece.nbytes) // rb if piece is not None else 0
                     if room == 0:
-                        piece = _Piece(start=rows_so_far, stop=rows_so_far, max_tokens=0, slot=lane.next_slot)
+                        cap = lane.slot_bytes
+                        if not pieces and first_piece_bytes:
+                            # A small first piece: its gather is short, so the first DMA starts
+                            # early and the gathers after it hide behind DMAs.
+                            cap = min(cap, max(first_piece_bytes, rb))
+                        piece = _Piece(
+                            start=rows_so_far, stop=rows_so_far, max_tokens=0, slot=lane.next_slot, cap=cap
+                        )
                         lane.next_slot = (lane.next_slot + 1) % lane.num_slots
                         pieces.append(piece)
-                        room = lane.slot_bytes // rb
+                        room = cap // rb
                     assert piece is not None
                     k = min(room, left)
                     flat = lane.slots[piece.slot].data_ptr() + piece.nbytes
                     runs.append((r, step, k, flat, rb, slot_list, n))
                     if step == 1:
-                        self._add_copy(piece, p, p.host_offset + r * rb, k * rb)
+                        self._add_copy(piece, p, r * rb, k * rb)
                     else:
                         for j in range(k):
-                            self._add_copy(piece, p, p.host_offset + (r + j * step) * rb, rb)
+                            self._add_copy(piece, p, (r + j * step) * rb, rb)
                     piece.prefill = piece.prefill or (store and p.has_holes)
                 rows_so_far += k
                 piece.stop = rows_so_far
@@ -426,19 +447,23 @@ class CUDAPagedConnector(DeviceConnector):
         return pieces, self._expand(runs)
 
     @staticmethod
-    def _add_copy(piece: _Piece, p: _Prepared, host_offset: int, nbytes: int) -> None:
-        """Append a host range to the piece, merged with the previous one when adjacent (objects
-        carved back to back from one arena then move in one DMA)."""
+    def _add_copy(piece: _Piece, p: _Prepared, obj_offset: int, nbytes: int) -> None:
+        """Append bytes ``[obj_offset, +nbytes)`` of ``p``'s object to the piece, merged with the
+        previous range when adjacent in one storage (objects carved back to back from one arena
+        then move in one DMA)."""
+        addr = p.host_ptr + obj_offset
         last = piece.copies[-1] if piece.copies else None
         if (
             last is not None
-            and last.storage.data_ptr() == p.storage.data_ptr()
-            and last.host_offset + last.nbytes == host_offset
-            and last.slot_offset + last.nbytes == piece.nbytes
+            and last.host_ptr + last.nbytes == addr
+            and (
+                last.obj is p.obj
+                or last.obj.untyped_storage().data_ptr() == p.obj.untyped_storage().data_ptr()
+            )
         ):
             last.nbytes += nbytes
         else:
-            piece.copies.append(_Copy(p.storage, host_offset, piece.nbytes, nbytes))
+            piece.copies.append(_Copy(p.obj, obj_offset, addr, piece.nbytes, nbytes))
         piece.nbytes += nbytes
 
     def _expand(self, runs: list[tuple[int, int, int, int, int, int, int]]) -> torch.Tensor:
@@ -465,9 +490,13 @@ class CUDAPagedConnector(DeviceConnector):
         *,
         store: bool,
         layer_events: dict[int, torch.cuda.Event] | None = None,
+        first_piece_bytes: int | None = None,
     ) -> torch.cuda.Event | None:
         """Plan and enqueue one batch of rows (all of ``_enqueue_steps`` at once)."""
-        steps = self._enqueue_steps(lane, prepared, rows, slots, keep, store=store, layer_events=layer_events)
+        steps = self._enqueue_steps(
+            lane, prepared, rows, slots, keep, store=store, layer_events=layer_events,
+            first_piece_bytes=first_piece_bytes,
+        )
         while True:
             try:
                 next(steps)
@@ -485,6 +514,7 @@ class CUDAPagedConnector(DeviceConnector):
         store: bool,
         layer_events: dict[int, torch.cuda.Event] | None = None,
         interleaved: bool = False,
+        first_piece_bytes: int | None = None,
     ) -> Generator[None, None, torch.cuda.Event | None]:
         """Plan and enqueue one batch of rows after the caller's current stream, one piece per
         step (so a store and a load can be interleaved from one thread).
@@ -502,7 +532,9 @@ class CUDAPagedConnector(DeviceConnector):
         caller's stream is current again once the generator has finished or been closed.
         """
         with lane.lock:
-            pieces, table = self._plan(lane, prepared, rows, store=store)
+            pieces, table = self._plan(
+                lane, prepared, rows, store=store, first_piece_bytes=first_piece_bytes
+            )
             if not pieces:
                 return None
             geo = (
@@ -677,7 +709,9 @@ class CUDAPagedConnector(DeviceConnector):
         prepared, slots = self._prepare(transfers)
         keep: list[torch.Tensor] = []
         rows = self._all_rows(len(prepared))
-        done = self._enqueue(self._store_lane, prepared, rows, slots, keep, store=True)
+        done = self._enqueue(
+            self._store_lane, prepared, rows, slots, keep, store=True, first_piece_bytes=_FIRST_PIECE_BYTES
+        )
         return PendingTransfer(done, keep, None)
 
     def store_and_load_async(
@@ -692,8 +726,13 @@ class CUDAPagedConnector(DeviceConnector):
         keep_s: list[torch.Tensor] = []
         keep_l: list[torch.Tensor] = []
         gens = {
-            "store": self._enqueue_steps(self._store_lane, ps, self._all_rows(len(ps)), ss, keep_s, store=True, interleaved=True),
-            "load": self._enqueue_steps(self._load_lane, pl, self._all_rows(len(pl)), sl, keep_l, store=False, interleaved=True),
+            "store": self._enqueue_steps(
+                self._store_lane, ps, self._all_rows(len(ps)), ss, keep_s,
+                store=True, interleaved=True, first_piece_bytes=_FIRST_PIECE_BYTES,
+            ),
+            "load": self._enqueue_steps(
+                self._load_lane, pl, self._all_rows(len(pl)), sl, keep_l, store=False, interleaved=True
+            ),
         }
         done: dict[str, torch.cuda.Event | None] = {}
         try:
