@@ -20,7 +20,7 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -36,6 +36,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvtier")
 
 STORAGE_GROUP = "kvtier.storage"
+
+
+def count_leading(hits: Iterable[bool]) -> int:
+    """Length of the run of True at the start of ``hits``."""
+    n = 0
+    for hit in hits:
+        if not hit:
+            break
+        n += 1
+    return n
 
 
 class StorageManager(ABC):
@@ -55,12 +65,7 @@ class StorageManager(ABC):
 
     def prefix_hits(self, keys: Sequence[ChunkKey]) -> int:
         """How many of ``keys``, from the first, are held (contiguously)."""
-        n = 0
-        for hit in self.contains(keys):
-            if not hit:
-                break
-            n += 1
-        return n
+        return count_leading(self.contains(keys))
 
     @abstractmethod
     def batched_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:

@@ -29,12 +29,15 @@ import os
 import struct
 import threading
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvtier.core.layout import dtype_name
-from kvtier.core.memory import MemoryObjMeta
+from kvtier.core.memory import MemoryObj, MemoryObjMeta
 
 if TYPE_CHECKING:
     from kvtier.core.keys import ChunkKey
@@ -243,6 +246,35 @@ def decode(
     header, payload, tail = split(blob, key=key, layout=layout, max_tokens=max_tokens)
     verify(header, payload, tail)
     return header, payload
+
+
+def decode_into_object(
+    blob: bytes | memoryview,
+    *,
+    key: ChunkKey,
+    layout: KVLayout,
+    max_tokens: int,
+    allocate: Callable[[MemoryObjMeta], MemoryObj | None],
+) -> MemoryObj | None:
+    """A new host object holding ``blob``'s payload, checksummed while it is copied.
+
+    Raises ``PayloadError`` for a bad value (nothing is kept); None when host memory is full.
+    """
+    header, payload, tail = split(blob, key=key, layout=layout, max_tokens=max_tokens)
+    obj = allocate(header.meta)
+    if obj is None:
+        return None
+    cs = Checksum(header.crc_of_header)
+    try:
+        cs.add(payload)
+        np.copyto(np.frombuffer(obj.byte_view(), dtype=np.uint8), np.frombuffer(payload, dtype=np.uint8))
+        cs.wait()
+        check_trailer(cs.value(), tail)
+    except BaseException:
+        cs.wait()
+        obj.release()
+        raise
+    return obj
 
 
 def split(

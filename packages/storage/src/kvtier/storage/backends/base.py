@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from kvtier.core.storage import count_leading
 from kvtier.storage.stats import StorageStats
 
 if TYPE_CHECKING:
@@ -67,12 +68,7 @@ class StorageBackend(ABC):
 
     def prefix_length(self, keys: Sequence[ChunkKey]) -> int:
         """How many of ``keys``, from the first, this tier holds contiguously."""
-        n = 0
-        for hit in self.contains(keys):
-            if not hit:
-                break
-            n += 1
-        return n
+        return count_leading(self.contains(keys))
 
     @abstractmethod
     def batched_get(

@@ -196,22 +196,8 @@ class LocalDiskBackend(StorageBackend):
             done += n
         if done != size:
             raise codec.PayloadError(f"truncated: read {done} of {size} bytes")
-        header, payload, tail = codec.split(buf[:size], key=key, layout=self.ctx.layout,
-                                            max_tokens=self.max_tokens)
-        obj = allocate(header.meta)
-        if obj is None:
-            return None
-        cs = codec.Checksum(header.crc_of_header)
-        try:
-            cs.add(payload)
-            np.copyto(np.frombuffer(obj.byte_view(), dtype=np.uint8), np.frombuffer(payload, dtype=np.uint8))
-            cs.wait()
-            codec.check_trailer(cs.value(), tail)
-        except BaseException:
-            cs.wait()
-            obj.release()
-            raise
-        return obj
+        return codec.decode_into_object(buf[:size], key=key, layout=self.ctx.layout,
+                                        max_tokens=self.max_tokens, allocate=allocate)
 
     # -- index ---------------------------------------------------------------------------------
     def _rebuild_index(self) -> None:

@@ -28,8 +28,6 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from kvtier.core.errors import ConfigError, MissingExtraError
 from kvtier.storage import codec
 from kvtier.storage._log import warn_throttled
@@ -278,21 +276,10 @@ class RedisBackend(StorageBackend):
         self, key: ChunkKey, blob: bytes, allocate: Callable[[MemoryObjMeta], MemoryObj | None]
     ) -> MemoryObj | None:
         """A new host object holding ``blob``'s payload; the checksum runs while it is copied."""
-        header, payload, tail = codec.split(blob, key=key, layout=self.ctx.layout, max_tokens=self.max_tokens)
-        obj = allocate(header.meta)
+        obj = codec.decode_into_object(blob, key=key, layout=self.ctx.layout,
+                                       max_tokens=self.max_tokens, allocate=allocate)
         if obj is None:
             self.ctx.stats.add(f"{self.name}.no_host_memory")
-            return None
-        cs = codec.Checksum(header.crc_of_header)
-        try:
-            cs.add(payload)
-            np.copyto(np.frombuffer(obj.byte_view(), dtype=np.uint8), np.frombuffer(payload, dtype=np.uint8))
-            cs.wait()
-            codec.check_trailer(cs.value(), tail)
-        except BaseException:
-            cs.wait()
-            obj.release()
-            raise
         return obj
 
     def remove(self, keys: Sequence[ChunkKey]) -> None:
