@@ -24,10 +24,14 @@ import sys
 def _corrupt(prompt: list[int], salt: str | None) -> int:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+    from kvtier.core.memory import MemoryObjMeta
+
     engine = get_kv_transfer_group().engine
+    lay = engine.layout
     n = 0
     for span in engine.store_spans(prompt, salt):
-        obj = engine.storage.allocate(engine._meta(span.num_tokens))
+        meta = MemoryObjMeta(lay.chunk_shape(span.num_tokens), lay.torch_dtype, span.num_tokens)
+        obj = engine.storage.allocate(meta)
         assert obj is not None
         with obj:
             obj.tensor.zero_()

@@ -19,6 +19,7 @@ import socket
 import struct
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,16 @@ def _is_served(path: str) -> bool:
     return True
 
 
+def _close_and_unlink(sock: socket.socket, path: str) -> None:
+    try:
+        sock.close()
+    finally:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 class LookupServer:
     """Serves ``handler`` on a Unix socket from daemon threads until ``close``.
 
@@ -101,6 +112,8 @@ class LookupServer:
         self._sock.bind(path)
         self._sock.listen(16)
         self._closed = threading.Event()
+        # Unlinks the socket file on close(), on garbage collection and at interpreter exit.
+        self._finalizer = weakref.finalize(self, _close_and_unlink, self._sock, path)
         self._thread = threading.Thread(target=self._accept_loop, name="kvtier-lookup", daemon=True)
         self._thread.start()
 
@@ -138,13 +151,7 @@ class LookupServer:
 
     def close(self) -> None:
         self._closed.set()
-        try:
-            self._sock.close()
-        finally:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        self._finalizer()
 
 
 class LookupClient:

@@ -27,7 +27,14 @@ from typing import Any
 
 from kvtier.core.config import default_cache_dir
 from kvtier.vllm_integration.model import ModelSpec, build_model
-from kvtier.vllm_integration.workload import Engine, Request, Result, build_requests, results_dir
+from kvtier.vllm_integration.workload import (
+    Engine,
+    Request,
+    Result,
+    build_requests,
+    require_extras,
+    results_dir,
+)
 
 DEMO_MODEL = ModelSpec(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
                        intermediate_size=1024)
@@ -52,6 +59,7 @@ def _quiet() -> None:
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
+    require_extras()
     _quiet()
     from rich.console import Console
     from rich.progress import Progress

@@ -125,6 +125,18 @@ class Engine:
         del self.llm
 
 
+def require_extras() -> None:
+    """Fail before any work when what the demo/bench need is missing, naming what to install."""
+    import importlib.util
+
+    from kvtier.core.errors import MissingExtraError
+
+    for module, what in (("vllm", "vLLM"), ("rich", "rich (kvtier-vllm[demo])"),
+                         ("matplotlib", "matplotlib (kvtier-vllm[demo])")):
+        if importlib.util.find_spec(module) is None:
+            raise MissingExtraError(what, "vllm")
+
+
 def results_dir(out: str | None) -> Path:
     path = Path(out) if out else Path("benchmarks") / "results"
     path.mkdir(parents=True, exist_ok=True)
