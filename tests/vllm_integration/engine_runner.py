@@ -8,7 +8,8 @@ literally that. The spec:
   ``prefix_caching`` (bool), ``engine_id`` (str), ``kvtier`` (None = no connector, else the
   ``kv_connector_extra_config`` dict), ``max_tokens`` (int).
 - ``steps``: ``{"op": "generate", "prompt": [token ids], "salt": str|None, "max_tokens": n}``
-  (max_tokens optional) -> generated token ids and the logprob of each; ``{"op": "stats"}`` -> the worker connector's counters (over the
+  (max_tokens optional; ``"extend_with_previous": k`` instead sends the previous generate's
+  prompt plus its first k generated tokens) -> generated token ids and the logprob of each; ``{"op": "stats"}`` -> the worker connector's counters (over the
   lookup channel); ``{"op": "flush"}``; ``{"op": "reset_prefix_cache"}``;
   ``{"op": "corrupt", "prompt": [...], "salt": ...}`` (in-process only) -> overwrite every stored
   chunk of the prompt with zeros through the storage manager's public API.
@@ -64,11 +65,18 @@ def main(spec_path: str, out_path: str) -> None:
         dtype="bfloat16", seed=0, **kwargs,
     )
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, logprobs=0)
-    results = []
+    results: list = []
+    last_prompt: list[int] = []
+    last_output: list[int] = []
     for step in spec["steps"]:
         op = step["op"]
         if op == "generate":
-            prompt = {"prompt_token_ids": step["prompt"]}
+            ids = step["prompt"]
+            if step.get("extend_with_previous"):
+                # The previous prompt followed by the first k tokens it generated.
+                ids = last_prompt + last_output[: step["extend_with_previous"]]
+            last_prompt = ids
+            prompt = {"prompt_token_ids": ids}
             if step.get("salt"):
                 prompt["cache_salt"] = step["salt"]
             step_params = params
@@ -77,7 +85,8 @@ def main(spec_path: str, out_path: str) -> None:
                                              logprobs=0)
             out = llm.generate([prompt], step_params, use_tqdm=False)[0].outputs[0]
             logprobs = [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
-            results.append({"tokens": list(out.token_ids), "logprobs": logprobs})
+            last_output = list(out.token_ids)
+            results.append({"tokens": last_output, "logprobs": logprobs})
         elif op == "stats":
             results.append(query_worker_stats(engine_id))
         elif op == "flush":

@@ -127,6 +127,20 @@ def test_two_engines_share_through_redis(run_engine, reference, redis_clean) -> 
     assert second[1]["loaded_tokens"] == FULL_HIT
 
 
+@pytest.mark.parametrize("decode", [False, True], ids=["prompt-only", "save-decode"])
+def test_generated_tokens_are_saved_only_with_save_decode_cache(run_engine, tmp_path,
+                                                                decode) -> None:
+    """Prompt of 100 tokens, 60 generated, chunk 64. A follow-up prompt made of the first
+    prompt and 40 generated tokens (140 tokens) can reuse [0, 128) only if the chunk filled by
+    generated tokens was saved; otherwise the prompt's chunk and block-aligned tail, [0, 96)."""
+    steps = [{**gen(OTHER[:100]), "max_tokens": 60}, STATS,
+             {**gen([]), "extend_with_previous": 40}, STATS]
+    config = kvtier_config(tmp_path, chunk_size=64, save_decode_cache=decode)
+    out = run_engine({"kvtier": config, "steps": steps})
+    assert len(out[0]["tokens"]) == 60
+    assert loaded_after_each(out) == [0, 128 if decode else 96]
+
+
 def test_bad_extra_config_fails_fast_naming_the_key(run_engine, tmp_path) -> None:
     with pytest.raises(AssertionError, match="chunk_sise"):
         run_engine({"kvtier": {"chunk_sise": 128}, "steps": []})
