@@ -47,7 +47,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.core.config import KVTierConfig, load_config
 from kvtier.core.engine import CacheEngine, RetrieveJob
@@ -130,8 +129,6 @@ class _Request:
 class KVTierConnector(KVConnectorBase_V1):
     """kvtier's vLLM connector; see the module docstring for what each side does."""
 
-    _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
-
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
@@ -162,6 +159,7 @@ class KVTierConnector(KVConnectorBase_V1):
             LookupClient(socket_path(self.engine_id, r), self.config.lookup_timeout_s)
             for r in range(self.world_size)
         ]
+        # Scheduler-process counters (the worker's are served over the lookup channel).
         self.scheduler_stats = {"lookups": 0, "lookup_failures": 0, "hit_tokens": 0}
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             logger.warning(
@@ -304,7 +302,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._load_jobs: list[RetrieveJob] = []
         self._store_gens: list[Iterator[int]] = []
         self._failed_blocks: set[int] = set()
-        # Saver thread: jobs are (req_id, SaveSpec); None stops it.
+        # The saver thread takes SaveSpecs from the queue; None stops it.
         self._save_queue: queue.Queue[SaveSpec | None] = queue.Queue()
         self._pending: dict[str, int] = {}  # req_id -> saves queued or running
         self._inflight: dict[int, SaveSpec] = {}  # id(spec) -> spec, queued or running
