@@ -23,6 +23,7 @@ import platform
 import shutil
 import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", help="directory for e2e.json and e2e.png (default benchmarks/results)")
     p.add_argument("--docs", type=int, default=4)
     p.add_argument("--doc-tokens", type=int, default=3000)
+    p.add_argument("--gap-s", type=float, default=0.0,
+                   help="pause between a document's cold and warm request (default 0: the warm "
+                        "request comes at once, while kvtier may still be saving the cold one)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     p.add_argument("--cache-dir", default=os.path.join(default_cache_dir(), "bench-e2e"),
                    help="where the benchmark model is built (default ~/.cache/kvtier/bench-e2e)")
@@ -74,6 +78,7 @@ def main(argv: list[str]) -> int:
                     tokens = d[0].tokens
                     prompt_tokens = len(tokens)
                     cold.append(engine.run(tokens, 1).ttft_s)
+                    time.sleep(args.gap_s)
                     res = engine.run(tokens, 1)
                     warm.append(res.ttft_s)
                     hits.append(res.loaded_tokens)
@@ -97,7 +102,7 @@ def main(argv: list[str]) -> int:
         "model": {"hidden_size": BENCH_MODEL.hidden_size, "num_layers": BENCH_MODEL.num_layers,
                   "num_heads": BENCH_MODEL.num_heads, "num_kv_heads": BENCH_MODEL.num_kv_heads,
                   "dtype": "bfloat16"},
-        "prompt_tokens": prompt_tokens, "docs": args.docs, "max_tokens": 1,
+        "prompt_tokens": prompt_tokens, "docs": args.docs, "max_tokens": 1, "gap_s": args.gap_s,
         "machine": f"{platform.machine()}, {os.cpu_count()} cpus", **results,
     }
     if "kvtier" in results and "no_connector" in results:
