@@ -263,3 +263,50 @@ def test_cli_lists_commands(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "demo" in out and "bench storage" in out
     assert main(["frobnicate"]) == 2
+
+
+def test_tail_is_keyed_block_by_block() -> None:
+    layout = make_layout(PagedLayout.FLASH_NHD)
+    engine = make_engine(layout)
+    engine.register_kv_caches(random_caches(layout))
+    doc_q1 = list(range(100)) + [7] * 14  # 1 chunk + a 50-token tail: 3 blocks stored (64..112)
+    assert engine.store(doc_q1, random_slots(len(doc_q1))) == 112
+    doc_q2 = list(range(100)) + [9] * 14  # same document, another question
+    assert engine.lookup(doc_q2) == 96  # every whole block the two share
+    assert engine.lookup(list(range(100))) == 96
+    assert engine.lookup(doc_q1) == 112
+
+
+def test_hold_keeps_the_prefix_through_eviction() -> None:
+    layout = make_layout(PagedLayout.VLLM_CPU)
+    per_chunk = layout.chunk_nbytes(CHUNK)
+    engine = make_engine(layout, arena_bytes=3 * per_chunk)
+    caches = random_caches(layout)
+    ref = [c.clone() for c in caches]
+    engine.register_kv_caches(caches)
+    tokens = list(range(128))
+    slots = random_slots(128)
+    engine.store(tokens, slots)
+    with engine.hold(tokens) as hold:
+        assert hold.num_tokens == 128
+        # pressure: other prompts take the arena; the held chunks may leave the tier's index,
+        # but their bytes stay until the hold is released
+        for i in range(4):
+            other = list(range(1000 * (i + 1), 1000 * (i + 1) + 64))
+            engine.store(other, random_slots(64, seed=i + 5))
+        assert engine.lookup(tokens) < 128
+        for c in caches:
+            c.zero_()
+        mask = engine.retrieve(tokens, slots, hold=hold)
+        assert mask.all()
+        assert_loaded_exactly(layout, caches, ref, slots)
+        with pytest.raises(ValueError, match="other tokens"):
+            engine.retrieve([5, *tokens[1:]], slots, hold=hold)
+        with pytest.raises(ValueError, match="other tokens"):
+            engine.retrieve(tokens, slots, hold=hold, salt="x")
+    assert hold.released
+    hold.release()  # idempotent
+    with pytest.raises(KVTierError, match="released"):
+        engine.retrieve(tokens, slots, hold=hold)
+    engine.close()
+    assert engine.storage.arena.used_bytes == 0  # type: ignore[attr-defined]

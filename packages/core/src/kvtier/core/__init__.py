@@ -6,7 +6,7 @@ Importing this package imports torch, numpy and yaml only: no triton, no vLLM, n
 from kvtier.core.__about__ import __version__
 from kvtier.core.config import KVTierConfig, load_config
 from kvtier.core.connector import DeviceConnector, TorchPagedConnector, Transfer
-from kvtier.core.engine import CacheEngine, ChunkSpan, RetrieveJob
+from kvtier.core.engine import CacheEngine, ChunkSpan, Hold, RetrieveJob
 from kvtier.core.errors import (
     ConfigError,
     DoubleReleaseError,
@@ -29,6 +29,7 @@ __all__ = [
     "ConfigError",
     "DeviceConnector",
     "DoubleReleaseError",
+    "Hold",
     "HostArena",
     "HostMemoryStorageManager",
     "KVLayout",

@@ -1,11 +1,16 @@
 """CacheEngine: the engine-facing API (lookup, store, retrieve) over a StorageManager.
 
 Chunking: a prompt is cut into full chunks of ``chunk_size`` tokens; with ``save_unfull_chunk``
-the tail after the last full chunk is also stored, cut down to whole blocks, as a *partial
-chunk* (its hash chains from the previous chunk like any other). A lookup takes the contiguous
-run of full-chunk hits and then, at the first full-chunk miss, the longest stored partial chunk
-there (probed at block granularity). A repeated prompt therefore recomputes less than a block,
-not up to a whole chunk, without shrinking the chunk size for everything.
+the tail after the last full chunk is also stored, one block per span, each chained onto the
+previous key. A lookup takes the contiguous run of full-chunk hits and then, at the first
+full-chunk miss, the contiguous run of stored tail blocks there. A repeated prompt therefore
+recomputes less than a block, and a prompt that shares only part of a stored tail (same
+document, another question) still hits every whole block it shares, without shrinking the chunk
+size for everything.
+
+Holds: ``hold(tokens)`` looks a prompt up *and* keeps its hit objects in host memory (fetching
+lower-tier hits now, like a prefetch) until the hold is released, so a load that follows the
+lookup cannot come up short because a chunk was evicted in between.
 
 Slot mappings: ``slot_mapping[i]`` is token ``i``'s slot in the paged cache, ``-1`` when the
 engine does not hold it (store: the chunk cannot be saved) or does not want it (retrieve: the
@@ -66,6 +71,48 @@ class EngineStats:
 
     def as_dict(self) -> dict[str, int]:
         return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+
+def _prefix_digest(arr: np.ndarray, salt: str | None) -> bytes:
+    return chain_hash(salt_seed(salt), arr)
+
+
+class Hold:
+    """Host objects of a looked-up prefix, kept until ``release()`` (idempotent).
+
+    ``num_tokens`` is the hit length; pass the hold to ``retrieve``/``retrieve_layerwise`` to load
+    from exactly these objects. A hold pins host memory: release it when the load is done or the
+    request goes away.
+    """
+
+    def __init__(self, spans: list[ChunkSpan], objs: list[MemoryObj], digest: bytes) -> None:
+        self.spans = spans
+        self.objs = objs
+        self.digest = digest
+        self._lock = threading.Lock()
+        self._released = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.spans[-1].end if self.spans else 0
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        for obj in self.objs:
+            obj.release()
+
+    def __enter__(self) -> Hold:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 @dataclass
@@ -137,12 +184,27 @@ class CacheEngine:
     def _prev_hash(self, spans: Sequence[ChunkSpan], index: int, salt: str | None) -> bytes:
         return bytes.fromhex(spans[index - 1].key.chunk_hash) if index else salt_seed(salt)
 
-    def _partial_span(
-        self, arr: np.ndarray, spans: Sequence[ChunkSpan], index: int, length: int, salt: str | None
-    ) -> ChunkSpan:
+    def tail_spans(self, tokens: TokenIds, index: int, salt: str | None = None,
+                   spans: Sequence[ChunkSpan] | None = None) -> list[ChunkSpan]:
+        """Block-sized spans after full chunk ``index - 1``: whole blocks of ``tokens`` up to one
+        block short of a chunk, each keyed by chaining its block onto the previous key.
+
+        Keying the tail block by block lets a prompt that shares only part of a stored tail
+        (same document, different question) hit every block it shares. A tail key can never
+        equal a full-chunk key: their hash inputs differ in length.
+        """
+        arr = token_bytes(tokens)
+        if spans is None:
+            spans = self.full_spans(arr[: index * self.chunk_size], salt)
+        bs = self.layout.block_size
         start = index * self.chunk_size
-        h = chain_hash(self._prev_hash(spans, index, salt), arr[start : start + length])
-        return ChunkSpan(start, start + length, self.keys.key(h, salt))
+        room = min(len(arr) - start, self.chunk_size - bs)
+        prev = self._prev_hash(spans, index, salt)
+        out = []
+        for s0 in range(start, start + room - bs + 1, bs):
+            prev = chain_hash(prev, arr[s0 : s0 + bs])
+            out.append(ChunkSpan(s0, s0 + bs, self.keys.key(prev, salt)))
+        return out
 
     def hit_spans(self, tokens: TokenIds, salt: str | None = None) -> list[ChunkSpan]:
         """The contiguous run of stored spans covering a prefix of ``tokens``."""
@@ -150,30 +212,18 @@ class CacheEngine:
         spans = self.full_spans(arr, salt)
         n_hit = self.storage.prefix_hits([s.key for s in spans])
         hits = spans[:n_hit]
-        if not self.config.save_unfull_chunk:
-            return hits
-        bs = self.layout.block_size
-        room = min(len(arr) - n_hit * self.chunk_size, self.chunk_size - bs)
-        lengths = list(range(room - room % bs, 0, -bs))
-        if lengths:
-            candidates = [self._partial_span(arr, spans, n_hit, n, salt) for n in lengths]
-            found = self.storage.contains([c.key for c in candidates])
-            for cand, ok in zip(candidates, found, strict=True):
-                if ok:
-                    hits.append(cand)
-                    break
+        if self.config.save_unfull_chunk:
+            tail = self.tail_spans(arr, n_hit, salt, spans)
+            if tail:
+                hits.extend(tail[: self.storage.prefix_hits([s.key for s in tail])])
         return hits
 
     def store_spans(self, tokens: TokenIds, salt: str | None = None) -> list[ChunkSpan]:
-        """Spans ``store`` would save for ``tokens``: full chunks, then the block-aligned tail."""
+        """Spans ``store`` would save for ``tokens``: full chunks, then the tail block by block."""
         arr = token_bytes(tokens)
         spans = self.full_spans(arr, salt)
         if self.config.save_unfull_chunk:
-            bs = self.layout.block_size
-            tail = len(arr) - len(spans) * self.chunk_size
-            tail -= tail % bs
-            if tail > 0:
-                spans.append(self._partial_span(arr, spans, len(spans), tail, salt))
+            spans.extend(self.tail_spans(arr, len(spans), salt, spans))
         return spans
 
     # -- API -----------------------------------------------------------------------------------
@@ -183,6 +233,33 @@ class CacheEngine:
         n = hits[-1].end if hits else 0
         self.stats.add(lookups=1, lookup_hit_tokens=n)
         return n
+
+    def _fetch_prefix(self, spans: Sequence[ChunkSpan]) -> tuple[list[ChunkSpan], list[MemoryObj]]:
+        """Get the objects of ``spans``; keep only the contiguous run from the first one.
+
+        Once a chunk is gone (or is not what its span says), later chunks are useless: they are
+        released, not returned.
+        """
+        objs = self.storage.batched_get([s.key for s in spans]) if spans else []
+        kept: list[MemoryObj] = []
+        for i, (span, obj) in enumerate(zip(spans, objs, strict=True)):
+            if obj is None:
+                continue
+            if len(kept) == i and obj.num_tokens == span.num_tokens:
+                kept.append(obj)
+            else:
+                obj.release()
+        if len(kept) < len(spans):
+            self.stats.add(retrieve_misses=1)
+        return list(spans[: len(kept)]), kept
+
+    def hold(self, tokens: TokenIds, salt: str | None = None) -> Hold:
+        """Look ``tokens`` up and keep the hit prefix's objects in host memory (see ``Hold``)."""
+        arr = token_bytes(tokens)
+        spans, objs = self._fetch_prefix(self.hit_spans(arr, salt))
+        hold = Hold(spans, objs, _prefix_digest(arr[: spans[-1].end if spans else 0], salt))
+        self.stats.add(lookups=1, lookup_hit_tokens=hold.num_tokens)
+        return hold
 
     def _slots(self, slot_mapping: torch.Tensor | Sequence[int], n_tokens: int) -> torch.Tensor:
         slots = torch.as_tensor(slot_mapping, dtype=torch.long)
@@ -269,38 +346,44 @@ class CacheEngine:
         self._commit_store(plan)
 
     def _plan_retrieve(
-        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], salt: str | None
+        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], salt: str | None,
+        hold: Hold | None,
     ) -> tuple[list[Transfer], torch.Tensor]:
         arr = token_bytes(tokens)
         slots = self._slots(slot_mapping, len(arr))
         cpu_slots = slots.cpu()
         mask = torch.zeros(len(arr), dtype=torch.bool)
-        spans = [s for s in self.hit_spans(arr, salt) if bool((cpu_slots[s.start : s.end] >= 0).any())]
-        objs = self.storage.batched_get([s.key for s in spans]) if spans else []
-        transfers: list[Transfer] = []
-        missed = False
+
+        def wanted(span: ChunkSpan) -> bool:
+            return bool((cpu_slots[span.start : span.end] >= 0).any())
+
+        if hold is None:
+            spans, objs = self._fetch_prefix([s for s in self.hit_spans(arr, salt) if wanted(s)])
+        else:
+            if hold.released:
+                raise KVTierError("retrieve got a hold that was already released")
+            if hold.num_tokens > len(arr) or hold.digest != _prefix_digest(arr[: hold.num_tokens], salt):
+                raise ValueError("retrieve got a hold taken for other tokens or another salt")
+            pairs = [(s, o.share()) for s, o in zip(hold.spans, hold.objs, strict=True) if wanted(s)]
+            spans, objs = [s for s, _ in pairs], [o for _, o in pairs]
+        transfers = []
         for span, obj in zip(spans, objs, strict=True):
-            if obj is None or missed or obj.num_tokens != span.num_tokens:
-                # Only a contiguous prefix is usable: once a chunk is gone, later ones are too.
-                missed = True
-                if obj is not None:
-                    obj.release()
-                continue
             transfers.append(Transfer(obj, slots[span.start : span.end]))
             mask[span.start : span.end] = cpu_slots[span.start : span.end] >= 0
-        if missed:
-            self.stats.add(retrieve_misses=1)
         return transfers, mask
 
     def retrieve(
-        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], *, salt: str | None = None
+        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], *,
+        salt: str | None = None, hold: Hold | None = None,
     ) -> torch.Tensor:
         """Load the stored prefix of ``tokens`` into the slots that are not -1.
 
-        Returns a bool mask (one per token) of the tokens whose KV was written into the cache.
+        With ``hold`` (from ``hold(tokens, salt)``), load exactly the held objects (the hold stays
+        the caller's to release). Returns a bool mask (one per token) of the tokens whose KV was
+        written into the cache.
         """
         connector = self._require_connector()
-        transfers, mask = self._plan_retrieve(tokens, slot_mapping, salt)
+        transfers, mask = self._plan_retrieve(tokens, slot_mapping, salt, hold)
         try:
             if transfers:
                 connector.load(transfers)
@@ -310,11 +393,12 @@ class CacheEngine:
         return mask
 
     def retrieve_layerwise(
-        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], *, salt: str | None = None
+        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], *,
+        salt: str | None = None, hold: Hold | None = None,
     ) -> RetrieveJob:
         """Fetch the stored prefix now; load it layer by layer as the job's ``layers`` is iterated."""
         connector = self._require_connector()
-        transfers, mask = self._plan_retrieve(tokens, slot_mapping, salt)
+        transfers, mask = self._plan_retrieve(tokens, slot_mapping, salt, hold)
 
         def layers() -> Iterator[int]:
             try:
