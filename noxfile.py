@@ -29,7 +29,7 @@ MEMBERS = {
     "storage": "packages/storage[redis]",
     "cuda": "packages/cuda",
     "xpu": "packages/xpu",
-    "vllm": "packages/vllm-integration",
+    "vllm": "packages/vllm-integration[demo]",
 }
 TOOL_DEPS = ("matplotlib>=3.7", "rich>=13", "tqdm>=4.66", "transformers>=4.45", "tokenizers>=0.20")
 
