@@ -6,20 +6,30 @@ literally that. The spec:
 
 - ``model`` (path), ``multiprocess`` (bool: vLLM's default multiprocess mode, else in-process),
   ``prefix_caching`` (bool), ``engine_id`` (str), ``kvtier`` (None = no connector, else the
-  ``kv_connector_extra_config`` dict), ``max_tokens`` (int).
+  ``kv_connector_extra_config`` dict), ``max_tokens`` (int), ``load_failure_policy`` (vLLM's
+  ``kv_load_failure_policy``; left out: vLLM's default, "fail").
 - ``steps``: ``{"op": "generate", "prompt": [token ids], "salt": str|None, "max_tokens": n}``
   (max_tokens optional; ``"extend_with_previous": k`` instead sends the previous generate's
   prompt plus its first k generated tokens) -> generated token ids and the logprob of each; ``{"op": "stats"}`` -> the worker connector's counters (over the
   lookup channel); ``{"op": "flush"}``; ``{"op": "reset_prefix_cache"}``;
   ``{"op": "corrupt", "prompt": [...], "salt": ...}`` (in-process only) -> overwrite every stored
   chunk of the prompt with zeros through the storage manager's public API.
+- ``"evict_after_lookup": true`` on a generate (in-process only): once the scheduler has looked
+  the prompt up and allocated its blocks, and before the worker loads, fill the host tier with
+  chunk-sized objects (as other requests' saves would), more than the tier holds, until none
+  of the prompt's chunks is stored any more or the tier refuses one (nothing left it may
+  evict). Adds ``evict`` to the generate's result: ``stored`` (the prompt's chunks stored
+  before), ``evicted`` (of those, how many went), ``filler_bytes`` and ``tier_full`` (the
+  fillers and the prompt's chunks add up to the tier's size at least).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 
 
 def _corrupt(prompt: list[int], salt: str | None) -> int:
@@ -41,6 +51,50 @@ def _corrupt(prompt: list[int], salt: str | None) -> int:
     return n
 
 
+@contextlib.contextmanager
+def _evict_after_lookup(llm) -> Iterator[dict]:
+    """While active, wrap the scheduler connector's ``update_state_after_alloc`` (runs between the lookup and
+    the load, in the same step) to evict the request's chunks from the worker's host tier."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvtier.core.memory import MemoryObjMeta
+
+    scheduler_connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    engine = get_kv_transfer_group().engine
+    lay = engine.layout
+    original = scheduler_connector.update_state_after_alloc
+    report = {"stored": 0, "evicted": 0, "filler_bytes": 0, "tier_full": False}
+
+    def update_state_after_alloc(request, blocks, num_external_tokens):
+        original(request, blocks, num_external_tokens)
+        if not num_external_tokens:
+            return
+        keys = [s.key for s in engine.store_spans(request.prompt_token_ids, request.cache_salt)]
+        stored = sum(engine.storage.contains(keys))
+        meta = MemoryObjMeta(lay.chunk_shape(engine.chunk_size), lay.torch_dtype,
+                             engine.chunk_size)
+        # More than the whole tier: without a hold, LRU eviction reaches every older chunk.
+        capacity = engine.config.local_cpu_size_gb * (1 << 30)
+        for _ in range(int(capacity // meta.nbytes) + 2):
+            if not any(engine.storage.contains(keys)):
+                break
+            obj = engine.storage.allocate(meta)
+            if obj is None:
+                break  # only chunks the tier may not evict are left
+            with obj:
+                engine.storage.put(engine.keys.key(os.urandom(16)), obj)
+            report["filler_bytes"] += meta.nbytes
+        report["tier_full"] = report["filler_bytes"] + stored * meta.nbytes >= capacity
+        report["stored"] += stored
+        report["evicted"] += stored - sum(engine.storage.contains(keys))
+
+    scheduler_connector.update_state_after_alloc = update_state_after_alloc
+    try:
+        yield report
+    finally:
+        scheduler_connector.update_state_after_alloc = original
+
+
 def main(spec_path: str, out_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
@@ -57,8 +111,10 @@ def main(spec_path: str, out_path: str) -> None:
     if spec.get("kvtier") is not None:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KVTierConnector", "kv_role": "kv_both", "engine_id": engine_id,
-            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": spec["kvtier"],
+            "kv_connector_extra_config": spec["kvtier"],
         }
+        if spec.get("load_failure_policy"):
+            kwargs["kv_transfer_config"]["kv_load_failure_policy"] = spec["load_failure_policy"]
     llm = LLM(
         model=spec["model"], enforce_eager=True, block_size=32, kv_cache_memory_bytes=64 << 20,
         max_model_len=4096, enable_prefix_caching=bool(spec.get("prefix_caching")),
@@ -83,10 +139,14 @@ def main(spec_path: str, out_path: str) -> None:
             if "max_tokens" in step:
                 step_params = SamplingParams(max_tokens=step["max_tokens"], temperature=0.0,
                                              logprobs=0)
-            out = llm.generate([prompt], step_params, use_tqdm=False)[0].outputs[0]
+            evicting = step.get("evict_after_lookup")
+            with _evict_after_lookup(llm) if evicting else contextlib.nullcontext({}) as evict:
+                out = llm.generate([prompt], step_params, use_tqdm=False)[0].outputs[0]
             logprobs = [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
             last_output = list(out.token_ids)
             results.append({"tokens": last_output, "logprobs": logprobs})
+            if evicting:
+                results[-1]["evict"] = evict
         elif op == "stats":
             results.append(query_worker_stats(engine_id))
         elif op == "flush":

@@ -73,6 +73,30 @@ def test_outputs_match_and_hits_are_used(run_engine, reference, tmp_path, layerw
     assert corrupted["logprobs"] != reference["other"]["logprobs"]
     stats = out[-1]
     assert stats["load_failed_blocks"] == 0 and stats["save_errors"] == 0
+    assert stats["loads_without_hold"] == 0
+    assert stats["holds"] == stats["held_objects"] == 0  # every lookup's hold was let go
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+def test_chunks_evicted_between_lookup_and_load_still_load(run_engine, reference,
+                                                           layerwise) -> None:
+    """vLLM's default kv_load_failure_policy ("fail"), a small host tier only. Between the
+    repeat's lookup and its load, other chunks are put until the tier is full (as other
+    requests' saves would): without the lookup's hold they evict every chunk of the prompt and
+    the load fails the request. The hold keeps them, so the request neither fails nor
+    recomputes, and its output is vLLM's without kvtier."""
+    steps = [gen(DOC), STATS, {**gen(DOC), "evict_after_lookup": True}, STATS, gen(OTHER), STATS]
+    config = {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.1, "use_layerwise": layerwise}
+    out = run_engine({"kvtier": config, "steps": steps})
+    # Chunks [0,256) [256,512) and tail blocks [512,672) were stored; the full tier evicted
+    # other chunks, never held ones.
+    evict = out[2].pop("evict")
+    assert out[0::2] == [reference["doc"], reference["doc"], reference["other"]]
+    assert (evict["stored"], evict["evicted"], evict["tier_full"]) == (7, 0, True)
+    assert loaded_after_each(out) == [0, FULL_HIT, 0]
+    stats = out[-1]
+    assert stats["load_failed_blocks"] == stats["loads_without_hold"] == 0
+    assert stats["holds"] == stats["held_objects"] == 0
 
 
 def test_with_vllm_prefix_caching(run_engine, reference, tmp_path) -> None:
@@ -102,6 +126,7 @@ def test_multiprocess_scheduler_sees_worker_host_memory(run_engine, reference) -
     one_token = {k: v[:1] for k, v in reference["doc"].items()}
     assert out[0::2] == [one_token, one_token, reference["doc"], reference["shared"]]
     assert loaded_after_each(out) == [0, FULL_HIT, FULL_HIT, PARTIAL_HIT]
+    assert out[-1]["holds"] == out[-1]["held_objects"] == 0
 
 
 @pytest.mark.slow

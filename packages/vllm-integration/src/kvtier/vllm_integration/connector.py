@@ -9,17 +9,27 @@ Scheduler side
   ``get_num_new_matched_tokens`` asks the worker(s) over the lookup channel (``channel.py``) how
   long a prefix of the prompt kvtier holds in any tier, including the worker's host memory;
   the hit is cut to whole blocks and at most ``n - 1`` tokens (the last prompt token is always
-  recomputed, to produce the first logits). A channel failure or timeout is a miss.
-  ``build_connector_meta`` turns the step's schedule into loads (tokens vLLM must not compute)
-  and saves (chunks completed by this step's forward pass).
+  recomputed, to produce the first logits). A channel failure or timeout is a miss. The worker
+  answers with a *hold* (``holds.py``): the hit chunks stay in its host memory until the load,
+  so what the scheduler was told is what gets loaded. The lookup names the request and a
+  ``hold_id`` the scheduler picks; every later decision about that hold (load it, or drop it
+  because vLLM will not load: no external tokens allocated, request finished or aborted) reaches
+  the worker in the next step's metadata. ``build_connector_meta`` turns the step's schedule
+  into loads (tokens vLLM must not compute), hold releases and saves (chunks completed by this
+  step's forward pass).
 
 Worker side
   ``register_kv_caches`` detects the paged layout (``layout.py``), builds the ``CacheEngine``
   on the configured tiers and starts the lookup server. Loads are synchronous: all at once in
   ``start_load_kv`` before the forward pass, or layer by layer in ``wait_for_layer_load`` with
-  ``use_layerwise``. A load that comes up short (a chunk evicted between lookup and load) is
-  reported through ``get_block_ids_with_load_errors`` so vLLM recomputes those blocks (set
-  ``kv_load_failure_policy="recompute"``; vLLM's default "fail" fails the request instead).
+  ``use_layerwise``, from the request's hold, which is released right after. The hold is what
+  makes the default ``kv_load_failure_policy="fail"`` safe: a chunk evicted from the host tier
+  between lookup and load is still loaded. The one way a load can still come up short is a
+  hold that expired before its load: holds unused for ``hold_ttl_s(config)`` (10x
+  ``lookup_timeout_s``, at least 30 s) are released so a lost one cannot pin memory; a load
+  after that reads the tiers again and may miss chunks evicted meanwhile. Such a short load is
+  reported through ``get_block_ids_with_load_errors``: with ``kv_load_failure_policy=
+  "recompute"`` vLLM recomputes those blocks, with "fail" the request fails.
 
   Saves are asynchronous: ``wait_for_save`` hands the step's saves to one saver thread, which
   copies the chunks from the paged cache into host memory and puts them in the tiers (lower
@@ -53,6 +63,7 @@ from kvtier.core.engine import CacheEngine, RetrieveJob
 from kvtier.core.errors import ConfigError
 from kvtier.core.platform import get_platform
 from kvtier.vllm_integration.channel import ChannelError, LookupClient, LookupServer, socket_path
+from kvtier.vllm_integration.holds import HoldTable
 from kvtier.vllm_integration.layout import build_layout, layer_index, ordered_caches
 
 if TYPE_CHECKING:
@@ -67,6 +78,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvtier")
 
 SAVE_DRAIN_TIMEOUT_S = 60.0
+HOLD_TTL_MIN_S = 30.0
+
+
+def hold_ttl_s(config: KVTierConfig) -> float:
+    """How long the worker keeps a lookup's hold with no lookup or load: 10x
+    ``lookup_timeout_s``, at least 30 s. A load normally follows its lookup within a step, and a
+    waiting request's repeated lookups refresh its hold, so only a lost hold (a decision the
+    worker never heard of) lives this long."""
+    return max(HOLD_TTL_MIN_S, 10.0 * config.lookup_timeout_s)
 
 
 # -- per-step metadata (pickled from the scheduler to the workers) ------------------------------
@@ -80,6 +100,7 @@ class LoadSpec:
     start: int
     end: int
     salt: str | None
+    hold_id: int | None = None  # the worker's hold from this request's lookup
 
 
 @dataclass
@@ -98,6 +119,7 @@ class KVTierMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+    releases: list[tuple[str, int]] = field(default_factory=list)  # holds not to be loaded
 
 
 def slot_mapping(block_ids: list[int], block_size: int, length: int, start: int, end: int) -> np.ndarray:
@@ -121,6 +143,7 @@ class _Request:
     request: Request
     block_ids: list[int] = field(default_factory=list)
     external: int = 0  # tokens to load in the request's next scheduled step
+    hold_id: int | None = None  # the worker's hold those tokens are loaded from
     saved_upto: int = 0  # tokens handed to the worker for saving
     prompt_saved: bool = False
     had_save: bool = False
@@ -159,21 +182,30 @@ class KVTierConnector(KVConnectorBase_V1):
             LookupClient(socket_path(self.engine_id, r), self.config.lookup_timeout_s)
             for r in range(self.world_size)
         ]
+        # Holds by request id that no load or release has consumed yet (see holds.py).
+        self._hold_ids: dict[str, int] = {}
+        self._next_hold_id = 0
+        self._releases: list[tuple[str, int]] = []
         # Scheduler-process counters (the worker's are served over the lookup channel).
         self.scheduler_stats = {"lookups": 0, "lookup_failures": 0, "hit_tokens": 0}
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             logger.warning(
-                "kvtier: kv_load_failure_policy=%r: a chunk evicted between lookup and load fails "
-                "the request; set kv_load_failure_policy='recompute' to recompute it instead",
-                self._kv_transfer_config.kv_load_failure_policy,
+                "kvtier: kv_load_failure_policy=%r: a load whose lookup hold expired (no load "
+                "within %.0f s of the lookup) and whose chunks were evicted meanwhile fails the "
+                "request; set kv_load_failure_policy='recompute' to recompute it instead",
+                self._kv_transfer_config.kv_load_failure_policy, hold_ttl_s(self.config),
             )
 
-    def _lookup(self, tokens: np.ndarray, salt: str | None) -> int:
-        """Tokens of ``tokens`` every rank holds (the minimum over ranks); 0 if any cannot say."""
+    def _lookup(self, tokens: np.ndarray, salt: str | None, req_id: str, hold_id: int) -> int:
+        """Tokens of ``tokens`` every rank holds (the minimum over ranks); 0 if any cannot say.
+
+        Each rank keeps what it found as hold ``hold_id`` of ``req_id``; each holds at least the
+        minimum, so the load of the reported hit reads only held chunks."""
         hit = len(tokens)
+        header = {"op": "lookup", "salt": salt, "req_id": req_id, "hold_id": hold_id}
         for client in self._clients:
             try:
-                reply = client.call({"op": "lookup", "salt": salt}, tokens)
+                reply = client.call(header, tokens)
             except ChannelError as e:
                 self.scheduler_stats["lookup_failures"] += 1
                 logger.warning("kvtier lookup failed, treating it as a miss: %s", e)
@@ -193,7 +225,12 @@ class KVTierConnector(KVConnectorBase_V1):
         if most <= num_computed_tokens:
             return 0, False
         self.scheduler_stats["lookups"] += 1
-        hit = self._lookup(np.asarray(prompt, dtype=np.int64), request.cache_salt)
+        rid = request.request_id
+        hold_id = self._hold_ids.get(rid)
+        if hold_id is None:
+            hold_id = self._hold_ids[rid] = self._next_hold_id
+            self._next_hold_id += 1
+        hit = self._lookup(np.asarray(prompt, dtype=np.int64), request.cache_salt, rid, hold_id)
         hit = min(hit, most)
         hit -= hit % bs
         new = max(0, hit - num_computed_tokens)
@@ -207,6 +244,11 @@ class KVTierConnector(KVConnectorBase_V1):
         if state is None:
             state = self._reqs[request.request_id] = _Request(request)
         state.external = num_external_tokens
+        hold_id = self._hold_ids.pop(request.request_id, None)
+        if num_external_tokens:
+            state.hold_id = hold_id
+        elif hold_id is not None:
+            self._releases.append((request.request_id, hold_id))
 
     def _save_spec(self, rid: str, state: _Request, end: int) -> SaveSpec | None:
         """The save this step's forward pass makes possible (tokens ``[0, end)`` have KV)."""
@@ -247,7 +289,8 @@ class KVTierConnector(KVConnectorBase_V1):
             start = end - state.external
             prompt = np.asarray(state.request.prompt_token_ids, dtype=np.int64)
             meta.loads.append(LoadSpec(rid, prompt, list(state.block_ids), start, end,
-                                       state.request.cache_salt))
+                                       state.request.cache_salt, state.hold_id))
+            state.hold_id = None
             # Everything before the loaded chunk's start is stored already.
             state.saved_upto = max(state.saved_upto, end // self.chunk_size * self.chunk_size)
             state.external = 0
@@ -256,7 +299,9 @@ class KVTierConnector(KVConnectorBase_V1):
             meta.saves.append(spec)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KVTierMetadata(preempted=set(scheduler_output.preempted_req_ids or ()))
+        meta = KVTierMetadata(preempted=set(scheduler_output.preempted_req_ids or ()),
+                              releases=self._releases)
+        self._releases = []
         for rid in meta.preempted:
             state = self._reqs.get(rid)
             if state is not None:
@@ -288,8 +333,16 @@ class KVTierConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Keep the blocks until the worker's saves of this request are done (``get_finished``)."""
-        state = self._reqs.pop(request.request_id, None)
+        """Keep the blocks until the worker's saves of this request are done (``get_finished``).
+
+        A hold still pending for the request is released through the next step's metadata."""
+        rid = request.request_id
+        state = self._reqs.pop(rid, None)
+        hold_id = self._hold_ids.pop(rid, None)
+        if hold_id is None and state is not None:
+            hold_id = state.hold_id
+        if hold_id is not None:
+            self._releases.append((rid, hold_id))
         return (state is not None and state.had_save), None
 
     # ===========================================================================================
@@ -302,6 +355,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._load_jobs: list[RetrieveJob] = []
         self._store_gens: list[Iterator[int]] = []
         self._failed_blocks: set[int] = set()
+        self._holds: HoldTable | None = None
         # The saver thread takes SaveSpecs from the queue; None stops it.
         self._save_queue: queue.Queue[SaveSpec | None] = queue.Queue()
         self._pending: dict[str, int] = {}  # req_id -> saves queued or running
@@ -313,7 +367,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self._stats_lock = threading.Lock()
         self.worker_stats = {
             "load_requests": 0, "load_tokens_requested": 0, "loaded_tokens": 0,
-            "load_failed_blocks": 0, "save_jobs": 0, "saved_tokens": 0, "save_errors": 0,
+            "load_failed_blocks": 0, "loads_without_hold": 0, "save_jobs": 0, "saved_tokens": 0,
+            "save_errors": 0,
         }
 
     def _count(self, **kw: int) -> None:
@@ -342,6 +397,7 @@ class KVTierConnector(KVConnectorBase_V1):
             platform=platform,
         )
         self.engine.register_kv_caches(caches)
+        self._holds = HoldTable(self.engine, hold_ttl_s(self.config))
         self._server = LookupServer(socket_path(self.engine_id, rank), self._serve)
         self._saver = threading.Thread(target=self._save_loop, name="kvtier-saver", daemon=True)
         self._saver.start()
@@ -349,15 +405,17 @@ class KVTierConnector(KVConnectorBase_V1):
                     layout.fingerprint(), self.config.tiers, self._server.path)
 
     def _serve(self, header: dict[str, Any], tokens: np.ndarray | None) -> dict[str, Any]:
-        assert self.engine is not None
+        assert self.engine is not None and self._holds is not None
         op = header.get("op")
         if op == "lookup" and tokens is not None:
             salt = header.get("salt") or None
             self._wait_for_related_saves(tokens, salt, self.config.lookup_timeout_s / 2)
-            return {"hit": self.engine.lookup(tokens, salt)}
+            hit = self._holds.lookup(str(header["req_id"]), int(header["hold_id"]), tokens, salt)
+            return {"hit": hit}
         if op == "stats":
             with self._stats_lock:
                 stats = dict(self.worker_stats)
+            stats.update(self._holds.stats())
             stats.update({f"engine_{k}": v for k, v in self.engine.stats.as_dict().items()})
             return {"stats": stats}
         if op == "flush":
@@ -387,25 +445,40 @@ class KVTierConnector(KVConnectorBase_V1):
             return
         missing = (~want).nonzero().squeeze(1) + spec.start
         blocks = {spec.block_ids[int(i) // self.block_size] for i in missing}
-        logger.warning("kvtier: request %s: %d of %d tokens could not be loaded; vLLM recomputes "
-                       "%d block(s)", spec.req_id, spec.end - spec.start - loaded,
+        logger.warning("kvtier: request %s: %d of %d tokens could not be loaded; %d block(s) "
+                       "reported failed to vLLM (its kv_load_failure_policy recomputes them or "
+                       "fails the request)", spec.req_id, spec.end - spec.start - loaded,
                        spec.end - spec.start, len(blocks))
         self._count(load_failed_blocks=len(blocks))
         self._failed_blocks |= blocks
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._meta()
-        if meta is None or not meta.loads or self.engine is None:
+        if meta is None or self.engine is None or self._holds is None:
             return
+        for rid, hold_id in meta.releases:
+            self._holds.release(rid, hold_id)
+        self._holds.expire()
         for spec in meta.loads:
             slots = torch.from_numpy(self._load_slots(spec))
-            if self.config.use_layerwise:
-                job = self.engine.retrieve_layerwise(spec.tokens, slots, salt=spec.salt)
-                self._check_loaded(spec, job.mask)
-                self._load_jobs.append(job)
-            else:
-                mask = self.engine.retrieve(spec.tokens, slots, salt=spec.salt)
-                self._check_loaded(spec, mask)
+            hold = self._holds.take(spec.req_id, spec.hold_id)
+            if hold is None:
+                # Expired (or the lookup failed after the worker answered): read the tiers.
+                self._count(loads_without_hold=1)
+            try:
+                # The retrieval takes its own references to the held objects: the hold can go
+                # as soon as it is planned, also for a layer-wise load still to run.
+                if self.config.use_layerwise:
+                    job = self.engine.retrieve_layerwise(spec.tokens, slots, salt=spec.salt,
+                                                         hold=hold)
+                    self._check_loaded(spec, job.mask)
+                    self._load_jobs.append(job)
+                else:
+                    mask = self.engine.retrieve(spec.tokens, slots, salt=spec.salt, hold=hold)
+                    self._check_loaded(spec, mask)
+            finally:
+                if hold is not None:
+                    hold.release()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._load_jobs:
@@ -523,6 +596,8 @@ class KVTierConnector(KVConnectorBase_V1):
                              SAVE_DRAIN_TIMEOUT_S)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._holds is not None and finished_req_ids:
+            self._holds.release_requests(finished_req_ids)
         self._finishing |= finished_req_ids & self._saving_reqs
         if not self._finishing:
             return None, None
@@ -544,6 +619,9 @@ class KVTierConnector(KVConnectorBase_V1):
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self._holds is not None:
+            self._holds.close()
+            self._holds = None
         if self.engine is not None:
             self.engine.storage.flush(timeout=SAVE_DRAIN_TIMEOUT_S)
             self.engine.close()
