@@ -463,7 +463,7 @@ class KVTierConnector(KVConnectorBase_V1):
             slots = torch.from_numpy(self._load_slots(spec))
             hold = self._holds.take(spec.req_id, spec.hold_id)
             if hold is None:
-                # Expired (or the lookup failed after the worker answered): read the tiers.
+                # Expired before its load: read the tiers (may come up short, see above).
                 self._count(loads_without_hold=1)
             try:
                 # The retrieval takes its own references to the held objects: the hold can go
