@@ -7,8 +7,8 @@ next to a reference over the same bytes, measured in the same run and interleave
 
 - local_cpu: put = allocate + copy the chunk in + ``StorageManager.put``; get =
   ``StorageManager.get`` + copy the chunk out. Reference: one memcpy (``Tensor.copy_``).
-- local_disk: the tier's ``batched_put`` (header, CRC-32, write, fsync, rename) and
-  ``batched_get`` (open, header checks, read into the arena, CRC-32). Reference: raw
+- local_disk: the tier's ``batched_put`` (header, checksum, write, fsync, rename) and
+  ``batched_get`` (open, header checks, read into the arena, checksum). Reference: raw
   ``write`` + ``fsync`` of the same bytes, and raw ``read`` into a preallocated buffer. Reads
   are measured twice: from the page cache (``variant: page-cache``) and from the device, the
   files evicted from the cache with ``posix_fadvise(DONTNEED)`` first (``variant:

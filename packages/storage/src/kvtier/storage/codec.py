@@ -6,10 +6,12 @@
     meta     meta_len bytes: UTF-8 JSON {"key", "layout", "dtype", "shape", "tokens"},
              padded with spaces so the payload starts at a multiple of ``align`` when asked
     payload  payload_len bytes: the chunk's tensor bytes ([2, layers, tokens, hidden] or MLA)
-    trailer  "<I": the checksum: CRC-32 over prefix, meta and then the little-endian CRC-32 of
+    trailer  "<I": the checksum: CRC-32 over prefix, meta and then the little-endian XXH3-64 of
              each 512 KiB segment of the payload (the last one may be shorter)
 
-Segment CRCs are independent, so ``Checksum`` computes them on helper threads in parallel (one
+XXH3 hashes the payload at memory speed (about 24 GB/s a core here, against 4.4 for CRC-32),
+so checking a value read from the page cache costs a fraction of reading it. Segment hashes are
+independent, so ``Checksum`` computes them on helper threads in parallel (one
 chunk's check is not bound to one core) and while the payload is written, sent, read or copied;
 the checksum trails the payload so a writer never waits for it before sending. A
 decoder accepts a payload only if *every* field agrees with what the reader asked for: the full
@@ -17,7 +19,7 @@ key string (so a value swapped between keys, or written by another model, layout
 foreign), the layout fingerprint, the dtype, the shape (which must be the layout's chunk shape
 for ``tokens``) and the payload length; sizes are checked before anything is read into host
 memory, and the checksum last. Anything else raises ``PayloadError``: the caller turns it into
-a miss, counts it, logs it, and removes the entry. CRC-32 catches storage and transfer
+a miss, counts it, logs it, and removes the entry. The checksum catches storage and transfer
 corruption (it is not a defence against an adversary who can write to the tier: such a writer
 could also write well-formed wrong KV).
 """
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+import xxhash
 
 from kvtier.core.layout import dtype_name
 from kvtier.core.memory import MemoryObj, MemoryObjMeta
@@ -44,9 +47,10 @@ if TYPE_CHECKING:
     from kvtier.core.layout import KVLayout
 
 MAGIC = b"KVTC"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: payload segments hashed with XXH3-64 (1: CRC-32)
 PREFIX = struct.Struct("<4sHHIQ")
 TRAILER = struct.Struct("<I")
+SEGMENT_DIGEST = struct.Struct("<Q")
 # A meta section is a few hundred bytes; a larger one is not ours. Alignment padding is
 # bounded by the largest alignment we write (one page for O_DIRECT).
 MAX_META = 64 * 1024
@@ -131,8 +135,8 @@ class Checksum:
     """The trailer checksum of one value, its payload segments hashed on helper threads.
 
     ``add`` payload bytes in order, in pieces whose sizes are multiples of ``SEGMENT`` (except
-    the last piece). ``zlib.crc32`` releases the GIL, so the caller overlaps its own I/O or
-    copies with the hashing. The caller must keep the added buffers alive and unchanged until
+    the last piece). The segment hashes run on helper threads, so the caller overlaps its own I/O
+    or copies with the hashing. The caller must keep the added buffers alive and unchanged until
     ``value()`` or ``wait()`` returns; call ``wait()`` in a ``finally`` on error paths.
     """
 
@@ -148,7 +152,7 @@ class Checksum:
         for start in range(0, view.nbytes, SEGMENT):
             seg = view[start : start + SEGMENT]
             self._tail = seg.nbytes < SEGMENT
-            self._parts.append(_pool().submit(zlib.crc32, seg))
+            self._parts.append(_pool().submit(xxhash.xxh3_64_intdigest, seg))
 
     def wait(self) -> None:
         for fut in self._parts:
@@ -157,7 +161,7 @@ class Checksum:
     def value(self) -> int:
         crc = self._start
         for fut in self._parts:
-            crc = zlib.crc32(TRAILER.pack(fut.result()), crc)
+            crc = zlib.crc32(SEGMENT_DIGEST.pack(fut.result()), crc)
         return crc
 
 
