@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -321,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     arena = CUDAPlatform().create_arena(4 * args.chunks * largest + (64 << 20))
     results: list[dict] = []
     variants: list[dict] = []
-    configs = [] if args.no_variants else [
+    configs: list[tuple[str, dict[str, Any]]] = [] if args.no_variants else [
         ("zerocopy", {"mode": "zerocopy"}),
         ("ring 4x8MiB", {"staging_slots": 4, "staging_slot_bytes": 8 << 20}),
         ("ring 2x64MiB", {"staging_slots": 2, "staging_slot_bytes": 64 << 20}),

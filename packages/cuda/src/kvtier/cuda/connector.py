@@ -93,7 +93,7 @@ class _Copy:
     def host_view(self) -> torch.Tensor:
         start = self.obj.storage_offset() * self.obj.element_size() + self.obj_offset
         t = torch.empty(0, dtype=torch.uint8)
-        return t.set_(self.obj.untyped_storage(), start, (self.nbytes,))
+        return t.set_(self.obj.untyped_storage(), start, (self.nbytes,), (1,))
 
 
 @dataclass
@@ -440,7 +440,7 @@ class CUDAPagedConnector(DeviceConnector):
                 piece.max_tokens = max(piece.max_tokens, n)
                 r += k * step
                 left -= k
-            if layer >= 0:
+            if layer >= 0 and piece is not None:
                 last_piece_of_layer[layer] = piece
         for layer, pc in last_piece_of_layer.items():
             pc.layers_done.append(layer)
@@ -558,8 +558,9 @@ class CUDAPagedConnector(DeviceConnector):
                     copy_rows(table_dev, pieces[0].max_tokens, geo, to_paged=not store)
                     done = torch.cuda.Event()
                     done.record(ks)
-                    for layer in pieces[0].layers_done if layer_events is not None else ():
-                        layer_events[layer] = done
+                    if layer_events is not None:
+                        for layer in pieces[0].layers_done:
+                            layer_events[layer] = done
                     return done
                 for piece in pieces:
                     torch.cuda.set_stream(ks)

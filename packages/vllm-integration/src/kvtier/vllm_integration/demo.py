@@ -132,11 +132,11 @@ def main(argv: list[str]) -> int:
     for col in ("doc", "prompt tokens", "no kvtier", "kvtier cold", "kvtier warm (memory)",
                 "after restart (disk)", "hit tokens"):
         table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(str(r["doc"]), str(r["prompt_tokens"]), f"{r['ttft_no_kvtier_s']:.3f}",
-                      f"{r['ttft_cold_s']:.3f}", f"{r['ttft_warm_s']:.3f}",
-                      f"{r['ttft_restart_s']:.3f}",
-                      f"{r['hit_tokens_warm']} / {r['hit_tokens_restart']}")
+    for row in rows:
+        table.add_row(str(row["doc"]), str(row["prompt_tokens"]), f"{row['ttft_no_kvtier_s']:.3f}",
+                      f"{row['ttft_cold_s']:.3f}", f"{row['ttft_warm_s']:.3f}",
+                      f"{row['ttft_restart_s']:.3f}",
+                      f"{row['hit_tokens_warm']} / {row['hit_tokens_restart']}")
     table.add_row("mean", "", f"{summary['ttft_no_kvtier_s']:.3f}", f"{summary['ttft_cold_s']:.3f}",
                   f"{summary['ttft_warm_s']:.3f}", f"{summary['ttft_restart_s']:.3f}",
                   f"{summary['hit_rate_warm']:.0%} / {summary['hit_rate_restart']:.0%}")
