@@ -43,6 +43,7 @@ On a CPU device (tests under ``TRITON_INTERPRET=1``) the same plans run synchron
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -62,13 +63,14 @@ _DEFAULT_SLOT_BYTES = 32 << 20
 _FIRST_PIECE_BYTES = 4 << 20
 
 
-@dataclass
+@dataclass(slots=True)
 class _Prepared:
     """One transfer, checked: where its bytes live and where its slots sit on the device."""
 
     transfer: Transfer
     obj: torch.Tensor  # the memory object's tensor (contiguous, on the host)
     host_ptr: int
+    storage_ptr: int  # the object's storage: adjacent objects of one storage merge into one DMA
     num_tokens: int
     row_bytes: int  # one row: num_tokens * kv_heads * head_size * itemsize
     slot_index: int  # element offset of this transfer's slots in the call's slot tensor
@@ -76,7 +78,7 @@ class _Prepared:
     empty: bool  # every slot is -1: nothing to move
 
 
-@dataclass
+@dataclass(slots=True)
 class _Copy:
     """A contiguous host byte range and where it sits in a staging slot.
 
@@ -85,6 +87,7 @@ class _Copy:
     """
 
     obj: torch.Tensor
+    storage_ptr: int  # ``obj``'s storage
     obj_offset: int
     host_ptr: int  # absolute address of the first byte
     slot_offset: int
@@ -96,7 +99,7 @@ class _Copy:
         return t.set_(self.obj.untyped_storage(), start, (self.nbytes,), (1,))
 
 
-@dataclass
+@dataclass(slots=True)
 class _Piece:
     """Rows ``[start, stop)`` of the call's row table: one kernel launch, one staging slot."""
 
@@ -133,6 +136,25 @@ class _Lane:
             self.copy_stream = torch.cuda.Stream(device)
             self.filled = [torch.cuda.Event() for _ in range(num_slots)]
             self.free = [torch.cuda.Event() for _ in range(num_slots)]
+            # A pinned buffer reused for each call's row-table upload (pin_memory() costs
+            # ~10 us a call) and the event after the copy that last read it.
+            self.upload_host: torch.Tensor | None = None
+            self.upload_done = torch.cuda.Event()
+
+    def pinned_upload(self, parts: tuple[torch.Tensor, ...], numel: int) -> torch.Tensor:
+        """``parts`` (host int64) back to back in pinned memory; the caller copies it to the device
+        on the current stream and then records ``upload_done`` there.
+
+        The lane's buffer is reused only once the copy that last read it has finished (an event
+        query, never a wait); otherwise a fresh one replaces it (the caching host allocator keeps
+        the old one until its copy is done)."""
+        host = self.upload_host
+        if host is None or host.numel() < numel or not self.upload_done.query():
+            host = torch.empty(max(numel, 1 << 12), dtype=torch.int64, pin_memory=True)
+            self.upload_host = host
+        out = host[:numel]
+        torch.cat(parts, out=out)
+        return out
 
     def ensure_slots(self, nbytes: int) -> None:
         """Allocate the ring on first use; grow it (after draining) for a row larger than a slot."""
@@ -308,26 +330,66 @@ class CUDAPagedConnector(DeviceConnector):
         objs: list[torch.Tensor] = []
         shapes: dict[int, tuple[int, ...]] = {}
         cpu = torch.device("cpu")
+        int64 = torch.int64
+        # Per-transfer work is host time on every call's critical path (a small model moves a
+        # 2 MiB chunk in ~40 us): cheapest checks only (is_cpu over comparing devices).
         for i, t in enumerate(transfers):
-            obj = t.obj.tensor
-            n = t.obj.num_tokens
+            mobj = t.obj
+            obj = mobj.tensor
+            n = mobj.num_tokens
             shape = shapes.get(n) or shapes.setdefault(n, lay.chunk_shape(n))
             if obj.shape != shape or obj.dtype != dtype:
                 raise LayoutError(
                     f"transfer {i}: memory object {tuple(obj.shape)} {obj.dtype} does not match the "
                     f"layout's chunk {lay.chunk_shape(n)} {dtype}"
                 )
-            if obj.device != cpu or not obj.is_contiguous():
+            if not obj.is_cpu or not obj.is_contiguous():
                 raise ValueError(f"transfer {i}: memory objects must be contiguous host tensors")
             objs.append(obj)
             lengths.append(n)
             sl = t.slots
-            if sl.dtype != torch.int64 or sl.device != cpu:
-                sl = sl.to(device=cpu, dtype=torch.int64)
+            if sl.dtype != int64 or not sl.is_cpu:
+                sl = sl.to(device=cpu, dtype=int64)
             host_slots.append(sl)
         slot_tensor = torch.cat(host_slots) if host_slots else torch.empty(0, dtype=torch.int64)
         values = slot_tensor.numpy()
         total = self.num_blocks * lay.block_size
+        starts_list = list(itertools.accumulate(lengths[:-1], initial=0)) if lengths else []
+        if values.size and values.min() >= 0 and values.max() < total:
+            # The common case (no -1, nothing out of range), in two reductions over the call.
+            # Python bools: numpy scalar arithmetic costs a microsecond an operation.
+            empties = holes = [n == 0 for n in lengths]
+        else:
+            empties, holes = self._slot_ranges(values, lengths, total)
+        hd_bytes = lay.hidden_size * self._itemsize
+        check_pinned = self.mode == "zerocopy" and self.device.type == "cuda"
+        prepared: list[_Prepared] = []
+        for i, (t, obj, n, start, empty, has_holes) in enumerate(
+            zip(transfers, objs, lengths, starts_list, empties, holes, strict=True)
+        ):
+            if check_pinned and not empty and not obj.is_pinned():
+                raise ValueError(
+                    f"transfer {i}: mode='zerocopy' needs memory objects in pinned host memory"
+                )
+            prepared.append(
+                _Prepared(
+                    transfer=t,
+                    obj=obj,
+                    host_ptr=obj.data_ptr(),
+                    storage_ptr=obj.untyped_storage().data_ptr(),
+                    num_tokens=n,
+                    row_bytes=n * hd_bytes,
+                    slot_index=start,
+                    has_holes=has_holes,
+                    empty=empty,
+                )
+            )
+        return prepared, slot_tensor
+
+    @staticmethod
+    def _slot_ranges(values: np.ndarray, lengths: list[int], total: int) -> tuple[list[bool], list[bool]]:
+        """Per transfer: whether it has no slot at all (every one -1) and whether it has a -1.
+        Raises IndexError naming the first transfer with a slot outside ``[-1, total)``."""
         starts = np.cumsum([0, *lengths[:-1]], dtype=np.int64)
         counts = np.asarray(lengths, dtype=np.int64)
         lows = np.full(len(lengths), -1, dtype=np.int64)
@@ -343,28 +405,7 @@ class CUDAPagedConnector(DeviceConnector):
                     f"transfer {i}: slot values must be -1 or in [0, {total}), got "
                     f"[{lows[i]}, {highs[i]}]"
                 )
-        hd_bytes = lay.hidden_size * self._itemsize
-        check_pinned = self.mode == "zerocopy" and self.device.type == "cuda"
-        prepared: list[_Prepared] = []
-        for i, (t, obj) in enumerate(zip(transfers, objs, strict=True)):
-            empty = bool(highs[i] < 0)
-            if check_pinned and not empty and not obj.is_pinned():
-                raise ValueError(
-                    f"transfer {i}: mode='zerocopy' needs memory objects in pinned host memory"
-                )
-            prepared.append(
-                _Prepared(
-                    transfer=t,
-                    obj=obj,
-                    host_ptr=obj.data_ptr(),
-                    num_tokens=lengths[i],
-                    row_bytes=lengths[i] * hd_bytes,
-                    slot_index=int(starts[i]),
-                    has_holes=bool(lows[i] < 0),
-                    empty=empty,
-                )
-            )
-        return prepared, slot_tensor
+        return (highs < 0).tolist(), (lows < 0).tolist()
 
     # -- planning ---------------------------------------------------------------------------
     def _plan(
@@ -453,30 +494,24 @@ class CUDAPagedConnector(DeviceConnector):
         then move in one DMA)."""
         addr = p.host_ptr + obj_offset
         last = piece.copies[-1] if piece.copies else None
-        if (
-            last is not None
-            and last.host_ptr + last.nbytes == addr
-            and (
-                last.obj is p.obj
-                or last.obj.untyped_storage().data_ptr() == p.obj.untyped_storage().data_ptr()
-            )
-        ):
+        if last is not None and last.host_ptr + last.nbytes == addr and last.storage_ptr == p.storage_ptr:
             last.nbytes += nbytes
         else:
-            piece.copies.append(_Copy(p.obj, obj_offset, addr, piece.nbytes, nbytes))
+            piece.copies.append(_Copy(p.obj, p.storage_ptr, obj_offset, addr, piece.nbytes, nbytes))
         piece.nbytes += nbytes
 
     def _expand(self, runs: list[tuple[int, int, int, int, int, int, int]]) -> torch.Tensor:
-        r0, step, k, flat0, flat_step, slot_list, n = (np.asarray(c, dtype=np.int64) for c in zip(*runs, strict=True))
-        total = int(k.sum())
+        # One conversion and one repeat for every column (numpy calls cost ~1 us each).
+        cols = np.array(runs, dtype=np.int64)
+        k = cols[:, 2]
+        rep = np.repeat(cols, k, axis=0)
         first = np.cumsum(k) - k
-        j = np.arange(total, dtype=np.int64) - np.repeat(first, k)
-        rows = np.repeat(r0, k) + j * np.repeat(step, k)
-        table = np.empty((total, 4), dtype=np.int64)
-        table[:, 0] = self._bases_np[rows]
-        table[:, 1] = np.repeat(flat0, k) + j * np.repeat(flat_step, k)
-        table[:, 2] = np.repeat(slot_list, k)
-        table[:, 3] = np.repeat(n, k)
+        j = np.arange(rep.shape[0], dtype=np.int64) - np.repeat(first, k)
+        table = np.empty((rep.shape[0], 4), dtype=np.int64)
+        table[:, 0] = self._bases_np[rep[:, 0] + j * rep[:, 1]]
+        table[:, 1] = rep[:, 3] + j * rep[:, 4]
+        table[:, 2] = rep[:, 5]
+        table[:, 3] = rep[:, 6]
         return torch.from_numpy(table)
 
     # -- enqueueing ---------------------------------------------------------------------------
@@ -553,7 +588,7 @@ class CUDAPagedConnector(DeviceConnector):
             ks.wait_event(after)
             torch.cuda.set_stream(ks)
             try:
-                table_dev = self._upload_table(table, slots, keep)
+                table_dev = self._upload_table(lane, table, slots, keep)
                 if self.mode == "zerocopy":
                     copy_rows(table_dev, pieces[0].max_tokens, geo, to_paged=not store)
                     done = torch.cuda.Event()
@@ -563,7 +598,9 @@ class CUDAPagedConnector(DeviceConnector):
                             layer_events[layer] = done
                     return done
                 for piece in pieces:
-                    torch.cuda.set_stream(ks)
+                    if interleaved:
+                        # Otherwise ks is still current: each piece ends with it (~5 us a switch).
+                        torch.cuda.set_stream(ks)
                     if store:
                         self._enqueue_store_piece(lane, piece, table_dev, geo)
                     else:
@@ -587,7 +624,9 @@ class CUDAPagedConnector(DeviceConnector):
             finally:
                 torch.cuda.set_stream(caller)
 
-    def _upload_table(self, table: torch.Tensor, slots: torch.Tensor, keep: list[torch.Tensor]) -> torch.Tensor:
+    def _upload_table(
+        self, lane: _Lane, table: torch.Tensor, slots: torch.Tensor, keep: list[torch.Tensor]
+    ) -> torch.Tensor:
         """The row table on the device (current stream), with slot-list addresses filled in.
 
         Host slots travel in the same copy as the table: ``[slots..., table...]``.
@@ -595,14 +634,15 @@ class CUDAPagedConnector(DeviceConnector):
         if slots.device.type == "cuda":
             table[:, 2] += slots.data_ptr()
             buf = torch.empty(table.numel(), dtype=torch.int64, device=self.device)
-            host = table.view(-1)
+            parts: tuple[torch.Tensor, ...] = (table.view(-1),)
             table_at = 0
         else:
             buf = torch.empty(slots.numel() + table.numel(), dtype=torch.int64, device=self.device)
             table[:, 2] += buf.data_ptr()
-            host = torch.cat((slots, table.view(-1)))
+            parts = (slots, table.view(-1))
             table_at = slots.numel()
-        buf.copy_(host.pin_memory(), non_blocking=True)
+        buf.copy_(lane.pinned_upload(parts, buf.numel()), non_blocking=True)
+        lane.upload_done.record()
         keep.append(buf)
         return buf[table_at:].view(-1, 4)
 
