@@ -30,14 +30,12 @@ export PYTHONPATH="$SITE:$PWD/packages/core/src:$PWD/packages/cuda/src"
 } 2>&1 | tee "$OUT/env.txt"
 
 echo "== KVTIER_TEST_DEVICE=cuda python3 -m pytest tests/cuda"
-KVTIER_TEST_DEVICE=cuda timeout 240 python3 -m pytest tests/cuda -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest-cuda.log"
+KVTIER_TEST_DEVICE=cuda timeout 300 python3 -m pytest tests/cuda -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest-cuda.log" | tail -n 15
 
-echo "== host cost of the operations a transfer issues"
-timeout 120 python3 benchmarks/transfer_profile.py 2>&1 | tee "$OUT/profile.log"
-
-echo "== kvtier bench transfer --shapes small --chunks 64 (a 16k-token prefix in one call)"
-timeout 120 python3 -m kvtier.core.cli bench transfer --shapes small --chunks 64 --no-variants \
-  --suffix small-64chunks --out "$OUT" 2>&1 | tail -n 12
+echo "== device timeline of one call (driver API on, then off)"
+timeout 90 python3 benchmarks/transfer_trace.py "$OUT/trace-driver" 2>&1 | tee "$OUT/trace-driver.log"
+# KVTIER_CUDA_DRIVER_API=0 gives the same timeline for the torch path.
+rm -rf "$OUT/trace-driver" "$OUT/trace-torch"  # the chrome traces are large; the logs keep the timelines
 
 echo "== kvtier bench transfer"
-timeout 300 python3 -m kvtier.core.cli bench transfer --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+timeout 240 python3 -m kvtier.core.cli bench transfer --out "$OUT" 2>&1 | tee "$OUT/bench.log"

@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from conftest import (
+    MODES,
     SHAPE,
     Objects,
     as_bytes,
+    connector_kwargs,
     make_caches,
     make_layout,
     random_slots,
@@ -63,14 +65,14 @@ def test_store_then_load_matches_reference(device, arena, paged, dtype):
         assert torch.equal(as_bytes(a), as_bytes(b))
 
 
-@pytest.mark.parametrize("mode", ["dma", "zerocopy"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("holes", ["prefix", "scatter"])
 @pytest.mark.parametrize("paged", LAYOUTS, ids=lambda p: p.value)
 def test_minus_one_slots_are_skipped_both_ways(device, arena, paged, holes, mode):
     layout = make_layout(paged, torch.bfloat16)
     caches = make_caches(layout, device, seed=5)
     ref = _reference(layout, caches)
-    conn = CUDAPagedConnector(caches, layout, mode=mode, **SMALL_RING)
+    conn = CUDAPagedConnector(caches, layout, **connector_kwargs(mode), **SMALL_RING)
     slots = random_slots(SHAPE.blocks * SHAPE.block, LENGTHS, seed=6, holes=holes)
 
     mine, theirs = Objects(arena, layout, LENGTHS, 7), Objects(arena, layout, LENGTHS, 7)
@@ -92,13 +94,13 @@ def test_minus_one_slots_are_skipped_both_ways(device, arena, paged, holes, mode
     assert changed
 
 
-@pytest.mark.parametrize("mode", ["dma", "zerocopy"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("paged", [PagedLayout.FLASH_NHD, PagedLayout.MLA], ids=lambda p: p.value)
 def test_layerwise_generators_and_single_layers_match_reference(device, arena, paged, mode):
     layout = make_layout(paged, torch.float16)
     caches = make_caches(layout, device, seed=9)
     ref = _reference(layout, caches)
-    conn = CUDAPagedConnector(caches, layout, mode=mode, **SMALL_RING)
+    conn = CUDAPagedConnector(caches, layout, **connector_kwargs(mode), **SMALL_RING)
     slots = random_slots(SHAPE.blocks * SHAPE.block, LENGTHS, seed=10, holes="prefix")
 
     gen_objs, layer_objs, ref_objs = (Objects(arena, layout, LENGTHS, 11) for _ in range(3))
@@ -112,7 +114,7 @@ def test_layerwise_generators_and_single_layers_match_reference(device, arena, p
 
     fresh = Objects(arena, layout, LENGTHS, 12)
     ref.load(fresh.transfers(slots))
-    gen_conn = CUDAPagedConnector([c.clone() for c in caches], layout, mode=mode, **SMALL_RING)
+    gen_conn = CUDAPagedConnector([c.clone() for c in caches], layout, **connector_kwargs(mode), **SMALL_RING)
     seen = []
     for layer in gen_conn.load_layerwise(fresh.transfers(slots)):
         # Attention may read this layer now: it already holds the loaded bytes.
@@ -215,6 +217,31 @@ def test_bad_input_is_refused_with_a_clear_error(device, arena):
     cpu_layout = KVLayout(SHAPE.layers, SHAPE.heads, SHAPE.head, "float16", SHAPE.block, PagedLayout.VLLM_CPU)
     with pytest.raises(LayoutError, match="vllm_cpu"):
         CUDAPagedConnector(make_caches(cpu_layout, device, seed=28), cpu_layout)
+
+
+def test_a_call_split_into_groups_names_the_bad_transfer_and_leaves_nothing_in_flight(device, arena):
+    """One transfer per group (a one-row ring): the third transfer's bad slot is found after
+    the first two groups were enqueued; the error names it by its index in the call."""
+    layout = make_layout(PagedLayout.FLASH_NHD, torch.float16)
+    caches = make_caches(layout, device, seed=40)
+    conn = CUDAPagedConnector(caches, layout, **SMALL_RING)
+    lengths = [SHAPE.chunk] * 3
+    assert len(conn._groups(Objects(arena, layout, lengths, 41).transfers(
+        random_slots(SHAPE.blocks * SHAPE.block, lengths, seed=42, holes="none")), conn._store_lane)) == 3
+    objs = Objects(arena, layout, lengths, 43)
+    slots = random_slots(SHAPE.blocks * SHAPE.block, lengths, seed=44, holes="none")
+    slots[2] = slots[2].clone()
+    slots[2][1] = SHAPE.blocks * SHAPE.block
+    for call in (conn.store, conn.load):
+        with pytest.raises(IndexError, match="transfer 2: slot values"):
+            call(objs.transfers(slots))
+    # The connector is still usable and exact afterwards.
+    ref = _reference(layout, caches)
+    good = random_slots(SHAPE.blocks * SHAPE.block, lengths, seed=45, holes="none")
+    mine, theirs = Objects(arena, layout, lengths, 46), Objects(arena, ref.layout, lengths, 46)
+    conn.store(mine.transfers(good))
+    ref.store(theirs.transfers(good))
+    assert all(torch.equal(a, b) for a, b in zip(mine.bytes(), theirs.bytes(), strict=True))
 
 
 @pytest.mark.parametrize(

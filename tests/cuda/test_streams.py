@@ -8,7 +8,17 @@ import threading
 import pytest
 import torch
 
-from conftest import ON_GPU, SHAPE, Objects, as_bytes, make_caches, make_layout, random_slots
+from conftest import (
+    MODES,
+    ON_GPU,
+    SHAPE,
+    Objects,
+    as_bytes,
+    connector_kwargs,
+    make_caches,
+    make_layout,
+    random_slots,
+)
 from kvtier.core.connector import TorchPagedConnector
 from kvtier.core.layout import PagedLayout
 from kvtier.cuda.connector import CUDAPagedConnector
@@ -23,11 +33,11 @@ LENGTHS = [SHAPE.chunk] * 4
 SLEEP_CYCLES = 100_000_000
 
 
-@pytest.fixture(params=["dma", "zerocopy"])
+@pytest.fixture(params=MODES)
 def setup(request, device, arena):
     layout = make_layout(PagedLayout.FLASH_NHD, torch.bfloat16)
     caches = make_caches(layout, device, seed=1)
-    conn = CUDAPagedConnector(caches, layout, mode=request.param)
+    conn = CUDAPagedConnector(caches, layout, **connector_kwargs(request.param))
     slots = random_slots(SHAPE.blocks * SHAPE.block, LENGTHS, seed=2, holes="none")
     return layout, conn, slots
 

@@ -47,6 +47,7 @@ import itertools
 import threading
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,13 +55,19 @@ import torch
 from kvtier.core.connector import DeviceConnector, Transfer
 from kvtier.core.errors import LayoutError
 from kvtier.core.layout import KVLayout, PagedLayout
-from kvtier.cuda.kernels import RowGeometry, copy_rows, word_bytes_for
+from kvtier.cuda._driver import CudaDriver, CUDADriverError, RawEvent, driver
+from kvtier.cuda.kernels import LAUNCHES, RowGeometry, copy_rows, word_bytes_for
 
 MODES = ("dma", "zerocopy")
 _DEFAULT_SLOTS = 2
 _DEFAULT_SLOT_BYTES = 32 << 20
 # A whole-call store's first piece: small, so the first DMA starts after a short gather.
 _FIRST_PIECE_BYTES = 4 << 20
+# A whole-chunk call's first group of transfers (see ``_groups``): the host checks and plans
+# only this much before the first DMA can start; later groups are prepared while it runs.
+_FIRST_GROUP_BYTES = 8 << 20
+# Row-table buffers per lane (driver path): batches of rows that may be in flight at once.
+_TABLE_RING = 8
 
 
 @dataclass(slots=True)
@@ -114,6 +121,16 @@ class _Piece:
     layers_done: list[int] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class _TableSlot:
+    """One row-table buffer of a lane's ring (driver path)."""
+
+    done: Any  # RawEvent recorded after the last kernel reading this table
+    dev: torch.Tensor | None = None
+    host: torch.Tensor | None = None  # pinned; keeps host_np's memory alive
+    host_np: np.ndarray | None = None
+
+
 class _Lane:
     """One direction's streams and staging ring.
 
@@ -123,7 +140,7 @@ class _Lane:
     the Python-side bookkeeping consistent while a plan is enqueued.
     """
 
-    def __init__(self, device: torch.device, num_slots: int, slot_bytes: int) -> None:
+    def __init__(self, device: torch.device, num_slots: int, slot_bytes: int, *, use_driver: bool) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.num_slots = num_slots
@@ -131,15 +148,32 @@ class _Lane:
         self.lock = threading.Lock()
         self.next_slot = 0
         self.slots: list[torch.Tensor] = []
+        # The driver path (see kvtier.cuda._driver): raw events and stream handles, no stream
+        # switches for copies. None: torch events, set_stream and Tensor.copy_.
+        self.drv: CudaDriver | None = None
         if self.is_cuda:
             self.kernel_stream = torch.cuda.Stream(device)
             self.copy_stream = torch.cuda.Stream(device)
-            self.filled = [torch.cuda.Event() for _ in range(num_slots)]
-            self.free = [torch.cuda.Event() for _ in range(num_slots)]
+            self.drv = driver() if use_driver else None
+            self.ks_h = self.kernel_stream.cuda_stream
+            self.cs_h = self.copy_stream.cuda_stream
+            self.filled: list[Any] = [self._event() for _ in range(num_slots)]
+            self.free: list[Any] = [self._event() for _ in range(num_slots)]
             # A pinned buffer reused for each call's row-table upload (pin_memory() costs
             # ~10 us a call) and the event after the copy that last read it.
             self.upload_host: torch.Tensor | None = None
-            self.upload_done = torch.cuda.Event()
+            self.upload_done: Any = self._event()
+            self.after: Any = self._event()  # ordering after the caller's stream, per call
+            # Driver path: a ring of row-table buffers (device + pinned host), one per batch of
+            # rows enqueued; see table_buffers.
+            self.tables: list[_TableSlot] = (
+                [_TableSlot(RawEvent(self.drv)) for _ in range(_TABLE_RING)] if self.drv is not None else []
+            )
+            self.next_table = 0
+
+    def _event(self) -> Any:
+        """A fresh event of the lane's kind (raw driver event, or torch's)."""
+        return RawEvent(self.drv) if self.drv is not None else torch.cuda.Event()
 
     def pinned_upload(self, parts: tuple[torch.Tensor, ...], numel: int) -> torch.Tensor:
         """``parts`` (host int64) back to back in pinned memory; the caller copies it to the device
@@ -156,6 +190,27 @@ class _Lane:
         torch.cat(parts, out=out)
         return out
 
+    def table_buffers(self, numel: int) -> _TableSlot:
+        """Driver path: the next row-table slot of the ring, holding at least ``numel`` int64s
+        on the device and in pinned host memory.
+
+        The caller records the slot's ``done`` event on ks after the last kernel that reads the
+        table (the upload that reads the host side runs on ks before it). Reusing a slot waits
+        for that event on the host: with ``_TABLE_RING`` slots its last user is that many
+        batches back, normally long finished; when the host runs further ahead of the GPU
+        than that, this wait is the back-pressure. (torch's allocators do not see driver
+        copies, so these buffers are owned here and never freed under a live copy.)
+        """
+        slot = self.tables[self.next_table]
+        self.next_table = (self.next_table + 1) % len(self.tables)
+        slot.done.synchronize()
+        if slot.dev is None or slot.dev.numel() < numel:
+            size = max(numel, 1 << 12)
+            slot.dev = torch.empty(size, dtype=torch.int64, device=self.device)
+            host = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            slot.host, slot.host_np = host, host.numpy()
+        return slot
+
     def ensure_slots(self, nbytes: int) -> None:
         """Allocate the ring on first use; grow it (after draining) for a row larger than a slot."""
         if self.slots and nbytes <= self.slot_bytes:
@@ -171,6 +226,7 @@ class _Lane:
                 ]
             for s in self.slots:
                 s.record_stream(self.copy_stream)
+            self.slot_ptrs = [s.data_ptr() for s in self.slots]
         else:
             self.slots = [
                 torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
@@ -183,6 +239,15 @@ class _Lane:
             self.copy_stream.synchronize()
 
 
+def _current_waits(device: torch.device, event: Any) -> None:
+    """The caller's current stream on ``device`` waits (on the device) for ``event``."""
+    current = torch.cuda.current_stream(device)
+    if isinstance(event, RawEvent):
+        event.wait_on(current.cuda_stream)
+    else:
+        current.wait_event(event)
+
+
 class PendingTransfer:
     """A transfer in flight (``store_async``/``load_async``). Call ``wait()`` exactly when the
     result is needed; it is idempotent.
@@ -193,10 +258,8 @@ class PendingTransfer:
 
     __slots__ = ("_done", "_keep", "_load_device")
 
-    def __init__(
-        self, done: torch.cuda.Event | None, keep: list[torch.Tensor], load_device: torch.device | None
-    ) -> None:
-        self._done = done
+    def __init__(self, done: Any, keep: list[torch.Tensor], load_device: torch.device | None) -> None:
+        self._done = done  # a torch.cuda.Event or a RawEvent; None when nothing was enqueued
         self._keep = keep  # device tensors the enqueued work reads; freed after the wait
         self._load_device = load_device
 
@@ -208,7 +271,7 @@ class PendingTransfer:
         if self._done is None:
             return
         if self._load_device is not None:
-            torch.cuda.current_stream(self._load_device).wait_event(self._done)
+            _current_waits(self._load_device, self._done)
         self._done.synchronize()
         self._done = None
         self._keep = []
@@ -220,6 +283,8 @@ class CUDAPagedConnector(DeviceConnector):
     Options: ``mode`` (``"dma"``, default, or ``"zerocopy"``), ``staging_slots`` (ring length,
     default 2) and ``staging_slot_bytes`` (default 32 MiB; grown to fit one row if needed). The
     ring costs ``2 * staging_slots * staging_slot_bytes`` of device memory (store + load).
+    ``use_driver_api=False`` issues the ``dma`` mode's copies and events through torch (stream
+    switches) instead of the CUDA driver (``kvtier.cuda._driver``): same bytes, more host time.
     """
 
     def __init__(
@@ -230,6 +295,7 @@ class CUDAPagedConnector(DeviceConnector):
         mode: str = "dma",
         staging_slots: int = _DEFAULT_SLOTS,
         staging_slot_bytes: int = _DEFAULT_SLOT_BYTES,
+        use_driver_api: bool = True,
     ) -> None:
         super().__init__(kv_caches, layout)
         if mode not in MODES:
@@ -250,8 +316,9 @@ class CUDAPagedConnector(DeviceConnector):
         self._bases, self._geo_bytes = self._row_bases()
         self._bases_np = np.asarray(self._bases, dtype=np.int64)
         self._dma_geometry = self._geometry(())
-        self._store_lane = _Lane(device, staging_slots, staging_slot_bytes)
-        self._load_lane = _Lane(device, staging_slots, staging_slot_bytes)
+        use_driver = use_driver_api and mode == "dma"
+        self._store_lane = _Lane(device, staging_slots, staging_slot_bytes, use_driver=use_driver)
+        self._load_lane = _Lane(device, staging_slots, staging_slot_bytes, use_driver=use_driver)
 
     # -- geometry ---------------------------------------------------------------------------
     def _row_bases(self) -> tuple[list[int], tuple[int, int, int]]:
@@ -317,7 +384,9 @@ class CUDAPagedConnector(DeviceConnector):
         )
 
     # -- preparing a call ---------------------------------------------------------------------
-    def _prepare(self, transfers: Sequence[Transfer]) -> tuple[list[_Prepared], torch.Tensor]:
+    def _prepare(
+        self, transfers: Sequence[Transfer], first_index: int = 0
+    ) -> tuple[list[_Prepared], torch.Tensor]:
         """Validate every transfer; return them with one int64 slot tensor for the whole call.
 
         The slot tensor stays on the host; it travels to the device with the row table.
@@ -340,11 +409,11 @@ class CUDAPagedConnector(DeviceConnector):
             shape = shapes.get(n) or shapes.setdefault(n, lay.chunk_shape(n))
             if obj.shape != shape or obj.dtype != dtype:
                 raise LayoutError(
-                    f"transfer {i}: memory object {tuple(obj.shape)} {obj.dtype} does not match the "
+                    f"transfer {i + first_index}: memory object {tuple(obj.shape)} {obj.dtype} does not match the "
                     f"layout's chunk {lay.chunk_shape(n)} {dtype}"
                 )
             if not obj.is_cpu or not obj.is_contiguous():
-                raise ValueError(f"transfer {i}: memory objects must be contiguous host tensors")
+                raise ValueError(f"transfer {i + first_index}: memory objects must be contiguous host tensors")
             objs.append(obj)
             lengths.append(n)
             sl = t.slots
@@ -360,7 +429,7 @@ class CUDAPagedConnector(DeviceConnector):
             # Python bools: numpy scalar arithmetic costs a microsecond an operation.
             empties = holes = [n == 0 for n in lengths]
         else:
-            empties, holes = self._slot_ranges(values, lengths, total)
+            empties, holes = self._slot_ranges(values, lengths, total, first_index)
         hd_bytes = lay.hidden_size * self._itemsize
         check_pinned = self.mode == "zerocopy" and self.device.type == "cuda"
         prepared: list[_Prepared] = []
@@ -369,7 +438,7 @@ class CUDAPagedConnector(DeviceConnector):
         ):
             if check_pinned and not empty and not obj.is_pinned():
                 raise ValueError(
-                    f"transfer {i}: mode='zerocopy' needs memory objects in pinned host memory"
+                    f"transfer {i + first_index}: mode='zerocopy' needs memory objects in pinned host memory"
                 )
             prepared.append(
                 _Prepared(
@@ -387,7 +456,9 @@ class CUDAPagedConnector(DeviceConnector):
         return prepared, slot_tensor
 
     @staticmethod
-    def _slot_ranges(values: np.ndarray, lengths: list[int], total: int) -> tuple[list[bool], list[bool]]:
+    def _slot_ranges(
+        values: np.ndarray, lengths: list[int], total: int, first_index: int = 0
+    ) -> tuple[list[bool], list[bool]]:
         """Per transfer: whether it has no slot at all (every one -1) and whether it has a -1.
         Raises IndexError naming the first transfer with a slot outside ``[-1, total)``."""
         starts = np.cumsum([0, *lengths[:-1]], dtype=np.int64)
@@ -402,7 +473,7 @@ class CUDAPagedConnector(DeviceConnector):
             if bad.size:
                 i = int(bad[0])
                 raise IndexError(
-                    f"transfer {i}: slot values must be -1 or in [0, {total}), got "
+                    f"transfer {i + first_index}: slot values must be -1 or in [0, {total}), got "
                     f"[{lows[i]}, {highs[i]}]"
                 )
         return (highs < 0).tolist(), (lows < 0).tolist()
@@ -416,9 +487,10 @@ class CUDAPagedConnector(DeviceConnector):
         *,
         store: bool,
         first_piece_bytes: int | None = None,
-    ) -> tuple[list[_Piece], torch.Tensor]:
-        """Pack row segments into pieces; return them and the row table (host, ``[rows, 4]``,
-        slot-list column relative to the call's slot tensor).
+    ) -> tuple[list[_Piece], list[tuple[int, int, int, int, int, int, int]]]:
+        """Pack row segments into pieces; return them and the runs the row table is expanded
+        from (``_expand``: host, ``[rows, 4]``, slot-list column relative to the call's slot
+        tensor). Expansion is left to the caller so a load can start its first DMA first.
 
         A segment ``(transfer, start, stop, step, layer)`` is the object rows
         ``range(start, stop, step)`` of one transfer; ``layer`` (or -1) tags the segments of one
@@ -429,7 +501,7 @@ class CUDAPagedConnector(DeviceConnector):
         zero_copy = self.mode == "zerocopy"
         segs = [sg for sg in segments if not prepared[sg[0]].empty]
         if not segs:
-            return [], torch.empty((0, 4), dtype=torch.int64)
+            return [], []
         if not zero_copy:
             lane.ensure_slots(max(prepared[sg[0]].row_bytes for sg in segs))
         # One entry per run of rows: (first row, row step, rows, first flat address, flat step,
@@ -485,7 +557,7 @@ class CUDAPagedConnector(DeviceConnector):
                 last_piece_of_layer[layer] = piece
         for layer, pc in last_piece_of_layer.items():
             pc.layers_done.append(layer)
-        return pieces, self._expand(runs)
+        return pieces, runs
 
     @staticmethod
     def _add_copy(piece: _Piece, p: _Prepared, obj_offset: int, nbytes: int) -> None:
@@ -501,6 +573,9 @@ class CUDAPagedConnector(DeviceConnector):
         piece.nbytes += nbytes
 
     def _expand(self, runs: list[tuple[int, int, int, int, int, int, int]]) -> torch.Tensor:
+        return torch.from_numpy(self._expand_np(runs))
+
+    def _expand_np(self, runs: list[tuple[int, int, int, int, int, int, int]]) -> np.ndarray:
         # One conversion and one repeat for every column (numpy calls cost ~1 us each).
         cols = np.array(runs, dtype=np.int64)
         k = cols[:, 2]
@@ -512,7 +587,7 @@ class CUDAPagedConnector(DeviceConnector):
         table[:, 1] = rep[:, 3] + j * rep[:, 4]
         table[:, 2] = rep[:, 5]
         table[:, 3] = rep[:, 6]
-        return torch.from_numpy(table)
+        return table
 
     # -- enqueueing ---------------------------------------------------------------------------
     def _enqueue(
@@ -524,9 +599,9 @@ class CUDAPagedConnector(DeviceConnector):
         keep: list[torch.Tensor],
         *,
         store: bool,
-        layer_events: dict[int, torch.cuda.Event] | None = None,
+        layer_events: dict[int, Any] | None = None,
         first_piece_bytes: int | None = None,
-    ) -> torch.cuda.Event | None:
+    ) -> Any:
         """Plan and enqueue one batch of rows (all of ``_enqueue_steps`` at once)."""
         steps = self._enqueue_steps(
             lane, prepared, rows, slots, keep, store=store, layer_events=layer_events,
@@ -547,12 +622,16 @@ class CUDAPagedConnector(DeviceConnector):
         keep: list[torch.Tensor],
         *,
         store: bool,
-        layer_events: dict[int, torch.cuda.Event] | None = None,
+        layer_events: dict[int, Any] | None = None,
         interleaved: bool = False,
         first_piece_bytes: int | None = None,
-    ) -> Generator[None, None, torch.cuda.Event | None]:
+        after_caller: bool = True,
+    ) -> Generator[None, None, Any]:
         """Plan and enqueue one batch of rows after the caller's current stream, one piece per
         step (so a store and a load can be interleaved from one thread).
+
+        ``after_caller=False`` (driver path) skips ordering after the caller's stream: for a
+        batch that follows another batch of the same call on the same lane, already ordered.
 
         ``slots`` is the call's slot tensor: on the host (uploaded here together with the row
         table, one copy) or already on the device. Returns an event recorded after the batch's
@@ -567,11 +646,19 @@ class CUDAPagedConnector(DeviceConnector):
         caller's stream is current again once the generator has finished or been closed.
         """
         with lane.lock:
-            pieces, table = self._plan(
+            pieces, runs = self._plan(
                 lane, prepared, rows, store=store, first_piece_bytes=first_piece_bytes
             )
             if not pieces:
                 return None
+            if lane.is_cuda and lane.drv is not None and self.mode == "dma":
+                return (
+                    yield from self._driver_steps(
+                        lane, pieces, runs, slots, keep,
+                        store=store, layer_events=layer_events, after_caller=after_caller,
+                    )
+                )
+            table = self._expand(runs)
             geo = (
                 self._dma_geometry
                 if self.mode == "dma"
@@ -582,6 +669,7 @@ class CUDAPagedConnector(DeviceConnector):
                 self._run_sync(lane, pieces, table, geo, store=store)
                 return None
             ks, cs = lane.kernel_stream, lane.copy_stream
+            prev_device = torch.cuda.current_device()
             caller = torch.cuda.current_stream(self.device)
             after = torch.cuda.Event()
             after.record(caller)
@@ -622,7 +710,148 @@ class CUDAPagedConnector(DeviceConnector):
                 lane.synchronize()
                 raise
             finally:
-                torch.cuda.set_stream(caller)
+                torch.cuda.set_stream(caller)  # also makes the lane's device current...
+                if prev_device != self.device.index:
+                    torch.cuda.set_device(prev_device)  # ...so give the caller its own back
+
+    def _driver_steps(
+        self,
+        lane: _Lane,
+        pieces: list[_Piece],
+        runs: list[tuple[int, int, int, int, int, int, int]],
+        slots: torch.Tensor,
+        keep: list[torch.Tensor],
+        *,
+        store: bool,
+        layer_events: dict[int, Any] | None,
+        after_caller: bool,
+    ) -> Generator[None, None, Any]:
+        """``_enqueue_steps`` for ``dma`` mode through the driver (see kvtier.cuda._driver).
+
+        Every copy, record, wait and (after a configuration's first launch, see
+        ``kernels.LAUNCHES``) kernel launch names its stream: torch's current stream is never
+        switched, which is most of the host time the torch path spends per piece.
+
+        Order of issue: a store uploads the table, then per piece gathers (ks) and DMAs (cs). A
+        load issues its first DMA before anything else (it needs neither the table nor the
+        caller's stream), then the table, then per piece the next piece's DMA before this
+        piece's scatter, so the copy engine always has the next copy queued.
+        """
+        drv = lane.drv
+        assert drv is not None
+        ks, ks_h, cs_h = lane.kernel_stream, lane.ks_h, lane.cs_h
+        geo = self._dma_geometry
+        index = self.device.index
+        prev_device = torch.cuda.current_device()
+        if prev_device != index:
+            torch.cuda.set_device(index)
+        try:
+            if not drv.has_context():
+                # A thread's first CUDA runtime call binds the device's context.
+                torch.cuda.current_stream(self.device).query()
+                if not drv.has_context():
+                    raise CUDADriverError(f"no CUDA context is current on this thread for {self.device}")
+            if after_caller:
+                # ks runs after the caller's work so far: a gather reads what the forward pass
+                # wrote, a scatter writes blocks only after the engine's earlier reads of them.
+                # One lane event serves every call: a wait takes its state when enqueued.
+                caller = torch.cuda.current_stream(self.device).cuda_stream
+                drv.record(lane.after.handle, caller)
+                drv.wait(ks_h, lane.after.handle)
+            if store:
+                table, table_dev = self._upload_table_drv(lane, runs, slots)
+                for piece in pieces:
+                    self._drv_store_piece(lane, drv, piece, table_dev, geo)
+                    yield
+                table.done.record(ks_h)
+                done = RawEvent(drv)
+                done.record(cs_h)
+                return done
+            self._drv_load_dma(lane, drv, pieces[0])
+            table, table_dev = self._upload_table_drv(lane, runs, slots)
+            for k, piece in enumerate(pieces):
+                if k + 1 < len(pieces):
+                    self._drv_load_dma(lane, drv, pieces[k + 1])
+                s = piece.slot
+                drv.wait(ks_h, lane.filled[s].handle)
+                LAUNCHES.launch(table_dev, piece.start, piece.stop, piece.max_tokens, geo, to_paged=True, stream=ks)
+                lane.free[s].record(ks_h)
+                if layer_events is not None and piece.layers_done:
+                    ev = RawEvent(drv)
+                    ev.record(ks_h)
+                    for layer in piece.layers_done:
+                        layer_events[layer] = ev
+                yield
+            table.done.record(ks_h)
+            done = RawEvent(drv)
+            done.record(ks_h)
+            return done
+        except BaseException:
+            # Nothing half-enqueued may outlive the call: the objects may be released next.
+            lane.synchronize()
+            raise
+        finally:
+            if prev_device != index:
+                torch.cuda.set_device(prev_device)
+
+    def _upload_table_drv(
+        self, lane: _Lane, runs: list[tuple[int, int, int, int, int, int, int]], slots: torch.Tensor
+    ) -> tuple[_TableSlot, torch.Tensor]:
+        """The row table on the device (a slot of the lane's table ring, copied on ks), slot-list
+        addresses filled in; host slots travel in the same copy: ``[slots..., table...]``.
+        The caller records the returned slot's ``done`` after the last kernel reading it."""
+        assert lane.drv is not None
+        table = self._expand_np(runs)
+        on_device = slots.device.type == "cuda"
+        n_slots = 0 if on_device else slots.numel()
+        numel = n_slots + table.size
+        ring = lane.table_buffers(numel)
+        dev, host = ring.dev, ring.host_np
+        assert dev is not None and host is not None
+        table[:, 2] += slots.data_ptr() if on_device else dev.data_ptr()
+        if n_slots:
+            host[:n_slots] = slots.numpy()
+        host[n_slots:numel] = table.reshape(-1)
+        lane.drv.memcpy_htod(dev.data_ptr(), host.ctypes.data, 8 * numel, lane.ks_h)
+        return ring, dev[n_slots:numel].view(-1, 4)
+
+    @staticmethod
+    def _drv_store_piece(
+        lane: _Lane, drv: CudaDriver, piece: _Piece, table_dev: torch.Tensor, geo: RowGeometry
+    ) -> None:
+        """Gather into the piece's slot on ks, then DMA it out on cs."""
+        ks_h, cs_h = lane.ks_h, lane.cs_h
+        s = piece.slot
+        base = lane.slot_ptrs[s]
+        filled, free = lane.filled[s].handle, lane.free[s].handle
+        # The slot's previous DMA ran on cs; gathering into it must wait for that.
+        drv.wait(ks_h, free)
+        if piece.prefill:
+            # Rows with -1 slots keep the object's bytes: bring them into the slot first so the
+            # DMA back writes them unchanged. cs already follows the slot's previous DMA.
+            for c in piece.copies:
+                drv.memcpy_htod(base + c.slot_offset, c.host_ptr, c.nbytes, cs_h)
+            drv.record(filled, cs_h)
+            drv.wait(ks_h, filled)
+        LAUNCHES.launch(
+            table_dev, piece.start, piece.stop, piece.max_tokens, geo, to_paged=False, stream=lane.kernel_stream
+        )
+        drv.record(filled, ks_h)
+        drv.wait(cs_h, filled)
+        for c in piece.copies:
+            drv.memcpy_dtoh(c.host_ptr, base + c.slot_offset, c.nbytes, cs_h)
+        drv.record(free, cs_h)
+
+    @staticmethod
+    def _drv_load_dma(lane: _Lane, drv: CudaDriver, piece: _Piece) -> None:
+        """DMA a load piece's host rows into its slot on cs, once the slot's last scatter is done."""
+        cs_h = lane.cs_h
+        s = piece.slot
+        base = lane.slot_ptrs[s]
+        drv.wait(cs_h, lane.free[s].handle)
+        for c in piece.copies:
+            drv.memcpy_htod(base + c.slot_offset, c.host_ptr, c.nbytes, cs_h)
+        drv.record(lane.filled[s].handle, cs_h)
 
     def _upload_table(
         self, lane: _Lane, table: torch.Tensor, slots: torch.Tensor, keep: list[torch.Tensor]
@@ -730,7 +959,7 @@ class CUDAPagedConnector(DeviceConnector):
             return slots.pin_memory().to(self.device, non_blocking=True)
 
     @staticmethod
-    def _wait(done: torch.cuda.Event | None) -> None:
+    def _wait(done: Any) -> None:
         if done is not None:
             done.synchronize()
 
@@ -741,18 +970,71 @@ class CUDAPagedConnector(DeviceConnector):
     def load(self, transfers: Sequence[Transfer]) -> None:
         self.load_async(transfers).wait()
 
+    def _groups(self, transfers: Sequence[Transfer], lane: _Lane) -> list[tuple[int, int]]:
+        """Split a whole-chunk call into runs of transfers, ``_FIRST_GROUP_BYTES`` first and
+        doubling up to a staging slot (a transfer larger than that is a group of its own)."""
+        per_token = self.layout.hidden_size * self._itemsize * self._rows_per_obj
+        limit = lane.slot_bytes
+        groups: list[tuple[int, int]] = []
+        start, acc, cap = 0, 0, min(_FIRST_GROUP_BYTES, limit)
+        for i, t in enumerate(transfers):
+            nbytes = t.obj.num_tokens * per_token
+            if acc and acc + nbytes > cap:
+                groups.append((start, i))
+                start, acc, cap = i, 0, min(2 * cap, limit)
+            acc += nbytes
+        groups.append((start, len(transfers)))
+        return groups
+
+    def _call_steps(
+        self, lane: _Lane, transfers: Sequence[Transfer], keep: list[torch.Tensor], *, store: bool,
+        interleaved: bool = False,
+    ) -> Generator[None, None, Any]:
+        """A whole-chunk call, group by group (``_groups``): each group is checked, planned and
+        enqueued in turn, so the host prepares the next group while the previous one's bytes
+        cross PCIe and the first DMA starts after preparing a few MiB, not the whole call.
+
+        Checks therefore run group by group: a call that fails on a later group has already
+        run the earlier ones (a load has written some of its slots, a store some of its
+        objects). Nothing stays in flight after the error, and the caller treats the whole
+        call as failed, as for any error.
+        """
+        done = None
+        try:
+            for lo, hi in self._groups(transfers, lane):
+                prepared, slots = self._prepare(transfers[lo:hi], first_index=lo)
+                rows = self._all_rows(len(prepared))
+                first = _FIRST_PIECE_BYTES if store and done is None else None
+                # Only the first batch that enqueues anything needs ordering after the caller:
+                # later ones follow it on the lane's streams.
+                done = (
+                    yield from self._enqueue_steps(
+                        lane, prepared, rows, slots, keep, store=store, interleaved=interleaved,
+                        first_piece_bytes=first, after_caller=done is None,
+                    )
+                ) or done
+        except BaseException:
+            if lane.is_cuda:
+                lane.synchronize()
+            raise
+        return done
+
+    @staticmethod
+    def _run_steps(steps: Generator[None, None, Any]) -> Any:
+        while True:
+            try:
+                next(steps)
+            except StopIteration as end:
+                return end.value
+
     def store_async(self, transfers: Sequence[Transfer]) -> PendingTransfer:
         """Enqueue a whole-chunk store after the current stream's work and return at once.
 
         The objects must stay alive and unread until ``wait()`` returns. One thread can keep a
         store and a load in flight together this way (no second thread, no GIL contention).
         """
-        prepared, slots = self._prepare(transfers)
         keep: list[torch.Tensor] = []
-        rows = self._all_rows(len(prepared))
-        done = self._enqueue(
-            self._store_lane, prepared, rows, slots, keep, store=True, first_piece_bytes=_FIRST_PIECE_BYTES
-        )
+        done = self._run_steps(self._call_steps(self._store_lane, transfers, keep, store=True))
         return PendingTransfer(done, keep, None)
 
     def store_and_load_async(
@@ -762,20 +1044,13 @@ class CUDAPagedConnector(DeviceConnector):
         so both directions' copy engines start at once instead of the load waiting for the
         store's whole enqueue. Returns ``(store, load)``; ``wait()`` on each as for the
         ``*_async`` methods."""
-        ps, ss = self._prepare(stores)
-        pl, sl = self._prepare(loads)
         keep_s: list[torch.Tensor] = []
         keep_l: list[torch.Tensor] = []
         gens = {
-            "store": self._enqueue_steps(
-                self._store_lane, ps, self._all_rows(len(ps)), ss, keep_s,
-                store=True, interleaved=True, first_piece_bytes=_FIRST_PIECE_BYTES,
-            ),
-            "load": self._enqueue_steps(
-                self._load_lane, pl, self._all_rows(len(pl)), sl, keep_l, store=False, interleaved=True
-            ),
+            "store": self._call_steps(self._store_lane, stores, keep_s, store=True, interleaved=True),
+            "load": self._call_steps(self._load_lane, loads, keep_l, store=False, interleaved=True),
         }
-        done: dict[str, torch.cuda.Event | None] = {}
+        done: dict[str, Any] = {}
         try:
             while gens:
                 for name, gen in list(gens.items()):
@@ -792,10 +1067,8 @@ class CUDAPagedConnector(DeviceConnector):
 
     def load_async(self, transfers: Sequence[Transfer]) -> PendingTransfer:
         """Enqueue a whole-chunk load and return at once; ``wait()`` before attention reads it."""
-        prepared, slots = self._prepare(transfers)
         keep: list[torch.Tensor] = []
-        rows = self._all_rows(len(prepared))
-        done = self._enqueue(self._load_lane, prepared, rows, slots, keep, store=False)
+        done = self._run_steps(self._call_steps(self._load_lane, transfers, keep, store=False))
         return PendingTransfer(done, keep, self.device)
 
     def store_layer(self, layer: int, transfers: Sequence[Transfer]) -> None:
@@ -825,15 +1098,18 @@ class CUDAPagedConnector(DeviceConnector):
         lane = self._store_lane
         # Uploaded once for every layer's batch.
         keep = [self._slots_on_device(lane, slots)]
-        last: torch.cuda.Event | None = None
+        last: Any = None
         try:
             for layer in range(self.layout.num_layers):
                 rows = self._layer_rows(len(prepared), layer)
                 last = self._enqueue(lane, prepared, rows, keep[0], keep, store=True) or last
                 if lane.is_cuda:
-                    gathered = torch.cuda.Event()
-                    gathered.record(lane.kernel_stream)
-                    torch.cuda.current_stream(self.device).wait_event(gathered)
+                    gathered = lane._event()
+                    if isinstance(gathered, RawEvent):
+                        gathered.record(lane.ks_h)
+                    else:
+                        gathered.record(lane.kernel_stream)
+                    _current_waits(self.device, gathered)
                 yield layer
         finally:
             # Also on close()/abandonment: the objects must not be released under a live DMA.
@@ -845,7 +1121,7 @@ class CUDAPagedConnector(DeviceConnector):
         prepared, slots = self._prepare(transfers)
         lane = self._load_lane
         keep: list[torch.Tensor] = []
-        layer_events: dict[int, torch.cuda.Event] = {}
+        layer_events: dict[int, Any] = {}
         rows = [
             seg for layer in range(self.layout.num_layers) for seg in self._layer_rows(len(prepared), layer)
         ]
@@ -858,7 +1134,7 @@ class CUDAPagedConnector(DeviceConnector):
             for layer in range(self.layout.num_layers):
                 ev = layer_events.get(layer)
                 if current is not None and ev is not None:
-                    current.wait_event(ev)
+                    _current_waits(self.device, ev)
                 yield layer
         finally:
             self._wait(done)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -49,6 +50,7 @@ def _triton():
     return triton, paged_rows_kernel
 
 
+@functools.cache
 def _blocks(hd_words: int, word_bytes: int) -> tuple[int, int]:
     block_d = min(_MAX_BLOCK_D, 1 << max(0, (hd_words - 1).bit_length()))
     block_t = max(1, min(64, _TILE_BYTES // (block_d * word_bytes)))
@@ -56,19 +58,86 @@ def _blocks(hd_words: int, word_bytes: int) -> tuple[int, int]:
     return block_t, block_d
 
 
-def copy_rows(table: torch.Tensor, max_tokens: int, geo: RowGeometry, *, to_paged: bool) -> None:
-    """Copy every row of ``table`` (``[rows, 4]`` int64 on the cache's device) in one launch.
+class _Launches:
+    """Launching a configuration again without ``JITFunction.run``.
 
-    ``to_paged=False`` gathers paged -> flat (store), ``True`` scatters flat -> paged (load).
-    Asynchronous on CUDA (runs on the current stream); synchronous under ``TRITON_INTERPRET=1``.
+    ``kernel[grid](...)`` costs ~15 us of Python per launch (binding and specialising every
+    argument, a cache lookup, a pointer query per tensor) and launches on torch's current stream,
+    which a side-stream caller must switch to and back (~10 us each). A connector launches one
+    configuration over and over with only the table address changing, so after the first,
+    compiling launch of a configuration its compiled kernel is kept and later launches call its
+    launcher directly, the way ``JITFunction.run`` does at its end, on an explicit stream.
+
+    The key holds everything Triton specialises on here: the geometry and constexprs (fixed per
+    connector) and whether the table address is 16-byte aligned; the device, for its module.
+    Used only where the installed Triton exposes that launcher (``triton.knobs``, Triton >= 3.3);
+    otherwise, and under the interpreter, every launch goes through ``kernel[grid]``.
     """
-    rows = table.shape[0]
-    if rows == 0 or max_tokens == 0:
-        return
+
+    def __init__(self) -> None:
+        self.compiled: dict[tuple, Any] = {}
+        self.knobs: Any = None
+        self.usable: bool | None = None  # decided at the first launch on a GPU
+
+    def _check(self) -> bool:
+        try:
+            import triton
+
+            self.knobs = triton.knobs.runtime
+            return hasattr(self.knobs, "launch_enter_hook") and hasattr(self.knobs, "launch_exit_hook")
+        except (ImportError, AttributeError):
+            return False
+
+    def launch(
+        self, table: torch.Tensor, start: int, stop: int, max_tokens: int, geo: RowGeometry,
+        *, to_paged: bool, stream: torch.cuda.Stream,
+    ) -> None:
+        """Rows ``[start, stop)`` of the device ``table``, on ``stream`` (need not be current)."""
+        rows = stop - start
+        if rows <= 0 or max_tokens == 0:
+            return
+        block_t, block_d = _blocks(geo.hd_words, geo.word_bytes)
+        ptr = table.data_ptr() + start * 32
+        key = (table.device.index, geo, to_paged, block_t, block_d, ptr % 16 == 0)
+        ck = self.compiled.get(key)
+        grid_t = -(-max_tokens // block_t)
+        if ck is not None:
+            args = (
+                ptr, geo.total_slots, geo.block_size, geo.block_stride_words, geo.token_stride_words,
+                geo.hd_words, geo.word_bytes, block_t, block_d, to_paged,
+            )
+            knobs = self.knobs
+            handle = stream.cuda_stream
+            ck.run(
+                rows, grid_t, 1, handle, ck.function, ck.packed_metadata,
+                ck.launch_metadata((rows, grid_t, 1), handle, *args),
+                knobs.launch_enter_hook, knobs.launch_exit_hook, *args,
+            )
+            return
+        prev = torch.cuda.current_stream(table.device)
+        torch.cuda.set_stream(stream)
+        try:
+            ck = _launch(table[start:stop], max_tokens, geo, to_paged=to_paged, blocks=(block_t, block_d))
+        finally:
+            torch.cuda.set_stream(prev)
+        if self.usable is None:
+            self.usable = self._check()
+        if self.usable and ck is not None and all(
+            hasattr(ck, a) for a in ("run", "function", "packed_metadata", "launch_metadata")
+        ):
+            self.compiled[key] = ck
+
+
+LAUNCHES = _Launches()
+
+
+def _launch(
+    table: torch.Tensor, max_tokens: int, geo: RowGeometry, *, to_paged: bool, blocks: tuple[int, int]
+) -> Any:
     triton, kernel = _triton()
-    block_t, block_d = _blocks(geo.hd_words, geo.word_bytes)
-    grid = (rows, triton.cdiv(max_tokens, block_t))
-    kernel[grid](
+    block_t, block_d = blocks
+    grid = (table.shape[0], triton.cdiv(max_tokens, block_t))
+    return kernel[grid](
         table,
         geo.total_slots,
         geo.block_size,
@@ -81,3 +150,15 @@ def copy_rows(table: torch.Tensor, max_tokens: int, geo: RowGeometry, *, to_page
         TO_PAGED=to_paged,
         num_warps=4,
     )
+
+
+def copy_rows(table: torch.Tensor, max_tokens: int, geo: RowGeometry, *, to_paged: bool) -> None:
+    """Copy every row of ``table`` (``[rows, 4]`` int64 on the cache's device) in one launch.
+
+    ``to_paged=False`` gathers paged -> flat (store), ``True`` scatters flat -> paged (load).
+    Asynchronous on CUDA (runs on the current stream); synchronous under ``TRITON_INTERPRET=1``.
+    """
+    rows = table.shape[0]
+    if rows == 0 or max_tokens == 0:
+        return
+    _launch(table, max_tokens, geo, to_paged=to_paged, blocks=_blocks(geo.hd_words, geo.word_bytes))

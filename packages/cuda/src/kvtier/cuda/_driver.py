@@ -1,0 +1,160 @@
+"""The few CUDA driver calls the transfer pipeline issues per piece, through ctypes.
+
+Why: a small model's 2 MiB chunk crosses PCIe in under 40 us, and torch's way of putting a copy
+on a side stream costs more than that in host time (``set_stream`` twice, ~10 us each, plus
+``Tensor.copy_`` dispatch, ~4 us). ``cuMemcpy*Async`` on an explicit stream handle costs about a
+microsecond from Python and needs no stream switch; ``cuEventRecord``/``cuStreamWaitEvent`` the
+same. The handles are the ones torch uses (a runtime ``cudaStream_t`` is a driver ``CUstream``),
+so these calls order correctly with torch's own work.
+
+``libcuda.so.1`` comes with the NVIDIA driver, so this adds no dependency and compiles nothing.
+Set ``KVTIER_CUDA_DRIVER_API=0`` to use torch's stream switches and copies instead (slower,
+same results); the connector also falls back to them when the library cannot be loaded.
+
+Every call's result is checked: a failure raises ``CUDADriverError`` naming the call and the
+driver's error name, never a silent skip.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from ctypes import c_int, c_size_t, c_uint, c_void_p
+
+_CUDA_SUCCESS = 0
+_CUDA_ERROR_NOT_READY = 600
+_CU_EVENT_DISABLE_TIMING = 0x2
+
+
+class CUDADriverError(RuntimeError):
+    """A CUDA driver call failed."""
+
+
+class CudaDriver:
+    """Thin wrappers over ``libcuda`` entry points (arguments are raw handles and addresses)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+
+        def fn(name: str, *argtypes: type) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+            f = getattr(lib, name)
+            f.argtypes = list(argtypes)
+            f.restype = c_int
+            return f
+
+        self._dtoh = fn("cuMemcpyDtoHAsync_v2", c_void_p, c_void_p, c_size_t, c_void_p)
+        self._htod = fn("cuMemcpyHtoDAsync_v2", c_void_p, c_void_p, c_size_t, c_void_p)
+        self._record = fn("cuEventRecord", c_void_p, c_void_p)
+        self._wait = fn("cuStreamWaitEvent", c_void_p, c_void_p, c_uint)
+        self._create = fn("cuEventCreate", ctypes.POINTER(c_void_p), c_uint)
+        self._destroy = fn("cuEventDestroy_v2", c_void_p)
+        self._query = fn("cuEventQuery", c_void_p)
+        self._sync = fn("cuEventSynchronize", c_void_p)
+        self._ctx_get = fn("cuCtxGetCurrent", ctypes.POINTER(c_void_p))
+        self._err_name = fn("cuGetErrorName", c_int, ctypes.POINTER(ctypes.c_char_p))
+
+    def _fail(self, call: str, res: int) -> CUDADriverError:
+        name = ctypes.c_char_p()
+        if self._err_name(res, ctypes.byref(name)) == _CUDA_SUCCESS and name.value:
+            text = name.value.decode()
+        else:
+            text = f"error {res}"
+        return CUDADriverError(f"{call} failed: {text}")
+
+    def memcpy_dtoh(self, dst_host: int, src_device: int, nbytes: int, stream: int) -> None:
+        res = self._dtoh(dst_host, src_device, nbytes, stream)
+        if res:
+            raise self._fail("cuMemcpyDtoHAsync", res)
+
+    def memcpy_htod(self, dst_device: int, src_host: int, nbytes: int, stream: int) -> None:
+        res = self._htod(dst_device, src_host, nbytes, stream)
+        if res:
+            raise self._fail("cuMemcpyHtoDAsync", res)
+
+    def record(self, event: int, stream: int) -> None:
+        res = self._record(event, stream)
+        if res:
+            raise self._fail("cuEventRecord", res)
+
+    def wait(self, stream: int, event: int) -> None:
+        res = self._wait(stream, event, 0)
+        if res:
+            raise self._fail("cuStreamWaitEvent", res)
+
+    def has_context(self) -> bool:
+        """Whether this thread has a current context (the driver calls above need one)."""
+        ctx = c_void_p()
+        return self._ctx_get(ctypes.byref(ctx)) == _CUDA_SUCCESS and bool(ctx.value)
+
+    def event_create(self) -> int:
+        handle = c_void_p()
+        res = self._create(ctypes.byref(handle), _CU_EVENT_DISABLE_TIMING)
+        if res:
+            raise self._fail("cuEventCreate", res)
+        assert handle.value is not None
+        return handle.value
+
+    def event_destroy(self, event: int) -> None:
+        self._destroy(event)  # at teardown a failure has no one to report to
+
+    def event_query(self, event: int) -> bool:
+        res = self._query(event)
+        if res == _CUDA_SUCCESS:
+            return True
+        if res == _CUDA_ERROR_NOT_READY:
+            return False
+        raise self._fail("cuEventQuery", res)
+
+    def event_synchronize(self, event: int) -> None:
+        res = self._sync(event)
+        if res:
+            raise self._fail("cuEventSynchronize", res)
+
+
+class RawEvent:
+    """A driver event (timing disabled) owned by Python: destroyed when collected.
+
+    Destroying an event whose recorded work is still pending is allowed; the driver frees it
+    once that work completes.
+    """
+
+    __slots__ = ("_drv", "handle")
+
+    def __init__(self, drv: CudaDriver) -> None:
+        self._drv = drv
+        self.handle = drv.event_create()
+
+    def record(self, stream: int) -> None:
+        self._drv.record(self.handle, stream)
+
+    def query(self) -> bool:
+        return self._drv.event_query(self.handle)
+
+    def synchronize(self) -> None:
+        self._drv.event_synchronize(self.handle)
+
+    def wait_on(self, stream: int) -> None:
+        """Make ``stream`` (a raw handle) wait on the device for this event's recorded work."""
+        self._drv.wait(stream, self.handle)
+
+    def __del__(self) -> None:
+        try:
+            self._drv.event_destroy(self.handle)
+        except Exception:  # interpreter teardown: the library may already be gone
+            pass
+
+
+@functools.cache
+def driver() -> CudaDriver | None:
+    """The driver wrapper, or None when disabled (``KVTIER_CUDA_DRIVER_API=0``) or unavailable."""
+    if os.environ.get("KVTIER_CUDA_DRIVER_API", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    try:
+        return CudaDriver(lib)
+    except AttributeError:  # a driver too old for one of the entry points
+        return None
