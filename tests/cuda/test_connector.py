@@ -235,6 +235,11 @@ def test_a_call_split_into_groups_names_the_bad_transfer_and_leaves_nothing_in_f
     for call in (conn.store, conn.load):
         with pytest.raises(IndexError, match="transfer 2: slot values"):
             call(objs.transfers(slots))
+    # first_group_bytes=0 prepares a call as one group; a negative value is refused.
+    whole = CUDAPagedConnector(caches, layout, first_group_bytes=0, **SMALL_RING)
+    assert whole._groups(objs.transfers(slots), whole._store_lane) == [(0, 3)]
+    with pytest.raises(ValueError, match="first_group_bytes"):
+        CUDAPagedConnector(caches, layout, first_group_bytes=-1)
     # The connector is still usable and exact afterwards.
     ref = _reference(layout, caches)
     good = random_slots(SHAPE.blocks * SHAPE.block, lengths, seed=45, holes="none")

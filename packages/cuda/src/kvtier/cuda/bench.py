@@ -10,7 +10,8 @@ head 64; bf16, block 16, chunks of 256 tokens, flash-attn layout), it measures:
   (``store_and_load_async`` from one thread; two threads calling ``store()`` and ``load()`` is
   a variant).
 
-It also measures the one-kernel zero-copy mode and a few staging-ring sizes (``variants``), so
+It also measures the one-kernel zero-copy mode, a call prepared as one group
+(``first_group_bytes=0``) and a few staging-ring sizes (``variants``), so
 the default can be chosen from numbers. Every path's bytes are checked against the torch
 reference before timing. Times are host wall-clock medians of whole calls (each call returns
 with its copies done), so host overhead counts. Writes ``transfer-<device>.json`` and ``.png``.
@@ -324,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     variants: list[dict] = []
     configs: list[tuple[str, dict[str, Any]]] = [] if args.no_variants else [
         ("zerocopy", {"mode": "zerocopy"}),
+        ("one group", {"first_group_bytes": 0}),
         ("ring 4x8MiB", {"staging_slots": 4, "staging_slot_bytes": 8 << 20}),
         ("ring 2x64MiB", {"staging_slots": 2, "staging_slot_bytes": 64 << 20}),
     ]

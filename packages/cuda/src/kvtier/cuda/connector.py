@@ -43,9 +43,10 @@ On a CPU device (tests under ``TRITON_INTERPRET=1``) the same plans run synchron
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +123,17 @@ class _Piece:
 
 
 @dataclass(slots=True)
+class _CallState:
+    """Driver-path state shared by the batches of one whole-chunk call (``_call_steps``)."""
+
+    ordered: bool = False  # ks already follows the caller's stream
+    # A load batch's last scatter, issued only after the next batch's first DMA: streams may
+    # share a hardware queue, and a DMA submitted after a scatter that waits for the previous
+    # DMA would wait for that scatter too (~35 us per batch on an H200).
+    pending: list[Callable[[], None]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class _TableSlot:
     """One row-table buffer of a lane's ring (driver path)."""
 
@@ -145,7 +157,7 @@ class _Lane:
         self.is_cuda = device.type == "cuda"
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # a whole-chunk call holds it across its batches
         self.next_slot = 0
         self.slots: list[torch.Tensor] = []
         # The driver path (see kvtier.cuda._driver): raw events and stream handles, no stream
@@ -285,6 +297,8 @@ class CUDAPagedConnector(DeviceConnector):
     ring costs ``2 * staging_slots * staging_slot_bytes`` of device memory (store + load).
     ``use_driver_api=False`` issues the ``dma`` mode's copies and events through torch (stream
     switches) instead of the CUDA driver (``kvtier.cuda._driver``): same bytes, more host time.
+    ``first_group_bytes`` (default 8 MiB) is how much of a whole-chunk call is checked and
+    planned before its first DMA (see ``_groups``); 0 prepares the whole call first.
     """
 
     def __init__(
@@ -296,6 +310,7 @@ class CUDAPagedConnector(DeviceConnector):
         staging_slots: int = _DEFAULT_SLOTS,
         staging_slot_bytes: int = _DEFAULT_SLOT_BYTES,
         use_driver_api: bool = True,
+        first_group_bytes: int = _FIRST_GROUP_BYTES,
     ) -> None:
         super().__init__(kv_caches, layout)
         if mode not in MODES:
@@ -304,6 +319,9 @@ class CUDAPagedConnector(DeviceConnector):
             raise ValueError(f"staging_slots must be an int >= 2 (double buffering), got {staging_slots!r}")
         if not isinstance(staging_slot_bytes, int) or staging_slot_bytes <= 0:
             raise ValueError(f"staging_slot_bytes must be a positive int, got {staging_slot_bytes!r}")
+        if not isinstance(first_group_bytes, int) or first_group_bytes < 0:
+            raise ValueError(f"first_group_bytes must be an int >= 0, got {first_group_bytes!r}")
+        self._first_group_bytes = first_group_bytes
         if layout.paged_layout is PagedLayout.VLLM_CPU:
             raise LayoutError("the CUDA connector does not handle the vllm_cpu paged layout")
         self.mode = mode
@@ -625,13 +643,16 @@ class CUDAPagedConnector(DeviceConnector):
         layer_events: dict[int, Any] | None = None,
         interleaved: bool = False,
         first_piece_bytes: int | None = None,
-        after_caller: bool = True,
+        state: _CallState | None = None,
+        defer_last: bool = False,
     ) -> Generator[None, None, Any]:
         """Plan and enqueue one batch of rows after the caller's current stream, one piece per
         step (so a store and a load can be interleaved from one thread).
 
-        ``after_caller=False`` (driver path) skips ordering after the caller's stream: for a
-        batch that follows another batch of the same call on the same lane, already ordered.
+        Driver path only: ``state`` is shared by the batches of one call (only its first batch
+        orders ks after the caller's stream), and ``defer_last`` leaves a load batch's last
+        scatter in ``state.pending`` for the next batch to issue after its first DMA (the
+        batch then returns None).
 
         ``slots`` is the call's slot tensor: on the host (uploaded here together with the row
         table, one copy) or already on the device. Returns an event recorded after the batch's
@@ -655,7 +676,8 @@ class CUDAPagedConnector(DeviceConnector):
                 return (
                     yield from self._driver_steps(
                         lane, pieces, runs, slots, keep,
-                        store=store, layer_events=layer_events, after_caller=after_caller,
+                        store=store, layer_events=layer_events,
+                        state=state if state is not None else _CallState(), defer_last=defer_last,
                     )
                 )
             table = self._expand(runs)
@@ -724,7 +746,8 @@ class CUDAPagedConnector(DeviceConnector):
         *,
         store: bool,
         layer_events: dict[int, Any] | None,
-        after_caller: bool,
+        state: _CallState,
+        defer_last: bool,
     ) -> Generator[None, None, Any]:
         """``_enqueue_steps`` for ``dma`` mode through the driver (see kvtier.cuda._driver).
 
@@ -739,7 +762,7 @@ class CUDAPagedConnector(DeviceConnector):
         """
         drv = lane.drv
         assert drv is not None
-        ks, ks_h, cs_h = lane.kernel_stream, lane.ks_h, lane.cs_h
+        ks_h, cs_h = lane.ks_h, lane.cs_h
         geo = self._dma_geometry
         index = self.device.index
         prev_device = torch.cuda.current_device()
@@ -751,13 +774,14 @@ class CUDAPagedConnector(DeviceConnector):
                 torch.cuda.current_stream(self.device).query()
                 if not drv.has_context():
                     raise CUDADriverError(f"no CUDA context is current on this thread for {self.device}")
-            if after_caller:
+            if not state.ordered:
                 # ks runs after the caller's work so far: a gather reads what the forward pass
                 # wrote, a scatter writes blocks only after the engine's earlier reads of them.
                 # One lane event serves every call: a wait takes its state when enqueued.
                 caller = torch.cuda.current_stream(self.device).cuda_stream
                 drv.record(lane.after.handle, caller)
                 drv.wait(ks_h, lane.after.handle)
+                state.ordered = True
             if store:
                 table, table_dev = self._upload_table_drv(lane, runs, slots)
                 for piece in pieces:
@@ -768,21 +792,24 @@ class CUDAPagedConnector(DeviceConnector):
                 done.record(cs_h)
                 return done
             self._drv_load_dma(lane, drv, pieces[0])
+            for scatter in state.pending:  # the previous batch's last scatter, after our DMA
+                scatter()
+            state.pending.clear()
             table, table_dev = self._upload_table_drv(lane, runs, slots)
             for k, piece in enumerate(pieces):
-                if k + 1 < len(pieces):
+                last = k + 1 == len(pieces)
+                if not last:
                     self._drv_load_dma(lane, drv, pieces[k + 1])
-                s = piece.slot
-                drv.wait(ks_h, lane.filled[s].handle)
-                LAUNCHES.launch(table_dev, piece.start, piece.stop, piece.max_tokens, geo, to_paged=True, stream=ks)
-                lane.free[s].record(ks_h)
-                if layer_events is not None and piece.layers_done:
-                    ev = RawEvent(drv)
-                    ev.record(ks_h)
-                    for layer in piece.layers_done:
-                        layer_events[layer] = ev
+                scatter = functools.partial(
+                    self._drv_scatter, lane, drv, piece, table_dev, geo, layer_events, table if last else None
+                )
+                if last and defer_last:
+                    state.pending.append(scatter)
+                else:
+                    scatter()
                 yield
-            table.done.record(ks_h)
+            if defer_last:
+                return None
             done = RawEvent(drv)
             done.record(ks_h)
             return done
@@ -841,6 +868,46 @@ class CUDAPagedConnector(DeviceConnector):
         for c in piece.copies:
             drv.memcpy_dtoh(c.host_ptr, base + c.slot_offset, c.nbytes, cs_h)
         drv.record(free, cs_h)
+
+    @staticmethod
+    def _drv_scatter(
+        lane: _Lane, drv: CudaDriver, piece: _Piece, table_dev: torch.Tensor, geo: RowGeometry,
+        layer_events: dict[int, Any] | None, table: _TableSlot | None,
+    ) -> None:
+        """Scatter a load piece from its slot once its DMA has landed (ks); ``table``: the
+        batch's last piece, after which its row-table slot may be reused."""
+        ks_h = lane.ks_h
+        s = piece.slot
+        drv.wait(ks_h, lane.filled[s].handle)
+        LAUNCHES.launch(
+            table_dev, piece.start, piece.stop, piece.max_tokens, geo, to_paged=True, stream=lane.kernel_stream
+        )
+        lane.free[s].record(ks_h)
+        if layer_events is not None and piece.layers_done:
+            ev = RawEvent(drv)
+            ev.record(ks_h)
+            for layer in piece.layers_done:
+                layer_events[layer] = ev
+        if table is not None:
+            table.done.record(ks_h)
+
+    def _flush_pending(self, lane: _Lane, state: _CallState) -> Any:
+        """Issue a call's deferred scatter when no later batch did; the event after it."""
+        drv = lane.drv
+        assert drv is not None
+        prev_device = torch.cuda.current_device()
+        if prev_device != self.device.index:
+            torch.cuda.set_device(self.device.index)
+        try:
+            for scatter in state.pending:
+                scatter()
+            state.pending.clear()
+            done = RawEvent(drv)
+            done.record(lane.ks_h)
+            return done
+        finally:
+            if prev_device != self.device.index:
+                torch.cuda.set_device(prev_device)
 
     @staticmethod
     def _drv_load_dma(lane: _Lane, drv: CudaDriver, piece: _Piece) -> None:
@@ -971,17 +1038,21 @@ class CUDAPagedConnector(DeviceConnector):
         self.load_async(transfers).wait()
 
     def _groups(self, transfers: Sequence[Transfer], lane: _Lane) -> list[tuple[int, int]]:
-        """Split a whole-chunk call into runs of transfers, ``_FIRST_GROUP_BYTES`` first and
-        doubling up to a staging slot (a transfer larger than that is a group of its own)."""
+        """Split a whole-chunk call into runs of transfers: ``_FIRST_GROUP_BYTES`` (at most a
+        staging slot) first, then four times the previous cap each (a transfer larger than
+        the cap is a group of its own). Preparing a group costs the host about a tenth of its
+        bytes' PCIe time, so a group four times larger is still ready before the previous
+        group's DMAs end, and a call of N bytes costs only log4(N) batch overheads."""
+        if self._first_group_bytes == 0:
+            return [(0, len(transfers))]
         per_token = self.layout.hidden_size * self._itemsize * self._rows_per_obj
-        limit = lane.slot_bytes
         groups: list[tuple[int, int]] = []
-        start, acc, cap = 0, 0, min(_FIRST_GROUP_BYTES, limit)
+        start, acc, cap = 0, 0, min(self._first_group_bytes, lane.slot_bytes)
         for i, t in enumerate(transfers):
             nbytes = t.obj.num_tokens * per_token
             if acc and acc + nbytes > cap:
                 groups.append((start, i))
-                start, acc, cap = i, 0, min(2 * cap, limit)
+                start, acc, cap = i, 0, 4 * cap
             acc += nbytes
         groups.append((start, len(transfers)))
         return groups
@@ -1000,23 +1071,28 @@ class CUDAPagedConnector(DeviceConnector):
         call as failed, as for any error.
         """
         done = None
-        try:
-            for lo, hi in self._groups(transfers, lane):
-                prepared, slots = self._prepare(transfers[lo:hi], first_index=lo)
-                rows = self._all_rows(len(prepared))
-                first = _FIRST_PIECE_BYTES if store and done is None else None
-                # Only the first batch that enqueues anything needs ordering after the caller:
-                # later ones follow it on the lane's streams.
-                done = (
-                    yield from self._enqueue_steps(
-                        lane, prepared, rows, slots, keep, store=store, interleaved=interleaved,
-                        first_piece_bytes=first, after_caller=done is None,
-                    )
-                ) or done
-        except BaseException:
-            if lane.is_cuda:
-                lane.synchronize()
-            raise
+        state = _CallState()
+        with lane.lock:  # held across batches: a deferred scatter's slot must stay ours
+            try:
+                groups = self._groups(transfers, lane)
+                for g, (lo, hi) in enumerate(groups):
+                    prepared, slots = self._prepare(transfers[lo:hi], first_index=lo)
+                    rows = self._all_rows(len(prepared))
+                    first = _FIRST_PIECE_BYTES if store and not state.ordered else None
+                    done = (
+                        yield from self._enqueue_steps(
+                            lane, prepared, rows, slots, keep, store=store, interleaved=interleaved,
+                            first_piece_bytes=first, state=state,
+                            defer_last=not store and g + 1 < len(groups),
+                        )
+                    ) or done
+                if state.pending:  # the batches after the deferring one enqueued nothing
+                    done = self._flush_pending(lane, state)
+            except BaseException:
+                state.pending.clear()
+                if lane.is_cuda:
+                    lane.synchronize()
+                raise
         return done
 
     @staticmethod
