@@ -14,8 +14,7 @@ It also measures the one-kernel zero-copy mode, a call prepared as one group
 (``first_group_bytes=0``) and a few staging-ring sizes (``variants``), so
 the default can be chosen from numbers. Every path's bytes are checked against the torch
 reference before timing. Times are host wall-clock medians of whole calls (each call returns
-with its copies done), so host overhead counts; every implementation is timed in the same
-interleaved rounds, so noise on a shared host hits them alike. Writes ``transfer-<device>.json`` and ``.png``.
+with its copies done), so host overhead counts. Writes ``transfer-<device>.json`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -70,38 +69,18 @@ def _device_slug(name: str) -> str:
     return (m.group(1) if m else re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")).lower()
 
 
-class _RoundRobin:
-    """Times several calls interleaved and reports each one's median seconds per call.
-
-    Each round runs every registered call once (a GPU synchronize before and after each), so a
-    burst of noise on a shared host, which a small shape's host-bound calls feel strongly,
-    lands on the limit, the reference and every kvtier variant alike instead of on whichever
-    happened to be measured at that moment. A call registered with ``rounds`` runs only in
-    the first that many rounds (the slow torch reference).
-    """
-
-    def __init__(self) -> None:
-        self._calls: dict[tuple[str, str], tuple[Callable[[], None], int | None]] = {}
-
-    def add(self, impl: str, direction: str, fn: Callable[[], None], rounds: int | None = None) -> None:
-        self._calls[(impl, direction)] = (fn, rounds)
-
-    def run(self, repeat: int, warmup: int) -> dict[tuple[str, str], float]:
-        for fn, rounds in self._calls.values():
-            for _ in range(warmup if rounds is None else 1):
-                fn()
+def _median_seconds(fn: Callable[[], None], repeat: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
         torch.cuda.synchronize()
-        times: dict[tuple[str, str], list[float]] = {key: [] for key in self._calls}
-        for r in range(repeat):
-            for key, (fn, rounds) in self._calls.items():
-                if rounds is not None and r >= rounds:
-                    continue
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fn()
-                torch.cuda.synchronize()
-                times[key].append(time.perf_counter() - t0)
-        return {key: statistics.median(ts) for key, ts in times.items()}
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _make_case(shape: str, chunks: int, arena: HostArena, seed: int) -> _Case:
@@ -202,31 +181,32 @@ class _Pair:
             t.join(timeout=30)
 
 
-def _add_connector(rr: _RoundRobin, impl: str, case: _Case, conn, both: str | None,  # type: ignore[no-untyped-def]
-                   rounds: int | None = None) -> _Pair | None:
-    """Register a connector's store and retrieve (and ``both``: None, "async", one thread runs
-    ``store_and_load_async``, or "threads", a thread calls store() and another load());
-    returns the thread pair to close after the run, if any."""
+def _measure_connector(case: _Case, conn, repeat: int, warmup: int, both: str | None) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Median seconds per call; ``both``: None, "async" (one thread runs
+    ``store_and_load_async``) or "threads" (a thread calls store(), another load())."""
     stores, loads = case.store_transfers(), case.load_transfers()
-    rr.add(impl, "store", lambda: conn.store(stores), rounds)
-    rr.add(impl, "retrieve", lambda: conn.load(loads), rounds)
+    out = {
+        "store": _median_seconds(lambda: conn.store(stores), repeat, warmup),
+        "retrieve": _median_seconds(lambda: conn.load(loads), repeat, warmup),
+    }
     if both == "async":
 
         def together() -> None:
             for pending in conn.store_and_load_async(stores, loads):
                 pending.wait()
 
-        rr.add(impl, "both", together, rounds)
+        out["both"] = _median_seconds(together, repeat, warmup)
     elif both == "threads":
         pair = _Pair(lambda: conn.store(stores), lambda: conn.load(loads))
-        rr.add(impl, "both", pair, rounds)
-        return pair
-    return None
+        try:
+            out["both"] = _median_seconds(pair, repeat, warmup)
+        finally:
+            pair.close()
+    return out
 
 
-def _add_limit(rr: _RoundRobin, nbytes: int, arena: HostArena) -> list[MemoryObj]:
-    """One contiguous copy of ``nbytes`` each way (pinned host <-> device), and both at once;
-    returns the host objects to release after the run."""
+def _measure_limit(nbytes: int, arena: HostArena, repeat: int, warmup: int) -> dict[str, float]:
+    """One contiguous copy of ``nbytes`` each way (pinned host <-> device), and both at once."""
     dev_out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dev_in = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     objs = [arena.allocate(MemoryObjMeta((nbytes,), torch.uint8, 1)) for _ in range(2)]
@@ -253,10 +233,15 @@ def _add_limit(rr: _RoundRobin, nbytes: int, arena: HostArena) -> list[MemoryObj
         s1.synchronize()
         s2.synchronize()
 
-    rr.add("limit", "store", d2h)
-    rr.add("limit", "retrieve", h2d)
-    rr.add("limit", "both", both)
-    return objs  # type: ignore[return-value]
+    try:
+        return {
+            "store": _median_seconds(d2h, repeat, warmup),
+            "retrieve": _median_seconds(h2d, repeat, warmup),
+            "both": _median_seconds(both, repeat, warmup),
+        }
+    finally:
+        for o in objs:
+            o.release()  # type: ignore[union-attr]
 
 
 def _rows(shape: str, impl: str, seconds: dict[str, float], nbytes: int, limit_gbps: dict[str, float]) -> list[dict]:
@@ -348,51 +333,41 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'shape':<6} {'direction':<9} {'impl':<22} {'GB/s':>7} {'ratio':>6}")
     for shape in args.shapes:
         case = _make_case(shape, args.chunks, arena, seed=len(results))
-        rr = _RoundRobin()
-        limit_objs = _add_limit(rr, case.nbytes, arena)
+        limit_s = _measure_limit(case.nbytes, arena, args.repeat, args.warmup)
+        limit_gbps = {d: case.nbytes * (2 if d == "both" else 1) / s / 1e9 for d, s in limit_s.items()}
+        rows = _rows(shape, "limit", limit_s, case.nbytes, limit_gbps)
         torch_conn = TorchPagedConnector(case.caches, case.layout)
-        _add_connector(rr, "torch", case, torch_conn, None, rounds=max(3, args.repeat // 4))
+        rows += _rows(shape, "torch", _measure_connector(case, torch_conn, max(3, args.repeat // 4), 1, both=None),
+                      case.nbytes, limit_gbps)
         conn = CUDAPagedConnector(case.caches, case.layout)
         _check(case, conn, "kvtier")
-        _add_connector(rr, "kvtier", case, conn, "async")
-        pairs = [] if not configs else [_add_connector(rr, "kvtier-two-threads", case, conn, "threads")]
-        labels = {"kvtier-two-threads": "two threads"}
-        vconns = []
+        rows += _rows(shape, "kvtier", _measure_connector(case, conn, args.repeat, args.warmup, both="async"),
+                      case.nbytes, limit_gbps)
+        results += rows
+        if configs:
+            trows = [r for r in _rows(shape, "kvtier-two-threads",
+                                       _measure_connector(case, conn, args.repeat, args.warmup, both="threads"),
+                                       case.nbytes, limit_gbps) if r["direction"] == "both"]
+            for r in trows:
+                r["config"] = "two threads"
+            variants += trows
+            rows += trows
         for label, opts in configs:
             vconn = CUDAPagedConnector(case.caches, case.layout, **opts)
             _check(case, vconn, label)
-            impl = "kvtier-" + label.replace(" ", "-")
-            labels[impl] = label
-            _add_connector(rr, impl, case, vconn, "async")
-            vconns.append(vconn)
-        try:
-            seconds = rr.run(args.repeat, args.warmup)
-        finally:
-            for pair in pairs:
-                if pair is not None:
-                    pair.close()
-            for o in limit_objs:
-                o.release()
-        limit_s = {d: t for (impl, d), t in seconds.items() if impl == "limit"}
-        limit_gbps = {d: case.nbytes * (2 if d == "both" else 1) / t / 1e9 for d, t in limit_s.items()}
-        rows: list[dict] = []
-        for impl in dict.fromkeys(impl for impl, _ in seconds):
-            per_dir = {d: t for (i, d), t in seconds.items() if i == impl}
-            impl_rows = _rows(shape, impl, per_dir, case.nbytes, limit_gbps)
-            if impl in labels:
-                if impl == "kvtier-two-threads":
-                    impl_rows = [r for r in impl_rows if r["direction"] == "both"]
-                for r in impl_rows:
-                    r["config"] = labels[impl]
-                variants += impl_rows
-            else:
-                results += impl_rows
-            rows += impl_rows
+            vrows = _rows(shape, "kvtier-" + label.replace(" ", "-"),
+                          _measure_connector(case, vconn, args.repeat, args.warmup, both="async"),
+                          case.nbytes, limit_gbps)
+            for r in vrows:
+                r["config"] = label
+            variants += vrows
+            rows += vrows
+            del vconn
         for r in rows:
             extra = f"  ({r['x_one_direction_limit']}x one-way limit)" if "x_one_direction_limit" in r else ""
             print(f"{r['shape']:<6} {r['direction']:<9} {r['impl']:<22} {r['gbps']:>7.2f} {r['ratio_to_limit']:>6.3f}{extra}")
         _release(case)
-        del conn, torch_conn, case, vconns
+        del conn, torch_conn, case
         torch.cuda.empty_cache()
     result = {
         "benchmark": "transfer",
@@ -404,8 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": BLOCK,
         "dtype": "bfloat16",
         "layout": PagedLayout.FLASH_NHD.value,
-        "timing": "host wall-clock median of whole calls (copies complete on return), every "
-                  "implementation timed in the same interleaved rounds",
+        "timing": "host wall-clock median of whole calls (copies complete on return)",
         "targets": {"per_direction": TARGETS, "both_x_one_direction_limit": DUPLEX_TARGET},
         "verified_against_torch_reference": True,
         "results": results,
