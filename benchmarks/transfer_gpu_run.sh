@@ -34,8 +34,12 @@ KVTIER_TEST_DEVICE=cuda timeout 300 python3 -m pytest tests/cuda -q -p no:cachep
 
 echo "== device timeline of one call (driver API on, then off)"
 timeout 90 python3 benchmarks/transfer_trace.py "$OUT/trace-driver" 2>&1 | tee "$OUT/trace-driver.log"
-# KVTIER_CUDA_DRIVER_API=0 gives the same timeline for the torch path.
-rm -rf "$OUT/trace-driver" "$OUT/trace-torch"  # the chrome traces are large; the logs keep the timelines
+# (KVTIER_CUDA_DRIVER_API=0 gives the same timeline for the torch path.)
+rm -rf "$OUT/trace-driver"  # the chrome traces are large; the logs keep the timelines
 
 echo "== kvtier bench transfer"
 timeout 240 python3 -m kvtier.core.cli bench transfer --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+
+echo "== kvtier bench transfer --shapes small --chunks 64 (a 16k-token prefix in one call)"
+timeout 150 python3 -m kvtier.core.cli bench transfer --shapes small --chunks 64 \
+  --suffix small-64chunks --out "$OUT" 2>&1 | tee "$OUT/bench-small-64chunks.log" | tail -n 20
