@@ -32,7 +32,7 @@ export PYTHONPATH="$SITE:$PWD/packages/core/src:$PWD/packages/cuda/src"
 echo "== KVTIER_TEST_DEVICE=cuda python3 -m pytest tests/cuda"
 KVTIER_TEST_DEVICE=cuda timeout 300 python3 -m pytest tests/cuda -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest-cuda.log" | tail -n 15
 
-echo "== device timeline of one call (driver API on, then off)"
+echo "== device timeline of one call per shape"
 timeout 90 python3 benchmarks/transfer_trace.py "$OUT/trace-driver" 2>&1 | tee "$OUT/trace-driver.log"
 # (KVTIER_CUDA_DRIVER_API=0 gives the same timeline for the torch path.)
 rm -rf "$OUT/trace-driver"  # the chrome traces are large; the logs keep the timelines
