@@ -676,7 +676,7 @@ class CUDAPagedConnector(DeviceConnector):
                 return (
                     yield from self._driver_steps(
                         lane, pieces, runs, slots, keep,
-                        store=store, layer_events=layer_events,
+                        store=store, layer_events=layer_events, interleaved=interleaved,
                         state=state if state is not None else _CallState(), defer_last=defer_last,
                     )
                 )
@@ -746,6 +746,7 @@ class CUDAPagedConnector(DeviceConnector):
         *,
         store: bool,
         layer_events: dict[int, Any] | None,
+        interleaved: bool,
         state: _CallState,
         defer_last: bool,
     ) -> Generator[None, None, Any]:
@@ -803,11 +804,17 @@ class CUDAPagedConnector(DeviceConnector):
                 scatter = functools.partial(
                     self._drv_scatter, lane, drv, piece, table_dev, geo, layer_events, table if last else None
                 )
+                if interleaved:
+                    # The other direction's next piece is submitted before this scatter, which
+                    # waits for this piece's DMA: on a shared hardware queue it would hold that
+                    # piece up until the DMA lands.
+                    yield
                 if last and defer_last:
                     state.pending.append(scatter)
                 else:
                     scatter()
-                yield
+                if not interleaved:
+                    yield
             if defer_last:
                 return None
             done = RawEvent(drv)
