@@ -43,6 +43,14 @@ def _reference(layout: KVLayout, caches: list[torch.Tensor]) -> TorchPagedConnec
     return TorchPagedConnector([c.clone().view(ref.torch_dtype) for c in caches], ref)
 
 
+def _assert_store_matches(conn, ref, arena, lengths, slots, seed):  # type: ignore[no-untyped-def]
+    """Storing ``slots`` gives the same object bytes through ``conn`` as through ``ref``."""
+    mine, theirs = Objects(arena, conn.layout, lengths, seed), Objects(arena, ref.layout, lengths, seed)
+    conn.store(mine.transfers(slots))
+    ref.store(theirs.transfers(slots))
+    assert all(torch.equal(a, b) for a, b in zip(mine.bytes(), theirs.bytes(), strict=True))
+
+
 @pytest.mark.parametrize("paged", LAYOUTS, ids=lambda p: p.value)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_store_then_load_matches_reference(device, arena, paged, dtype):
@@ -51,11 +59,7 @@ def test_store_then_load_matches_reference(device, arena, paged, dtype):
     ref = _reference(layout, caches)
     conn = CUDAPagedConnector(caches, layout)
     slots = random_slots(SHAPE.blocks * SHAPE.block, LENGTHS, seed=2, holes="none")
-
-    mine, theirs = Objects(arena, layout, LENGTHS, 3), Objects(arena, ref.layout, LENGTHS, 3)
-    conn.store(mine.transfers(slots))
-    ref.store(theirs.transfers(slots))
-    assert all(torch.equal(a, b) for a, b in zip(mine.bytes(), theirs.bytes(), strict=True))
+    _assert_store_matches(conn, ref, arena, LENGTHS, slots, 3)
 
     # Load fresh objects into both caches (the store's objects are now the reference's truth).
     fresh, fresh_ref = Objects(arena, layout, LENGTHS, 4), Objects(arena, ref.layout, LENGTHS, 4)
@@ -243,10 +247,7 @@ def test_a_call_split_into_groups_names_the_bad_transfer_and_leaves_nothing_in_f
     # The connector is still usable and exact afterwards.
     ref = _reference(layout, caches)
     good = random_slots(SHAPE.blocks * SHAPE.block, lengths, seed=45, holes="none")
-    mine, theirs = Objects(arena, layout, lengths, 46), Objects(arena, ref.layout, lengths, 46)
-    conn.store(mine.transfers(good))
-    ref.store(theirs.transfers(good))
-    assert all(torch.equal(a, b) for a, b in zip(mine.bytes(), theirs.bytes(), strict=True))
+    _assert_store_matches(conn, ref, arena, lengths, good, 46)
 
 
 @pytest.mark.parametrize(
