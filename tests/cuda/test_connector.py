@@ -51,6 +51,15 @@ def _assert_store_matches(conn, ref, arena, lengths, slots, seed):  # type: igno
     assert all(torch.equal(a, b) for a, b in zip(mine.bytes(), theirs.bytes(), strict=True))
 
 
+def _assert_load_matches(conn, ref, arena, lengths, slots, seed):  # type: ignore[no-untyped-def]
+    """Loading fresh objects into both caches leaves them byte-identical."""
+    fresh, fresh_ref = Objects(arena, conn.layout, lengths, seed), Objects(arena, ref.layout, lengths, seed)
+    conn.load(fresh.transfers(slots))
+    ref.load(fresh_ref.transfers(slots))
+    for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
+        assert torch.equal(as_bytes(a), as_bytes(b))
+
+
 @pytest.mark.parametrize("paged", LAYOUTS, ids=lambda p: p.value)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_store_then_load_matches_reference(device, arena, paged, dtype):
@@ -60,13 +69,8 @@ def test_store_then_load_matches_reference(device, arena, paged, dtype):
     conn = CUDAPagedConnector(caches, layout)
     slots = random_slots(SHAPE.blocks * SHAPE.block, LENGTHS, seed=2, holes="none")
     _assert_store_matches(conn, ref, arena, LENGTHS, slots, 3)
-
     # Load fresh objects into both caches (the store's objects are now the reference's truth).
-    fresh, fresh_ref = Objects(arena, layout, LENGTHS, 4), Objects(arena, ref.layout, LENGTHS, 4)
-    conn.load(fresh.transfers(slots))
-    ref.load(fresh_ref.transfers(slots))
-    for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
-        assert torch.equal(as_bytes(a), as_bytes(b))
+    _assert_load_matches(conn, ref, arena, LENGTHS, slots, 4)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -154,15 +158,8 @@ def test_permuted_view_of_a_block_first_allocation(device, arena):
     conn = CUDAPagedConnector(views, layout)
     ref = TorchPagedConnector([v.contiguous() for v in views], layout)
     slots = random_slots(SHAPE.blocks * SHAPE.block, LENGTHS, seed=17, holes="scatter")
-    mine, theirs = Objects(arena, layout, LENGTHS, 18), Objects(arena, layout, LENGTHS, 18)
-    conn.store(mine.transfers(slots))
-    ref.store(theirs.transfers(slots))
-    assert all(torch.equal(a, b) for a, b in zip(mine.bytes(), theirs.bytes(), strict=True))
-    fresh = Objects(arena, layout, LENGTHS, 19)
-    conn.load(fresh.transfers(slots))
-    ref.load(fresh.transfers(slots))
-    for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
-        assert torch.equal(as_bytes(a), as_bytes(b))
+    _assert_store_matches(conn, ref, arena, LENGTHS, slots, 18)
+    _assert_load_matches(conn, ref, arena, LENGTHS, slots, 19)
 
 
 def test_adjacent_objects_and_growing_ring(device, arena):
@@ -263,15 +260,8 @@ def test_every_word_width(device, arena, dtype, head, word):
     conn = CUDAPagedConnector(caches, layout)
     assert conn._dma_geometry.word_bytes == word
     slots = random_slots(SHAPE.blocks * SHAPE.block, LENGTHS, seed=31, holes="scatter")
-    mine, theirs = Objects(arena, layout, LENGTHS, 32), Objects(arena, ref.layout, LENGTHS, 32)
-    conn.store(mine.transfers(slots))
-    ref.store(theirs.transfers(slots))
-    assert all(torch.equal(a, b) for a, b in zip(mine.bytes(), theirs.bytes(), strict=True))
-    fresh, fresh_ref = Objects(arena, layout, LENGTHS, 33), Objects(arena, ref.layout, LENGTHS, 33)
-    conn.load(fresh.transfers(slots))
-    ref.load(fresh_ref.transfers(slots))
-    for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
-        assert torch.equal(as_bytes(a), as_bytes(b))
+    _assert_store_matches(conn, ref, arena, LENGTHS, slots, 32)
+    _assert_load_matches(conn, ref, arena, LENGTHS, slots, 33)
 
 
 def test_async_store_and_load_complete_on_wait(device, arena):
