@@ -251,6 +251,26 @@ class _Lane:
             self.copy_stream.synchronize()
 
 
+class _OnDevice:
+    """Makes device ``index`` current for a block and gives the caller its own back afterwards
+    (``set_device`` only when they differ, so the common single-GPU case costs ~1 us)."""
+
+    __slots__ = ("index", "prev")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.prev = index
+
+    def __enter__(self) -> None:
+        self.prev = torch.cuda.current_device()
+        if self.prev != self.index:
+            torch.cuda.set_device(self.index)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.prev != self.index:
+            torch.cuda.set_device(self.prev)
+
+
 def _current_waits(device: torch.device, event: Any) -> None:
     """The caller's current stream on ``device`` waits (on the device) for ``event``."""
     current = torch.cuda.current_stream(device)
@@ -621,15 +641,10 @@ class CUDAPagedConnector(DeviceConnector):
         first_piece_bytes: int | None = None,
     ) -> Any:
         """Plan and enqueue one batch of rows (all of ``_enqueue_steps`` at once)."""
-        steps = self._enqueue_steps(
+        return self._run_steps(self._enqueue_steps(
             lane, prepared, rows, slots, keep, store=store, layer_events=layer_events,
             first_piece_bytes=first_piece_bytes,
-        )
-        while True:
-            try:
-                next(steps)
-            except StopIteration as end:
-                return end.value
+        ))
 
     def _enqueue_steps(
         self,
@@ -691,50 +706,47 @@ class CUDAPagedConnector(DeviceConnector):
                 self._run_sync(lane, pieces, table, geo, store=store)
                 return None
             ks, cs = lane.kernel_stream, lane.copy_stream
-            prev_device = torch.cuda.current_device()
             caller = torch.cuda.current_stream(self.device)
-            after = torch.cuda.Event()
-            after.record(caller)
-            ks.wait_event(after)
-            torch.cuda.set_stream(ks)
-            try:
-                table_dev = self._upload_table(lane, table, slots, keep)
-                if self.mode == "zerocopy":
-                    copy_rows(table_dev, pieces[0].max_tokens, geo, to_paged=not store)
+            lane.after.record(caller)
+            ks.wait_event(lane.after)
+            with _OnDevice(self.device.index):
+                torch.cuda.set_stream(ks)
+                try:
+                    table_dev = self._upload_table(lane, table, slots, keep)
+                    if self.mode == "zerocopy":
+                        copy_rows(table_dev, pieces[0].max_tokens, geo, to_paged=not store)
+                        done = torch.cuda.Event()
+                        done.record(ks)
+                        if layer_events is not None:
+                            for layer in pieces[0].layers_done:
+                                layer_events[layer] = done
+                        return done
+                    for piece in pieces:
+                        if interleaved:
+                            # Otherwise ks is still current: each piece ends with it (~5 us a switch).
+                            torch.cuda.set_stream(ks)
+                        if store:
+                            self._enqueue_store_piece(lane, piece, table_dev, geo)
+                        else:
+                            self._enqueue_load_piece(lane, piece, table_dev, geo)
+                            if layer_events is not None and piece.layers_done:
+                                ev = torch.cuda.Event()
+                                ev.record(ks)
+                                for layer in piece.layers_done:
+                                    layer_events[layer] = ev
+                        if interleaved:
+                            # The other direction's steps run next and read the caller's stream.
+                            torch.cuda.set_stream(caller)
+                        yield
                     done = torch.cuda.Event()
-                    done.record(ks)
-                    if layer_events is not None:
-                        for layer in pieces[0].layers_done:
-                            layer_events[layer] = done
+                    done.record(cs if store else ks)
                     return done
-                for piece in pieces:
-                    if interleaved:
-                        # Otherwise ks is still current: each piece ends with it (~5 us a switch).
-                        torch.cuda.set_stream(ks)
-                    if store:
-                        self._enqueue_store_piece(lane, piece, table_dev, geo)
-                    else:
-                        self._enqueue_load_piece(lane, piece, table_dev, geo)
-                        if layer_events is not None and piece.layers_done:
-                            ev = torch.cuda.Event()
-                            ev.record(ks)
-                            for layer in piece.layers_done:
-                                layer_events[layer] = ev
-                    if interleaved:
-                        # The other direction's steps run next and read the caller's stream.
-                        torch.cuda.set_stream(caller)
-                    yield
-                done = torch.cuda.Event()
-                done.record(cs if store else ks)
-                return done
-            except BaseException:
-                # Nothing half-enqueued may outlive the call: the objects may be released next.
-                lane.synchronize()
-                raise
-            finally:
-                torch.cuda.set_stream(caller)  # also makes the lane's device current...
-                if prev_device != self.device.index:
-                    torch.cuda.set_device(prev_device)  # ...so give the caller its own back
+                except BaseException:
+                    # Nothing half-enqueued may outlive the call: the objects may be released next.
+                    lane.synchronize()
+                    raise
+                finally:
+                    torch.cuda.set_stream(caller)
 
     def _driver_steps(
         self,
@@ -765,68 +777,62 @@ class CUDAPagedConnector(DeviceConnector):
         assert drv is not None
         ks_h, cs_h = lane.ks_h, lane.cs_h
         geo = self._dma_geometry
-        index = self.device.index
-        prev_device = torch.cuda.current_device()
-        if prev_device != index:
-            torch.cuda.set_device(index)
-        try:
-            if not drv.has_context():
-                # A thread's first CUDA runtime call binds the device's context.
-                torch.cuda.current_stream(self.device).query()
+        with _OnDevice(self.device.index):
+            try:
                 if not drv.has_context():
-                    raise CUDADriverError(f"no CUDA context is current on this thread for {self.device}")
-            if not state.ordered:
-                # ks runs after the caller's work so far: a gather reads what the forward pass
-                # wrote, a scatter writes blocks only after the engine's earlier reads of them.
-                # One lane event serves every call: a wait takes its state when enqueued.
-                caller = torch.cuda.current_stream(self.device).cuda_stream
-                drv.record(lane.after.handle, caller)
-                drv.wait(ks_h, lane.after.handle)
-                state.ordered = True
-            if store:
-                table, table_dev = self._upload_table_drv(lane, runs, slots)
-                for piece in pieces:
-                    self._drv_store_piece(lane, drv, piece, table_dev, geo)
-                    yield
-                table.done.record(ks_h)
-                done = RawEvent(drv)
-                done.record(cs_h)
-                return done
-            self._drv_load_dma(lane, drv, pieces[0])
-            for scatter in state.pending:  # the previous batch's last scatter, after our DMA
-                scatter()
-            state.pending.clear()
-            table, table_dev = self._upload_table_drv(lane, runs, slots)
-            for k, piece in enumerate(pieces):
-                last = k + 1 == len(pieces)
-                if not last:
-                    self._drv_load_dma(lane, drv, pieces[k + 1])
-                scatter = functools.partial(
-                    self._drv_scatter, lane, drv, piece, table_dev, geo, layer_events, table if last else None
-                )
-                if interleaved:
-                    # The other direction's next piece is submitted before this scatter, which
-                    # waits for this piece's DMA: on a shared hardware queue it would hold that
-                    # piece up until the DMA lands.
-                    yield
-                if last and defer_last:
-                    state.pending.append(scatter)
-                else:
+                    # A thread's first CUDA runtime call binds the device's context.
+                    torch.cuda.current_stream(self.device).query()
+                    if not drv.has_context():
+                        raise CUDADriverError(f"no CUDA context is current on this thread for {self.device}")
+                if not state.ordered:
+                    # ks runs after the caller's work so far: a gather reads what the forward pass
+                    # wrote, a scatter writes blocks only after the engine's earlier reads of them.
+                    # One lane event serves every call: a wait takes its state when enqueued.
+                    caller = torch.cuda.current_stream(self.device).cuda_stream
+                    drv.record(lane.after.handle, caller)
+                    drv.wait(ks_h, lane.after.handle)
+                    state.ordered = True
+                if store:
+                    table, table_dev = self._upload_table_drv(lane, runs, slots)
+                    for piece in pieces:
+                        self._drv_store_piece(lane, drv, piece, table_dev, geo)
+                        yield
+                    table.done.record(ks_h)
+                    done = RawEvent(drv)
+                    done.record(cs_h)
+                    return done
+                self._drv_load_dma(lane, drv, pieces[0])
+                for scatter in state.pending:  # the previous batch's last scatter, after our DMA
                     scatter()
-                if not interleaved:
-                    yield
-            if defer_last:
-                return None
-            done = RawEvent(drv)
-            done.record(ks_h)
-            return done
-        except BaseException:
-            # Nothing half-enqueued may outlive the call: the objects may be released next.
-            lane.synchronize()
-            raise
-        finally:
-            if prev_device != index:
-                torch.cuda.set_device(prev_device)
+                state.pending.clear()
+                table, table_dev = self._upload_table_drv(lane, runs, slots)
+                for k, piece in enumerate(pieces):
+                    last = k + 1 == len(pieces)
+                    if not last:
+                        self._drv_load_dma(lane, drv, pieces[k + 1])
+                    scatter = functools.partial(
+                        self._drv_scatter, lane, drv, piece, table_dev, geo, layer_events, table if last else None
+                    )
+                    if interleaved:
+                        # The other direction's next piece is submitted before this scatter, which
+                        # waits for this piece's DMA: on a shared hardware queue it would hold that
+                        # piece up until the DMA lands.
+                        yield
+                    if last and defer_last:
+                        state.pending.append(scatter)
+                    else:
+                        scatter()
+                    if not interleaved:
+                        yield
+                if defer_last:
+                    return None
+                done = RawEvent(drv)
+                done.record(ks_h)
+                return done
+            except BaseException:
+                # Nothing half-enqueued may outlive the call: the objects may be released next.
+                lane.synchronize()
+                raise
 
     def _upload_table_drv(
         self, lane: _Lane, runs: list[tuple[int, int, int, int, int, int, int]], slots: torch.Tensor
@@ -902,19 +908,13 @@ class CUDAPagedConnector(DeviceConnector):
         """Issue a call's deferred scatter when no later batch did; the event after it."""
         drv = lane.drv
         assert drv is not None
-        prev_device = torch.cuda.current_device()
-        if prev_device != self.device.index:
-            torch.cuda.set_device(self.device.index)
-        try:
+        with _OnDevice(self.device.index):
             for scatter in state.pending:
                 scatter()
             state.pending.clear()
             done = RawEvent(drv)
             done.record(lane.ks_h)
             return done
-        finally:
-            if prev_device != self.device.index:
-                torch.cuda.set_device(prev_device)
 
     @staticmethod
     def _drv_load_dma(lane: _Lane, drv: CudaDriver, piece: _Piece) -> None:
