@@ -8,38 +8,23 @@ set -uo pipefail
 OUT=${1:-${OUT:-/tmp/kvtier-gpu}}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-SITE=$(mktemp -d)
-python3 - "$SITE" <<'PY'
-import sys, tomllib, pathlib
-site = pathlib.Path(sys.argv[1])
-for pkg in ("core", "cuda"):
-    meta = tomllib.loads(pathlib.Path(f"packages/{pkg}/pyproject.toml").read_text())["project"]
-    d = site / f"{meta['name'].replace('-', '_')}-0.0.0.dist-info"
-    d.mkdir()
-    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {meta['name']}\nVersion: 0.0.0\n")
-    lines = []
-    for group, eps in meta.get("entry-points", {}).items():
-        lines.append(f"[{group}]")
-        lines += [f"{name} = {value}" for name, value in eps.items()]
-    (d / "entry_points.txt").write_text("\n".join(lines) + "\n")
-PY
-export PYTHONPATH="$SITE:$PWD/packages/core/src:$PWD/packages/cuda/src"
+PY="bash benchmarks/gpu_python.sh"
 {
   nvidia-smi -L
-  python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+  $PY -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee "$OUT/env.txt"
 
 echo "== KVTIER_TEST_DEVICE=cuda python3 -m pytest tests/cuda"
-KVTIER_TEST_DEVICE=cuda timeout 300 python3 -m pytest tests/cuda -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest-cuda.log" | tail -n 15
+KVTIER_TEST_DEVICE=cuda timeout 300 $PY -m pytest tests/cuda -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest-cuda.log" | tail -n 15
 
 echo "== device timeline of one call per shape"
-timeout 90 python3 benchmarks/transfer_trace.py "$OUT/trace-driver" 2>&1 | tee "$OUT/trace-driver.log"
+timeout 90 $PY benchmarks/transfer_trace.py "$OUT/trace-driver" 2>&1 | tee "$OUT/trace-driver.log"
 # (KVTIER_CUDA_DRIVER_API=0 gives the same timeline for the torch path.)
 rm -rf "$OUT/trace-driver"  # the chrome traces are large; the logs keep the timelines
 
 echo "== kvtier bench transfer"
-timeout 240 python3 -m kvtier.core.cli bench transfer --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+timeout 240 $PY -m kvtier.core.cli bench transfer --out "$OUT" 2>&1 | tee "$OUT/bench.log"
 
 echo "== kvtier bench transfer --shapes small --chunks 64 (a 16k-token prefix in one call)"
-timeout 150 python3 -m kvtier.core.cli bench transfer --shapes small --chunks 64 \
+timeout 150 $PY -m kvtier.core.cli bench transfer --shapes small --chunks 64 \
   --suffix small-64chunks --out "$OUT" 2>&1 | tee "$OUT/bench-small-64chunks.log" | tail -n 20
