@@ -45,7 +45,7 @@ def _wrap(owner: Any, name: str, label: str | None = None) -> None:
 
 def _instrument() -> None:
     conn_cls = connmod.CUDAPagedConnector
-    for name in ("_groups", "_prepare", "_plan", "_expand_np", "_upload_table_drv", "_drv_store_piece",
+    for name in ("_groups", "_prepare", "_plan", "_drv_store_piece",
                  "_drv_load_dma", "_drv_scatter", "_flush_pending", "_fast_prepare", "_fast_plan"):
         if hasattr(conn_cls, name):
             # staticmethods stay static: wrap the underlying function, re-wrap as staticmethod

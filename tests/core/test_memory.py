@@ -129,3 +129,13 @@ def test_arena_rejects_bad_buffers() -> None:
         HostArena(torch.zeros(10, dtype=torch.float32))
     with pytest.raises(ValueError):
         HostArena(torch.zeros(10, dtype=torch.uint8), alignment=3)
+    with pytest.raises(ValueError, match="host"):
+        HostArena(torch.empty(10, dtype=torch.uint8, device="meta"))
+
+
+def test_objects_name_their_arena() -> None:
+    a, b = HostArena.create(4096), HostArena.create(4096)
+    meta = MemoryObjMeta((16,), torch.uint8, 1)
+    x, y = a.allocate(meta), b.allocate(meta)
+    assert x is not None and y is not None
+    assert x.arena is a and y.arena is b and x.share().arena is a

@@ -238,7 +238,7 @@ def test_a_call_split_into_groups_names_the_bad_transfer_and_leaves_nothing_in_f
             call(objs.transfers(slots))
     # first_group_bytes=0 prepares a call as one group; a negative value is refused.
     whole = CUDAPagedConnector(caches, layout, first_group_bytes=0, **SMALL_RING)
-    assert whole._groups(objs.transfers(slots), whole._store_lane) == [(0, 3)]
+    assert whole._groups(objs.transfers(slots), whole._store_lane) == [(0, 3, sum(lengths))]
     with pytest.raises(ValueError, match="first_group_bytes"):
         CUDAPagedConnector(caches, layout, first_group_bytes=-1)
     # The connector is still usable and exact afterwards.

@@ -46,6 +46,8 @@ class HostArena:
     def __init__(self, buffer: torch.Tensor, *, alignment: int = 256) -> None:
         if buffer.dtype != torch.uint8 or buffer.dim() != 1:
             raise ValueError("HostArena needs a one-dimensional uint8 buffer")
+        if buffer.device.type != "cpu":
+            raise ValueError(f"HostArena needs a host (cpu) buffer, got one on {buffer.device}")
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two, got {alignment}")
         self.buffer = buffer
@@ -173,6 +175,12 @@ class MemoryObj:
     @property
     def released(self) -> bool:
         return self._released
+
+    @property
+    def arena(self) -> HostArena:
+        """The arena whose buffer holds the bytes: objects of one arena that sit back to back
+        can be moved as one contiguous range."""
+        return self._alloc.arena
 
     @property
     def num_tokens(self) -> int:

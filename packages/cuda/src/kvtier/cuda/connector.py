@@ -44,7 +44,6 @@ On a CPU device (tests under ``TRITON_INTERPRET=1``) the same plans run synchron
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -57,13 +56,15 @@ from kvtier.core.connector import DeviceConnector, Transfer
 from kvtier.core.errors import LayoutError
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.cuda._driver import CudaDriver, CUDADriverError, RawEvent, driver
-from kvtier.cuda.kernels import LAUNCHES, RowGeometry, copy_rows, word_bytes_for
+from kvtier.cuda.kernels import LAUNCHES, RUN_WORDS, RowGeometry, copy_runs, word_bytes_for
 
 MODES = ("dma", "zerocopy")
 _DEFAULT_SLOTS = 2
 _DEFAULT_SLOT_BYTES = 32 << 20
 # A whole-call store's first piece: small, so the first DMA starts after a short gather.
 _FIRST_PIECE_BYTES = 4 << 20
+# A whole-chunk load's last piece: small, so the scatter after the last DMA is short.
+_LAST_PIECE_BYTES = 4 << 20
 # A whole-chunk call's first group of transfers (see ``_groups``): the host checks and plans
 # only this much before the first DMA can start; later groups are prepared while it runs.
 _FIRST_GROUP_BYTES = 8 << 20
@@ -78,7 +79,7 @@ class _Prepared:
     transfer: Transfer
     obj: torch.Tensor  # the memory object's tensor (contiguous, on the host)
     host_ptr: int
-    storage_ptr: int  # the object's storage: adjacent objects of one storage merge into one DMA
+    storage: int  # identifies the object's buffer: adjacent objects of one buffer merge into one DMA
     num_tokens: int
     row_bytes: int  # one row: num_tokens * kv_heads * head_size * itemsize
     slot_index: int  # element offset of this transfer's slots in the call's slot tensor
@@ -95,7 +96,7 @@ class _Copy:
     """
 
     obj: torch.Tensor
-    storage_ptr: int  # ``obj``'s storage
+    storage: int  # ``obj``'s buffer (see ``_Prepared.storage``)
     obj_offset: int
     host_ptr: int  # absolute address of the first byte
     slot_offset: int
@@ -109,12 +110,13 @@ class _Copy:
 
 @dataclass(slots=True)
 class _Piece:
-    """Rows ``[start, stop)`` of the call's row table: one kernel launch, one staging slot."""
+    """Runs ``[start, stop)`` of the call's run table: one kernel launch, one staging slot."""
 
     start: int
     stop: int
     max_tokens: int
     slot: int
+    max_rows: int = 0  # the most rows one of its runs holds (the launch grid's second axis)
     cap: int = 0  # bytes of its slot this piece may fill
     nbytes: int = 0
     prefill: bool = False
@@ -135,12 +137,24 @@ class _CallState:
 
 @dataclass(slots=True)
 class _TableSlot:
-    """One row-table buffer of a lane's ring (driver path)."""
+    """One table buffer of a lane's ring (driver path): a call's slots, then its run table."""
 
     done: Any  # RawEvent recorded after the last kernel reading this table
     dev: torch.Tensor | None = None
     host: torch.Tensor | None = None  # pinned; keeps host_np's memory alive
     host_np: np.ndarray | None = None
+
+    def ensure(self, numel: int, device: torch.device, keep: int = 0) -> None:
+        """At least ``numel`` int64s on both sides; the first ``keep`` host values survive."""
+        if self.dev is not None and self.dev.numel() >= numel:
+            return
+        size = max(numel, 1 << 12)
+        old = self.host_np
+        self.dev = torch.empty(size, dtype=torch.int64, device=device)
+        host = torch.empty(size, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.host, self.host_np = host, host.numpy()
+        if keep and old is not None:
+            self.host_np[:keep] = old[:keep]
 
 
 class _Lane:
@@ -174,7 +188,7 @@ class _Lane:
             # A pinned buffer reused for each call's row-table upload (pin_memory() costs
             # ~10 us a call) and the event after the copy that last read it.
             self.upload_host: torch.Tensor | None = None
-            self.upload_done: Any = self._event()
+            self.upload_done: Any = None if self.drv is not None else torch.cuda.Event()
             self.after: Any = self._event()  # ordering after the caller's stream, per call
             # Driver path: a ring of row-table buffers (device + pinned host), one per batch of
             # rows enqueued; see table_buffers.
@@ -203,8 +217,8 @@ class _Lane:
         return out
 
     def table_buffers(self, numel: int) -> _TableSlot:
-        """Driver path: the next row-table slot of the ring, holding at least ``numel`` int64s
-        on the device and in pinned host memory.
+        """Driver path: the next table slot of the ring, holding at least ``numel`` int64s on
+        the device and in pinned host memory.
 
         The caller records the slot's ``done`` event on ks after the last kernel that reads the
         table (the upload that reads the host side runs on ks before it). Reusing a slot waits
@@ -216,11 +230,7 @@ class _Lane:
         slot = self.tables[self.next_table]
         self.next_table = (self.next_table + 1) % len(self.tables)
         slot.done.synchronize()
-        if slot.dev is None or slot.dev.numel() < numel:
-            size = max(numel, 1 << 12)
-            slot.dev = torch.empty(size, dtype=torch.int64, device=self.device)
-            host = torch.empty(size, dtype=torch.int64, pin_memory=True)
-            slot.host, slot.host_np = host, host.numpy()
+        slot.ensure(numel, self.device)
         return slot
 
     def ensure_slots(self, nbytes: int) -> None:
@@ -269,6 +279,22 @@ class _OnDevice:
     def __exit__(self, *exc: object) -> None:
         if self.prev != self.index:
             torch.cuda.set_device(self.prev)
+
+
+def _torch_raw_stream(index: int) -> int:
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+# The caller's current stream as a raw handle: torch's private accessor costs ~0.3 us where
+# ``torch.cuda.current_stream()`` builds a Stream object (~3-9 us on a busy host); the public
+# call is the fallback where the private one is missing.
+_get_raw_stream: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream", _torch_raw_stream)
+
+
+def _raw_current_stream(device: torch.device) -> int:
+    """The raw handle of the current stream on ``device`` (a CUDA device with an index)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _get_raw_stream(index)
 
 
 def _current_waits(device: torch.device, event: Any) -> None:
@@ -352,7 +378,10 @@ class CUDAPagedConnector(DeviceConnector):
         self._itemsize = layout.torch_dtype.itemsize
         self._rows_per_obj = layout.num_layers * (1 if layout.use_mla else 2)
         self._bases, self._geo_bytes = self._row_bases()
-        self._bases_np = np.asarray(self._bases, dtype=np.int64)
+        # The kernel finds row r's paged base at bases[r] (see kvtier.cuda._triton_kernels).
+        self._bases_dev = torch.tensor(self._bases, dtype=torch.int64, device=device)
+        self._hd_bytes = layout.hidden_size * self._itemsize
+        self._chunk_shapes: dict[int, tuple[int, ...]] = {}
         self._dma_geometry = self._geometry(())
         use_driver = use_driver_api and mode == "dma"
         self._store_lane = _Lane(device, staging_slots, staging_slot_bytes, use_driver=use_driver)
@@ -423,74 +452,67 @@ class CUDAPagedConnector(DeviceConnector):
 
     # -- preparing a call ---------------------------------------------------------------------
     def _prepare(
-        self, transfers: Sequence[Transfer], first_index: int = 0
+        self, transfers: Sequence[Transfer], first_index: int = 0, slot_out: torch.Tensor | None = None
     ) -> tuple[list[_Prepared], torch.Tensor]:
         """Validate every transfer; return them with one int64 slot tensor for the whole call.
 
-        The slot tensor stays on the host; it travels to the device with the row table.
-        Checks run once over the concatenated slots (a call may hold hundreds of chunks).
+        The slot tensor stays on the host (``slot_out``, when given, receives it: the driver
+        path passes its pinned table buffer, so the slots need no further host copy before the
+        upload); it travels to the device with the run table. Checks run once over the
+        concatenated slots (a call may hold hundreds of chunks).
+
+        Per-transfer work here is host time on every call's critical path (a small model moves a
+        2 MiB chunk in ~40 us): a memory object's shape and dtype are read from its meta (its
+        tensor is a contiguous view of a host arena by construction, see kvtier.core.memory).
         """
         lay = self.layout
         dtype = lay.torch_dtype
-        host_slots: list[torch.Tensor] = []
-        lengths: list[int] = []
-        objs: list[torch.Tensor] = []
-        shapes: dict[int, tuple[int, ...]] = {}
-        cpu = torch.device("cpu")
+        shapes = self._chunk_shapes
+        hd_bytes = self._hd_bytes
+        check_pinned = self.mode == "zerocopy" and self.device.type == "cuda"
         int64 = torch.int64
-        # Per-transfer work is host time on every call's critical path (a small model moves a
-        # 2 MiB chunk in ~40 us): cheapest checks only (is_cpu over comparing devices).
+        host_slots: list[torch.Tensor] = []
+        prepared: list[_Prepared] = []
+        start = 0
         for i, t in enumerate(transfers):
             mobj = t.obj
-            obj = mobj.tensor
-            n = mobj.num_tokens
-            shape = shapes.get(n) or shapes.setdefault(n, lay.chunk_shape(n))
-            if obj.shape != shape or obj.dtype != dtype:
+            meta = mobj.meta
+            n = meta.num_tokens
+            shape = shapes.get(n)
+            if shape is None:
+                shape = shapes[n] = lay.chunk_shape(n)
+            if meta.shape != shape or meta.dtype != dtype:
                 raise LayoutError(
-                    f"transfer {i + first_index}: memory object {tuple(obj.shape)} {obj.dtype} does not match the "
-                    f"layout's chunk {lay.chunk_shape(n)} {dtype}"
+                    f"transfer {i + first_index}: memory object {meta.shape} {meta.dtype} does not match the "
+                    f"layout's chunk {shape} {dtype}"
                 )
-            if not obj.is_cpu or not obj.is_contiguous():
-                raise ValueError(f"transfer {i + first_index}: memory objects must be contiguous host tensors")
-            objs.append(obj)
-            lengths.append(n)
+            obj = mobj.tensor  # raises if the handle was released
             sl = t.slots
             if sl.dtype != int64 or not sl.is_cpu:
-                sl = sl.to(device=cpu, dtype=int64)
+                sl = sl.to(device="cpu", dtype=int64)
             host_slots.append(sl)
-        slot_tensor = torch.cat(host_slots) if host_slots else torch.empty(0, dtype=torch.int64)
+            prepared.append(
+                _Prepared(t, obj, obj.data_ptr(), id(mobj.arena), n, n * hd_bytes, start, False, n == 0)
+            )
+            start += n
+        if slot_out is not None:
+            slot_tensor = torch.cat(host_slots, out=slot_out[:start]) if host_slots else slot_out[:0]
+        else:
+            slot_tensor = torch.cat(host_slots) if host_slots else torch.empty(0, dtype=int64)
         values = slot_tensor.numpy()
         total = self.num_blocks * lay.block_size
-        starts_list = list(itertools.accumulate(lengths[:-1], initial=0)) if lengths else []
-        if values.size and values.min() >= 0 and values.max() < total:
-            # The common case (no -1, nothing out of range), in two reductions over the call.
-            # Python bools: numpy scalar arithmetic costs a microsecond an operation.
-            empties = holes = [n == 0 for n in lengths]
-        else:
-            empties, holes = self._slot_ranges(values, lengths, total, first_index)
-        hd_bytes = lay.hidden_size * self._itemsize
-        check_pinned = self.mode == "zerocopy" and self.device.type == "cuda"
-        prepared: list[_Prepared] = []
-        for i, (t, obj, n, start, empty, has_holes) in enumerate(
-            zip(transfers, objs, lengths, starts_list, empties, holes, strict=True)
-        ):
-            if check_pinned and not empty and not obj.is_pinned():
-                raise ValueError(
-                    f"transfer {i + first_index}: mode='zerocopy' needs memory objects in pinned host memory"
-                )
-            prepared.append(
-                _Prepared(
-                    transfer=t,
-                    obj=obj,
-                    host_ptr=obj.data_ptr(),
-                    storage_ptr=obj.untyped_storage().data_ptr(),
-                    num_tokens=n,
-                    row_bytes=n * hd_bytes,
-                    slot_index=start,
-                    has_holes=has_holes,
-                    empty=empty,
-                )
-            )
+        if not (values.size and values.min() >= 0 and values.max() < total):
+            # Not the common case (no -1, nothing out of range, checked in two reductions).
+            empties, holes = self._slot_ranges(values, [p.num_tokens for p in prepared], total, first_index)
+            for p, empty, has_holes in zip(prepared, empties, holes, strict=True):
+                p.empty = empty
+                p.has_holes = has_holes
+        if check_pinned:
+            for i, p in enumerate(prepared):
+                if not p.empty and not p.obj.is_pinned():
+                    raise ValueError(
+                        f"transfer {i + first_index}: mode='zerocopy' needs memory objects in pinned host memory"
+                    )
         return prepared, slot_tensor
 
     @staticmethod
@@ -524,75 +546,95 @@ class CUDAPagedConnector(DeviceConnector):
         segments: Iterable[tuple[int, int, int, int, int]],
         *,
         store: bool,
+        slot_base: int = 0,
         first_piece_bytes: int | None = None,
-    ) -> tuple[list[_Piece], list[tuple[int, int, int, int, int, int, int]]]:
-        """Pack row segments into pieces; return them and the runs the row table is expanded
-        from (``_expand``: host, ``[rows, 4]``, slot-list column relative to the call's slot
-        tensor). Expansion is left to the caller so a load can start its first DMA first.
+        last_piece_bytes: int | None = None,
+    ) -> tuple[list[_Piece], list[tuple[int, ...]]]:
+        """Pack row segments into pieces; return them and the run table (``RUN_WORDS`` ints a
+        run, see kvtier.cuda._triton_kernels). ``slot_base``: the address the call's slot tensor
+        will have on the device (0 when not known yet: the caller adds it to column 5).
 
         A segment ``(transfer, start, stop, step, layer)`` is the object rows
         ``range(start, stop, step)`` of one transfer; ``layer`` (or -1) tags the segments of one
-        layer so the piece that finishes it can be marked. Called with ``lane.lock`` held: it
-        claims ring slots in order. In ``zerocopy`` mode rows point straight at their host
-        object and one piece holds the whole call.
+        layer so the piece that finishes it can be marked. A segment becomes one run unless a
+        piece boundary splits it. ``first_piece_bytes`` caps the first piece (a store's first
+        gather is then short, so its first DMA starts early); ``last_piece_bytes`` makes the
+        last piece about that small (a load's last scatter, which nothing overlaps, is then
+        short). Called with ``lane.lock`` held: it claims ring slots in order. In ``zerocopy``
+        mode rows point straight at their host object and one piece holds the whole call.
         """
         zero_copy = self.mode == "zerocopy"
         segs = [sg for sg in segments if not prepared[sg[0]].empty]
         if not segs:
             return [], []
-        if not zero_copy:
-            lane.ensure_slots(max(prepared[sg[0]].row_bytes for sg in segs))
-        # One entry per run of rows: (first row, row step, rows, first flat address, flat step,
-        # slot-list address, tokens). The table is expanded from these with numpy at the end.
-        runs: list[tuple[int, int, int, int, int, int, int]] = []
+        runs: list[tuple[int, ...]] = []
         pieces: list[_Piece] = []
         last_piece_of_layer: dict[int, _Piece] = {}
         piece: _Piece | None = None
-        rows_so_far = 0
-        for i, start, stop, step, layer in segs:
-            p = prepared[i]
-            rb, n = p.row_bytes, p.num_tokens
-            slot_list = 8 * p.slot_index  # the slot tensor's address is added at upload
-            r = start
-            left = len(range(start, stop, step))
-            while left:
-                if zero_copy:
-                    if piece is None:
-                        piece = _Piece(start=0, stop=0, max_tokens=0, slot=-1)
-                        pieces.append(piece)
-                    k = left
-                    runs.append((r, step, k, p.host_ptr + r * rb, step * rb, slot_list, n))
-                else:
-                    room = (piece.cap - piece.nbytes) // rb if piece is not None else 0
-                    if room == 0:
-                        cap = lane.slot_bytes
+        if zero_copy:
+            whole = piece = _Piece(start=0, stop=0, max_tokens=0, slot=-1)
+            pieces.append(whole)
+            for i, start, stop, step, layer in segs:
+                p = prepared[i]
+                rb = p.row_bytes
+                k = len(range(start, stop, step))
+                runs.append((start, step, k, p.host_ptr + start * rb, step * rb,
+                             slot_base + 8 * p.slot_index, p.num_tokens, 0))
+                whole.max_rows = max(whole.max_rows, k)
+                whole.max_tokens = max(whole.max_tokens, p.num_tokens)
+                if layer >= 0:
+                    last_piece_of_layer[layer] = whole
+        else:
+            lane.ensure_slots(max(prepared[sg[0]].row_bytes for sg in segs))
+            slot_bytes = lane.slot_bytes
+            left_bytes = (
+                sum(prepared[sg[0]].row_bytes * len(range(sg[1], sg[2], sg[3])) for sg in segs)
+                if last_piece_bytes else 0
+            )
+            slot_ptrs = lane.slot_ptrs if lane.is_cuda else [t.data_ptr() for t in lane.slots]
+            add_copy = self._add_copy
+            for i, start, stop, step, layer in segs:
+                p = prepared[i]
+                rb, n = p.row_bytes, p.num_tokens
+                slot_list = slot_base + 8 * p.slot_index
+                r = start
+                left = len(range(start, stop, step))
+                while left:
+                    fit = (piece.cap - piece.nbytes) // rb if piece is not None else 0
+                    if fit == 0:
+                        cap = slot_bytes
                         if not pieces and first_piece_bytes:
-                            # A small first piece: its gather is short, so the first DMA starts
-                            # early and the gathers after it hide behind DMAs.
                             cap = min(cap, max(first_piece_bytes, rb))
-                        piece = _Piece(
-                            start=rows_so_far, stop=rows_so_far, max_tokens=0, slot=lane.next_slot, cap=cap
-                        )
+                        elif last_piece_bytes and last_piece_bytes < left_bytes <= cap + last_piece_bytes:
+                            # What is left fits this piece and a short last one.
+                            cap = max(left_bytes - last_piece_bytes, rb)
+                        if piece is not None:
+                            piece.stop = len(runs)
+                        piece = _Piece(start=len(runs), stop=len(runs), max_tokens=0, slot=lane.next_slot, cap=cap)
                         lane.next_slot = (lane.next_slot + 1) % lane.num_slots
                         pieces.append(piece)
-                        room = cap // rb
+                        fit = cap // rb
                     assert piece is not None
-                    k = min(room, left)
-                    flat = lane.slots[piece.slot].data_ptr() + piece.nbytes
-                    runs.append((r, step, k, flat, rb, slot_list, n))
+                    k = min(fit, left)
+                    runs.append((r, step, k, slot_ptrs[piece.slot] + piece.nbytes, rb, slot_list, n, 0))
                     if step == 1:
-                        self._add_copy(piece, p, r * rb, k * rb)
+                        add_copy(piece, p, r * rb, k * rb)
                     else:
                         for j in range(k):
-                            self._add_copy(piece, p, (r + j * step) * rb, rb)
-                    piece.prefill = piece.prefill or (store and p.has_holes)
-                rows_so_far += k
-                piece.stop = rows_so_far
-                piece.max_tokens = max(piece.max_tokens, n)
-                r += k * step
-                left -= k
-            if layer >= 0 and piece is not None:
-                last_piece_of_layer[layer] = piece
+                            add_copy(piece, p, (r + j * step) * rb, rb)
+                    if store and p.has_holes:
+                        piece.prefill = True
+                    if k > piece.max_rows:
+                        piece.max_rows = k
+                    if n > piece.max_tokens:
+                        piece.max_tokens = n
+                    left_bytes -= k * rb
+                    r += k * step
+                    left -= k
+                if layer >= 0 and piece is not None:
+                    last_piece_of_layer[layer] = piece
+        assert piece is not None
+        piece.stop = len(runs)
         for layer, pc in last_piece_of_layer.items():
             pc.layers_done.append(layer)
         return pieces, runs
@@ -600,31 +642,20 @@ class CUDAPagedConnector(DeviceConnector):
     @staticmethod
     def _add_copy(piece: _Piece, p: _Prepared, obj_offset: int, nbytes: int) -> None:
         """Append bytes ``[obj_offset, +nbytes)`` of ``p``'s object to the piece, merged with the
-        previous range when adjacent in one storage (objects carved back to back from one arena
+        previous range when adjacent in one buffer (objects carved back to back from one arena
         then move in one DMA)."""
         addr = p.host_ptr + obj_offset
         last = piece.copies[-1] if piece.copies else None
-        if last is not None and last.host_ptr + last.nbytes == addr and last.storage_ptr == p.storage_ptr:
+        if last is not None and last.host_ptr + last.nbytes == addr and last.storage == p.storage:
             last.nbytes += nbytes
         else:
-            piece.copies.append(_Copy(p.obj, p.storage_ptr, obj_offset, addr, piece.nbytes, nbytes))
+            piece.copies.append(_Copy(p.obj, p.storage, obj_offset, addr, piece.nbytes, nbytes))
         piece.nbytes += nbytes
 
-    def _expand(self, runs: list[tuple[int, int, int, int, int, int, int]]) -> torch.Tensor:
-        return torch.from_numpy(self._expand_np(runs))
-
-    def _expand_np(self, runs: list[tuple[int, int, int, int, int, int, int]]) -> np.ndarray:
-        # One conversion and one repeat for every column (numpy calls cost ~1 us each).
-        cols = np.array(runs, dtype=np.int64)
-        k = cols[:, 2]
-        rep = np.repeat(cols, k, axis=0)
-        first = np.cumsum(k) - k
-        j = np.arange(rep.shape[0], dtype=np.int64) - np.repeat(first, k)
-        table = np.empty((rep.shape[0], 4), dtype=np.int64)
-        table[:, 0] = self._bases_np[rep[:, 0] + j * rep[:, 1]]
-        table[:, 1] = rep[:, 3] + j * rep[:, 4]
-        table[:, 2] = rep[:, 5]
-        table[:, 3] = rep[:, 6]
+    def _table(self, runs: list[tuple[int, ...]], slot_base: int) -> torch.Tensor:
+        """The run table as a host tensor (torch and CPU paths), slot lists at ``slot_base``."""
+        table = torch.tensor(runs, dtype=torch.int64).view(-1, RUN_WORDS)
+        table[:, 5] += slot_base
         return table
 
     # -- enqueueing ---------------------------------------------------------------------------
@@ -660,6 +691,8 @@ class CUDAPagedConnector(DeviceConnector):
         first_piece_bytes: int | None = None,
         state: _CallState | None = None,
         defer_last: bool = False,
+        last_piece_bytes: int | None = None,
+        ring: _TableSlot | None = None,
     ) -> Generator[None, None, Any]:
         """Plan and enqueue one batch of rows after the caller's current stream, one piece per
         step (so a store and a load can be interleaved from one thread).
@@ -669,8 +702,9 @@ class CUDAPagedConnector(DeviceConnector):
         scatter in ``state.pending`` for the next batch to issue after its first DMA (the
         batch then returns None).
 
-        ``slots`` is the call's slot tensor: on the host (uploaded here together with the row
-        table, one copy) or already on the device. Returns an event recorded after the batch's
+        ``slots`` is the call's slot tensor: on the host (uploaded here together with the run
+        table, one copy; driver path: ``ring``, when given, is the lane's table buffer that
+        ``slots`` already sits at the start of) or already on the device. Returns an event recorded after the batch's
         last device write (store: the last DMA to the host; load: the last scatter into the
         cache), or None on CPU where everything has run on return. Device tensors the batch
         uses are appended to ``keep`` and must outlive it.
@@ -681,30 +715,32 @@ class CUDAPagedConnector(DeviceConnector):
         Between steps the lane's lock is held and the caller's stream may be anything; the
         caller's stream is current again once the generator has finished or been closed.
         """
+        segments = list(rows)
         with lane.lock:
-            pieces, runs = self._plan(
-                lane, prepared, rows, store=store, first_piece_bytes=first_piece_bytes
-            )
-            if not pieces:
-                return None
             if lane.is_cuda and lane.drv is not None and self.mode == "dma":
                 return (
                     yield from self._driver_steps(
-                        lane, pieces, runs, slots, keep,
+                        lane, prepared, segments, slots, ring,
                         store=store, layer_events=layer_events, interleaved=interleaved,
                         state=state if state is not None else _CallState(), defer_last=defer_last,
+                        first_piece_bytes=first_piece_bytes, last_piece_bytes=last_piece_bytes,
                     )
                 )
-            table = self._expand(runs)
+            pieces, runs = self._plan(
+                lane, prepared, segments, store=store, first_piece_bytes=first_piece_bytes,
+                last_piece_bytes=last_piece_bytes,
+            )
+            if not pieces:
+                return None
             geo = (
                 self._dma_geometry
                 if self.mode == "dma"
                 else self._geometry([p.host_ptr for p in prepared if not p.empty])
             )
             if not lane.is_cuda:
-                table[:, 2] += slots.data_ptr()
-                self._run_sync(lane, pieces, table, geo, store=store)
+                self._run_sync(lane, pieces, self._table(runs, slots.data_ptr()), geo, store=store)
                 return None
+            table = self._table(runs, 0)
             ks, cs = lane.kernel_stream, lane.copy_stream
             caller = torch.cuda.current_stream(self.device)
             lane.after.record(caller)
@@ -714,7 +750,8 @@ class CUDAPagedConnector(DeviceConnector):
                 try:
                     table_dev = self._upload_table(lane, table, slots, keep)
                     if self.mode == "zerocopy":
-                        copy_rows(table_dev, pieces[0].max_tokens, geo, to_paged=not store)
+                        copy_runs(table_dev, pieces[0].max_rows, pieces[0].max_tokens, geo, self._bases_dev,
+                                  to_paged=not store)
                         done = torch.cuda.Event()
                         done.record(ks)
                         if layer_events is not None:
@@ -751,22 +788,25 @@ class CUDAPagedConnector(DeviceConnector):
     def _driver_steps(
         self,
         lane: _Lane,
-        pieces: list[_Piece],
-        runs: list[tuple[int, int, int, int, int, int, int]],
+        prepared: Sequence[_Prepared],
+        segments: list[tuple[int, int, int, int, int]],
         slots: torch.Tensor,
-        keep: list[torch.Tensor],
+        ring: _TableSlot | None,
         *,
         store: bool,
         layer_events: dict[int, Any] | None,
         interleaved: bool,
         state: _CallState,
         defer_last: bool,
+        first_piece_bytes: int | None,
+        last_piece_bytes: int | None,
     ) -> Generator[None, None, Any]:
         """``_enqueue_steps`` for ``dma`` mode through the driver (see kvtier.cuda._driver).
 
         Every copy, record, wait and (after a configuration's first launch, see
         ``kernels.LAUNCHES``) kernel launch names its stream: torch's current stream is never
-        switched, which is most of the host time the torch path spends per piece.
+        switched, which is most of the host time the torch path spends per piece. The slots and
+        the run table go up in one copy from a pinned buffer of the lane's table ring.
 
         Order of issue: a store uploads the table, then per piece gathers (ks) and DMAs (cs). A
         load issues its first DMA before anything else (it needs neither the table nor the
@@ -775,29 +815,54 @@ class CUDAPagedConnector(DeviceConnector):
         """
         drv = lane.drv
         assert drv is not None
+        on_device = slots.device.type == "cuda"
+        n_slots = 0 if on_device else slots.numel()
+        if ring is None:
+            ring = lane.table_buffers(n_slots + RUN_WORDS * (len(segments) + 8))
+            if n_slots:
+                ring.host_np[:n_slots] = slots.numpy()  # type: ignore[index]
+        assert ring.dev is not None
+        slot_base = slots.data_ptr() if on_device else ring.dev.data_ptr()
+        pieces, runs = self._plan(
+            lane, prepared, segments, store=store, slot_base=slot_base,
+            first_piece_bytes=first_piece_bytes, last_piece_bytes=last_piece_bytes,
+        )
+        if not pieces:
+            return None
+        numel = n_slots + RUN_WORDS * len(runs)
+        if ring.dev.numel() < numel:  # more runs than the estimate: grow, slots kept
+            ring.ensure(numel, self.device, keep=n_slots)
+            if not on_device:
+                shift = ring.dev.data_ptr() - slot_base
+                runs = [(*r[:5], r[5] + shift, *r[6:]) for r in runs]
+        host = ring.host_np
+        assert host is not None
+        host[n_slots:numel].reshape(-1, RUN_WORDS)[:] = runs
+        dev = ring.dev
+        table_dev = dev[n_slots:numel].view(-1, RUN_WORDS)
         ks_h, cs_h = lane.ks_h, lane.cs_h
         geo = self._dma_geometry
+        bases = self._bases_dev
         with _OnDevice(self.device.index):
             try:
-                if not drv.has_context():
-                    # A thread's first CUDA runtime call binds the device's context.
-                    torch.cuda.current_stream(self.device).query()
-                    if not drv.has_context():
-                        raise CUDADriverError(f"no CUDA context is current on this thread for {self.device}")
                 if not state.ordered:
+                    if not drv.has_context():
+                        # A thread's first CUDA runtime call binds the device's context.
+                        torch.cuda.current_stream(self.device).query()
+                        if not drv.has_context():
+                            raise CUDADriverError(f"no CUDA context is current on this thread for {self.device}")
                     # ks runs after the caller's work so far: a gather reads what the forward pass
                     # wrote, a scatter writes blocks only after the engine's earlier reads of them.
                     # One lane event serves every call: a wait takes its state when enqueued.
-                    caller = torch.cuda.current_stream(self.device).cuda_stream
-                    drv.record(lane.after.handle, caller)
+                    drv.record(lane.after.handle, _raw_current_stream(self.device))
                     drv.wait(ks_h, lane.after.handle)
                     state.ordered = True
                 if store:
-                    table, table_dev = self._upload_table_drv(lane, runs, slots)
+                    drv.memcpy_htod(dev.data_ptr(), host.ctypes.data, 8 * numel, ks_h)
                     for piece in pieces:
-                        self._drv_store_piece(lane, drv, piece, table_dev, geo)
+                        self._drv_store_piece(lane, drv, piece, table_dev, geo, bases)
                         yield
-                    table.done.record(ks_h)
+                    ring.done.record(ks_h)
                     done = RawEvent(drv)
                     done.record(cs_h)
                     return done
@@ -805,13 +870,14 @@ class CUDAPagedConnector(DeviceConnector):
                 for scatter in state.pending:  # the previous batch's last scatter, after our DMA
                     scatter()
                 state.pending.clear()
-                table, table_dev = self._upload_table_drv(lane, runs, slots)
+                drv.memcpy_htod(dev.data_ptr(), host.ctypes.data, 8 * numel, ks_h)
                 for k, piece in enumerate(pieces):
                     last = k + 1 == len(pieces)
                     if not last:
                         self._drv_load_dma(lane, drv, pieces[k + 1])
                     scatter = functools.partial(
-                        self._drv_scatter, lane, drv, piece, table_dev, geo, layer_events, table if last else None
+                        self._drv_scatter, lane, drv, piece, table_dev, geo, bases, layer_events,
+                        ring if last else None,
                     )
                     if interleaved:
                         # The other direction's next piece is submitted before this scatter, which
@@ -834,30 +900,10 @@ class CUDAPagedConnector(DeviceConnector):
                 lane.synchronize()
                 raise
 
-    def _upload_table_drv(
-        self, lane: _Lane, runs: list[tuple[int, int, int, int, int, int, int]], slots: torch.Tensor
-    ) -> tuple[_TableSlot, torch.Tensor]:
-        """The row table on the device (a slot of the lane's table ring, copied on ks), slot-list
-        addresses filled in; host slots travel in the same copy: ``[slots..., table...]``.
-        The caller records the returned slot's ``done`` after the last kernel reading it."""
-        assert lane.drv is not None
-        table = self._expand_np(runs)
-        on_device = slots.device.type == "cuda"
-        n_slots = 0 if on_device else slots.numel()
-        numel = n_slots + table.size
-        ring = lane.table_buffers(numel)
-        dev, host = ring.dev, ring.host_np
-        assert dev is not None and host is not None
-        table[:, 2] += slots.data_ptr() if on_device else dev.data_ptr()
-        if n_slots:
-            host[:n_slots] = slots.numpy()
-        host[n_slots:numel] = table.reshape(-1)
-        lane.drv.memcpy_htod(dev.data_ptr(), host.ctypes.data, 8 * numel, lane.ks_h)
-        return ring, dev[n_slots:numel].view(-1, 4)
-
     @staticmethod
     def _drv_store_piece(
-        lane: _Lane, drv: CudaDriver, piece: _Piece, table_dev: torch.Tensor, geo: RowGeometry
+        lane: _Lane, drv: CudaDriver, piece: _Piece, table_dev: torch.Tensor, geo: RowGeometry,
+        bases: torch.Tensor,
     ) -> None:
         """Gather into the piece's slot on ks, then DMA it out on cs."""
         ks_h, cs_h = lane.ks_h, lane.cs_h
@@ -874,7 +920,8 @@ class CUDAPagedConnector(DeviceConnector):
             drv.record(filled, cs_h)
             drv.wait(ks_h, filled)
         LAUNCHES.launch(
-            table_dev, piece.start, piece.stop, piece.max_tokens, geo, to_paged=False, stream=lane.kernel_stream
+            table_dev, piece.start, piece.stop, piece.max_rows, piece.max_tokens, geo, bases,
+            to_paged=False, stream=lane.kernel_stream,
         )
         drv.record(filled, ks_h)
         drv.wait(cs_h, filled)
@@ -885,7 +932,7 @@ class CUDAPagedConnector(DeviceConnector):
     @staticmethod
     def _drv_scatter(
         lane: _Lane, drv: CudaDriver, piece: _Piece, table_dev: torch.Tensor, geo: RowGeometry,
-        layer_events: dict[int, Any] | None, table: _TableSlot | None,
+        bases: torch.Tensor, layer_events: dict[int, Any] | None, table: _TableSlot | None,
     ) -> None:
         """Scatter a load piece from its slot once its DMA has landed (ks); ``table``: the
         batch's last piece, after which its row-table slot may be reused."""
@@ -893,7 +940,8 @@ class CUDAPagedConnector(DeviceConnector):
         s = piece.slot
         drv.wait(ks_h, lane.filled[s].handle)
         LAUNCHES.launch(
-            table_dev, piece.start, piece.stop, piece.max_tokens, geo, to_paged=True, stream=lane.kernel_stream
+            table_dev, piece.start, piece.stop, piece.max_rows, piece.max_tokens, geo, bases,
+            to_paged=True, stream=lane.kernel_stream,
         )
         lane.free[s].record(ks_h)
         if layer_events is not None and piece.layers_done:
@@ -935,19 +983,19 @@ class CUDAPagedConnector(DeviceConnector):
         Host slots travel in the same copy as the table: ``[slots..., table...]``.
         """
         if slots.device.type == "cuda":
-            table[:, 2] += slots.data_ptr()
+            table[:, 5] += slots.data_ptr()
             buf = torch.empty(table.numel(), dtype=torch.int64, device=self.device)
             parts: tuple[torch.Tensor, ...] = (table.view(-1),)
             table_at = 0
         else:
             buf = torch.empty(slots.numel() + table.numel(), dtype=torch.int64, device=self.device)
-            table[:, 2] += buf.data_ptr()
+            table[:, 5] += buf.data_ptr()
             parts = (slots, table.view(-1))
             table_at = slots.numel()
         buf.copy_(lane.pinned_upload(parts, buf.numel()), non_blocking=True)
         lane.upload_done.record()
         keep.append(buf)
-        return buf[table_at:].view(-1, 4)
+        return buf[table_at:].view(-1, RUN_WORDS)
 
     def _enqueue_store_piece(
         self, lane: _Lane, piece: _Piece, table_dev: torch.Tensor, geo: RowGeometry
@@ -967,7 +1015,8 @@ class CUDAPagedConnector(DeviceConnector):
             lane.filled[s].record(cs)
             torch.cuda.set_stream(ks)
             ks.wait_event(lane.filled[s])
-        copy_rows(table_dev[piece.start : piece.stop], piece.max_tokens, geo, to_paged=False)
+        copy_runs(table_dev[piece.start : piece.stop], piece.max_rows, piece.max_tokens, geo, self._bases_dev,
+                  to_paged=False)
         lane.filled[s].record(ks)
         cs.wait_event(lane.filled[s])
         torch.cuda.set_stream(cs)
@@ -991,7 +1040,8 @@ class CUDAPagedConnector(DeviceConnector):
         lane.filled[s].record(cs)
         torch.cuda.set_stream(ks)
         ks.wait_event(lane.filled[s])
-        copy_rows(table_dev[piece.start : piece.stop], piece.max_tokens, geo, to_paged=True)
+        copy_runs(table_dev[piece.start : piece.stop], piece.max_rows, piece.max_tokens, geo, self._bases_dev,
+                  to_paged=True)
         lane.free[s].record(ks)
 
     def _run_sync(
@@ -999,22 +1049,23 @@ class CUDAPagedConnector(DeviceConnector):
     ) -> None:
         """The same plan, run in order on a CPU device (the Triton interpreter)."""
         for piece in pieces:
-            rows = table[piece.start : piece.stop]
+            runs = table[piece.start : piece.stop]
+            args = (piece.max_rows, piece.max_tokens, geo, self._bases_dev)
             if self.mode == "zerocopy":
-                copy_rows(rows, piece.max_tokens, geo, to_paged=not store)
+                copy_runs(runs, *args, to_paged=not store)
                 continue
             slot = lane.slots[piece.slot]
             if store:
                 if piece.prefill:
                     for c in piece.copies:
                         slot[c.slot_offset : c.slot_offset + c.nbytes].copy_(c.host_view())
-                copy_rows(rows, piece.max_tokens, geo, to_paged=False)
+                copy_runs(runs, *args, to_paged=False)
                 for c in piece.copies:
                     c.host_view().copy_(slot[c.slot_offset : c.slot_offset + c.nbytes])
             else:
                 for c in piece.copies:
                     slot[c.slot_offset : c.slot_offset + c.nbytes].copy_(c.host_view())
-                copy_rows(rows, piece.max_tokens, geo, to_paged=True)
+                copy_runs(runs, *args, to_paged=True)
 
     # -- row orders --------------------------------------------------------------------------
     def _all_rows(self, count: int) -> list[tuple[int, int, int, int, int]]:
@@ -1046,24 +1097,26 @@ class CUDAPagedConnector(DeviceConnector):
 
     def _groups(
         self, transfers: Sequence[Transfer], lane: _Lane, *, split: bool = True
-    ) -> list[tuple[int, int]]:
-        """Split a whole-chunk call into runs of transfers: ``_FIRST_GROUP_BYTES`` (at most a
-        staging slot) first, then four times the previous cap each (a transfer larger than
-        the cap is a group of its own). Preparing a group costs the host about a tenth of its
-        bytes' PCIe time, so a group four times larger is still ready before the previous
-        group's DMAs end, and a call of N bytes costs only log4(N) batch overheads."""
-        if self._first_group_bytes == 0 or not split:
-            return [(0, len(transfers))]
+    ) -> list[tuple[int, int, int]]:
+        """Split a whole-chunk call into runs of transfers ``(lo, hi, tokens)``:
+        ``_FIRST_GROUP_BYTES`` (at most a staging slot) first, then four times the previous cap
+        each (a transfer larger than the cap is a group of its own). Preparing a group costs the
+        host a fraction of its bytes' PCIe time, so a group four times larger is still ready
+        before the previous group's DMAs end, and a call of N bytes costs only log4(N) batch
+        overheads."""
         per_token = self.layout.hidden_size * self._itemsize * self._rows_per_obj
-        groups: list[tuple[int, int]] = []
-        start, acc, cap = 0, 0, min(self._first_group_bytes, lane.slot_bytes)
+        groups: list[tuple[int, int, int]] = []
+        whole = self._first_group_bytes == 0 or not split
+        start, acc, tokens, cap = 0, 0, 0, min(self._first_group_bytes, lane.slot_bytes)
         for i, t in enumerate(transfers):
-            nbytes = t.obj.num_tokens * per_token
-            if acc and acc + nbytes > cap:
-                groups.append((start, i))
-                start, acc, cap = i, 0, 4 * cap
+            n = t.obj.meta.num_tokens
+            nbytes = n * per_token
+            if acc and acc + nbytes > cap and not whole:
+                groups.append((start, i, tokens))
+                start, acc, tokens, cap = i, 0, 0, 4 * cap
             acc += nbytes
-        groups.append((start, len(transfers)))
+            tokens += n
+        groups.append((start, len(transfers), tokens))
         return groups
 
     def _call_steps(
@@ -1086,15 +1139,24 @@ class CUDAPagedConnector(DeviceConnector):
                 # Interleaved with the other direction, a group's preparation would hold up the
                 # other direction's next piece: measured slower (H200: small both 1.13x -> 0.87x).
                 groups = self._groups(transfers, lane, split=not interleaved)
-                for g, (lo, hi) in enumerate(groups):
-                    prepared, slots = self._prepare(transfers[lo:hi], first_index=lo)
+                driver = lane.drv is not None and self.mode == "dma"
+                for g, (lo, hi, tokens) in enumerate(groups):
+                    ring = None
+                    if driver:
+                        # The slots land straight in the pinned buffer they are uploaded from.
+                        ring = lane.table_buffers(tokens + RUN_WORDS * (hi - lo + 8))
+                        assert ring.host is not None
+                        prepared, slots = self._prepare(transfers[lo:hi], first_index=lo, slot_out=ring.host)
+                    else:
+                        prepared, slots = self._prepare(transfers[lo:hi], first_index=lo)
                     rows = self._all_rows(len(prepared))
-                    first = _FIRST_PIECE_BYTES if store and not state.ordered else None
+                    last_group = g + 1 == len(groups)
                     done = (
                         yield from self._enqueue_steps(
                             lane, prepared, rows, slots, keep, store=store, interleaved=interleaved,
-                            first_piece_bytes=first, state=state,
-                            defer_last=not store and g + 1 < len(groups),
+                            first_piece_bytes=_FIRST_PIECE_BYTES if store and not state.ordered else None,
+                            last_piece_bytes=_LAST_PIECE_BYTES if not store and last_group else None,
+                            state=state, defer_last=not store and not last_group, ring=ring,
                         )
                     ) or done
                 if state.pending:  # the batches after the deferring one enqueued nothing

@@ -1,10 +1,10 @@
 """Launching the paged-row copy kernel (triton is imported on the first launch, not before).
 
-Every address a launch touches sits in a row table built by the connector (four int64s a row:
-paged base, flat address, slot-list address, token count), so the launch itself takes only the
-table and the geometry. All sizes here are in *words*: the widest integer (8, 4, 2 or 1 bytes)
-that divides every row, block and address of the call, so the kernel copies bytes and never
-interprets the KV dtype.
+Every address a launch touches sits in a run table built by the connector (eight int64s a run
+of rows, see ``kvtier.cuda._triton_kernels``) or in the connector's ``bases`` (the paged base
+address of each row index), so the launch itself takes only those two and the geometry. All
+sizes here are in *words*: the widest integer (8, 4, 2 or 1 bytes) that divides every row, block
+and address of the call, so the kernel copies bytes and never interprets the KV dtype.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import torch
 # registers (an 8B-shaped row of 2 KiB gives 8 tokens a program).
 _TILE_BYTES = 16 * 1024
 _MAX_BLOCK_D = 256
+# int64s per run in the table (see kvtier.cuda._triton_kernels).
+RUN_WORDS = 8
 
 
 @dataclass(frozen=True)
@@ -45,9 +47,9 @@ def word_bytes_for(*values: int) -> int:
 def _triton():
     import triton
 
-    from kvtier.cuda._triton_kernels import paged_rows_kernel
+    from kvtier.cuda._triton_kernels import paged_runs_kernel
 
-    return triton, paged_rows_kernel
+    return triton, paged_runs_kernel
 
 
 @functools.cache
@@ -64,12 +66,13 @@ class _Launches:
     ``kernel[grid](...)`` costs ~15 us of Python per launch (binding and specialising every
     argument, a cache lookup, a pointer query per tensor) and launches on torch's current stream,
     which a side-stream caller must switch to and back (~10 us each). A connector launches one
-    configuration over and over with only the table address changing, so after the first,
+    configuration over and over with only the table address and grid changing, so after the first,
     compiling launch of a configuration its compiled kernel is kept and later launches call its
     launcher directly, the way ``JITFunction.run`` does at its end, on an explicit stream.
 
     The key holds everything Triton specialises on here: the geometry and constexprs (fixed per
-    connector) and whether the table address is 16-byte aligned; the device, for its module.
+    connector) and whether the table and bases addresses are 16-byte aligned; the device, for
+    its module.
     Used only where the installed Triton exposes that launcher (``triton.knobs``, Triton >= 3.3);
     otherwise, and under the interpreter, every launch goes through ``kernel[grid]``.
     """
@@ -89,35 +92,38 @@ class _Launches:
             return False
 
     def launch(
-        self, table: torch.Tensor, start: int, stop: int, max_tokens: int, geo: RowGeometry,
-        *, to_paged: bool, stream: torch.cuda.Stream,
+        self, table: torch.Tensor, start: int, stop: int, max_rows: int, max_tokens: int,
+        geo: RowGeometry, bases: torch.Tensor, *, to_paged: bool, stream: torch.cuda.Stream,
     ) -> None:
-        """Rows ``[start, stop)`` of the device ``table``, on ``stream`` (need not be current)."""
-        rows = stop - start
-        if rows <= 0 or max_tokens == 0:
+        """Runs ``[start, stop)`` of the device ``table`` (at most ``max_rows`` rows and
+        ``max_tokens`` tokens a run), on ``stream`` (need not be current)."""
+        runs = stop - start
+        if runs <= 0 or max_tokens == 0 or max_rows == 0:
             return
         block_t, block_d = _blocks(geo.hd_words, geo.word_bytes)
-        ptr = table.data_ptr() + start * 32
-        key = (table.device.index, geo, to_paged, block_t, block_d, ptr % 16 == 0)
+        ptr = table.data_ptr() + start * 8 * RUN_WORDS
+        bases_ptr = bases.data_ptr()
+        key = (table.device.index, geo, to_paged, block_t, block_d, ptr % 16 == 0, bases_ptr % 16 == 0)
         ck = self.compiled.get(key)
         grid_t = -(-max_tokens // block_t)
         if ck is not None:
             args = (
-                ptr, geo.total_slots, geo.block_size, geo.block_stride_words, geo.token_stride_words,
-                geo.hd_words, geo.word_bytes, block_t, block_d, to_paged,
+                ptr, bases_ptr, geo.total_slots, geo.block_size, geo.block_stride_words,
+                geo.token_stride_words, geo.hd_words, geo.word_bytes, block_t, block_d, to_paged,
             )
             knobs = self.knobs
             handle = stream.cuda_stream
             ck.run(
-                rows, grid_t, 1, handle, ck.function, ck.packed_metadata,
-                ck.launch_metadata((rows, grid_t, 1), handle, *args),
+                runs, max_rows, grid_t, handle, ck.function, ck.packed_metadata,
+                ck.launch_metadata((runs, max_rows, grid_t), handle, *args),
                 knobs.launch_enter_hook, knobs.launch_exit_hook, *args,
             )
             return
         prev = torch.cuda.current_stream(table.device)
         torch.cuda.set_stream(stream)
         try:
-            ck = _launch(table[start:stop], max_tokens, geo, to_paged=to_paged, blocks=(block_t, block_d))
+            ck = _launch(table[start:stop], max_rows, max_tokens, geo, bases, to_paged=to_paged,
+                         blocks=(block_t, block_d))
         finally:
             torch.cuda.set_stream(prev)
         if self.usable is None:
@@ -132,13 +138,15 @@ LAUNCHES = _Launches()
 
 
 def _launch(
-    table: torch.Tensor, max_tokens: int, geo: RowGeometry, *, to_paged: bool, blocks: tuple[int, int]
+    table: torch.Tensor, max_rows: int, max_tokens: int, geo: RowGeometry, bases: torch.Tensor,
+    *, to_paged: bool, blocks: tuple[int, int],
 ) -> Any:
     triton, kernel = _triton()
     block_t, block_d = blocks
-    grid = (table.shape[0], triton.cdiv(max_tokens, block_t))
+    grid = (table.shape[0], max_rows, triton.cdiv(max_tokens, block_t))
     return kernel[grid](
         table,
+        bases,
         geo.total_slots,
         geo.block_size,
         geo.block_stride_words,
@@ -152,13 +160,18 @@ def _launch(
     )
 
 
-def copy_rows(table: torch.Tensor, max_tokens: int, geo: RowGeometry, *, to_paged: bool) -> None:
-    """Copy every row of ``table`` (``[rows, 4]`` int64 on the cache's device) in one launch.
+def copy_runs(
+    table: torch.Tensor, max_rows: int, max_tokens: int, geo: RowGeometry, bases: torch.Tensor,
+    *, to_paged: bool,
+) -> None:
+    """Copy every run of ``table`` (``[runs, RUN_WORDS]`` int64 on the cache's device; at most
+    ``max_rows`` rows and ``max_tokens`` tokens a run) in one launch; ``bases``: int64 on the
+    device, the paged base address of each row index.
 
     ``to_paged=False`` gathers paged -> flat (store), ``True`` scatters flat -> paged (load).
     Asynchronous on CUDA (runs on the current stream); synchronous under ``TRITON_INTERPRET=1``.
     """
-    rows = table.shape[0]
-    if rows == 0 or max_tokens == 0:
+    if table.shape[0] == 0 or max_tokens == 0 or max_rows == 0:
         return
-    _launch(table, max_tokens, geo, to_paged=to_paged, blocks=_blocks(geo.hd_words, geo.word_bytes))
+    _launch(table, max_rows, max_tokens, geo, bases, to_paged=to_paged,
+            blocks=_blocks(geo.hd_words, geo.word_bytes))
