@@ -17,6 +17,9 @@ PY="bash benchmarks/gpu_python.sh"
 echo "== KVTIER_TEST_DEVICE=cuda python3 -m pytest tests/cuda"
 KVTIER_TEST_DEVICE=cuda timeout 300 $PY -m pytest tests/cuda -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest-cuda.log" | tail -n 15
 
+echo "== host stages of one call (small shape, no profiler)"
+timeout 60 $PY benchmarks/transfer_host_timeline.py --shape small --chunks 16 2>&1 | tee "$OUT/host-timeline.log"
+
 echo "== device timeline of one call per shape"
 timeout 90 $PY benchmarks/transfer_trace.py "$OUT/trace-driver" 2>&1 | tee "$OUT/trace-driver.log"
 # (KVTIER_CUDA_DRIVER_API=0 gives the same timeline for the torch path.)

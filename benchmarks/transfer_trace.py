@@ -100,47 +100,6 @@ def _issue_times(fn: Callable[[], object]) -> str:
     return " ".join(parts) + f"; returned at {(end - t0) * 1e6:.0f}"
 
 
-def _host_stages(conn: CUDAPagedConnector, stores: list) -> list[str]:
-    """Host time of the pure-Python stages of one store call (no device work)."""
-    lane = conn._store_lane
-    prepared, _ = conn._prepare(stores)
-    rows = conn._all_rows(len(prepared))
-
-    def plan() -> None:
-        with lane.lock:
-            _, runs = conn._plan(lane, prepared, rows, store=True, first_piece_bytes=4 << 20)
-        conn._expand_np(runs)
-
-    with lane.lock:
-        pieces, runs = conn._plan(lane, prepared, rows, store=True, first_piece_bytes=4 << 20)
-    slots = conn._prepare(stores)[1]
-    ring, table_dev = conn._upload_table_drv(lane, runs, slots) if lane.drv is not None else (None, None)
-    piece = pieces[0]
-    geo = conn._dma_geometry
-
-    def launch() -> None:
-        LAUNCHES.launch(table_dev, piece.start, piece.stop, piece.max_tokens, geo, to_paged=False,
-                        stream=lane.kernel_stream)
-
-    def upload() -> None:
-        r, _ = conn._upload_table_drv(lane, runs, slots)
-        r.done.record(lane.ks_h)
-
-    stages: dict[str, Callable[[], object]] = {
-        "_prepare": lambda: conn._prepare(stores),
-        "_plan + _expand_np": plan,
-        "_upload_table_drv": upload,
-        "LAUNCHES.launch (kept)": launch,
-        "current_stream": lambda: torch.cuda.current_stream(conn.device),
-        "current_device": torch.cuda.current_device,
-    }
-    if ring is None:
-        del stages["_upload_table_drv"], stages["LAUNCHES.launch (kept)"]
-    out = [f"  host {name:<22} {_median_us(fn):7.1f} us" for name, fn in stages.items()]
-    torch.cuda.synchronize()
-    return out
-
-
 def _trace_shape(shape: str, arena, out: Path) -> None:  # type: ignore[no-untyped-def]
     case = _make_case(shape, 16, arena, seed=1)
     conn = CUDAPagedConnector(case.caches, case.layout)
@@ -174,7 +133,6 @@ def _trace_shape(shape: str, arena, out: Path) -> None:  # type: ignore[no-untyp
         print(f"== {label}: {case.nbytes / 2**20:.0f} MiB, median host wall "
               f"{statistics.median(walls) * 1e6:.1f} us without the profiler")
         print("\n".join(_timeline(trace, f"{label}-2")))
-    print("\n".join(_host_stages(conn, stores)))
     print(f"  kept compiled launches: usable={LAUNCHES.usable} configurations={len(LAUNCHES.compiled)}")
     for o in case.store_objs + case.load_objs:
         o.release()
