@@ -143,6 +143,8 @@ class _TableSlot:
     dev: torch.Tensor | None = None
     host: torch.Tensor | None = None  # pinned; keeps host_np's memory alive
     host_np: np.ndarray | None = None
+    dev_ptr: int = 0  # the addresses of dev and host (read once: data_ptr costs host time)
+    host_ptr: int = 0
 
     def ensure(self, numel: int, device: torch.device, keep: int = 0) -> None:
         """At least ``numel`` int64s on both sides; the first ``keep`` host values survive."""
@@ -153,6 +155,7 @@ class _TableSlot:
         self.dev = torch.empty(size, dtype=torch.int64, device=device)
         host = torch.empty(size, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.host, self.host_np = host, host.numpy()
+        self.dev_ptr, self.host_ptr = self.dev.data_ptr(), host.data_ptr()
         if keep and old is not None:
             self.host_np[:keep] = old[:keep]
 
@@ -452,13 +455,13 @@ class CUDAPagedConnector(DeviceConnector):
 
     # -- preparing a call ---------------------------------------------------------------------
     def _prepare(
-        self, transfers: Sequence[Transfer], first_index: int = 0, slot_out: torch.Tensor | None = None
+        self, transfers: Sequence[Transfer], first_index: int = 0, slot_out: _TableSlot | None = None
     ) -> tuple[list[_Prepared], torch.Tensor]:
         """Validate every transfer; return them with one int64 slot tensor for the whole call.
 
-        The slot tensor stays on the host (``slot_out``, when given, receives it: the driver
-        path passes its pinned table buffer, so the slots need no further host copy before the
-        upload); it travels to the device with the run table. Checks run once over the
+        The slot tensor stays on the host (``slot_out``, when given, receives it at the start of
+        its pinned buffer: the driver path's table buffer, so the slots need no further host
+        copy before the upload); it travels to the device with the run table. Checks run once over the
         concatenated slots (a call may hold hundreds of chunks).
 
         Per-transfer work here is host time on every call's critical path (a small model moves a
@@ -496,12 +499,17 @@ class CUDAPagedConnector(DeviceConnector):
             )
             start += n
         if slot_out is not None:
-            slot_tensor = torch.cat(host_slots, out=slot_out[:start]) if host_slots else slot_out[:0]
+            assert slot_out.host is not None and slot_out.host_np is not None
+            slot_tensor = slot_out.host[:start]
+            if host_slots:
+                torch.cat(host_slots, out=slot_tensor)
+            values = slot_out.host_np[:start]
         else:
             slot_tensor = torch.cat(host_slots) if host_slots else torch.empty(0, dtype=int64)
-        values = slot_tensor.numpy()
+            values = slot_tensor.numpy()
         total = self.num_blocks * lay.block_size
-        if not (values.size and values.min() >= 0 and values.max() < total):
+        # One reduction: as unsigned, -1 and every negative value are larger than any slot.
+        if not (start and int(values.view(np.uint64).max()) < total):
             # Not the common case (no -1, nothing out of range, checked in two reductions).
             empties, holes = self._slot_ranges(values, [p.num_tokens for p in prepared], total, first_index)
             for p, empty, has_holes in zip(prepared, empties, holes, strict=True):
@@ -592,15 +600,19 @@ class CUDAPagedConnector(DeviceConnector):
                 if last_piece_bytes else 0
             )
             slot_ptrs = lane.slot_ptrs if lane.is_cuda else [t.data_ptr() for t in lane.slots]
-            add_copy = self._add_copy
+            # The current piece's state lives in locals (this loop runs once per chunk per call):
+            # bytes used, capacity, its slot's address, its last host range.
+            used = cap = base = 0
+            last: _Copy | None = None
             for i, start, stop, step, layer in segs:
                 p = prepared[i]
                 rb, n = p.row_bytes, p.num_tokens
                 slot_list = slot_base + 8 * p.slot_index
+                host_ptr, storage = p.host_ptr, p.storage
                 r = start
-                left = len(range(start, stop, step))
+                left = (stop - start + step - 1) // step
                 while left:
-                    fit = (piece.cap - piece.nbytes) // rb if piece is not None else 0
+                    fit = (cap - used) // rb
                     if fit == 0:
                         cap = slot_bytes
                         if not pieces and first_piece_bytes:
@@ -610,18 +622,27 @@ class CUDAPagedConnector(DeviceConnector):
                             cap = max(left_bytes - last_piece_bytes, rb)
                         if piece is not None:
                             piece.stop = len(runs)
+                            piece.nbytes = used
                         piece = _Piece(start=len(runs), stop=len(runs), max_tokens=0, slot=lane.next_slot, cap=cap)
                         lane.next_slot = (lane.next_slot + 1) % lane.num_slots
                         pieces.append(piece)
+                        used, base, last = 0, slot_ptrs[piece.slot], None
                         fit = cap // rb
                     assert piece is not None
-                    k = min(fit, left)
-                    runs.append((r, step, k, slot_ptrs[piece.slot] + piece.nbytes, rb, slot_list, n, 0))
-                    if step == 1:
-                        add_copy(piece, p, r * rb, k * rb)
-                    else:
-                        for j in range(k):
-                            add_copy(piece, p, (r + j * step) * rb, rb)
+                    k = fit if fit < left else left
+                    runs.append((r, step, k, base + used, rb, slot_list, n, 0))
+                    # The rows' host ranges, merged with the previous one when adjacent in one
+                    # buffer (objects carved back to back from one arena move in one DMA).
+                    for j in range(1 if step == 1 else k):
+                        nbytes = k * rb if step == 1 else rb
+                        offset = (r + j * step) * rb
+                        addr = host_ptr + offset
+                        if last is not None and last.host_ptr + last.nbytes == addr and last.storage == storage:
+                            last.nbytes += nbytes
+                        else:
+                            last = _Copy(p.obj, storage, offset, addr, used, nbytes)
+                            piece.copies.append(last)
+                        used += nbytes
                     if store and p.has_holes:
                         piece.prefill = True
                     if k > piece.max_rows:
@@ -633,24 +654,13 @@ class CUDAPagedConnector(DeviceConnector):
                     left -= k
                 if layer >= 0 and piece is not None:
                     last_piece_of_layer[layer] = piece
+            if piece is not None:
+                piece.nbytes = used
         assert piece is not None
         piece.stop = len(runs)
         for layer, pc in last_piece_of_layer.items():
             pc.layers_done.append(layer)
         return pieces, runs
-
-    @staticmethod
-    def _add_copy(piece: _Piece, p: _Prepared, obj_offset: int, nbytes: int) -> None:
-        """Append bytes ``[obj_offset, +nbytes)`` of ``p``'s object to the piece, merged with the
-        previous range when adjacent in one buffer (objects carved back to back from one arena
-        then move in one DMA)."""
-        addr = p.host_ptr + obj_offset
-        last = piece.copies[-1] if piece.copies else None
-        if last is not None and last.host_ptr + last.nbytes == addr and last.storage == p.storage:
-            last.nbytes += nbytes
-        else:
-            piece.copies.append(_Copy(p.obj, p.storage, obj_offset, addr, piece.nbytes, nbytes))
-        piece.nbytes += nbytes
 
     def _table(self, runs: list[tuple[int, ...]], slot_base: int) -> torch.Tensor:
         """The run table as a host tensor (torch and CPU paths), slot lists at ``slot_base``."""
@@ -822,7 +832,7 @@ class CUDAPagedConnector(DeviceConnector):
             if n_slots:
                 ring.host_np[:n_slots] = slots.numpy()  # type: ignore[index]
         assert ring.dev is not None
-        slot_base = slots.data_ptr() if on_device else ring.dev.data_ptr()
+        slot_base = slots.data_ptr() if on_device else ring.dev_ptr
         pieces, runs = self._plan(
             lane, prepared, segments, store=store, slot_base=slot_base,
             first_piece_bytes=first_piece_bytes, last_piece_bytes=last_piece_bytes,
@@ -833,13 +843,13 @@ class CUDAPagedConnector(DeviceConnector):
         if ring.dev.numel() < numel:  # more runs than the estimate: grow, slots kept
             ring.ensure(numel, self.device, keep=n_slots)
             if not on_device:
-                shift = ring.dev.data_ptr() - slot_base
+                shift = ring.dev_ptr - slot_base
                 runs = [(*r[:5], r[5] + shift, *r[6:]) for r in runs]
         host = ring.host_np
         assert host is not None
-        host[n_slots:numel].reshape(-1, RUN_WORDS)[:] = runs
-        dev = ring.dev
-        table_dev = dev[n_slots:numel].view(-1, RUN_WORDS)
+        host[n_slots:numel] = [x for run in runs for x in run]
+        # The kernels read the table from its device address (a tensor view costs host time).
+        table_dev = (ring.dev, n_slots)
         ks_h, cs_h = lane.ks_h, lane.cs_h
         geo = self._dma_geometry
         bases = self._bases_dev
@@ -858,7 +868,7 @@ class CUDAPagedConnector(DeviceConnector):
                     drv.wait(ks_h, lane.after.handle)
                     state.ordered = True
                 if store:
-                    drv.memcpy_htod(dev.data_ptr(), host.ctypes.data, 8 * numel, ks_h)
+                    drv.memcpy_htod(ring.dev_ptr, ring.host_ptr, 8 * numel, ks_h)
                     for piece in pieces:
                         self._drv_store_piece(lane, drv, piece, table_dev, geo, bases)
                         yield
@@ -870,7 +880,7 @@ class CUDAPagedConnector(DeviceConnector):
                 for scatter in state.pending:  # the previous batch's last scatter, after our DMA
                     scatter()
                 state.pending.clear()
-                drv.memcpy_htod(dev.data_ptr(), host.ctypes.data, 8 * numel, ks_h)
+                drv.memcpy_htod(ring.dev_ptr, ring.host_ptr, 8 * numel, ks_h)
                 for k, piece in enumerate(pieces):
                     last = k + 1 == len(pieces)
                     if not last:
@@ -902,7 +912,7 @@ class CUDAPagedConnector(DeviceConnector):
 
     @staticmethod
     def _drv_store_piece(
-        lane: _Lane, drv: CudaDriver, piece: _Piece, table_dev: torch.Tensor, geo: RowGeometry,
+        lane: _Lane, drv: CudaDriver, piece: _Piece, table_dev: tuple[torch.Tensor, int], geo: RowGeometry,
         bases: torch.Tensor,
     ) -> None:
         """Gather into the piece's slot on ks, then DMA it out on cs."""
@@ -920,7 +930,7 @@ class CUDAPagedConnector(DeviceConnector):
             drv.record(filled, cs_h)
             drv.wait(ks_h, filled)
         LAUNCHES.launch(
-            table_dev, piece.start, piece.stop, piece.max_rows, piece.max_tokens, geo, bases,
+            *table_dev, piece.start, piece.stop, piece.max_rows, piece.max_tokens, geo, bases,
             to_paged=False, stream=lane.kernel_stream,
         )
         drv.record(filled, ks_h)
@@ -931,7 +941,7 @@ class CUDAPagedConnector(DeviceConnector):
 
     @staticmethod
     def _drv_scatter(
-        lane: _Lane, drv: CudaDriver, piece: _Piece, table_dev: torch.Tensor, geo: RowGeometry,
+        lane: _Lane, drv: CudaDriver, piece: _Piece, table_dev: tuple[torch.Tensor, int], geo: RowGeometry,
         bases: torch.Tensor, layer_events: dict[int, Any] | None, table: _TableSlot | None,
     ) -> None:
         """Scatter a load piece from its slot once its DMA has landed (ks); ``table``: the
@@ -940,7 +950,7 @@ class CUDAPagedConnector(DeviceConnector):
         s = piece.slot
         drv.wait(ks_h, lane.filled[s].handle)
         LAUNCHES.launch(
-            table_dev, piece.start, piece.stop, piece.max_rows, piece.max_tokens, geo, bases,
+            *table_dev, piece.start, piece.stop, piece.max_rows, piece.max_tokens, geo, bases,
             to_paged=True, stream=lane.kernel_stream,
         )
         lane.free[s].record(ks_h)
@@ -1096,7 +1106,7 @@ class CUDAPagedConnector(DeviceConnector):
         self.load_async(transfers).wait()
 
     def _groups(
-        self, transfers: Sequence[Transfer], lane: _Lane, *, split: bool = True
+        self, transfers: Sequence[Transfer], lane: _Lane
     ) -> list[tuple[int, int, int]]:
         """Split a whole-chunk call into runs of transfers ``(lo, hi, tokens)``:
         ``_FIRST_GROUP_BYTES`` (at most a staging slot) first, then four times the previous cap
@@ -1106,7 +1116,7 @@ class CUDAPagedConnector(DeviceConnector):
         overheads."""
         per_token = self.layout.hidden_size * self._itemsize * self._rows_per_obj
         groups: list[tuple[int, int, int]] = []
-        whole = self._first_group_bytes == 0 or not split
+        whole = self._first_group_bytes == 0
         start, acc, tokens, cap = 0, 0, 0, min(self._first_group_bytes, lane.slot_bytes)
         for i, t in enumerate(transfers):
             n = t.obj.meta.num_tokens
@@ -1136,17 +1146,14 @@ class CUDAPagedConnector(DeviceConnector):
         state = _CallState()
         with lane.lock:  # held across batches: a deferred scatter's slot must stay ours
             try:
-                # Interleaved with the other direction, a group's preparation would hold up the
-                # other direction's next piece: measured slower (H200: small both 1.13x -> 0.87x).
-                groups = self._groups(transfers, lane, split=not interleaved)
+                groups = self._groups(transfers, lane)
                 driver = lane.drv is not None and self.mode == "dma"
                 for g, (lo, hi, tokens) in enumerate(groups):
                     ring = None
                     if driver:
                         # The slots land straight in the pinned buffer they are uploaded from.
                         ring = lane.table_buffers(tokens + RUN_WORDS * (hi - lo + 8))
-                        assert ring.host is not None
-                        prepared, slots = self._prepare(transfers[lo:hi], first_index=lo, slot_out=ring.host)
+                        prepared, slots = self._prepare(transfers[lo:hi], first_index=lo, slot_out=ring)
                     else:
                         prepared, slots = self._prepare(transfers[lo:hi], first_index=lo)
                     rows = self._all_rows(len(prepared))
@@ -1195,9 +1202,11 @@ class CUDAPagedConnector(DeviceConnector):
         ``*_async`` methods."""
         keep_s: list[torch.Tensor] = []
         keep_l: list[torch.Tensor] = []
+        # The load steps first: its first DMA needs no kernel before it, so both copy engines
+        # are busy soonest when the store's first gather is prepared while that DMA runs.
         gens = {
-            "store": self._call_steps(self._store_lane, stores, keep_s, store=True, interleaved=True),
             "load": self._call_steps(self._load_lane, loads, keep_l, store=False, interleaved=True),
+            "store": self._call_steps(self._store_lane, stores, keep_s, store=True, interleaved=True),
         }
         done: dict[str, Any] = {}
         try:

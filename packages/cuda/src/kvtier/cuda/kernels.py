@@ -92,16 +92,17 @@ class _Launches:
             return False
 
     def launch(
-        self, table: torch.Tensor, start: int, stop: int, max_rows: int, max_tokens: int,
+        self, table: torch.Tensor, offset: int, start: int, stop: int, max_rows: int, max_tokens: int,
         geo: RowGeometry, bases: torch.Tensor, *, to_paged: bool, stream: torch.cuda.Stream,
     ) -> None:
-        """Runs ``[start, stop)`` of the device ``table`` (at most ``max_rows`` rows and
-        ``max_tokens`` tokens a run), on ``stream`` (need not be current)."""
+        """Runs ``[start, stop)`` of the run table that starts ``offset`` int64s into the device
+        buffer ``table`` (at most ``max_rows`` rows and ``max_tokens`` tokens a run), on
+        ``stream`` (need not be current)."""
         runs = stop - start
         if runs <= 0 or max_tokens == 0 or max_rows == 0:
             return
         block_t, block_d = _blocks(geo.hd_words, geo.word_bytes)
-        ptr = table.data_ptr() + start * 8 * RUN_WORDS
+        ptr = table.data_ptr() + 8 * (offset + start * RUN_WORDS)
         bases_ptr = bases.data_ptr()
         key = (table.device.index, geo, to_paged, block_t, block_d, ptr % 16 == 0, bases_ptr % 16 == 0)
         ck = self.compiled.get(key)
@@ -122,8 +123,8 @@ class _Launches:
         prev = torch.cuda.current_stream(table.device)
         torch.cuda.set_stream(stream)
         try:
-            ck = _launch(table[start:stop], max_rows, max_tokens, geo, bases, to_paged=to_paged,
-                         blocks=(block_t, block_d))
+            view = table[offset + start * RUN_WORDS : offset + stop * RUN_WORDS].view(-1, RUN_WORDS)
+            ck = _launch(view, max_rows, max_tokens, geo, bases, to_paged=to_paged, blocks=(block_t, block_d))
         finally:
             torch.cuda.set_stream(prev)
         if self.usable is None:
