@@ -50,6 +50,7 @@ class CudaDriver:
         self._create = fn("cuEventCreate", ctypes.POINTER(c_void_p), c_uint)
         self._destroy = fn("cuEventDestroy_v2", c_void_p)
         self._query = fn("cuEventQuery", c_void_p)
+        self._host_dev_ptr = fn("cuMemHostGetDevicePointer_v2", ctypes.POINTER(c_void_p), c_void_p, c_uint)
         self._sync = fn("cuEventSynchronize", c_void_p)
         self._ctx_get = fn("cuCtxGetCurrent", ctypes.POINTER(c_void_p))
         self._err_name = fn("cuGetErrorName", c_int, ctypes.POINTER(ctypes.c_char_p))
@@ -81,6 +82,15 @@ class CudaDriver:
         res = self._wait(stream, event, 0)
         if res:
             raise self._fail("cuStreamWaitEvent", res)
+
+    def host_device_pointer(self, host: int) -> int:
+        """The address a kernel reads page-locked host memory ``host`` at (zero-copy)."""
+        ptr = c_void_p()
+        res = self._host_dev_ptr(ctypes.byref(ptr), host, 0)
+        if res:
+            raise self._fail("cuMemHostGetDevicePointer", res)
+        assert ptr.value is not None
+        return ptr.value
 
     def has_context(self) -> bool:
         """Whether this thread has a current context (the driver calls above need one)."""

@@ -92,19 +92,20 @@ class _Launches:
             return False
 
     def launch(
-        self, table: torch.Tensor, offset: int, start: int, stop: int, max_rows: int, max_tokens: int,
-        geo: RowGeometry, bases: torch.Tensor, *, to_paged: bool, stream: torch.cuda.Stream,
+        self, table: torch.Tensor, table_addr: int, offset: int, start: int, stop: int, max_rows: int,
+        max_tokens: int, geo: RowGeometry, bases: torch.Tensor, *, to_paged: bool, stream: torch.cuda.Stream,
     ) -> None:
-        """Runs ``[start, stop)`` of the run table that starts ``offset`` int64s into the device
-        buffer ``table`` (at most ``max_rows`` rows and ``max_tokens`` tokens a run), on
-        ``stream`` (need not be current)."""
+        """Runs ``[start, stop)`` of the run table that starts ``offset`` int64s into the int64
+        buffer ``table`` (on the device, or pinned host memory the kernel reads in place), which
+        kernels address at ``table_addr``; at most ``max_rows`` rows and ``max_tokens`` tokens a
+        run; on ``stream`` (need not be current)."""
         runs = stop - start
         if runs <= 0 or max_tokens == 0 or max_rows == 0:
             return
         block_t, block_d = _blocks(geo.hd_words, geo.word_bytes)
-        ptr = table.data_ptr() + 8 * (offset + start * RUN_WORDS)
+        ptr = table_addr + 8 * (offset + start * RUN_WORDS)
         bases_ptr = bases.data_ptr()
-        key = (table.device.index, geo, to_paged, block_t, block_d, ptr % 16 == 0, bases_ptr % 16 == 0)
+        key = (bases.device.index, geo, to_paged, block_t, block_d, ptr % 16 == 0, bases_ptr % 16 == 0)
         ck = self.compiled.get(key)
         grid_t = -(-max_tokens // block_t)
         if ck is not None:
@@ -120,7 +121,7 @@ class _Launches:
                 knobs.launch_enter_hook, knobs.launch_exit_hook, *args,
             )
             return
-        prev = torch.cuda.current_stream(table.device)
+        prev = torch.cuda.current_stream(bases.device)
         torch.cuda.set_stream(stream)
         try:
             view = table[offset + start * RUN_WORDS : offset + stop * RUN_WORDS].view(-1, RUN_WORDS)
