@@ -70,6 +70,8 @@ _LAST_PIECE_BYTES = 4 << 20
 _FIRST_GROUP_BYTES = 8 << 20
 # Row-table buffers per lane (driver path): batches of rows that may be in flight at once.
 _TABLE_RING = 8
+# Per thread: the devices whose CUDA context the thread has current (see _Lane.bind_context).
+_BOUND = threading.local()
 
 
 @dataclass(slots=True)
@@ -235,12 +237,28 @@ class _Lane:
         than that, this wait is the back-pressure. (torch's allocators do not see driver
         copies, so these buffers are owned here and never freed under a live copy.)
         """
+        assert self.drv is not None
+        self.bind_context()
         slot = self.tables[self.next_table]
         self.next_table = (self.next_table + 1) % len(self.tables)
         slot.done.synchronize()
-        assert self.drv is not None
         slot.ensure(numel, self.drv)
         return slot
+
+    def bind_context(self) -> None:
+        """Make sure this thread has the device's CUDA context current before driver calls (a
+        thread's first CUDA runtime call binds it; remembered per thread and device)."""
+        bound = getattr(_BOUND, "devices", None)
+        if bound is None:
+            bound = _BOUND.devices = set()
+        if self.device.index in bound:
+            return
+        assert self.drv is not None
+        if not self.drv.has_context():
+            torch.cuda.current_stream(self.device).query()
+            if not self.drv.has_context():
+                raise CUDADriverError(f"no CUDA context is current on this thread for {self.device}")
+        bound.add(self.device.index)
 
     def ensure_slots(self, nbytes: int) -> None:
         """Allocate the ring on first use; grow it (after draining) for a row larger than a slot."""
@@ -834,7 +852,8 @@ class CUDAPagedConnector(DeviceConnector):
         on_device = slots.device.type == "cuda"
         n_slots = 0 if on_device else slots.numel()
         if ring is None:
-            ring = lane.table_buffers(n_slots + RUN_WORDS * (len(segments) + 8))
+            with _OnDevice(self.device.index):
+                ring = lane.table_buffers(n_slots + RUN_WORDS * (len(segments) + 8))
             if n_slots:
                 ring.host_np[:n_slots] = slots.numpy()  # type: ignore[index]
         assert ring.host is not None
@@ -863,11 +882,7 @@ class CUDAPagedConnector(DeviceConnector):
         with _OnDevice(self.device.index):
             try:
                 if not state.ordered:
-                    if not drv.has_context():
-                        # A thread's first CUDA runtime call binds the device's context.
-                        torch.cuda.current_stream(self.device).query()
-                        if not drv.has_context():
-                            raise CUDADriverError(f"no CUDA context is current on this thread for {self.device}")
+                    lane.bind_context()
                     # ks runs after the caller's work so far: a gather reads what the forward pass
                     # wrote, a scatter writes blocks only after the engine's earlier reads of them.
                     # One lane event serves every call: a wait takes its state when enqueued.
@@ -1157,7 +1172,8 @@ class CUDAPagedConnector(DeviceConnector):
                     ring = None
                     if driver:
                         # The slots land straight in the pinned buffer they are uploaded from.
-                        ring = lane.table_buffers(tokens + RUN_WORDS * (hi - lo + 8))
+                        with _OnDevice(self.device.index):
+                            ring = lane.table_buffers(tokens + RUN_WORDS * (hi - lo + 8))
                         prepared, slots = self._prepare(transfers[lo:hi], first_index=lo, slot_out=ring)
                     else:
                         prepared, slots = self._prepare(transfers[lo:hi], first_index=lo)
