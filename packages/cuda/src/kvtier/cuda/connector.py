@@ -867,7 +867,8 @@ class CUDAPagedConnector(DeviceConnector):
         numel = n_slots + RUN_WORDS * len(runs)
         if ring.host.numel() < numel:  # more runs than the estimate: grow, slots kept
             assert lane.drv is not None
-            ring.ensure(numel, lane.drv, keep=n_slots)
+            with _OnDevice(self.device.index):
+                ring.ensure(numel, lane.drv, keep=n_slots)
             if not on_device:
                 shift = ring.host_dev_ptr - slot_base
                 runs = [(*r[:5], r[5] + shift, *r[6:]) for r in runs]
