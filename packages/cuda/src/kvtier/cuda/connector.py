@@ -141,28 +141,36 @@ class _CallState:
 class _TableSlot:
     """One table buffer of a lane's ring (driver path): a call's slots, then its run table.
 
-    Kernels read it where it is, in pinned host memory (zero-copy, ``host_dev_ptr``), instead of
-    after a copy to the device: a host-to-device copy queues behind every host-to-device copy
-    already on the copy engine, whatever its stream (measured on an H200: a 64 KiB copy issued
-    just after a 32 MiB load ended with it, ~600 us later), so a store's table would wait for
-    the loads in flight. The reads cost a few microseconds of latency per kernel and about 3%
-    extra PCIe traffic for a 2 MiB chunk (each row reads its chunk's slots).
+    Written in pinned host memory. A load lane copies it to ``dev`` on its kernel stream, after
+    its first DMA. A store lane's kernels read it in place (zero-copy, at ``host_dev_ptr``):
+    a host-to-device copy queues behind every host-to-device copy already on the copy engine,
+    whatever its stream (measured on an H200: a 64 KiB copy issued just after a 32 MiB one
+    ended with it, ~600 us later), so a store's table copy would wait for the loads in flight.
+    Reading in place costs a few microseconds of latency per gather and host-to-device PCIe
+    traffic of about 3% of a small model's stored bytes (each row reads its chunk's slots);
+    the load lane copies instead because those reads measured ~3% slower for its own DMAs.
     """
 
     done: Any  # RawEvent recorded after the last kernel reading this table
     host: torch.Tensor | None = None  # pinned; keeps host_np's memory alive
     host_np: np.ndarray | None = None
-    host_dev_ptr: int = 0  # where kernels read ``host`` (read once: it costs host time)
+    dev: torch.Tensor | None = None  # the device copy (load lanes)
+    read_ptr: int = 0  # where kernels read the buffer: dev's or host's device address
+    host_ptr: int = 0
 
-    def ensure(self, numel: int, drv: CudaDriver, keep: int = 0) -> None:
-        """At least ``numel`` int64s; the first ``keep`` values survive."""
+    def ensure(self, numel: int, drv: CudaDriver, device: torch.device, *, copy: bool, keep: int = 0) -> None:
+        """At least ``numel`` int64s; the first ``keep`` values survive (host side)."""
         if self.host is not None and self.host.numel() >= numel:
             return
         size = max(numel, 1 << 12)
         old = self.host_np
         host = torch.empty(size, dtype=torch.int64, pin_memory=True)
-        self.host, self.host_np = host, host.numpy()
-        self.host_dev_ptr = drv.host_device_pointer(host.data_ptr())
+        self.host, self.host_np, self.host_ptr = host, host.numpy(), host.data_ptr()
+        if copy:
+            self.dev = torch.empty(size, dtype=torch.int64, device=device)
+            self.read_ptr = self.dev.data_ptr()
+        else:
+            self.read_ptr = drv.host_device_pointer(self.host_ptr)
         if keep and old is not None:
             self.host_np[:keep] = old[:keep]
 
@@ -176,8 +184,11 @@ class _Lane:
     the Python-side bookkeeping consistent while a plan is enqueued.
     """
 
-    def __init__(self, device: torch.device, num_slots: int, slot_bytes: int, *, use_driver: bool) -> None:
+    def __init__(
+        self, device: torch.device, num_slots: int, slot_bytes: int, *, use_driver: bool, copy_tables: bool
+    ) -> None:
         self.device = device
+        self.copy_tables = copy_tables  # driver path: see _TableSlot
         self.is_cuda = device.type == "cuda"
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
@@ -242,7 +253,7 @@ class _Lane:
         slot = self.tables[self.next_table]
         self.next_table = (self.next_table + 1) % len(self.tables)
         slot.done.synchronize()
-        slot.ensure(numel, self.drv)
+        slot.ensure(numel, self.drv, self.device, copy=self.copy_tables)
         return slot
 
     def bind_context(self) -> None:
@@ -411,8 +422,8 @@ class CUDAPagedConnector(DeviceConnector):
         self._chunk_shapes: dict[int, tuple[int, ...]] = {}
         self._dma_geometry = self._geometry(())
         use_driver = use_driver_api and mode == "dma"
-        self._store_lane = _Lane(device, staging_slots, staging_slot_bytes, use_driver=use_driver)
-        self._load_lane = _Lane(device, staging_slots, staging_slot_bytes, use_driver=use_driver)
+        self._store_lane = _Lane(device, staging_slots, staging_slot_bytes, use_driver=use_driver, copy_tables=False)
+        self._load_lane = _Lane(device, staging_slots, staging_slot_bytes, use_driver=use_driver, copy_tables=True)
 
     # -- geometry ---------------------------------------------------------------------------
     def _row_bases(self) -> tuple[list[int], tuple[int, int, int]]:
@@ -857,7 +868,7 @@ class CUDAPagedConnector(DeviceConnector):
             if n_slots:
                 ring.host_np[:n_slots] = slots.numpy()  # type: ignore[index]
         assert ring.host is not None
-        slot_base = slots.data_ptr() if on_device else ring.host_dev_ptr
+        slot_base = slots.data_ptr() if on_device else ring.read_ptr
         pieces, runs = self._plan(
             lane, prepared, segments, store=store, slot_base=slot_base,
             first_piece_bytes=first_piece_bytes, last_piece_bytes=last_piece_bytes,
@@ -868,15 +879,18 @@ class CUDAPagedConnector(DeviceConnector):
         if ring.host.numel() < numel:  # more runs than the estimate: grow, slots kept
             assert lane.drv is not None
             with _OnDevice(self.device.index):
-                ring.ensure(numel, lane.drv, keep=n_slots)
+                ring.ensure(numel, lane.drv, self.device, copy=lane.copy_tables, keep=n_slots)
             if not on_device:
-                shift = ring.host_dev_ptr - slot_base
+                shift = ring.read_ptr - slot_base
                 runs = [(*r[:5], r[5] + shift, *r[6:]) for r in runs]
         host = ring.host_np
         assert host is not None
         host[n_slots:numel] = [x for run in runs for x in run]
-        # The kernels read slots and table in place (see _TableSlot), from its raw address.
-        table_dev = (ring.host, ring.host_dev_ptr, n_slots)
+        # Kernels read slots and table at ring.read_ptr (see _TableSlot): a raw address, since
+        # a tensor view per batch costs host time.
+        buf = ring.dev if lane.copy_tables else ring.host
+        assert buf is not None
+        table_dev = (buf, ring.read_ptr, n_slots)
         ks_h, cs_h = lane.ks_h, lane.cs_h
         geo = self._dma_geometry
         bases = self._bases_dev
@@ -902,6 +916,9 @@ class CUDAPagedConnector(DeviceConnector):
                 for scatter in state.pending:  # the previous batch's last scatter, after our DMA
                     scatter()
                 state.pending.clear()
+                # The table copy queues behind this batch's first DMA on the copy engine; the
+                # first scatter waits for that DMA anyway.
+                drv.memcpy_htod(ring.read_ptr, ring.host_ptr, 8 * numel, ks_h)
                 for k, piece in enumerate(pieces):
                     last = k + 1 == len(pieces)
                     if not last:
