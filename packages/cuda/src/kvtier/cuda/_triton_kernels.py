@@ -88,3 +88,12 @@ def paged_runs_kernel(
                 tl.store(p_ptr, tl.load(f_ptr, mask=mask), mask=mask)
             else:
                 tl.store(f_ptr, tl.load(p_ptr, mask=mask), mask=mask)
+
+
+@triton.jit
+def copy_words_kernel(src, dst, n, BLOCK: tl.constexpr):
+    """``dst[:n] = src[:n]`` (int64): a store lane's table from pinned host memory, read in place,
+    to the device. A kernel, not a copy-engine copy: see kvtier.cuda.connector._TableSlot."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    tl.store(dst + i, tl.load(src + i, mask=mask), mask=mask)

@@ -56,7 +56,14 @@ from kvtier.core.connector import DeviceConnector, Transfer
 from kvtier.core.errors import LayoutError
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.cuda._driver import CudaDriver, CUDADriverError, RawEvent, driver
-from kvtier.cuda.kernels import LAUNCHES, RUN_WORDS, RowGeometry, copy_runs, word_bytes_for
+from kvtier.cuda.kernels import (
+    LAUNCHES,
+    RUN_WORDS,
+    WORDS_ALIGN,
+    RowGeometry,
+    copy_runs,
+    word_bytes_for,
+)
 
 MODES = ("dma", "zerocopy")
 _DEFAULT_SLOTS = 2
@@ -141,36 +148,36 @@ class _CallState:
 class _TableSlot:
     """One table buffer of a lane's ring (driver path): a call's slots, then its run table.
 
-    Written in pinned host memory. A load lane copies it to ``dev`` on its kernel stream, after
-    its first DMA. A store lane's kernels read it in place (zero-copy, at ``host_dev_ptr``):
-    a host-to-device copy queues behind every host-to-device copy already on the copy engine,
+    Written in pinned host memory, read by the kernels from a device copy ``dev``. A load lane
+    makes the copy on the copy engine, on its kernel stream after its first DMA. A store lane
+    makes it with a small kernel reading the pinned buffer in place (``copy_words``): a
+    host-to-device copy queues behind every host-to-device copy already on the copy engine,
     whatever its stream (measured on an H200: a 64 KiB copy issued just after a 32 MiB one
-    ended with it, ~600 us later), so a store's table copy would wait for the loads in flight.
-    Reading in place costs a few microseconds of latency per gather and host-to-device PCIe
-    traffic of about 3% of a small model's stored bytes (each row reads its chunk's slots);
-    the load lane copies instead because those reads measured ~3% slower for its own DMAs.
+    ended with it, ~600 us later), so a store's table would wait for the loads in flight.
+    (Gathers reading the table in place instead measured slower: each row re-reads its
+    chunk's slots across PCIe.)
     """
 
     done: Any  # RawEvent recorded after the last kernel reading this table
     host: torch.Tensor | None = None  # pinned; keeps host_np's memory alive
     host_np: np.ndarray | None = None
-    dev: torch.Tensor | None = None  # the device copy (load lanes)
-    read_ptr: int = 0  # where kernels read the buffer: dev's or host's device address
+    dev: torch.Tensor | None = None
     host_ptr: int = 0
+    host_read_ptr: int = 0  # where a kernel reads ``host`` in place
+    dev_ptr: int = 0
 
-    def ensure(self, numel: int, drv: CudaDriver, device: torch.device, *, copy: bool, keep: int = 0) -> None:
-        """At least ``numel`` int64s; the first ``keep`` values survive (host side)."""
+    def ensure(self, numel: int, drv: CudaDriver, device: torch.device, keep: int = 0) -> None:
+        """At least ``numel`` int64s (rounded up to ``WORDS_ALIGN``) on both sides; the first
+        ``keep`` host values survive."""
         if self.host is not None and self.host.numel() >= numel:
             return
-        size = max(numel, 1 << 12)
+        size = -(-max(numel, 1 << 12) // WORDS_ALIGN) * WORDS_ALIGN
         old = self.host_np
         host = torch.empty(size, dtype=torch.int64, pin_memory=True)
         self.host, self.host_np, self.host_ptr = host, host.numpy(), host.data_ptr()
-        if copy:
-            self.dev = torch.empty(size, dtype=torch.int64, device=device)
-            self.read_ptr = self.dev.data_ptr()
-        else:
-            self.read_ptr = drv.host_device_pointer(self.host_ptr)
+        self.host_read_ptr = drv.host_device_pointer(self.host_ptr)
+        self.dev = torch.empty(size, dtype=torch.int64, device=device)
+        self.dev_ptr = self.dev.data_ptr()
         if keep and old is not None:
             self.host_np[:keep] = old[:keep]
 
@@ -185,10 +192,11 @@ class _Lane:
     """
 
     def __init__(
-        self, device: torch.device, num_slots: int, slot_bytes: int, *, use_driver: bool, copy_tables: bool
+        self, device: torch.device, num_slots: int, slot_bytes: int, *, use_driver: bool, store: bool
     ) -> None:
         self.device = device
-        self.copy_tables = copy_tables  # driver path: see _TableSlot
+        # Driver path: how the table reaches the device (see _TableSlot).
+        self.table_by_kernel = store
         self.is_cuda = device.type == "cuda"
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
@@ -253,7 +261,7 @@ class _Lane:
         slot = self.tables[self.next_table]
         self.next_table = (self.next_table + 1) % len(self.tables)
         slot.done.synchronize()
-        slot.ensure(numel, self.drv, self.device, copy=self.copy_tables)
+        slot.ensure(numel, self.drv, self.device)
         return slot
 
     def bind_context(self) -> None:
@@ -422,8 +430,8 @@ class CUDAPagedConnector(DeviceConnector):
         self._chunk_shapes: dict[int, tuple[int, ...]] = {}
         self._dma_geometry = self._geometry(())
         use_driver = use_driver_api and mode == "dma"
-        self._store_lane = _Lane(device, staging_slots, staging_slot_bytes, use_driver=use_driver, copy_tables=False)
-        self._load_lane = _Lane(device, staging_slots, staging_slot_bytes, use_driver=use_driver, copy_tables=True)
+        self._store_lane = _Lane(device, staging_slots, staging_slot_bytes, use_driver=use_driver, store=True)
+        self._load_lane = _Lane(device, staging_slots, staging_slot_bytes, use_driver=use_driver, store=False)
 
     # -- geometry ---------------------------------------------------------------------------
     def _row_bases(self) -> tuple[list[int], tuple[int, int, int]]:
@@ -868,7 +876,7 @@ class CUDAPagedConnector(DeviceConnector):
             if n_slots:
                 ring.host_np[:n_slots] = slots.numpy()  # type: ignore[index]
         assert ring.host is not None
-        slot_base = slots.data_ptr() if on_device else ring.read_ptr
+        slot_base = slots.data_ptr() if on_device else ring.dev_ptr
         pieces, runs = self._plan(
             lane, prepared, segments, store=store, slot_base=slot_base,
             first_piece_bytes=first_piece_bytes, last_piece_bytes=last_piece_bytes,
@@ -879,18 +887,16 @@ class CUDAPagedConnector(DeviceConnector):
         if ring.host.numel() < numel:  # more runs than the estimate: grow, slots kept
             assert lane.drv is not None
             with _OnDevice(self.device.index):
-                ring.ensure(numel, lane.drv, self.device, copy=lane.copy_tables, keep=n_slots)
+                ring.ensure(numel, lane.drv, self.device, keep=n_slots)
             if not on_device:
-                shift = ring.read_ptr - slot_base
+                shift = ring.dev_ptr - slot_base
                 runs = [(*r[:5], r[5] + shift, *r[6:]) for r in runs]
         host = ring.host_np
         assert host is not None
         host[n_slots:numel] = [x for run in runs for x in run]
-        # Kernels read slots and table at ring.read_ptr (see _TableSlot): a raw address, since
-        # a tensor view per batch costs host time.
-        buf = ring.dev if lane.copy_tables else ring.host
-        assert buf is not None
-        table_dev = (buf, ring.read_ptr, n_slots)
+        # Kernels read the table by its raw address: a tensor view per batch costs host time.
+        assert ring.dev is not None
+        table_dev = (ring.dev, ring.dev_ptr, n_slots)
         ks_h, cs_h = lane.ks_h, lane.cs_h
         geo = self._dma_geometry
         bases = self._bases_dev
@@ -905,6 +911,7 @@ class CUDAPagedConnector(DeviceConnector):
                     drv.wait(ks_h, lane.after.handle)
                     state.ordered = True
                 if store:
+                    self._drv_table_up(lane, ring, numel)
                     for piece in pieces:
                         self._drv_store_piece(lane, drv, piece, table_dev, geo, bases)
                         yield
@@ -916,9 +923,9 @@ class CUDAPagedConnector(DeviceConnector):
                 for scatter in state.pending:  # the previous batch's last scatter, after our DMA
                     scatter()
                 state.pending.clear()
-                # The table copy queues behind this batch's first DMA on the copy engine; the
-                # first scatter waits for that DMA anyway.
-                drv.memcpy_htod(ring.read_ptr, ring.host_ptr, 8 * numel, ks_h)
+                # On the copy engine the table queues behind this batch's first DMA; the first
+                # scatter waits for that DMA anyway.
+                self._drv_table_up(lane, ring, numel)
                 for k, piece in enumerate(pieces):
                     last = k + 1 == len(pieces)
                     if not last:
@@ -947,6 +954,15 @@ class CUDAPagedConnector(DeviceConnector):
                 # Nothing half-enqueued may outlive the call: the objects may be released next.
                 lane.synchronize()
                 raise
+
+    @staticmethod
+    def _drv_table_up(lane: _Lane, ring: _TableSlot, numel: int) -> None:
+        """The table's first ``numel`` words to the device, on ks (see _TableSlot)."""
+        assert ring.host is not None and ring.dev is not None and lane.drv is not None
+        if lane.table_by_kernel:
+            LAUNCHES.copy_words(ring.host, ring.host_read_ptr, ring.dev, numel, stream=lane.kernel_stream)
+        else:
+            lane.drv.memcpy_htod(ring.dev_ptr, ring.host_ptr, 8 * numel, lane.ks_h)
 
     @staticmethod
     def _drv_store_piece(

@@ -21,6 +21,10 @@ _TILE_BYTES = 16 * 1024
 _MAX_BLOCK_D = 256
 # int64s per run in the table (see kvtier.cuda._triton_kernels).
 RUN_WORDS = 8
+# copy_words: int64s one program copies; counts are rounded up to WORDS_ALIGN so Triton's
+# specialisation of the count (divisible by 16 or not) never changes between launches.
+_COPY_BLOCK = 1024
+WORDS_ALIGN = 16
 
 
 @dataclass(frozen=True)
@@ -47,9 +51,9 @@ def word_bytes_for(*values: int) -> int:
 def _triton():
     import triton
 
-    from kvtier.cuda._triton_kernels import paged_runs_kernel
+    from kvtier.cuda._triton_kernels import copy_words_kernel, paged_runs_kernel
 
-    return triton, paged_runs_kernel
+    return triton, paged_runs_kernel, copy_words_kernel
 
 
 @functools.cache
@@ -128,6 +132,40 @@ class _Launches:
             ck = _launch(view, max_rows, max_tokens, geo, bases, to_paged=to_paged, blocks=(block_t, block_d))
         finally:
             torch.cuda.set_stream(prev)
+        self._keep(key, ck)
+
+    def copy_words(
+        self, src: torch.Tensor, src_addr: int, dst: torch.Tensor, numel: int, *, stream: torch.cuda.Stream
+    ) -> None:
+        """``dst[:numel] = src[:numel]`` (int64) by a kernel on ``stream``; ``src`` is pinned host
+        memory the kernel reads in place at ``src_addr``. Both hold at least ``numel`` rounded up
+        to ``WORDS_ALIGN``."""
+        n = -(-numel // WORDS_ALIGN) * WORDS_ALIGN
+        if n == 0:
+            return
+        grid = -(-n // _COPY_BLOCK)
+        dst_ptr = dst.data_ptr()
+        key = ("copy_words", dst.device.index, src_addr % 16 == 0, dst_ptr % 16 == 0)
+        ck = self.compiled.get(key)
+        if ck is not None:
+            args = (src_addr, dst_ptr, n, _COPY_BLOCK)
+            knobs = self.knobs
+            handle = stream.cuda_stream
+            ck.run(
+                grid, 1, 1, handle, ck.function, ck.packed_metadata,
+                ck.launch_metadata((grid, 1, 1), handle, *args),
+                knobs.launch_enter_hook, knobs.launch_exit_hook, *args,
+            )
+            return
+        prev = torch.cuda.current_stream(dst.device)
+        torch.cuda.set_stream(stream)
+        try:
+            ck = copy_words(src, dst, numel)
+        finally:
+            torch.cuda.set_stream(prev)
+        self._keep(key, ck)
+
+    def _keep(self, key: tuple, ck: Any) -> None:
         if self.usable is None:
             self.usable = self._check()
         if self.usable and ck is not None and all(
@@ -143,7 +181,7 @@ def _launch(
     table: torch.Tensor, max_rows: int, max_tokens: int, geo: RowGeometry, bases: torch.Tensor,
     *, to_paged: bool, blocks: tuple[int, int],
 ) -> Any:
-    triton, kernel = _triton()
+    triton, kernel, _ = _triton()
     block_t, block_d = blocks
     grid = (table.shape[0], max_rows, triton.cdiv(max_tokens, block_t))
     return kernel[grid](
@@ -177,3 +215,14 @@ def copy_runs(
         return
     _launch(table, max_rows, max_tokens, geo, bases, to_paged=to_paged,
             blocks=_blocks(geo.hd_words, geo.word_bytes))
+
+
+def copy_words(src: torch.Tensor, dst: torch.Tensor, numel: int) -> Any:
+    """``dst[:numel] = src[:numel]`` (int64) in one launch on the current stream (``src`` may be
+    pinned host memory: the kernel reads it in place). Counts round up to ``WORDS_ALIGN``, so
+    both must hold that many."""
+    n = -(-numel // WORDS_ALIGN) * WORDS_ALIGN
+    if n == 0:
+        return None
+    triton, _, kernel = _triton()
+    return kernel[(triton.cdiv(n, _COPY_BLOCK),)](src, dst, n, BLOCK=_COPY_BLOCK, num_warps=4)
