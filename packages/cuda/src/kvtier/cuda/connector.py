@@ -150,10 +150,11 @@ class _TableSlot:
 
     Written in pinned host memory, read by the kernels from a device copy ``dev``. A load lane
     makes the copy on the copy engine, on its kernel stream after its first DMA. A store lane
-    makes it with a small kernel reading the pinned buffer in place (``copy_words``): a
-    host-to-device copy queues behind every host-to-device copy already on the copy engine,
-    whatever its stream (measured on an H200: a 64 KiB copy issued just after a 32 MiB one
-    ended with it, ~600 us later), so a store's table would wait for the loads in flight.
+    does the same when no load DMA of its connector is in flight, and otherwise copies with a
+    small kernel reading the pinned buffer in place (``copy_words``, ~10 us more host time a
+    batch): a host-to-device copy queues behind every host-to-device copy already on the copy
+    engine, whatever its stream (measured on an H200: a 64 KiB copy issued just after a 32 MiB
+    one ended with it, ~600 us later), so a store's table would wait for the loads in flight.
     (Gathers reading the table in place instead measured slower: each row re-reads its
     chunk's slots across PCIe.)
     """
@@ -192,11 +193,9 @@ class _Lane:
     """
 
     def __init__(
-        self, device: torch.device, num_slots: int, slot_bytes: int, *, use_driver: bool, store: bool
+        self, device: torch.device, num_slots: int, slot_bytes: int, *, use_driver: bool
     ) -> None:
         self.device = device
-        # Driver path: how the table reaches the device (see _TableSlot).
-        self.table_by_kernel = store
         self.is_cuda = device.type == "cuda"
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
@@ -263,6 +262,10 @@ class _Lane:
         slot.done.synchronize()
         slot.ensure(numel, self.drv, self.device)
         return slot
+
+    def dma_in_flight(self) -> bool:
+        """Driver path: whether a DMA this lane issued may still be running (event queries)."""
+        return not all(e.query() for e in self.filled)
 
     def bind_context(self) -> None:
         """Make sure this thread has the device's CUDA context current before driver calls (a
@@ -430,8 +433,8 @@ class CUDAPagedConnector(DeviceConnector):
         self._chunk_shapes: dict[int, tuple[int, ...]] = {}
         self._dma_geometry = self._geometry(())
         use_driver = use_driver_api and mode == "dma"
-        self._store_lane = _Lane(device, staging_slots, staging_slot_bytes, use_driver=use_driver, store=True)
-        self._load_lane = _Lane(device, staging_slots, staging_slot_bytes, use_driver=use_driver, store=False)
+        self._store_lane = _Lane(device, staging_slots, staging_slot_bytes, use_driver=use_driver)
+        self._load_lane = _Lane(device, staging_slots, staging_slot_bytes, use_driver=use_driver)
 
     # -- geometry ---------------------------------------------------------------------------
     def _row_bases(self) -> tuple[list[int], tuple[int, int, int]]:
@@ -911,7 +914,7 @@ class CUDAPagedConnector(DeviceConnector):
                     drv.wait(ks_h, lane.after.handle)
                     state.ordered = True
                 if store:
-                    self._drv_table_up(lane, ring, numel)
+                    self._drv_table_up(lane, ring, numel, by_kernel=self._load_lane.dma_in_flight())
                     for piece in pieces:
                         self._drv_store_piece(lane, drv, piece, table_dev, geo, bases)
                         yield
@@ -925,7 +928,7 @@ class CUDAPagedConnector(DeviceConnector):
                 state.pending.clear()
                 # On the copy engine the table queues behind this batch's first DMA; the first
                 # scatter waits for that DMA anyway.
-                self._drv_table_up(lane, ring, numel)
+                self._drv_table_up(lane, ring, numel, by_kernel=False)
                 for k, piece in enumerate(pieces):
                     last = k + 1 == len(pieces)
                     if not last:
@@ -956,10 +959,10 @@ class CUDAPagedConnector(DeviceConnector):
                 raise
 
     @staticmethod
-    def _drv_table_up(lane: _Lane, ring: _TableSlot, numel: int) -> None:
+    def _drv_table_up(lane: _Lane, ring: _TableSlot, numel: int, *, by_kernel: bool) -> None:
         """The table's first ``numel`` words to the device, on ks (see _TableSlot)."""
         assert ring.host is not None and ring.dev is not None and lane.drv is not None
-        if lane.table_by_kernel:
+        if by_kernel:
             LAUNCHES.copy_words(ring.host, ring.host_read_ptr, ring.dev, numel, stream=lane.kernel_stream)
         else:
             lane.drv.memcpy_htod(ring.dev_ptr, ring.host_ptr, 8 * numel, lane.ks_h)
