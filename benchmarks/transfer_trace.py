@@ -63,16 +63,6 @@ def _timeline(trace: Path, label: str) -> list[str]:
     return lines
 
 
-def _median_us(fn: Callable[[], object], n: int = 200) -> float:
-    fn()
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
-
-
 def _issue_times(fn: Callable[[], object]) -> str:
     """When the host issued each DMA of at least 1 MiB, in one call without the profiler."""
     from kvtier.cuda._driver import CudaDriver

@@ -1,0 +1,112 @@
+"""Properties of the connector's planner: how a call's rows are packed into staging pieces.
+
+Pure host logic (no kernel runs), so it is checked over many random calls: every row of every
+transfer lands exactly once, pieces fit their staging slot, the host ranges the DMAs move are
+exactly the rows the kernel reads or writes, and the first/last piece caps hold.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.core.connector import Transfer
+from kvtier.core.layout import KVLayout, PagedLayout
+from kvtier.core.memory import HostArena, MemoryObjMeta
+from kvtier.cuda.connector import CUDAPagedConnector
+
+LAYOUT = KVLayout(2, 2, 8, "float16", 4, PagedLayout.FLASH_NHD)  # a row token: 32 bytes
+BLOCKS = 64
+
+
+@st.composite
+def calls(draw):  # type: ignore[no-untyped-def]
+    lengths = draw(st.lists(st.integers(1, 12), min_size=1, max_size=5))
+    uniform = draw(st.booleans())
+    if uniform:
+        lengths = [lengths[0]] * len(lengths)
+    holes = draw(st.lists(st.booleans(), min_size=len(lengths), max_size=len(lengths)))
+    by_layer = draw(st.booleans())
+    row_max = max(lengths) * 32
+    slot_bytes = draw(st.integers(row_max, 6 * row_max))
+    first = draw(st.sampled_from([None, 1, row_max, 2 * row_max]))
+    last = draw(st.sampled_from([None, 1, row_max, 2 * row_max]))
+    store = draw(st.booleans())
+    return lengths, holes, by_layer, slot_bytes, first, last, store, uniform
+
+
+@settings(max_examples=150, deadline=None)
+@given(calls())
+def test_every_row_lands_once_inside_its_piece_and_its_dma(call):  # type: ignore[no-untyped-def]
+    lengths, holes, by_layer, slot_bytes, first, last, store, uniform = call
+    caches = [torch.zeros(LAYOUT.expected_cache_shape(BLOCKS), dtype=torch.float16) for _ in range(2)]
+    conn = CUDAPagedConnector(caches, LAYOUT, staging_slots=3, staging_slot_bytes=slot_bytes)
+    arena = HostArena.create(1 << 20)
+    perm = torch.randperm(BLOCKS * LAYOUT.block_size, generator=torch.Generator().manual_seed(len(lengths)))
+    transfers, at = [], 0
+    for n, hole in zip(lengths, holes, strict=True):
+        obj = arena.allocate(MemoryObjMeta(LAYOUT.chunk_shape(n), torch.float16, n))
+        assert obj is not None
+        slots = perm[at : at + n].clone()
+        at += n
+        if hole:
+            slots[: (n + 1) // 2] = -1
+        transfers.append(Transfer(obj, slots))
+    prepared, _ = conn._prepare(transfers)
+    lane = conn._store_lane if store else conn._load_lane
+    segments = (
+        [seg for layer in range(LAYOUT.num_layers) for seg in conn._layer_rows(len(prepared), layer)]
+        if by_layer else conn._all_rows(len(prepared))
+    )
+    slot0 = lane.next_slot
+    with lane.lock:
+        pieces, runs = conn._plan(
+            lane, prepared, segments, store=store, slot_base=1 << 40, first_piece_bytes=first, last_piece_bytes=last
+        )
+    rows_per_obj = 2 * LAYOUT.num_layers
+    expected = {(i, r) for i, p in enumerate(prepared) if not p.empty for r in range(rows_per_obj)}
+    by_slot_index = {p.slot_index: i for i, p in enumerate(prepared)}
+    slot_ptrs = [t.data_ptr() for t in lane.slots]
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for k, piece in enumerate(pieces):
+        assert piece.slot == (slot0 + k) % lane.num_slots
+        assert 0 < piece.nbytes <= piece.cap <= lane.slot_bytes
+        base = slot_ptrs[piece.slot]
+        used: list[tuple[int, int]] = []
+        for run in runs[piece.start : piece.stop]:
+            r0, step, count, flat, stride, slot_list, n, pad = run
+            i = by_slot_index[(slot_list - (1 << 40)) // 8]
+            p = prepared[i]
+            assert pad == 0 and n == p.num_tokens and stride == p.row_bytes
+            assert count <= piece.max_rows and n <= piece.max_tokens
+            for j in range(count):
+                row = r0 + j * step
+                assert (i, row) not in seen
+                seen.add((i, row))
+                off = flat - base + j * stride
+                assert off >= 0 and off + stride <= piece.nbytes
+                used.append((off, off + stride))
+                # The DMA ranges move exactly this row's host bytes to this slot offset.
+                addr = p.host_ptr + row * p.row_bytes
+                assert any(
+                    c.host_ptr <= addr and addr + stride <= c.host_ptr + c.nbytes
+                    and c.slot_offset + (addr - c.host_ptr) == off
+                    for c in piece.copies
+                ), (i, row)
+        used.sort()
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(used))
+        assert sum(b - a for a, b in used) == piece.nbytes == sum(c.nbytes for c in piece.copies)
+        assert piece.prefill == (store and any(prepared[by_slot_index[(r[5] - (1 << 40)) // 8]].has_holes
+                                                for r in runs[piece.start : piece.stop]))
+        total += piece.nbytes
+    assert seen == expected
+    assert total == sum(p.row_bytes * rows_per_obj for p in prepared if not p.empty)
+    row = max((p.row_bytes for p in prepared if not p.empty), default=0)
+    if pieces and first:
+        assert pieces[0].nbytes <= max(first, row)
+    if uniform and last and last >= row and len(pieces) > 1 and total > last:
+        assert pieces[-1].nbytes <= last
