@@ -11,8 +11,11 @@ loads each have their own pair of streams and their own ring, so both directions
 
 Host time is the other budget: a small model's 2 MiB chunk crosses PCIe in under 40 us, about
 what one Triton launch plus a few stream operations cost in Python. So pieces are large (one
-launch, and one DMA per contiguous host range, per 32 MiB), call preparation is vectorised, and
-``store_and_load_async`` lets one thread keep both directions busy, interleaving their pieces.
+launch, and one DMA per contiguous host range, per 32 MiB), the kernel reads runs of rows (one
+table entry per chunk, never a host-expanded row table), a call is prepared in groups so its
+first DMA starts early, and ``store_and_load_async`` lets one thread keep both directions busy,
+interleaving their pieces. A store's table reaches the GPU without queueing behind loads on the
+copy engine (see ``_TableSlot``).
 
 Streams and events (CUDA):
 
@@ -75,7 +78,7 @@ _LAST_PIECE_BYTES = 4 << 20
 # A whole-chunk call's first group of transfers (see ``_groups``): the host checks and plans
 # only this much before the first DMA can start; later groups are prepared while it runs.
 _FIRST_GROUP_BYTES = 8 << 20
-# Row-table buffers per lane (driver path): batches of rows that may be in flight at once.
+# Table buffers per lane (driver path): batches of runs that may be in flight at once.
 _TABLE_RING = 8
 # Per thread: the devices whose CUDA context the thread has current (see _Lane.bind_context).
 _BOUND = threading.local()
@@ -213,12 +216,12 @@ class _Lane:
             self.cs_h = self.copy_stream.cuda_stream
             self.filled: list[Any] = [self._event() for _ in range(num_slots)]
             self.free: list[Any] = [self._event() for _ in range(num_slots)]
-            # A pinned buffer reused for each call's row-table upload (pin_memory() costs
+            # A pinned buffer reused for each call's table upload (pin_memory() costs
             # ~10 us a call) and the event after the copy that last read it.
             self.upload_host: torch.Tensor | None = None
             self.upload_done: Any = None if self.drv is not None else torch.cuda.Event()
             self.after: Any = self._event()  # ordering after the caller's stream, per call
-            # Driver path: a ring of row-table buffers (device + pinned host), one per batch of
+            # Driver path: a ring of table buffers (device + pinned host), one per batch of
             # rows enqueued; see table_buffers.
             self.tables: list[_TableSlot] = (
                 [_TableSlot(RawEvent(self.drv)) for _ in range(_TABLE_RING)] if self.drv is not None else []
@@ -864,7 +867,7 @@ class CUDAPagedConnector(DeviceConnector):
         switched, which is most of the host time the torch path spends per piece. The slots and
         the run table go up in one copy from a pinned buffer of the lane's table ring.
 
-        Order of issue: a store uploads the table, then per piece gathers (ks) and DMAs (cs). A
+        Order of issue: a store sends its table up, then per piece gathers (ks) and DMAs (cs). A
         load issues its first DMA before anything else (it needs neither the table nor the
         caller's stream), then the table, then per piece the next piece's DMA before this
         piece's scatter, so the copy engine always has the next copy queued.
@@ -1002,7 +1005,7 @@ class CUDAPagedConnector(DeviceConnector):
         bases: torch.Tensor, layer_events: dict[int, Any] | None, table: _TableSlot | None,
     ) -> None:
         """Scatter a load piece from its slot once its DMA has landed (ks); ``table``: the
-        batch's last piece, after which its row-table slot may be reused."""
+        batch's last piece, after which its table slot may be reused."""
         ks_h = lane.ks_h
         s = piece.slot
         drv.wait(ks_h, lane.filled[s].handle)
@@ -1045,7 +1048,7 @@ class CUDAPagedConnector(DeviceConnector):
     def _upload_table(
         self, lane: _Lane, table: torch.Tensor, slots: torch.Tensor, keep: list[torch.Tensor]
     ) -> torch.Tensor:
-        """The row table on the device (current stream), with slot-list addresses filled in.
+        """The run table on the device (current stream), with slot-list addresses filled in.
 
         Host slots travel in the same copy as the table: ``[slots..., table...]``.
         """
