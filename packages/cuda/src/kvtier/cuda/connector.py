@@ -351,11 +351,10 @@ def _raw_current_stream(device: torch.device) -> int:
 
 def _current_waits(device: torch.device, event: Any) -> None:
     """The caller's current stream on ``device`` waits (on the device) for ``event``."""
-    current = torch.cuda.current_stream(device)
     if isinstance(event, RawEvent):
-        event.wait_on(current.cuda_stream)
+        event.wait_on(_raw_current_stream(device))
     else:
-        current.wait_event(event)
+        torch.cuda.current_stream(device).wait_event(event)
 
 
 class PendingTransfer:
