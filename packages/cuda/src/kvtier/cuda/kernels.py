@@ -10,6 +10,7 @@ and address of the call, so the kernel copies bytes and never interprets the KV 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,9 +101,9 @@ class _Launches:
         max_tokens: int, geo: RowGeometry, bases: torch.Tensor, *, to_paged: bool, stream: torch.cuda.Stream,
     ) -> None:
         """Runs ``[start, stop)`` of the run table that starts ``offset`` int64s into the int64
-        buffer ``table`` (on the device, or pinned host memory the kernel reads in place), which
-        kernels address at ``table_addr``; at most ``max_rows`` rows and ``max_tokens`` tokens a
-        run; on ``stream`` (need not be current)."""
+        device buffer ``table`` (whose address is ``table_addr``: read once by the caller); at
+        most ``max_rows`` rows and ``max_tokens`` tokens a run; on ``stream`` (need not be
+        current)."""
         runs = stop - start
         if runs <= 0 or max_tokens == 0 or max_rows == 0:
             return
@@ -110,29 +111,16 @@ class _Launches:
         ptr = table_addr + 8 * (offset + start * RUN_WORDS)
         bases_ptr = bases.data_ptr()
         key = (bases.device.index, geo, to_paged, block_t, block_d, ptr % 16 == 0, bases_ptr % 16 == 0)
-        ck = self.compiled.get(key)
-        grid_t = -(-max_tokens // block_t)
-        if ck is not None:
-            args = (
-                ptr, bases_ptr, geo.total_slots, geo.block_size, geo.block_stride_words,
-                geo.token_stride_words, geo.hd_words, geo.word_bytes, block_t, block_d, to_paged,
-            )
-            knobs = self.knobs
-            handle = stream.cuda_stream
-            ck.run(
-                runs, max_rows, grid_t, handle, ck.function, ck.packed_metadata,
-                ck.launch_metadata((runs, max_rows, grid_t), handle, *args),
-                knobs.launch_enter_hook, knobs.launch_exit_hook, *args,
-            )
-            return
-        prev = torch.cuda.current_stream(bases.device)
-        torch.cuda.set_stream(stream)
-        try:
+        args = (
+            ptr, bases_ptr, geo.total_slots, geo.block_size, geo.block_stride_words,
+            geo.token_stride_words, geo.hd_words, geo.word_bytes, block_t, block_d, to_paged,
+        )
+
+        def first() -> Any:
             view = table[offset + start * RUN_WORDS : offset + stop * RUN_WORDS].view(-1, RUN_WORDS)
-            ck = _launch(view, max_rows, max_tokens, geo, bases, to_paged=to_paged, blocks=(block_t, block_d))
-        finally:
-            torch.cuda.set_stream(prev)
-        self._keep(key, ck)
+            return _launch(view, max_rows, max_tokens, geo, bases, to_paged=to_paged, blocks=(block_t, block_d))
+
+        self._dispatch(key, (runs, max_rows, -(-max_tokens // block_t)), args, stream, bases.device, first)
 
     def copy_words(
         self, src: torch.Tensor, src_addr: int, dst: torch.Tensor, numel: int, *, stream: torch.cuda.Stream
@@ -143,29 +131,35 @@ class _Launches:
         n = -(-numel // WORDS_ALIGN) * WORDS_ALIGN
         if n == 0:
             return
-        grid = -(-n // _COPY_BLOCK)
         dst_ptr = dst.data_ptr()
         key = ("copy_words", dst.device.index, src_addr % 16 == 0, dst_ptr % 16 == 0)
+        grid = (-(-n // _COPY_BLOCK), 1, 1)
+        args = (src_addr, dst_ptr, n, _COPY_BLOCK)
+        self._dispatch(key, grid, args, stream, dst.device, lambda: copy_words(src, dst, numel))
+
+    def _dispatch(
+        self, key: tuple, grid: tuple[int, int, int], args: tuple, stream: torch.cuda.Stream,
+        device: torch.device, first: Callable[[], Any],
+    ) -> None:
+        """Launch the kept kernel for ``key`` on ``stream`` with ``args`` (every argument, the
+        constexprs included, as ``JITFunction.run`` passes them); without one, ``first()``
+        launches through ``kernel[grid]`` with ``stream`` made current, and its compiled kernel
+        is kept."""
         ck = self.compiled.get(key)
         if ck is not None:
-            args = (src_addr, dst_ptr, n, _COPY_BLOCK)
             knobs = self.knobs
             handle = stream.cuda_stream
             ck.run(
-                grid, 1, 1, handle, ck.function, ck.packed_metadata,
-                ck.launch_metadata((grid, 1, 1), handle, *args),
+                *grid, handle, ck.function, ck.packed_metadata, ck.launch_metadata(grid, handle, *args),
                 knobs.launch_enter_hook, knobs.launch_exit_hook, *args,
             )
             return
-        prev = torch.cuda.current_stream(dst.device)
+        prev = torch.cuda.current_stream(device)
         torch.cuda.set_stream(stream)
         try:
-            ck = copy_words(src, dst, numel)
+            ck = first()
         finally:
             torch.cuda.set_stream(prev)
-        self._keep(key, ck)
-
-    def _keep(self, key: tuple, ck: Any) -> None:
         if self.usable is None:
             self.usable = self._check()
         if self.usable and ck is not None and all(
