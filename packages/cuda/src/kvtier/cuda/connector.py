@@ -46,6 +46,7 @@ On a CPU device (tests under ``TRITON_INTERPRET=1``) the same plans run synchron
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
@@ -205,6 +206,7 @@ class _Lane:
         self.lock = threading.RLock()  # a whole-chunk call holds it across its batches
         self.next_slot = 0
         self.slots: list[torch.Tensor] = []
+        self.slot_ptrs: list[int] = []  # the slots' addresses (read once)
         # The driver path (see kvtier.cuda._driver): raw events and stream handles, no stream
         # switches for copies. None: torch events, set_stream and Tensor.copy_.
         self.drv: CudaDriver | None = None
@@ -292,20 +294,15 @@ class _Lane:
         if self.slots:
             self.synchronize()
         self.slot_bytes = max(self.slot_bytes, nbytes)
-        if self.is_cuda:
-            with torch.cuda.stream(self.kernel_stream):
-                self.slots = [
-                    torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
-                    for _ in range(self.num_slots)
-                ]
-            for s in self.slots:
-                s.record_stream(self.copy_stream)
-            self.slot_ptrs = [s.data_ptr() for s in self.slots]
-        else:
+        with torch.cuda.stream(self.kernel_stream) if self.is_cuda else contextlib.nullcontext():
             self.slots = [
                 torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
                 for _ in range(self.num_slots)
             ]
+        if self.is_cuda:
+            for s in self.slots:
+                s.record_stream(self.copy_stream)
+        self.slot_ptrs = [s.data_ptr() for s in self.slots]
 
     def synchronize(self) -> None:
         if self.is_cuda:
@@ -647,7 +644,7 @@ class CUDAPagedConnector(DeviceConnector):
                 sum(prepared[sg[0]].row_bytes * len(range(sg[1], sg[2], sg[3])) for sg in segs)
                 if last_piece_bytes else 0
             )
-            slot_ptrs = lane.slot_ptrs if lane.is_cuda else [t.data_ptr() for t in lane.slots]
+            slot_ptrs = lane.slot_ptrs
             # The current piece's state lives in locals (this loop runs once per chunk per call):
             # bytes used, capacity, its slot's address, its last host range.
             used = cap = base = 0
