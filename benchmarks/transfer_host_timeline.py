@@ -29,9 +29,8 @@ from kvtier.cuda.platform import CUDAPlatform
 MARKS: list[tuple[str, int, int]] = []
 
 
-def _wrap(owner: Any, name: str, label: str | None = None) -> None:
-    orig = getattr(owner, name)
-    tag = label or name
+def _timed(orig: Callable[..., Any], tag: str) -> Callable[..., Any]:
+    """``orig``, appending ``(tag, start, end)`` to MARKS for every call."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter_ns()
@@ -40,40 +39,27 @@ def _wrap(owner: Any, name: str, label: str | None = None) -> None:
         finally:
             MARKS.append((tag, t0, time.perf_counter_ns()))
 
-    setattr(owner, name, call)
+    return call
+
+
+def _wrap(owner: Any, name: str, label: str | None = None) -> None:
+    raw = owner.__dict__.get(name) if isinstance(owner, type) else None
+    if isinstance(raw, staticmethod):  # stays static: wrap the function inside
+        setattr(owner, name, staticmethod(_timed(raw.__func__, label or name)))
+    else:
+        setattr(owner, name, _timed(getattr(owner, name), label or name))
 
 
 def _instrument() -> None:
-    conn_cls = connmod.CUDAPagedConnector
-    for name in ("_groups", "_prepare", "_plan", "_drv_store_piece",
-                 "_drv_load_dma", "_drv_scatter", "_flush_pending", "_fast_prepare", "_fast_plan"):
-        if hasattr(conn_cls, name):
-            # staticmethods stay static: wrap the underlying function, re-wrap as staticmethod
-            raw = conn_cls.__dict__.get(name)
-            if isinstance(raw, staticmethod):
-                orig = raw.__func__
-
-                def make(orig: Callable[..., Any], tag: str) -> Callable[..., Any]:
-                    def call(*args: Any, **kwargs: Any) -> Any:
-                        t0 = time.perf_counter_ns()
-                        try:
-                            return orig(*args, **kwargs)
-                        finally:
-                            MARKS.append((tag, t0, time.perf_counter_ns()))
-                    return call
-
-                setattr(conn_cls, name, staticmethod(make(orig, name)))
-            else:
-                _wrap(conn_cls, name)
+    for name in ("_groups", "_prepare", "_plan", "_drv_store_piece", "_drv_load_dma", "_drv_scatter",
+                 "_drv_table_up", "_flush_pending"):
+        _wrap(connmod.CUDAPagedConnector, name)
     _wrap(connmod._Lane, "table_buffers")
     _wrap(LAUNCHES, "launch", "launch")
+    _wrap(LAUNCHES, "copy_words", "copy_words")
     for name in ("memcpy_htod", "memcpy_dtoh", "record", "wait", "event_synchronize", "has_context"):
         _wrap(CudaDriver, name, "drv." + name)
     _wrap(torch.cuda, "current_stream", "torch.current_stream")
-
-
-def _call_marks(fn: Callable[[], object], t_start: int) -> list[tuple[str, float, float]]:
-    return [(n, (a - t_start) / 1e3, (b - a) / 1e3) for n, a, b in MARKS]
 
 
 def main() -> int:
@@ -119,7 +105,8 @@ def main() -> int:
             t_ret = time.perf_counter_ns()
             torch.cuda.synchronize()
             t_end = time.perf_counter_ns()
-            runs.append(((t_end - t) / 1e3, [*_call_marks(fn, t), ("returned", (t_ret - t) / 1e3, 0.0)]))
+            marks = [(n, (a - t) / 1e3, (b - a) / 1e3) for n, a, b in MARKS]
+            runs.append(((t_end - t) / 1e3, [*marks, ("returned", (t_ret - t) / 1e3, 0.0)]))
         runs.sort(key=lambda r: r[0])
         wall = runs[len(runs) // 2][0]
         print(f"== {args.shape} {name}, {args.chunks} chunks: median wall {wall:.1f} us instrumented, "
