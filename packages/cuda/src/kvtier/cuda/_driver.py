@@ -54,16 +54,6 @@ class CudaDriver:
         self._sync = fn("cuEventSynchronize", c_void_p)
         self._ctx_get = fn("cuCtxGetCurrent", ctypes.POINTER(c_void_p))
         self._err_name = fn("cuGetErrorName", c_int, ctypes.POINTER(ctypes.c_char_p))
-        self._launch = fn(
-            "cuLaunchKernel", c_void_p, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_void_p,
-            c_void_p, c_void_p,
-        )
-        # CUDA 12.4+ drivers: a kernel's parameter layout, which kernels.FastKernel checks against.
-        self._param_info: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-        if hasattr(lib, "cuFuncGetParamInfo"):
-            self._param_info = fn(
-                "cuFuncGetParamInfo", c_void_p, c_size_t, ctypes.POINTER(c_size_t), ctypes.POINTER(c_size_t)
-            )
 
     def _fail(self, call: str, res: int) -> CUDADriverError:
         name = ctypes.c_char_p()
@@ -92,28 +82,6 @@ class CudaDriver:
         res = self._wait(stream, event, 0)
         if res:
             raise self._fail("cuStreamWaitEvent", res)
-
-    def launch_kernel(
-        self, function: int, grid: tuple[int, int, int], block_x: int, shared: int, stream: int, params: int
-    ) -> None:
-        """``cuLaunchKernel`` of ``function`` (a ``CUfunction``) on ``stream``; ``params``: the address
-        of its array of parameter pointers (read during the call, so it may be reused after)."""
-        res = self._launch(function, grid[0], grid[1], grid[2], block_x, 1, 1, shared, stream, params, None)
-        if res:
-            raise self._fail("cuLaunchKernel", res)
-
-    def param_sizes(self, function: int, limit: int = 64) -> list[int] | None:
-        """The byte size of each of ``function``'s parameters, in order; None when this driver
-        cannot tell (``cuFuncGetParamInfo`` needs CUDA 12.4 or later)."""
-        if self._param_info is None:
-            return None
-        sizes: list[int] = []
-        offset, size = c_size_t(), c_size_t()
-        for i in range(limit):
-            if self._param_info(function, i, ctypes.byref(offset), ctypes.byref(size)):
-                return sizes  # past the last parameter
-            sizes.append(size.value)
-        return None
 
     def host_device_pointer(self, host: int) -> int:
         """The address a kernel reads page-locked host memory ``host`` at (zero-copy)."""

@@ -9,11 +9,7 @@ and address of the call, so the kernel copies bytes and never interprets the KV 
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import os
-import struct
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -69,105 +65,6 @@ def _blocks(hd_words: int, word_bytes: int) -> tuple[int, int]:
     return block_t, block_d
 
 
-# Kernel parameter types a FastKernel packs (one 8-byte slot each, little-endian).
-_PACK = {"i32": "i4x", "u32": "I4x", "i64": "q", "u64": "Q"}
-_SIZE = {"i32": 4, "u32": 4, "i64": 8, "u64": 8}
-# Parameters Triton appends after the kernel's own (global and profile scratch pointers, passed
-# null here): 0 to 2 of them depending on the Triton version.
-_MAX_SCRATCH_PARAMS = 2
-
-
-def fast_launch_enabled() -> bool:
-    """``KVTIER_CUDA_FAST_LAUNCH=0`` keeps every launch on Triton's own launcher."""
-    return os.environ.get("KVTIER_CUDA_FAST_LAUNCH", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-class FastKernel:
-    """A compiled Triton kernel launched with ``cuLaunchKernel`` through ctypes.
-
-    Triton's launcher costs 10-16 us of Python a launch on an H200's host (a Python wrapper that
-    allocates scratch, then argument parsing in C); a small model's 2 MiB chunk crosses PCIe in
-    about 40 us. This packs the kernel's parameters into one reused buffer with a single
-    ``struct.pack_into`` and calls the driver: ~2 us.
-
-    It is built only when every part of the launch is known and checked, else ``build`` returns
-    None and Triton's launcher is kept:
-
-    - the parameters are the signature's non-constexpr arguments, each an int or pointer
-      (``i32``, ``u32``, ``i64``, ``u64``, ``*T``), then up to two null scratch pointers, and the
-      driver's own account of the kernel's parameters (``cuFuncGetParamInfo``) has exactly those
-      sizes: an older driver that cannot tell, or any other layout, keeps Triton's launcher;
-    - one CTA per cluster, no cooperative or programmatic-dependent launch, no scratch memory;
-    - no launch hooks installed (a profiler such as Proton sees launches through them).
-
-    ``args`` are given as ``JITFunction.run`` passes them (constexprs included, skipped here).
-    """
-
-    __slots__ = ("_block", "_buf", "_drv", "_function", "_lock", "_params", "_positions", "_shared", "_struct")
-
-    def __init__(
-        self, drv: Any, function: int, block_x: int, shared: int, positions: list[int], types: list[str],
-        n_params: int,
-    ) -> None:
-        self._drv = drv
-        self._function = function
-        self._block = block_x
-        self._shared = shared
-        self._positions = positions
-        self._struct = struct.Struct("<" + "".join(_PACK[t] for t in types) + "8x" * (n_params - len(types)))
-        self._buf = ctypes.create_string_buffer(self._struct.size)
-        base = ctypes.addressof(self._buf)
-        self._params = (ctypes.c_void_p * max(n_params, 1))(*[base + 8 * i for i in range(n_params)])
-        self._lock = threading.Lock()  # the buffer is shared by the threads launching this kernel
-
-    @classmethod
-    def build(cls, ck: Any, drv: Any, hooks: tuple[Any, Any]) -> FastKernel | None:
-        if drv is None or not fast_launch_enabled() or any(h is not None for h in hooks):
-            return None
-        md = getattr(ck, "metadata", None)
-        sig = getattr(getattr(ck, "src", None), "signature", None)
-        function = getattr(ck, "function", None)
-        if md is None or not isinstance(sig, dict) or not function:
-            return None
-        if (
-            getattr(md, "num_ctas", 1) != 1
-            or getattr(md, "launch_cooperative_grid", False)
-            or getattr(md, "launch_pdl", False)
-            or getattr(md, "global_scratch_size", 0)
-            or getattr(md, "profile_scratch_size", 0)
-            or tuple(getattr(md, "cluster_dims", (1, 1, 1)) or (1, 1, 1)) not in ((1, 1, 1), (1,), (0, 0, 0))
-        ):
-            return None
-        positions: list[int] = []
-        types: list[str] = []
-        for i, ty in enumerate(sig.values()):
-            if ty == "constexpr":
-                continue
-            if not isinstance(ty, str):
-                return None  # a tuple argument: not packed here
-            if ty.startswith("*"):
-                ty = "u64"
-            if ty not in _PACK:
-                return None
-            positions.append(i)
-            types.append(ty)
-        sizes = drv.param_sizes(function)
-        if sizes is None:
-            return None
-        n = len(sizes)
-        own = [_SIZE[t] for t in types]
-        if not (len(own) <= n <= len(own) + _MAX_SCRATCH_PARAMS and sizes[: len(own)] == own
-                and all(s == 8 for s in sizes[len(own):])):
-            return None
-        return cls(drv, function, 32 * int(md.num_warps), int(md.shared), positions, types, n)
-
-    def __call__(self, grid: tuple[int, int, int], stream: int, args: tuple) -> None:
-        with self._lock:
-            self._struct.pack_into(self._buf, 0, *[args[i] for i in self._positions])
-            self._drv.launch_kernel(self._function, grid, self._block, self._shared, stream,
-                                    ctypes.addressof(self._params))
-
-
 class _Launches:
     """Launching a configuration again without ``JITFunction.run``.
 
@@ -187,7 +84,6 @@ class _Launches:
 
     def __init__(self) -> None:
         self.compiled: dict[tuple, Any] = {}
-        self.fast: dict[tuple, FastKernel] = {}  # keys whose kernel launches through FastKernel
         self.knobs: Any = None
         self.usable: bool | None = None  # decided at the first launch on a GPU
 
@@ -249,10 +145,6 @@ class _Launches:
         constexprs included, as ``JITFunction.run`` passes them); without one, ``first()``
         launches through ``kernel[grid]`` with ``stream`` made current, and its compiled kernel
         is kept."""
-        fk = self.fast.get(key)
-        if fk is not None:
-            fk(grid, stream.cuda_stream, args)
-            return
         ck = self.compiled.get(key)
         if ck is not None:
             knobs = self.knobs
@@ -274,11 +166,6 @@ class _Launches:
             hasattr(ck, a) for a in ("run", "function", "packed_metadata", "launch_metadata")
         ):
             self.compiled[key] = ck
-            from kvtier.cuda._driver import driver
-
-            fk = FastKernel.build(ck, driver(), (self.knobs.launch_enter_hook, self.knobs.launch_exit_hook))
-            if fk is not None:
-                self.fast[key] = fk
 
 
 LAUNCHES = _Launches()
