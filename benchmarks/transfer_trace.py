@@ -1,6 +1,6 @@
 """Where a transfer call's time goes, on a CUDA machine: a device timeline of one call.
 
-``python benchmarks/transfer_trace.py [OUTDIR]`` runs ``store``, ``load`` and
+``python benchmarks/transfer_trace.py [OUTDIR] [--shapes small 8b] [--chunks 16]`` runs ``store``, ``load`` and
 ``store_and_load_async`` once each under ``torch.profiler`` (after warm-up) for the benchmark's
 shapes, and prints, per call, every copy and kernel on the device relative to the call's start
 on the host: when the first byte moved, the gaps between DMAs, and how long the host took to
@@ -13,6 +13,7 @@ between DMAs are pipeline stalls, time after the last DMA is the tail (a scatter
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -24,7 +25,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from kvtier.cuda.bench import _make_case
+from kvtier.core.layout import KVLayout, PagedLayout
+from kvtier.cuda.bench import BLOCK, CHUNK, SHAPES, _make_case
 from kvtier.cuda.connector import CUDAPagedConnector
 from kvtier.cuda.kernels import LAUNCHES
 from kvtier.cuda.platform import CUDAPlatform
@@ -90,8 +92,8 @@ def _issue_times(fn: Callable[[], object]) -> str:
     return " ".join(parts) + f"; returned at {(end - t0) * 1e6:.0f}"
 
 
-def _trace_shape(shape: str, arena, out: Path) -> None:  # type: ignore[no-untyped-def]
-    case = _make_case(shape, 16, arena, seed=1)
+def _trace_shape(shape: str, chunks: int, arena, out: Path) -> None:  # type: ignore[no-untyped-def]
+    case = _make_case(shape, chunks, arena, seed=1)
     conn = CUDAPagedConnector(case.caches, case.layout)
     stores, loads = case.store_transfers(), case.load_transfers()
 
@@ -129,12 +131,18 @@ def _trace_shape(shape: str, arena, out: Path) -> None:  # type: ignore[no-untyp
 
 
 def main() -> int:
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/kvtier-trace")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", nargs="?", type=Path, default=Path("/tmp/kvtier-trace"), help="chrome traces go here")
+    ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["small", "8b"])
+    ap.add_argument("--chunks", type=int, default=16, help="256-token chunks per call (default 16)")
+    args = ap.parse_args()
+    out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    arena = CUDAPlatform().create_arena(4 * 16 * (32 << 20) + (64 << 20))
+    largest = max(KVLayout(*SHAPES[s], "bfloat16", BLOCK, PagedLayout.FLASH_NHD).chunk_nbytes(CHUNK) for s in args.shapes)
+    arena = CUDAPlatform().create_arena(4 * args.chunks * largest + (64 << 20))
     print(f"driver API: {os.environ.get('KVTIER_CUDA_DRIVER_API', '1')}")
-    for shape in ("small", "8b"):
-        _trace_shape(shape, arena, out)
+    for shape in args.shapes:
+        _trace_shape(shape, args.chunks, arena, out)
         torch.cuda.empty_cache()
     return 0
 

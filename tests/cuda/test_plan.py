@@ -110,3 +110,42 @@ def test_every_row_lands_once_inside_its_piece_and_its_dma(call):  # type: ignor
         assert pieces[0].nbytes <= max(first, row)
     if uniform and last and last >= row and len(pieces) > 1 and total > last:
         assert pieces[-1].nbytes <= last
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 12), min_size=1, max_size=12),
+    first_rows=st.integers(0, 8),
+    slot_rows=st.integers(1, 40),
+    duplex=st.booleans(),
+)
+def test_groups_cover_the_call_in_order_and_grow_from_the_first_cap(lengths, first_rows, slot_rows, duplex):  # type: ignore[no-untyped-def]
+    """``_groups``: consecutive ``(lo, hi, tokens)`` covering every transfer once, in order; the
+    first group within ``first_group_bytes`` (twice that for ``store_and_load_async``, at most a
+    staging slot) unless one transfer alone is larger; 0 makes one group."""
+    # (Later groups grow by _GROUP_GROWTH; how much is a tuning choice, not a property.)
+    per_token = 2 * LAYOUT.num_layers * 32  # bytes one token of a chunk holds
+    caches = [torch.zeros(LAYOUT.expected_cache_shape(BLOCKS), dtype=torch.float16) for _ in range(2)]
+    conn = CUDAPagedConnector(
+        caches, LAYOUT, staging_slot_bytes=slot_rows * per_token, first_group_bytes=first_rows * per_token
+    )
+    arena = HostArena.create(1 << 20)
+    transfers = []
+    for n in lengths:
+        obj = arena.allocate(MemoryObjMeta(LAYOUT.chunk_shape(n), torch.float16, n))
+        assert obj is not None
+        transfers.append(Transfer(obj, torch.full((n,), -1, dtype=torch.int64)))
+    groups = conn._groups(transfers, conn._store_lane, duplex=duplex)
+    assert groups[0][0] == 0 and groups[-1][1] == len(lengths)
+    for (_, hi, _), (lo, _, _) in itertools.pairwise(groups):
+        assert hi == lo
+    for lo, hi, tokens in groups:
+        assert lo < hi and tokens == sum(lengths[lo:hi])
+    if first_rows == 0:
+        assert groups == [(0, len(lengths), sum(lengths))]
+        return
+    cap = min(first_rows * (2 if duplex else 1), slot_rows)  # in tokens
+    lo, hi, tokens = groups[0]
+    assert tokens <= cap or sum(1 for n in lengths[lo:hi] if n) == 1  # empty transfers ride along
+    if len(groups) > 1:  # the first group stopped only because the next transfer did not fit
+        assert tokens + lengths[hi] > cap
