@@ -1177,9 +1177,10 @@ class CUDAPagedConnector(DeviceConnector):
         ``duplex`` (``store_and_load_async``): the first group is twice as large. One thread
         prepares both directions, so each direction's first DMAs must also cover the other
         direction's preparation; with the single-direction size the copy engines sat idle
-        between the first and second groups (H200, small model: both at once 1.23x -> 1.33x
-        the one-way limit at 16 chunks a call, 1.47x -> 1.60x at 64; one direction alone did
-        not gain from the larger group)."""
+        between the first and second groups (H200, small model, one connector switching
+        sizes call by call: both at once 1.20x -> 1.39x the one-way limit at 16 chunks a call,
+        1.51x -> 1.62x at 64, 8B shape unchanged; one direction alone did not gain from a
+        larger first group: ``benchmarks/transfer_groups_ab.py``)."""
         per_token = self.layout.hidden_size * self._itemsize * self._rows_per_obj
         groups: list[tuple[int, int, int]] = []
         whole = self._first_group_bytes == 0
