@@ -289,12 +289,14 @@ def test_hold_keeps_the_prefix_through_eviction() -> None:
     engine.store(tokens, slots)
     with engine.hold(tokens) as hold:
         assert hold.num_tokens == 128
-        # pressure: other prompts take the arena; the held chunks may leave the tier's index,
-        # but their bytes stay until the hold is released
+        # pressure: other prompts take the arena's one free chunk in turn. Eviction skips the
+        # held chunks (dropping them would free no bytes), so they stay found and in place.
         for i in range(4):
             other = list(range(1000 * (i + 1), 1000 * (i + 1) + 64))
             engine.store(other, random_slots(64, seed=i + 5))
-        assert engine.lookup(tokens) < 128
+            assert engine.lookup(other) == 64
+        assert engine.lookup(tokens) == 128
+        assert engine.lookup(list(range(1000, 1064))) == 0  # the first other prompt was evicted
         for c in caches:
             c.zero_()
         mask = engine.retrieve(tokens, slots, hold=hold)

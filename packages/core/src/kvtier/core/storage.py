@@ -17,15 +17,14 @@ Ownership contract (all implementations):
 from __future__ import annotations
 
 import logging
-import threading
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
+from kvtier.core.lru import HostObjectLRU
 from kvtier.core.memory import HostArena, MemoryObj, MemoryObjMeta
 from kvtier.core.platform import load_object, plugin_entry_points
 
@@ -94,52 +93,27 @@ class StorageManager(ABC):
 
 
 class HostMemoryStorageManager(StorageManager):
-    """One tier: an LRU by bytes over the host arena. Enough for the engine to run end to end."""
+    """One tier: an LRU by bytes over the host arena (``HostObjectLRU``, the same index as
+    kvtier-storage's ``local_cpu`` tier). Enough for the engine to run end to end."""
 
     def __init__(self, arena: HostArena) -> None:
         self.arena = arena
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[ChunkKey, MemoryObj] = OrderedDict()
-
-    def _evict_one(self) -> bool:
-        with self._lock:
-            if not self._entries:
-                return False
-            _, obj = self._entries.popitem(last=False)
-        obj.release()
-        return True
+        self._index = HostObjectLRU()
 
     def allocate(self, meta: MemoryObjMeta) -> MemoryObj | None:
-        return self.arena.allocate_evicting(meta, self._evict_one)
+        return self.arena.allocate_evicting(meta, self._index.evict_one)
 
     def put(self, key: ChunkKey, obj: MemoryObj) -> None:
-        mine = obj.share()
-        with self._lock:
-            old = self._entries.pop(key, None)
-            self._entries[key] = mine
-        if old is not None:
-            old.release()
+        self._index.put([(key, obj)])
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        with self._lock:
-            return [k in self._entries for k in keys]
+        return self._index.contains(keys)
 
     def batched_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
-        out: list[MemoryObj | None] = []
-        with self._lock:
-            for k in keys:
-                obj = self._entries.get(k)
-                if obj is not None:
-                    self._entries.move_to_end(k)
-                    obj = obj.share()
-                out.append(obj)
-        return out
+        return self._index.get(keys)
 
     def close(self) -> None:
-        with self._lock:
-            entries, self._entries = list(self._entries.values()), OrderedDict()
-        for obj in entries:
-            obj.release()
+        self._index.close()
 
 
 def create_storage_manager(

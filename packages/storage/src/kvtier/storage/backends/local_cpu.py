@@ -1,18 +1,16 @@
 """The host-memory tier: an LRU by bytes over the objects of the host arena.
 
-The arena is the budget: when an allocation does not fit, the manager calls ``evict_one`` until
-it does. Eviction is O(1) per object (an ``OrderedDict`` in recency order) and skips objects
-that a reader or a pending lower-tier write still holds: dropping them would free no bytes, and a
-borrowed object is never freed under its reader anyway (its handle keeps the bytes alive).
+The index is core's ``HostObjectLRU`` (shared with core's host-only ``HostMemoryStorageManager``):
+when an allocation does not fit the arena, the manager calls ``evict_one`` until it does; it skips
+objects that a reader or a pending lower-tier write still holds.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from kvtier.core.lru import HostObjectLRU
 from kvtier.storage.backends.base import BackendContext, StorageBackend
 
 if TYPE_CHECKING:
@@ -28,92 +26,39 @@ class LocalCPUBackend(StorageBackend):
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[ChunkKey, MemoryObj] = OrderedDict()
-        self._bytes = 0
-        self._closed = False
+        self._index = HostObjectLRU()
 
     @property
     def used_bytes(self) -> int:
         """Bytes of the objects this tier indexes (some may also be held by readers)."""
-        return self._bytes
+        return self._index.used_bytes
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._index)
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        with self._lock:
-            return [k in self._entries for k in keys]
+        return self._index.contains(keys)
 
     def batched_get(
         self,
         keys: Sequence[ChunkKey],
         allocate: Callable[[MemoryObjMeta], MemoryObj | None] | None = None,
     ) -> list[MemoryObj | None]:
-        out: list[MemoryObj | None] = []
-        with self._lock:
-            for k in keys:
-                obj = self._entries.get(k)
-                if obj is not None:
-                    self._entries.move_to_end(k)
-                    obj = obj.share()
-                out.append(obj)
-        return out
+        return self._index.get(keys)
 
     def batched_put(self, items: Sequence[tuple[ChunkKey, MemoryObj]]) -> None:
-        replaced: list[MemoryObj] = []
-        with self._lock:
-            if self._closed:
-                return
-            for key, obj in items:
-                mine = obj.share()
-                old = self._entries.pop(key, None)
-                if old is not None:
-                    self._bytes -= old.meta.nbytes
-                    replaced.append(old)
-                self._entries[key] = mine
-                self._bytes += mine.meta.nbytes
-        for old in replaced:
-            old.release()
+        self._index.put(items)
 
     def remove(self, keys: Sequence[ChunkKey]) -> None:
-        gone: list[MemoryObj] = []
-        with self._lock:
-            for k in keys:
-                obj = self._entries.pop(k, None)
-                if obj is not None:
-                    self._bytes -= obj.meta.nbytes
-                    gone.append(obj)
-        for obj in gone:
-            obj.release()
+        self._index.remove(keys)
 
     def evict_one(self) -> bool:
-        """Drop the least recently used entry that only this tier holds; False if there is none.
-
-        A borrowed entry met on the way is moved to the recent end (it is in use), so each call
-        looks at every entry at most once.
-        """
-        victim: MemoryObj | None = None
-        with self._lock:
-            for _ in range(len(self._entries)):
-                key, obj = next(iter(self._entries.items()))
-                if obj.holders == 1:
-                    del self._entries[key]
-                    self._bytes -= obj.meta.nbytes
-                    victim = obj
-                    break
-                self._entries.move_to_end(key)
-        if victim is None:
+        """Drop the least recently used entry that only this tier holds; False if there is none."""
+        if not self._index.evict_one():
             return False
         self.ctx.stats.add(f"{self.name}.evicted")
-        victim.release()
         return True
 
     def close(self) -> None:
         """Release every held object; later puts keep nothing."""
-        with self._lock:
-            self._closed = True
-            entries, self._entries = list(self._entries.values()), OrderedDict()
-            self._bytes = 0
-        for obj in entries:
-            obj.release()
+        self._index.close()

@@ -1,0 +1,113 @@
+"""The host tier's index: shared handles on host objects by key, least recently used first.
+
+Used by core's ``HostMemoryStorageManager`` (host memory only, no kvtier-storage installed) and
+by kvtier-storage's ``local_cpu`` backend, so both tiers evict the same way. The arena is the
+budget: when an allocation does not fit, the owner calls ``evict_one`` until it does. Eviction is
+O(1) per object (an ``OrderedDict`` in recency order) and skips objects that a reader or a
+pending lower-tier write still holds: dropping them would free no bytes, and a borrowed object is
+never freed under its reader anyway (its handle keeps the bytes alive).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvtier.core.keys import ChunkKey
+    from kvtier.core.memory import MemoryObj
+
+
+class HostObjectLRU:
+    """Keeps one shared handle per key (thread-safe). Handles are released outside the lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[ChunkKey, MemoryObj] = OrderedDict()
+        self._bytes = 0
+        self._closed = False
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the objects indexed (some may also be held by readers)."""
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        with self._lock:
+            return [k in self._entries for k in keys]
+
+    def get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
+        """A new handle per key found (the caller releases it), each marked most recently used."""
+        out: list[MemoryObj | None] = []
+        with self._lock:
+            for k in keys:
+                obj = self._entries.get(k)
+                if obj is not None:
+                    self._entries.move_to_end(k)
+                    obj = obj.share()
+                out.append(obj)
+        return out
+
+    def put(self, items: Sequence[tuple[ChunkKey, MemoryObj]]) -> None:
+        """Index a handle of its own on each object (the caller keeps theirs); a key already
+        indexed is replaced. After ``close`` nothing is kept."""
+        replaced: list[MemoryObj] = []
+        with self._lock:
+            if self._closed:
+                return
+            for key, obj in items:
+                mine = obj.share()
+                old = self._entries.pop(key, None)
+                if old is not None:
+                    self._bytes -= old.meta.nbytes
+                    replaced.append(old)
+                self._entries[key] = mine
+                self._bytes += mine.meta.nbytes
+        for old in replaced:
+            old.release()
+
+    def remove(self, keys: Sequence[ChunkKey]) -> None:
+        gone: list[MemoryObj] = []
+        with self._lock:
+            for k in keys:
+                obj = self._entries.pop(k, None)
+                if obj is not None:
+                    self._bytes -= obj.meta.nbytes
+                    gone.append(obj)
+        for obj in gone:
+            obj.release()
+
+    def evict_one(self) -> bool:
+        """Drop the least recently used entry that only this index holds; False if there is none.
+
+        A borrowed entry met on the way is moved to the recent end (it is in use), so each call
+        looks at every entry at most once.
+        """
+        victim: MemoryObj | None = None
+        with self._lock:
+            for _ in range(len(self._entries)):
+                key, obj = next(iter(self._entries.items()))
+                if obj.holders == 1:
+                    del self._entries[key]
+                    self._bytes -= obj.meta.nbytes
+                    victim = obj
+                    break
+                self._entries.move_to_end(key)
+        if victim is None:
+            return False
+        victim.release()
+        return True
+
+    def close(self) -> None:
+        """Release every indexed object; later puts keep nothing."""
+        with self._lock:
+            self._closed = True
+            entries, self._entries = list(self._entries.values()), OrderedDict()
+            self._bytes = 0
+        for obj in entries:
+            obj.release()
