@@ -14,7 +14,7 @@ what one Triton launch plus a few stream operations cost in Python. So pieces ar
 launch, and one DMA per contiguous host range, per 32 MiB), the kernel reads runs of rows (one
 table entry per chunk, never a host-expanded row table), a call is prepared in groups so its
 first DMA starts early, and ``store_and_load_async`` lets one thread keep both directions busy,
-interleaving their pieces. A store's table reaches the GPU without queueing behind loads on the
+interleaving their steps. A store's table reaches the GPU without queueing behind loads on the
 copy engine (see ``_TableSlot``).
 
 Streams and events (CUDA):
@@ -917,9 +917,13 @@ class CUDAPagedConnector(DeviceConnector):
                     state.ordered = True
                 if store:
                     self._drv_table_up(lane, ring, numel, by_kernel=self._load_lane.dma_in_flight())
+                    # A store issues its whole batch in one step: each gather waits on the device
+                    # for its slot, so nothing here blocks the host, and a piece left for a later
+                    # step would wait for the load's next preparation (H200, small model, both at
+                    # once: 3% faster at 16 chunks a call; no change for 8B).
                     for piece in pieces:
                         self._drv_store_piece(lane, drv, piece, table_dev, geo, bases)
-                        yield
+                    yield
                     ring.done.record(ks_h)
                     done = RawEvent(drv)
                     done.record(cs_h)
@@ -1265,9 +1269,9 @@ class CUDAPagedConnector(DeviceConnector):
     def store_and_load_async(
         self, stores: Sequence[Transfer], loads: Sequence[Transfer]
     ) -> tuple[PendingTransfer, PendingTransfer]:
-        """A store and a load at once from one thread: their pieces are enqueued alternately,
-        so both directions' copy engines start at once instead of the load waiting for the
-        store's whole enqueue. Returns ``(store, load)``; ``wait()`` on each as for the
+        """A store and a load at once from one thread: their steps are enqueued alternately (a
+        store's batch at a time, a load's piece at a time), so both directions' copy engines
+        start at once instead of the load waiting for the store's whole enqueue. Returns ``(store, load)``; ``wait()`` on each as for the
         ``*_async`` methods."""
         keep_s: list[torch.Tensor] = []
         keep_l: list[torch.Tensor] = []
