@@ -26,38 +26,15 @@ from pathlib import Path
 import torch
 
 from kvtier.cuda import connector as cm
-from kvtier.cuda.bench import _device_slug, _make_case
+from kvtier.cuda.bench import _chunk_nbytes, _device_slug, _limit_calls, _make_case
 from kvtier.cuda.platform import CUDAPlatform
 
 SETTINGS = [(4 << 20, 4), (8 << 20, 4), (8 << 20, 8), (16 << 20, 4)]  # (first_group_bytes, growth)
 
 
-def _limits(nbytes: int) -> dict[str, Callable[[], None]]:
-    dev_out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dev_in = torch.empty_like(dev_out)
-    host_out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    host_in = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-
-    def one() -> None:
-        with torch.cuda.stream(s1):
-            host_out.copy_(dev_out, non_blocking=True)
-        s1.synchronize()
-
-    def both() -> None:
-        with torch.cuda.stream(s1):
-            host_out.copy_(dev_out, non_blocking=True)
-        with torch.cuda.stream(s2):
-            dev_in.copy_(host_in, non_blocking=True)
-        s1.synchronize()
-        s2.synchronize()
-
-    return {"limit one-way": one, "limit both": both}
-
-
 def run(shape: str, chunks: int, rounds: int) -> list[dict]:
-    chunk_bytes = 2 << 20 if shape == "small" else 32 << 20
-    arena = CUDAPlatform().create_arena(4 * chunks * chunk_bytes + (64 << 20))
+    # Room for the store and load objects and the two plain copies' buffers, as in the bench.
+    arena = CUDAPlatform().create_arena(4 * chunks * _chunk_nbytes(shape) + (64 << 20))
     case = _make_case(shape, chunks, arena, seed=3)
     stores, loads = case.store_transfers(), case.load_transfers()
     conn = cm.CUDAPagedConnector(case.caches, case.layout)
@@ -66,9 +43,11 @@ def run(shape: str, chunks: int, rounds: int) -> list[dict]:
         for pending in conn.store_and_load_async(stores, loads):
             pending.wait()
 
+    limits, release_limits = _limit_calls(case.nbytes, arena)
     # name -> (call, first_group_bytes, growth); limits ignore the settings
     calls: dict[str, tuple[Callable[[], None], int, int]] = {
-        name: (fn, 0, 4) for name, fn in _limits(case.nbytes).items()
+        "limit one-way": (limits["store"], 0, 4),
+        "limit both": (limits["both"], 0, 4),
     }
     for first, growth in SETTINGS:
         mib = first >> 20
@@ -91,6 +70,7 @@ def run(shape: str, chunks: int, rounds: int) -> list[dict]:
                     times[name].append(time.perf_counter() - t0)
     finally:
         cm._GROUP_GROWTH = 4
+        release_limits()
         for o in case.store_objs + case.load_objs:
             o.release()
     one_way = case.nbytes / statistics.median(times["limit one-way"]) / 1e9

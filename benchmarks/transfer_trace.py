@@ -25,8 +25,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from kvtier.core.layout import KVLayout, PagedLayout
-from kvtier.cuda.bench import BLOCK, CHUNK, SHAPES, _make_case
+from kvtier.cuda.bench import SHAPES, _chunk_nbytes, _make_case
 from kvtier.cuda.connector import CUDAPagedConnector
 from kvtier.cuda.kernels import LAUNCHES
 from kvtier.cuda.platform import CUDAPlatform
@@ -138,7 +137,7 @@ def main() -> int:
     args = ap.parse_args()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    largest = max(KVLayout(*SHAPES[s], "bfloat16", BLOCK, PagedLayout.FLASH_NHD).chunk_nbytes(CHUNK) for s in args.shapes)
+    largest = max(_chunk_nbytes(s) for s in args.shapes)
     arena = CUDAPlatform().create_arena(4 * args.chunks * largest + (64 << 20))
     print(f"driver API: {os.environ.get('KVTIER_CUDA_DRIVER_API', '1')}")
     for shape in args.shapes:

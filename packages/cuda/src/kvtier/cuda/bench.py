@@ -205,12 +205,16 @@ def _measure_connector(case: _Case, conn, repeat: int, warmup: int, both: str | 
     return out
 
 
-def _measure_limit(nbytes: int, arena: HostArena, repeat: int, warmup: int) -> dict[str, float]:
-    """One contiguous copy of ``nbytes`` each way (pinned host <-> device), and both at once."""
+def _limit_calls(nbytes: int, arena: HostArena) -> tuple[dict[str, Callable[[], None]], Callable[[], None]]:
+    """One contiguous copy of ``nbytes`` each way (pinned host <-> device), and both at once, as
+    calls keyed ``store``/``retrieve``/``both``; and the call that releases their host objects."""
     dev_out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dev_in = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     objs = [arena.allocate(MemoryObjMeta((nbytes,), torch.uint8, 1)) for _ in range(2)]
     if any(o is None for o in objs):
+        for o in objs:
+            if o is not None:
+                o.release()
         raise MemoryError("benchmark arena too small")
     host_out, host_in = objs[0].tensor, objs[1].tensor  # type: ignore[union-attr]
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
@@ -233,15 +237,25 @@ def _measure_limit(nbytes: int, arena: HostArena, repeat: int, warmup: int) -> d
         s1.synchronize()
         s2.synchronize()
 
-    try:
-        return {
-            "store": _median_seconds(d2h, repeat, warmup),
-            "retrieve": _median_seconds(h2d, repeat, warmup),
-            "both": _median_seconds(both, repeat, warmup),
-        }
-    finally:
+    def release() -> None:
         for o in objs:
             o.release()  # type: ignore[union-attr]
+
+    return {"store": d2h, "retrieve": h2d, "both": both}, release
+
+
+def _measure_limit(nbytes: int, arena: HostArena, repeat: int, warmup: int) -> dict[str, float]:
+    """Median seconds of each of ``_limit_calls``."""
+    calls, release = _limit_calls(nbytes, arena)
+    try:
+        return {name: _median_seconds(fn, repeat, warmup) for name, fn in calls.items()}
+    finally:
+        release()
+
+
+def _chunk_nbytes(shape: str) -> int:
+    """Bytes of one chunk of ``shape`` (bf16, flash layout), as the benchmark stores it."""
+    return KVLayout(*SHAPES[shape], "bfloat16", BLOCK, PagedLayout.FLASH_NHD).chunk_nbytes(CHUNK)
 
 
 def _rows(shape: str, impl: str, seconds: dict[str, float], nbytes: int, limit_gbps: dict[str, float]) -> list[dict]:
@@ -319,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
 
     name = torch.cuda.get_device_name()
     slug = args.device_name or _device_slug(name)
-    largest = max(KVLayout(*SHAPES[s], "bfloat16", BLOCK, PagedLayout.FLASH_NHD).chunk_nbytes(CHUNK) for s in args.shapes)
+    largest = max(_chunk_nbytes(s) for s in args.shapes)
     arena = CUDAPlatform().create_arena(4 * args.chunks * largest + (64 << 20))
     results: list[dict] = []
     variants: list[dict] = []
