@@ -10,7 +10,9 @@ figure is the median over rounds, printed as a ratio to the one-way limit and wr
 ``transfer-groups-ab-<device>.json``.
 
 ``store_and_load_async`` prepares each direction's first group at twice ``first_group_bytes``
-(see ``CUDAPagedConnector._groups``): the rows name both sizes.
+(see ``CUDAPagedConnector._groups``): the rows name the sizes each call prepares first. ``--settings`` takes
+``MiB:growth:eager`` triples; ``eager`` 0 turns off a lone load's early first DMA
+(``CUDAPagedConnector._eager_piece``, which also doubles its first group).
 """
 
 from __future__ import annotations
@@ -29,10 +31,18 @@ from kvtier.cuda import connector as cm
 from kvtier.cuda.bench import _chunk_nbytes, _device_slug, _limit_calls, _make_case
 from kvtier.cuda.platform import CUDAPlatform
 
-SETTINGS = [(4 << 20, 4), (8 << 20, 4), (8 << 20, 8), (16 << 20, 4)]  # (first_group_bytes, growth)
+SETTINGS = "8:4:1,4:4:1,8:4:0"  # first_group_bytes in MiB : growth : a lone load's early first DMA
 
 
-def run(shape: str, chunks: int, rounds: int) -> list[dict]:
+def _settings(text: str) -> list[tuple[int, int, bool]]:
+    out = []
+    for item in text.split(","):
+        mib, growth, eager = (int(x) for x in item.split(":"))
+        out.append((mib << 20, growth, bool(eager)))
+    return out
+
+
+def run(shape: str, chunks: int, rounds: int, settings: list[tuple[int, int, bool]]) -> list[dict]:
     # Room for the store and load objects and the two plain copies' buffers, as in the bench.
     arena = CUDAPlatform().create_arena(4 * chunks * _chunk_nbytes(shape) + (64 << 20))
     case = _make_case(shape, chunks, arena, seed=3)
@@ -44,32 +54,41 @@ def run(shape: str, chunks: int, rounds: int) -> list[dict]:
             pending.wait()
 
     limits, release_limits = _limit_calls(case.nbytes, arena)
-    # name -> (call, first_group_bytes, growth); limits ignore the settings
-    calls: dict[str, tuple[Callable[[], None], int, int]] = {
-        "limit one-way": (limits["store"], 0, 4),
-        "limit both": (limits["both"], 0, 4),
+    # name -> (call, setting); limits ignore the settings
+    Setting = tuple[int, int, bool]
+    default: Setting = (conn._first_group_bytes, cm._GROUP_GROWTH, conn._eager_load)
+    calls: dict[str, tuple[Callable[[], None], Setting]] = {
+        "limit one-way": (limits["store"], default),
+        "limit both": (limits["both"], default),
     }
-    for first, growth in SETTINGS:
+    for setting in settings:
+        first, growth, eager = setting
         mib = first >> 20
-        calls[f"both first {2 * mib} MiB/dir x{growth}"] = (both, first, growth)
-        calls[f"store first {mib} MiB x{growth}"] = (lambda: conn.store(stores), first, growth)
-        calls[f"load first {mib} MiB x{growth}"] = (lambda: conn.load(loads), first, growth)
+        tag = f"x{growth}" + ("" if eager else " late-load")
+        calls[f"both first {2 * mib} MiB/dir {tag}"] = (both, setting)
+        calls[f"store first {mib} MiB {tag}"] = (lambda: conn.store(stores), setting)
+        # A lone load with its early DMA prepares twice the first group (see _groups).
+        calls[f"load first {2 * mib if eager else mib} MiB {tag}"] = (lambda: conn.load(loads), setting)
+
+    def apply(setting: Setting) -> None:
+        conn._first_group_bytes, cm._GROUP_GROWTH, conn._eager_load = setting
+
     times: dict[str, list[float]] = {k: [] for k in calls}
     try:
-        for fn, first, growth in calls.values():
-            conn._first_group_bytes, cm._GROUP_GROWTH = first, growth
+        for fn, setting in calls.values():
+            apply(setting)
             for _ in range(3):
                 fn()
         for _ in range(rounds):
-            for name, (fn, first, growth) in calls.items():
-                conn._first_group_bytes, cm._GROUP_GROWTH = first, growth
+            for name, (fn, setting) in calls.items():
+                apply(setting)
                 for _ in range(3):
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     fn()
                     times[name].append(time.perf_counter() - t0)
     finally:
-        cm._GROUP_GROWTH = 4
+        apply(default)
         release_limits()
         for o in case.store_objs + case.load_objs:
             o.release()
@@ -92,6 +111,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("cases", nargs="+", help="shape:chunks, e.g. small:16")
     ap.add_argument("--rounds", type=int, default=25)
+    ap.add_argument("--settings", default=SETTINGS, help="first-group MiB:growth:eager, comma-separated")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -100,7 +120,7 @@ def main() -> int:
     rows = []
     for case in args.cases:
         shape, chunks = case.split(":")
-        rows += run(shape, int(chunks), args.rounds)
+        rows += run(shape, int(chunks), args.rounds, _settings(args.settings))
         torch.cuda.empty_cache()
     slug = _device_slug(torch.cuda.get_device_name())
     args.out.mkdir(parents=True, exist_ok=True)

@@ -306,3 +306,44 @@ def test_store_and_load_together_from_one_thread(device, arena):
     assert all(torch.equal(a, b) for a, b in zip(mine.bytes(), theirs.bytes(), strict=True))
     for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
         assert torch.equal(as_bytes(a), as_bytes(b))
+
+
+@pytest.mark.parametrize("first_skipped", [False, True], ids=["eager-matches", "eager-overwritten"])
+def test_a_loads_first_dma_before_the_call_is_checked_changes_no_byte(device, arena, first_skipped):
+    """A lone whole-chunk load's first DMA is issued before its call is checked or planned
+    (``_eager_piece``, GPU driver path). When the plan's first piece differs (here the first
+    transfer skips every slot, so the plan leaves it out) the batch DMAs its own piece over it;
+    either way the cache ends byte-identical to the reference's. ``store_and_load_async`` and
+    CPU calls (run synchronously) make no early DMA."""
+    layout = make_layout(PagedLayout.FLASH_NHD, torch.bfloat16)
+    caches = make_caches(layout, device, seed=50)
+    ref = _reference(layout, caches)
+    conn = CUDAPagedConnector(caches, layout)
+    eager: list[object] = []
+    find = conn._eager_piece
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        eager.append(find(*args, **kwargs))
+        return eager[-1]
+
+    conn._eager_piece = spy  # type: ignore[method-assign]
+    lengths = [SHAPE.chunk] * 3
+    slots = random_slots(SHAPE.blocks * SHAPE.block, lengths * 2, seed=51, holes="none")
+    load_slots, store_slots = slots[:3], slots[3:]
+    if first_skipped:
+        load_slots[0] = torch.full((SHAPE.chunk,), -1, dtype=torch.long)
+    fresh, again = Objects(arena, layout, lengths, 52), Objects(arena, layout, lengths, 54)
+    conn.load(fresh.transfers(load_slots))
+    ref.load(fresh.transfers(load_slots))
+    for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
+        assert torch.equal(as_bytes(a), as_bytes(b))
+    assert [piece is not None for piece in eager] == ([True] if device.type == "cuda" else [])
+    mine, theirs = Objects(arena, layout, lengths, 53), Objects(arena, layout, lengths, 53)
+    for pending in conn.store_and_load_async(mine.transfers(store_slots), again.transfers(load_slots)):
+        pending.wait()
+    ref.store(theirs.transfers(store_slots))
+    ref.load(again.transfers(load_slots))
+    assert all(torch.equal(a, b) for a, b in zip(mine.bytes(), theirs.bytes(), strict=True))
+    for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
+        assert torch.equal(as_bytes(a), as_bytes(b))
+    assert len(eager) == (1 if device.type == "cuda" else 0)

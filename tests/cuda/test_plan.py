@@ -8,6 +8,7 @@ exactly the rows the kernel reads or writes, and the first/last piece caps hold.
 from __future__ import annotations
 
 import itertools
+from unittest.mock import patch
 
 import torch
 from hypothesis import given, settings
@@ -16,7 +17,8 @@ from hypothesis import strategies as st
 from kvtier.core.connector import Transfer
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena, MemoryObjMeta
-from kvtier.cuda.connector import CUDAPagedConnector
+from kvtier.cuda import connector as connmod
+from kvtier.cuda.connector import CUDAPagedConnector, _same_copies
 
 LAYOUT = KVLayout(2, 2, 8, "float16", 4, PagedLayout.FLASH_NHD)  # a row token: 32 bytes
 BLOCKS = 64
@@ -117,11 +119,11 @@ def test_every_row_lands_once_inside_its_piece_and_its_dma(call):  # type: ignor
     lengths=st.lists(st.integers(0, 12), min_size=1, max_size=12),
     first_rows=st.integers(0, 8),
     slot_rows=st.integers(1, 40),
-    duplex=st.booleans(),
+    double_first=st.booleans(),
 )
-def test_groups_cover_the_call_in_order_and_grow_from_the_first_cap(lengths, first_rows, slot_rows, duplex):  # type: ignore[no-untyped-def]
+def test_groups_cover_the_call_in_order_and_grow_from_the_first_cap(lengths, first_rows, slot_rows, double_first):  # type: ignore[no-untyped-def]
     """``_groups``: consecutive ``(lo, hi, tokens)`` covering every transfer once, in order; the
-    first group within ``first_group_bytes`` (twice that for ``store_and_load_async``, at most a
+    first group within ``first_group_bytes`` (twice that with ``double_first``, at most a
     staging slot) unless one transfer alone is larger; 0 makes one group."""
     # (Later groups grow by _GROUP_GROWTH; how much is a tuning choice, not a property.)
     per_token = 2 * LAYOUT.num_layers * 32  # bytes one token of a chunk holds
@@ -135,7 +137,7 @@ def test_groups_cover_the_call_in_order_and_grow_from_the_first_cap(lengths, fir
         obj = arena.allocate(MemoryObjMeta(LAYOUT.chunk_shape(n), torch.float16, n))
         assert obj is not None
         transfers.append(Transfer(obj, torch.full((n,), -1, dtype=torch.int64)))
-    groups = conn._groups(transfers, conn._store_lane, duplex=duplex)
+    groups = conn._groups(transfers, conn._store_lane, double_first=double_first)
     assert groups[0][0] == 0 and groups[-1][1] == len(lengths)
     for (_, hi, _), (lo, _, _) in itertools.pairwise(groups):
         assert hi == lo
@@ -144,8 +146,76 @@ def test_groups_cover_the_call_in_order_and_grow_from_the_first_cap(lengths, fir
     if first_rows == 0:
         assert groups == [(0, len(lengths), sum(lengths))]
         return
-    cap = min(first_rows * (2 if duplex else 1), slot_rows)  # in tokens
+    cap = min(first_rows * (2 if double_first else 1), slot_rows)  # in tokens
     lo, hi, tokens = groups[0]
     assert tokens <= cap or sum(1 for n in lengths[lo:hi] if n) == 1  # empty transfers ride along
     if len(groups) > 1:  # the first group stopped only because the next transfer did not fit
         assert tokens + lengths[hi] > cap
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 12), min_size=1, max_size=8),
+    empty=st.lists(st.booleans(), min_size=8, max_size=8),
+    gaps=st.lists(st.booleans(), min_size=8, max_size=8),
+    slot_rows=st.integers(12, 60),
+    last_rows=st.sampled_from([0, 1, 6, 20]),
+    last=st.booleans(),
+)
+def test_an_eager_first_load_piece_is_the_plans_first_piece(lengths, empty, gaps, slot_rows, last_rows, last):  # type: ignore[no-untyped-def]
+    """``_eager_piece`` (a load's first DMA, issued before the call is checked): whole leading
+    objects within a staging slot (leaving the short last piece to the plan when the group is
+    the call's last), host ranges exactly their bytes, adjacent ones merged; and when none of
+    them is empty (every slot -1), the plan told its size makes the same first piece, so the
+    batch skips its own first DMA."""
+    per_token = 2 * LAYOUT.num_layers * 32
+    caches = [torch.zeros(LAYOUT.expected_cache_shape(BLOCKS), dtype=torch.float16) for _ in range(2)]
+    conn = CUDAPagedConnector(caches, LAYOUT, staging_slots=3, staging_slot_bytes=slot_rows * per_token)
+    arena = HostArena.create(1 << 20)
+    perm = torch.randperm(BLOCKS * LAYOUT.block_size, generator=torch.Generator().manual_seed(len(lengths)))
+    transfers, at = [], 0
+    for k, n in enumerate(lengths):
+        if gaps[k]:  # a spacer: this object is not adjacent to the one before
+            assert arena.allocate(MemoryObjMeta(LAYOUT.chunk_shape(1), torch.float16, 1)) is not None
+        obj = arena.allocate(MemoryObjMeta(LAYOUT.chunk_shape(n), torch.float16, n))
+        assert obj is not None
+        slots = torch.full((n,), -1, dtype=torch.int64) if empty[k] else perm[at : at + n].clone()
+        at += n
+        transfers.append(Transfer(obj, slots))
+    lane = conn._load_lane
+    with patch.object(connmod, "_LAST_PIECE_BYTES", last_rows * per_token):
+        eager = conn._eager_piece(lane, transfers, last=last)
+        sizes = [n * per_token for n in lengths]
+        lead = sizes[: sizes.index(0)] if 0 in sizes else sizes  # objects before the first empty one
+        budget = lane.slot_bytes
+        if last and last_rows * per_token < sum(lead) <= budget + last_rows * per_token:
+            budget = sum(lead) - last_rows * per_token
+        if eager is None:
+            assert not lead or lead[0] > budget
+            return
+        assert eager.slot == lane.next_slot and 0 < eager.nbytes <= budget
+        covered = len(list(itertools.takewhile(lambda total: total <= budget, itertools.accumulate(lead))))
+        assert sum(sizes[:covered]) == eager.nbytes
+        ranges = [(t.obj.tensor.data_ptr(), size) for t, size in zip(transfers[:covered], sizes, strict=False)]
+        got, offset = [], 0
+        for c in eager.copies:
+            assert c.slot_offset == offset
+            offset += c.nbytes
+            got.append((c.host_ptr, c.nbytes))
+        merged: list[tuple[int, int]] = []
+        for addr, size in ranges:
+            if merged and merged[-1][0] + merged[-1][1] == addr:
+                merged[-1] = (merged[-1][0], merged[-1][1] + size)
+            else:
+                merged.append((addr, size))
+        assert got == merged
+        prepared, _ = conn._prepare(transfers)
+        with lane.lock:
+            pieces, _ = conn._plan(
+                lane, prepared, conn._all_rows(len(prepared)), store=False, slot_base=1 << 40,
+                first_piece_bytes=eager.nbytes, last_piece_bytes=connmod._LAST_PIECE_BYTES if last else None,
+            )
+    if not any(empty[:covered]):
+        assert _same_copies(eager, pieces[0])
+    elif pieces:
+        assert not _same_copies(eager, pieces[0])

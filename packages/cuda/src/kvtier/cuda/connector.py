@@ -13,7 +13,8 @@ Host time is the other budget: a small model's 2 MiB chunk crosses PCIe in under
 what one Triton launch plus a few stream operations cost in Python. So pieces are large (one
 launch, and one DMA per contiguous host range, per 32 MiB), the kernel reads runs of rows (one
 table entry per chunk, never a host-expanded row table), a call is prepared in groups so its
-first DMA starts early, and ``store_and_load_async`` lets one thread keep both directions busy,
+first DMA starts early (a lone load's first DMA even before the call is checked), and
+``store_and_load_async`` lets one thread keep both directions busy,
 interleaving their steps. A store's table reaches the GPU without queueing behind loads on the
 copy engine (see ``_TableSlot``).
 
@@ -139,11 +140,21 @@ class _Piece:
     layers_done: list[int] = field(default_factory=list)
 
 
+def _same_copies(a: _Piece, b: _Piece) -> bool:
+    """Whether two load pieces fill the same staging slot with the same host bytes."""
+    return a.slot == b.slot and [(c.host_ptr, c.slot_offset, c.nbytes) for c in a.copies] == [
+        (c.host_ptr, c.slot_offset, c.nbytes) for c in b.copies
+    ]
+
+
 @dataclass(slots=True)
 class _CallState:
     """Driver-path state shared by the batches of one whole-chunk call (``_call_steps``)."""
 
     ordered: bool = False  # ks already follows the caller's stream
+    # A load's first piece, DMA'd before the call was checked or planned (``_eager_piece``):
+    # its first batch issues no DMA of its own for a first piece that matches it.
+    eager: _Piece | None = None
     # A load batch's last scatter, issued only after the next batch's first DMA: streams may
     # share a hardware queue, and a DMA submitted after a scatter that waits for the previous
     # DMA would wait for that scatter too (~35 us per batch on an H200).
@@ -393,8 +404,8 @@ class CUDAPagedConnector(DeviceConnector):
     ring costs ``2 * staging_slots * staging_slot_bytes`` of device memory (store + load).
     ``use_driver_api=False`` issues the ``dma`` mode's copies and events through torch (stream
     switches) instead of the CUDA driver (``kvtier.cuda._driver``): same bytes, more host time.
-    ``first_group_bytes`` (default 8 MiB; twice that for each direction of
-    ``store_and_load_async``) is how much of a whole-chunk call is checked and planned before its
+    ``first_group_bytes`` (default 8 MiB; twice that for a lone load and for each direction
+    of ``store_and_load_async``) is how much of a whole-chunk call is checked and planned before its
     first DMA (see ``_groups``); 0 prepares the whole call first.
     """
 
@@ -419,6 +430,8 @@ class CUDAPagedConnector(DeviceConnector):
         if not isinstance(first_group_bytes, int) or first_group_bytes < 0:
             raise ValueError(f"first_group_bytes must be an int >= 0, got {first_group_bytes!r}")
         self._first_group_bytes = first_group_bytes
+        # A whole-chunk load's first DMA starts before the call is checked (_eager_piece).
+        self._eager_load = True
         if layout.paged_layout is PagedLayout.VLLM_CPU:
             raise LayoutError("the CUDA connector does not handle the vllm_cpu paged layout")
         self.mode = mode
@@ -868,7 +881,8 @@ class CUDAPagedConnector(DeviceConnector):
 
         Order of issue: a store sends its table up, then per piece gathers (ks) and DMAs (cs). A
         load issues its first DMA before anything else (it needs neither the table nor the
-        caller's stream), then the table, then per piece the next piece's DMA before this
+        caller's stream; a lone load's first batch finds it already issued, see
+        ``_eager_piece``), then the table, then per piece the next piece's DMA before this
         piece's scatter, so the copy engine always has the next copy queued.
         """
         drv = lane.drv
@@ -928,7 +942,11 @@ class CUDAPagedConnector(DeviceConnector):
                     done = RawEvent(drv)
                     done.record(cs_h)
                     return done
-                self._drv_load_dma(lane, drv, pieces[0])
+                eager, state.eager = state.eager, None
+                if eager is None or not _same_copies(eager, pieces[0]):
+                    # (A mismatching eager DMA only wrote a staging slot, which this DMA, later
+                    # on the same stream, overwrites: the cost is bandwidth, never bytes.)
+                    self._drv_load_dma(lane, drv, pieces[0])
                 for scatter in state.pending:  # the previous batch's last scatter, after our DMA
                     scatter()
                 state.pending.clear()
@@ -1168,8 +1186,59 @@ class CUDAPagedConnector(DeviceConnector):
     def load(self, transfers: Sequence[Transfer]) -> None:
         self.load_async(transfers).wait()
 
+    def _eager_piece(self, lane: _Lane, transfers: Sequence[Transfer], *, last: bool) -> _Piece | None:
+        """A whole-chunk load's first piece, found before anything is checked or planned, for
+        the caller to DMA at once; None when there is nothing to start this way.
+
+        Moving bytes into a staging slot needs no slot, no table and no ordering after the
+        engine's stream (only the scatter writes the cache), so the copy engine can start while
+        the host checks and plans the call: the first DMA of a 32 MiB load starts ~25 us into
+        the call instead of ~58 us (H200 host, small model). A cache hit's load is on the
+        engine's critical path, so this is time to first token.
+
+        The piece is whole objects of the call's first group (``transfers``), adjacent ones
+        merged, as the planner packs them when told that first piece's size; the group's first
+        batch then skips its own first DMA if its plan's first piece is the same
+        (``_same_copies``), else it issues it (an empty or malformed object, say) and the eager
+        bytes are simply overwritten: the cost of a mismatch is bandwidth, never bytes.
+        ``last``: the group is the call's last, so the piece leaves the load's short last piece
+        (``_LAST_PIECE_BYTES``) to the plan.
+        """
+        per_token = self._hd_bytes * self._rows_per_obj
+        sizes: list[int] = []
+        for t in transfers:
+            meta = t.obj.meta
+            nbytes = meta.num_tokens * per_token
+            if nbytes == 0 or meta.nbytes != nbytes:
+                break
+            sizes.append(nbytes)
+        total = sum(sizes)
+        budget = lane.slot_bytes
+        if last and _LAST_PIECE_BYTES < total <= budget + _LAST_PIECE_BYTES:
+            budget = total - _LAST_PIECE_BYTES
+        lane.ensure_slots(max(sizes, default=0) // self._rows_per_obj)
+        piece = _Piece(start=0, stop=0, max_tokens=0, slot=lane.next_slot)
+        last_copy: _Copy | None = None
+        used = 0
+        for t, nbytes in zip(transfers, sizes, strict=False):
+            if used + nbytes > budget:
+                break
+            mobj = t.obj
+            obj = mobj.tensor
+            addr, storage = obj.data_ptr(), id(mobj.arena)
+            if last_copy is not None and last_copy.host_ptr + last_copy.nbytes == addr and last_copy.storage == storage:
+                last_copy.nbytes += nbytes
+            else:
+                last_copy = _Copy(obj, storage, 0, addr, used, nbytes)
+                piece.copies.append(last_copy)
+            used += nbytes
+        if not used:
+            return None
+        piece.nbytes = used
+        return piece
+
     def _groups(
-        self, transfers: Sequence[Transfer], lane: _Lane, *, duplex: bool = False
+        self, transfers: Sequence[Transfer], lane: _Lane, *, double_first: bool = False
     ) -> list[tuple[int, int, int]]:
         """Split a whole-chunk call into runs of transfers ``(lo, hi, tokens)``:
         ``first_group_bytes`` (at most a staging slot) first, then ``_GROUP_GROWTH`` times the
@@ -1178,17 +1247,25 @@ class CUDAPagedConnector(DeviceConnector):
         still ready before the previous group's DMAs end, and a call of N bytes costs only
         log4(N) batch overheads.
 
-        ``duplex`` (``store_and_load_async``): the first group is twice as large. One thread
-        prepares both directions, so each direction's first DMAs must also cover the other
-        direction's preparation; with the single-direction size the copy engines sat idle
-        between the first and second groups (H200, small model, one connector switching
-        sizes call by call: both at once 1.20x -> 1.39x the one-way limit at 16 chunks a call,
-        1.51x -> 1.62x at 64, 8B shape unchanged; one direction alone did not gain from a
-        larger first group: ``benchmarks/transfer_groups_ab.py``)."""
+        ``double_first``: the first group is twice as large, where its preparation does not
+        hold the first DMA up alone:
+
+        - ``store_and_load_async``: one thread prepares both directions, so each direction's
+          first DMAs must also cover the other direction's preparation; with the
+          single-direction size the copy engines sat idle between the first and second groups
+          (H200, small model, one connector switching sizes call by call: both at once 1.20x ->
+          1.39x the one-way limit at 16 chunks a call, 1.51x -> 1.62x at 64, 8B unchanged).
+        - a lone load with its early first DMA (``_eager_piece``): that DMA starts before the
+          group is prepared, and the longer it runs the more of the next group is ready when it
+          ends (small model, 16 chunks a call: 0.91-0.93 of the one-way limit with 16 MiB,
+          0.84-0.91 with 8 MiB, on two H200s).
+
+        A lone store did not gain from a larger first group. Measured with
+        ``benchmarks/transfer_groups_ab.py``."""
         per_token = self.layout.hidden_size * self._itemsize * self._rows_per_obj
         groups: list[tuple[int, int, int]] = []
         whole = self._first_group_bytes == 0
-        first = self._first_group_bytes * (2 if duplex else 1)
+        first = self._first_group_bytes * (2 if double_first else 1)
         start, acc, tokens, cap = 0, 0, 0, min(first, lane.slot_bytes)
         for i, t in enumerate(transfers):
             n = t.obj.meta.num_tokens
@@ -1218,8 +1295,23 @@ class CUDAPagedConnector(DeviceConnector):
         state = _CallState()
         with lane.lock:  # held across batches: a deferred scatter's slot must stay ours
             try:
-                groups = self._groups(transfers, lane, duplex=interleaved)
                 driver = lane.drv is not None and self.mode == "dma"
+                # A lone load's first DMA starts before anything is checked (_eager_piece). (Not
+                # in store_and_load_async: there the store's first batch would wait for this
+                # one's preparation or, given a turn first, delay the load's next group: not
+                # faster in A/B runs on H200s.)
+                eager = driver and not store and not interleaved and self._eager_load
+                groups = self._groups(transfers, lane, double_first=interleaved or eager)
+                first_load_piece = None
+                if eager:
+                    lo, hi, _ = groups[0]
+                    with _OnDevice(self.device.index):
+                        lane.bind_context()
+                        state.eager = self._eager_piece(lane, transfers[lo:hi], last=len(groups) == 1)
+                        if state.eager is not None:
+                            assert lane.drv is not None
+                            self._drv_load_dma(lane, lane.drv, state.eager)
+                            first_load_piece = state.eager.nbytes
                 for g, (lo, hi, tokens) in enumerate(groups):
                     ring = None
                     if driver:
@@ -1234,7 +1326,9 @@ class CUDAPagedConnector(DeviceConnector):
                     done = (
                         yield from self._enqueue_steps(
                             lane, prepared, rows, slots, keep, store=store, interleaved=interleaved,
-                            first_piece_bytes=_FIRST_PIECE_BYTES if store and not state.ordered else None,
+                            first_piece_bytes=(
+                                (_FIRST_PIECE_BYTES if store else first_load_piece) if not state.ordered else None
+                            ),
                             last_piece_bytes=_LAST_PIECE_BYTES if not store and last_group else None,
                             state=state, defer_last=not store and not last_group, ring=ring,
                         )
