@@ -8,7 +8,8 @@ head 64; bf16, block 16, chunks of 256 tokens, flash-attn layout), it measures:
 - ``torch``: core's TorchPagedConnector (index_select / index_copy_ per layer + copy);
 - ``kvtier``: the CUDA connector (default settings), store, retrieve, and both at once
   (``store_and_load_async`` from one thread; two threads calling ``store()`` and ``load()`` is
-  a variant).
+  a variant, once as the connector issues them, from one of the threads, and once with each
+  thread issuing its own call).
 
 It also measures the one-kernel zero-copy mode, a call prepared as one group
 (``first_group_bytes=0``) and a few staging-ring sizes (``variants``), so
@@ -364,6 +365,18 @@ def main(argv: list[str] | None = None) -> int:
                                        case.nbytes, limit_gbps) if r["direction"] == "both"]
             for r in trows:
                 r["config"] = "two threads"
+            # The same connector with each thread issuing its own call (no combining, see
+            # CUDAPagedConnector._issue): what two threads cost without it.
+            combine, conn._combine = conn._combine, False
+            try:
+                srows = [r for r in _rows(shape, "kvtier-two-threads-apart",
+                                           _measure_connector(case, conn, args.repeat, args.warmup, both="threads"),
+                                           case.nbytes, limit_gbps) if r["direction"] == "both"]
+            finally:
+                conn._combine = combine
+            for r in srows:
+                r["config"] = "two threads, each issuing its own call (combine_calls=False)"
+            trows += srows
             variants += trows
             rows += trows
         for label, opts in configs:
