@@ -17,7 +17,7 @@ from unittest.mock import patch
 import pytest
 import torch
 
-from conftest import SHAPE, Objects, as_bytes, make_caches, make_layout, random_slots
+from conftest import ON_GPU, SHAPE, Objects, as_bytes, make_caches, make_layout, random_slots
 from kvtier.core.connector import TorchPagedConnector
 from kvtier.core.layout import PagedLayout
 from kvtier.cuda import connector as connmod
@@ -29,9 +29,9 @@ LENGTHS = [SHAPE.chunk] * 3
 WAIT_S = 30.0
 
 
-def _trace(conn: CUDAPagedConnector, hold_store: threading.Event | None):  # type: ignore[no-untyped-def]
-    """Record which thread first steps each call; with ``hold_store``, a store's first step sets
-    it and then holds until another call has been handed over (bounded)."""
+def _trace(conn: CUDAPagedConnector, hold_store: threading.Event | None, held: str = "store"):  # type: ignore[no-untyped-def]
+    """Record which thread first steps each call; with ``hold_store``, the first step of a call
+    of kind ``held`` sets it and then holds until another call has been handed over (bounded)."""
     log: list[tuple[str, int]] = []
     orig = conn._call_steps
 
@@ -39,8 +39,9 @@ def _trace(conn: CUDAPagedConnector, hold_store: threading.Event | None):  # typ
         gen = orig(lane, transfers, keep, store=store, **kwargs)
 
         def run():  # type: ignore[no-untyped-def]
-            log.append(("store" if store else "load", threading.get_ident()))
-            if store and hold_store is not None:
+            kind = "store" if store else "load"
+            log.append((kind, threading.get_ident()))
+            if kind == held and hold_store is not None:
                 hold_store.set()
                 deadline = time.monotonic() + WAIT_S
                 while not conn._mailbox and time.monotonic() < deadline:
@@ -152,3 +153,55 @@ def test_combine_calls_must_be_a_bool(device):
     layout = make_layout(PagedLayout.FLASH_NHD, torch.float16)
     with pytest.raises(ValueError, match="combine_calls"):
         CUDAPagedConnector(make_caches(layout, device, seed=1), layout, combine_calls="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (KVTIER_TEST_DEVICE=cuda)")
+def test_a_handed_over_store_follows_its_own_threads_stream(device, arena):
+    """Thread B writes the KV on its own stream after ~50 ms of GPU work and stores it while
+    thread A issues a load: A issues B's store, which must still wait for B's stream (not A's)."""
+    layout = make_layout(PagedLayout.FLASH_NHD, torch.bfloat16)
+    caches = make_caches(layout, device, seed=90)
+    conn = CUDAPagedConnector(caches, layout)
+    issuing = threading.Event()
+    log = _trace(conn, issuing, held="load")
+    slots = random_slots(SHAPE.blocks * SHAPE.block, LENGTHS * 2, seed=91, holes="none")
+    load_slots, store_slots = slots[:3], slots[3:]
+    new_values = [torch.randn_like(c, dtype=torch.float32).to(c.dtype) for c in caches]
+    fresh, objs = Objects(arena, layout, LENGTHS, 92), Objects(arena, layout, LENGTHS, 93)
+    torch.cuda.synchronize()
+    errors: list[BaseException] = []
+    idents: dict[str, int] = {}
+
+    def load() -> None:
+        idents["a"] = threading.get_ident()
+        try:
+            conn.load(fresh.transfers(load_slots))
+        except BaseException as e:
+            errors.append(e)
+
+    def store() -> None:
+        idents["b"] = threading.get_ident()
+        try:
+            stream = torch.cuda.Stream(device)
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(100_000_000)  # the "forward pass" is still running...
+                for c, v in zip(caches, new_values, strict=True):
+                    c.copy_(v)  # ...and writes the KV last
+                conn.store(objs.transfers(store_slots))
+        except BaseException as e:
+            errors.append(e)
+
+    a = threading.Thread(target=load)
+    a.start()
+    assert issuing.wait(WAIT_S)
+    b = threading.Thread(target=store)
+    b.start()
+    a.join(WAIT_S)
+    b.join(WAIT_S)
+    assert not a.is_alive() and not b.is_alive() and not errors, errors
+    assert dict(log) == {"load": idents["a"], "store": idents["a"]}
+    ref = TorchPagedConnector([v.clone() for v in new_values], layout)
+    expected = Objects(arena, layout, LENGTHS, 93)
+    ref.store(expected.transfers(store_slots))
+    assert all(torch.equal(x, y) for x, y in zip(objs.bytes(), expected.bytes(), strict=True))

@@ -1399,8 +1399,16 @@ class CUDAPagedConnector(DeviceConnector):
                 return end.value
 
     def _caller_stream(self) -> int | None:
-        """The calling thread's current stream, for a call another thread may issue (driver path)."""
-        return _raw_current_stream(self.device) if self._combine and self.device.type == "cuda" else None
+        """The calling thread's current stream, for a call another thread may issue (driver path).
+
+        Also binds the device's CUDA context to this thread: a call issued by another thread
+        leaves this one with no driver call of its own before ``wait()``, whose event wait
+        needs a context (measured: CUDA_ERROR_INVALID_CONTEXT in a fresh thread)."""
+        if not (self._combine and self.device.type == "cuda"):
+            return None
+        with _OnDevice(self.device.index):
+            self._store_lane.bind_context()
+            return _raw_current_stream(self.device)
 
     def store_async(self, transfers: Sequence[Transfer]) -> PendingTransfer:
         """Enqueue a whole-chunk store after the current stream's work and return at once.
