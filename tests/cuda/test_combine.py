@@ -22,6 +22,7 @@ from kvtier.core.connector import TorchPagedConnector
 from kvtier.core.layout import PagedLayout
 from kvtier.cuda import connector as connmod
 from kvtier.cuda.connector import CUDAPagedConnector
+from kvtier.cuda.kernels import LAUNCHES
 
 pytestmark = pytest.mark.triton
 
@@ -163,12 +164,24 @@ def test_a_handed_over_store_follows_its_own_threads_stream(device, arena):
     layout = make_layout(PagedLayout.FLASH_NHD, torch.bfloat16)
     caches = make_caches(layout, device, seed=90)
     conn = CUDAPagedConnector(caches, layout)
-    issuing = threading.Event()
-    log = _trace(conn, issuing, held="load")
     slots = random_slots(SHAPE.blocks * SHAPE.block, LENGTHS * 2, seed=91, holes="none")
     load_slots, store_slots = slots[:3], slots[3:]
     new_values = [torch.randn_like(c, dtype=torch.float32).to(c.dtype) for c in caches]
     fresh, objs = Objects(arena, layout, LENGTHS, 92), Objects(arena, layout, LENGTHS, 93)
+    # Every staging and table buffer of both lanes used once first: a first use allocates, and
+    # an allocation can synchronise the device, which would order the store after B's stream
+    # by accident.
+    # Both at once too: a store made while a load DMA runs sends its table up with a small
+    # kernel, whose first launch compiles it for longer than B's GPU work lasts.
+    warm = Objects(arena, layout, LENGTHS, 94)
+    for _ in range(connmod._TABLE_RING + 1):
+        conn.store(warm.transfers(store_slots))
+        conn.load(warm.transfers(load_slots))
+        for pending in conn.store_and_load_async(warm.transfers(store_slots), warm.transfers(load_slots)):
+            pending.wait()
+    assert any(key[0] == "copy_words" for key in LAUNCHES.compiled) or not LAUNCHES.usable
+    issuing = threading.Event()
+    log = _trace(conn, issuing, held="load")
     torch.cuda.synchronize()
     errors: list[BaseException] = []
     idents: dict[str, int] = {}
@@ -176,7 +189,10 @@ def test_a_handed_over_store_follows_its_own_threads_stream(device, arena):
     def load() -> None:
         idents["a"] = threading.get_ident()
         try:
-            conn.load(fresh.transfers(load_slots))
+            # Each thread on its own stream: the legacy default stream would order every
+            # (blocking) stream after its work implicitly and hide a wrong event.
+            with torch.cuda.stream(torch.cuda.Stream(device)):
+                conn.load(fresh.transfers(load_slots))
         except BaseException as e:
             errors.append(e)
 

@@ -21,7 +21,7 @@ from conftest import (
 )
 from kvtier.core.connector import TorchPagedConnector
 from kvtier.core.layout import PagedLayout
-from kvtier.cuda.connector import CUDAPagedConnector
+from kvtier.cuda.connector import _TABLE_RING, CUDAPagedConnector
 
 pytestmark = [
     pytest.mark.cuda,
@@ -42,15 +42,31 @@ def setup(request, device, arena):
     return layout, conn, slots
 
 
+def _warm_up(conn: CUDAPagedConnector, layout, arena, slots) -> None:  # type: ignore[no-untyped-def]
+    """Stores and loads until every staging and table buffer has been used once: a buffer's
+    first use allocates it, and an allocation (pinned memory in particular) can synchronise the
+    whole device, which would order the next copy after everything by accident and hide a
+    missing event."""
+    objs = Objects(arena, layout, [len(s) for s in slots], 99)
+    for _ in range(_TABLE_RING + 1):
+        conn.store(objs.transfers(slots))
+        conn.load(objs.transfers(slots))
+    torch.cuda.synchronize()
+
+
 def test_store_reads_what_the_compute_stream_wrote_before_it(setup, arena):
     layout, conn, slots = setup
     new_values = [torch.randn_like(c, dtype=torch.float32).to(c.dtype) for c in conn.kv_caches]
-    torch.cuda.synchronize()
-    torch.cuda._sleep(SLEEP_CYCLES)  # the "forward pass" is still running...
-    for c, v in zip(conn.kv_caches, new_values, strict=True):
-        c.copy_(v)  # ...and writes the KV last
+    _warm_up(conn, layout, arena, slots)
     objs = Objects(arena, layout, LENGTHS, 3)
-    conn.store(objs.transfers(slots))
+    torch.cuda.synchronize()
+    # The engine's compute stream, not the legacy default stream: work on that one orders every
+    # (blocking) stream after it implicitly, which would hide a missing event.
+    with torch.cuda.stream(torch.cuda.Stream()):
+        torch.cuda._sleep(SLEEP_CYCLES)  # the "forward pass" is still running...
+        for c, v in zip(conn.kv_caches, new_values, strict=True):
+            c.copy_(v)  # ...and writes the KV last
+        conn.store(objs.transfers(slots))
     ref = TorchPagedConnector([v.clone() for v in new_values], layout)
     expected = Objects(arena, layout, LENGTHS, 3)
     ref.store(expected.transfers(slots))
