@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ON_GPU, SHAPE, make_caches, make_layout
+from conftest import ON_GPU, SHAPE, as_bytes, make_caches, make_layout
 from kvtier.core.errors import PlatformError
 from kvtier.core.layout import PagedLayout
 from kvtier.core.platform import discover_platforms, resolve_platform_class
@@ -59,9 +59,51 @@ def test_create_connector_checks_its_options(device):
     layout = make_layout(PagedLayout.FLASH_NHD, torch.float16)
     caches = make_caches(layout, device, seed=1)
     conn = CUDAPlatform().create_connector(caches, layout, mode="zerocopy", staging_slots=3)
+    tuned = CUDAPlatform().create_connector(
+        caches, layout, first_group_bytes=0, combine_calls=False, use_driver_api=False
+    )
+    assert tuned._first_group_bytes == 0 and not tuned._combine
     assert isinstance(conn, CUDAPagedConnector) and conn.mode == "zerocopy"
     with pytest.raises(TypeError, match="unknown CUDA connector option"):
         CUDAPlatform().create_connector(caches, layout, use_gpu=True)
+    # The engine's generic option (config device_staging_buffer).
+    assert CUDAPlatform().create_connector(caches, layout, staging_buffer=True).mode == "dma"
+    assert CUDAPlatform().create_connector(caches, layout, staging_buffer=False).mode == "zerocopy"
+    with pytest.raises(TypeError, match="staging_buffer"):
+        CUDAPlatform().create_connector(caches, layout, staging_buffer="yes")
+
+
+@pytest.mark.parametrize("staging", [True, False])
+def test_the_cache_engine_runs_on_the_cuda_platform(device, staging):
+    """CacheEngine registers the caches with the CUDA platform (passing its generic options)
+    and a stored prefix comes back byte-identical into fresh slots."""
+    from kvtier.core import CacheEngine, HostArena, HostMemoryStorageManager, load_config
+    from kvtier.cuda.platform import CUDAPlatform
+
+    layout = make_layout(PagedLayout.FLASH_NHD, torch.float16)
+    caches = make_caches(layout, device, seed=3)
+    platform = CUDAPlatform()
+    arena = platform.create_arena(64 << 20) if device.type == "cuda" else HostArena.create(64 << 20)
+    config = load_config(env={}, overrides={
+        "chunk_size": SHAPE.chunk, "tiers": ["local_cpu"], "device_staging_buffer": staging,
+    })
+    engine = CacheEngine(config, layout, model="test/model", platform=platform,
+                         storage=HostMemoryStorageManager(arena))
+    engine.register_kv_caches(caches)
+    assert engine.connector is not None and engine.connector.mode == ("dma" if staging else "zerocopy")
+    n = 2 * SHAPE.chunk
+    total = SHAPE.blocks * SHAPE.block
+    perm = torch.randperm(total, generator=torch.Generator().manual_seed(4))
+    src, dst = perm[:n], perm[n : 2 * n]
+    tokens = list(range(1000, 1000 + n))
+    assert engine.store(tokens, src) == n
+    before = [as_bytes(c).clone() for c in caches]
+    mask = engine.retrieve(tokens, dst)
+    assert bool(mask.all())
+    for layer, cache in enumerate(caches):
+        flat = cache.view(torch.int16).permute(1, 2, 0, 3, 4).reshape(total, -1)
+        old = before[layer].view(torch.int16).view(cache.shape).permute(1, 2, 0, 3, 4).reshape(total, -1)
+        assert torch.equal(flat[dst.to(flat.device)], old[src.to(flat.device)])
 
 
 @pytest.mark.cuda

@@ -78,7 +78,7 @@ class KVTierConfig:
     save_decode_cache: bool = _doc("Also store chunks filled by generated tokens.", default=False)
     use_layerwise: bool = _doc("Load/store layer by layer, overlapping with the forward pass.", default=False)
     device_staging_buffer: bool = _doc(
-        "Layer-wise on XPU/CUDA: gather a layer into a device buffer, then one copy to host.",
+        "XPU: gather a layer into a device buffer, then one copy to host (layer-wise); CUDA: False moves KV by kernels reading/writing pinned host memory (zerocopy) instead of staging slots + copy engines.",
         default=True,
     )
     lookup_timeout_s: float = _doc("Bound on one lookup across processes/tiers (s).", default=2.0)

@@ -441,9 +441,11 @@ class CUDAPagedConnector(DeviceConnector):
     ring costs ``2 * staging_slots * staging_slot_bytes`` of device memory (store + load).
     ``use_driver_api=False`` issues the ``dma`` mode's copies and events through torch (stream
     switches) instead of the CUDA driver (``kvtier.cuda._driver``): same bytes, more host time.
-    ``first_group_bytes`` (default 8 MiB; twice that for a lone load and for each direction
-    of ``store_and_load_async``) is how much of a whole-chunk call is checked and planned before its
-    first DMA (see ``_groups``); 0 prepares the whole call first.
+    ``combine_calls`` (default True): whole-chunk calls made at once from several threads are
+    issued by one of them (``_issue``). ``first_group_bytes`` (default 8 MiB; twice that for a
+    lone load and for each direction of ``store_and_load_async``) is how much of a whole-chunk
+    call is checked and planned before its first DMA (see ``_groups``); 0 prepares the whole
+    call first.
     """
 
     def __init__(

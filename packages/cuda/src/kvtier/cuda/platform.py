@@ -74,14 +74,27 @@ class CUDAPlatform(Platform):
     def create_connector(
         self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, **options: object
     ) -> CUDAPagedConnector:
-        """A ``CUDAPagedConnector``; options: ``mode``, ``staging_slots``, ``staging_slot_bytes``."""
-        known = {"mode", "staging_slots", "staging_slot_bytes"}
+        """A ``CUDAPagedConnector``; options: its keyword arguments (``mode``, ``staging_slots``,
+        ``staging_slot_bytes``, ``use_driver_api``, ``first_group_bytes``, ``combine_calls``) and
+        the engine's ``staging_buffer`` (config ``device_staging_buffer``): True keeps the
+        default ``mode="dma"`` (gather into device staging slots, then the copy engine), False
+        asks for ``mode="zerocopy"`` (kernels read and write pinned host memory in place)."""
+        known = {
+            "mode", "staging_slots", "staging_slot_bytes", "use_driver_api", "first_group_bytes", "combine_calls",
+            "staging_buffer",
+        }
         unknown = sorted(set(options) - known)
         if unknown:
             raise TypeError(
                 f"unknown CUDA connector option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
             )
-        return CUDAPagedConnector(kv_caches, layout, **options)  # type: ignore[arg-type]
+        opts = dict(options)
+        staging = opts.pop("staging_buffer", True)
+        if not isinstance(staging, bool):
+            raise TypeError(f"staging_buffer (config device_staging_buffer) must be a bool, got {staging!r}")
+        if not staging:
+            opts.setdefault("mode", "zerocopy")
+        return CUDAPagedConnector(kv_caches, layout, **opts)  # type: ignore[arg-type]
 
     def synchronize(self) -> None:
         if torch.cuda.is_initialized():
