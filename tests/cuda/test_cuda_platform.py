@@ -73,10 +73,11 @@ def test_create_connector_checks_its_options(device):
         CUDAPlatform().create_connector(caches, layout, staging_buffer="yes")
 
 
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
 @pytest.mark.parametrize("staging", [True, False])
-def test_the_cache_engine_runs_on_the_cuda_platform(device, staging):
+def test_the_cache_engine_runs_on_the_cuda_platform(device, staging, layerwise):
     """CacheEngine registers the caches with the CUDA platform (passing its generic options)
-    and a stored prefix comes back byte-identical into fresh slots."""
+    and a stored prefix comes back byte-identical into fresh slots, whole or layer by layer."""
     from kvtier.core import CacheEngine, HostArena, HostMemoryStorageManager, load_config
     from kvtier.cuda.platform import CUDAPlatform
 
@@ -96,9 +97,18 @@ def test_the_cache_engine_runs_on_the_cuda_platform(device, staging):
     perm = torch.randperm(total, generator=torch.Generator().manual_seed(4))
     src, dst = perm[:n], perm[n : 2 * n]
     tokens = list(range(1000, 1000 + n))
-    assert engine.store(tokens, src) == n
+    if layerwise:
+        assert list(engine.store_layerwise(tokens, src)) == list(range(layout.num_layers))
+        assert engine.stats.stored_tokens == n
+    else:
+        assert engine.store(tokens, src) == n
     before = [as_bytes(c).clone() for c in caches]
-    mask = engine.retrieve(tokens, dst)
+    if layerwise:
+        job = engine.retrieve_layerwise(tokens, dst)
+        assert list(job.layers) == list(range(layout.num_layers))
+        mask = job.mask
+    else:
+        mask = engine.retrieve(tokens, dst)
     assert bool(mask.all())
     for layer, cache in enumerate(caches):
         flat = cache.view(torch.int16).permute(1, 2, 0, 3, 4).reshape(total, -1)
