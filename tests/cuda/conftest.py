@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvtier.core.connector import Transfer
+from kvtier.core.connector import DeviceConnector, Transfer
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena, MemoryObjMeta
 
@@ -104,6 +104,17 @@ def make_caches(layout: KVLayout, device: torch.device, seed: int, blocks: int =
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of ``t`` (on its own device) for exact comparisons."""
     return t.contiguous().view(torch.uint8)
+
+
+def assert_same_objects(mine: Objects, theirs: Objects) -> None:
+    """Two sets of host objects hold the same bytes."""
+    assert all(torch.equal(a, b) for a, b in zip(mine.bytes(), theirs.bytes(), strict=True))
+
+
+def assert_same_caches(conn: DeviceConnector, ref: DeviceConnector) -> None:
+    """Two connectors' paged caches hold the same bytes, layer by layer."""
+    for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
+        assert torch.equal(as_bytes(a), as_bytes(b))
 
 
 def random_slots(total: int, lengths: list[int], seed: int, holes: str) -> list[torch.Tensor]:

@@ -17,7 +17,16 @@ from unittest.mock import patch
 import pytest
 import torch
 
-from conftest import ON_GPU, SHAPE, Objects, as_bytes, make_caches, make_layout, random_slots
+from conftest import (
+    ON_GPU,
+    SHAPE,
+    Objects,
+    assert_same_caches,
+    assert_same_objects,
+    make_caches,
+    make_layout,
+    random_slots,
+)
 from kvtier.core.connector import TorchPagedConnector
 from kvtier.core.layout import PagedLayout
 from kvtier.cuda import connector as connmod
@@ -106,9 +115,8 @@ def test_a_call_made_while_another_thread_issues_is_issued_by_that_thread(device
     assert out["store"] is None and out["load"] is None, out
     ref.store(theirs.transfers(store_slots))
     ref.load(fresh.transfers(load_slots))
-    assert all(torch.equal(a, b) for a, b in zip(mine.bytes(), theirs.bytes(), strict=True))
-    for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
-        assert torch.equal(as_bytes(a), as_bytes(b))
+    assert_same_objects(mine, theirs)
+    assert_same_caches(conn, ref)
     steppers = dict(log)
     if combine:
         assert steppers == {"store": out["store_thread"], "load": out["store_thread"]}
@@ -131,14 +139,13 @@ def test_a_handed_over_calls_error_reaches_its_own_thread_only(device, arena):
     assert out["store"] is None
     assert isinstance(out["load"], IndexError) and "transfer 1: slot values" in str(out["load"])
     ref.store(theirs.transfers(store_slots))
-    assert all(torch.equal(a, b) for a, b in zip(mine.bytes(), theirs.bytes(), strict=True))
+    assert_same_objects(mine, theirs)
     # Nothing is left issuing, and the connector still moves exact bytes from any thread.
     assert not conn._issuing and not conn._mailbox
     conn._call_steps = CUDAPagedConnector._call_steps.__get__(conn)  # type: ignore[method-assign]
     conn.load(fresh.transfers(load_slots))
     ref.load(fresh.transfers(load_slots))
-    for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
-        assert torch.equal(as_bytes(a), as_bytes(b))
+    assert_same_caches(conn, ref)
 
 
 def test_waiting_for_an_issuer_is_bounded_and_enqueues_nothing(device, arena):
@@ -226,4 +233,4 @@ def test_a_handed_over_store_follows_its_own_threads_stream(device, arena):
     ref = TorchPagedConnector([v.clone() for v in new_values], layout)
     expected = Objects(arena, layout, LENGTHS, 93)
     ref.store(expected.transfers(store_slots))
-    assert all(torch.equal(x, y) for x, y in zip(objs.bytes(), expected.bytes(), strict=True))
+    assert_same_objects(objs, expected)

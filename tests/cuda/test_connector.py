@@ -17,6 +17,8 @@ from conftest import (
     SHAPE,
     Objects,
     as_bytes,
+    assert_same_caches,
+    assert_same_objects,
     connector_kwargs,
     make_caches,
     make_layout,
@@ -48,7 +50,7 @@ def _assert_store_matches(conn, ref, arena, lengths, slots, seed):  # type: igno
     mine, theirs = Objects(arena, conn.layout, lengths, seed), Objects(arena, ref.layout, lengths, seed)
     conn.store(mine.transfers(slots))
     ref.store(theirs.transfers(slots))
-    assert all(torch.equal(a, b) for a, b in zip(mine.bytes(), theirs.bytes(), strict=True))
+    assert_same_objects(mine, theirs)
 
 
 def _assert_load_matches(conn, ref, arena, lengths, slots, seed):  # type: ignore[no-untyped-def]
@@ -56,8 +58,7 @@ def _assert_load_matches(conn, ref, arena, lengths, slots, seed):  # type: ignor
     fresh, fresh_ref = Objects(arena, conn.layout, lengths, seed), Objects(arena, ref.layout, lengths, seed)
     conn.load(fresh.transfers(slots))
     ref.load(fresh_ref.transfers(slots))
-    for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
-        assert torch.equal(as_bytes(a), as_bytes(b))
+    assert_same_caches(conn, ref)
 
 
 @pytest.mark.parametrize("paged", LAYOUTS, ids=lambda p: p.value)
@@ -131,8 +132,7 @@ def test_layerwise_generators_and_single_layers_match_reference(device, arena, p
     assert seen == list(range(layout.num_layers))
     for layer in range(layout.num_layers):
         conn.load_layer(layer, fresh.transfers(slots))
-    for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
-        assert torch.equal(as_bytes(a), as_bytes(b))
+    assert_same_caches(conn, ref)
 
 
 def test_abandoned_layerwise_generator_finishes_its_copies(device, arena):
@@ -146,7 +146,7 @@ def test_abandoned_layerwise_generator_finishes_its_copies(device, arena):
     assert next(gen) == 0
     gen.close()
     ref.store_layer(0, theirs.transfers(slots))
-    assert all(torch.equal(a, b) for a, b in zip(mine.bytes(), theirs.bytes(), strict=True))
+    assert_same_objects(mine, theirs)
 
 
 def test_permuted_view_of_a_block_first_allocation(device, arena):
@@ -176,7 +176,7 @@ def test_adjacent_objects_and_growing_ring(device, arena):
     conn.store([Transfer(o, s) for o, s in zip(mine.objs, slots, strict=True)])
     ref.store([Transfer(o, s) for o, s in zip(theirs.objs, slots, strict=True)])
     assert conn._store_lane.slot_bytes >= row_bytes
-    assert all(torch.equal(a, b) for a, b in zip(mine.bytes(), theirs.bytes(), strict=True))
+    assert_same_objects(mine, theirs)
 
 
 def test_empty_and_all_skipped_transfers_are_no_ops(device, arena):
@@ -282,9 +282,8 @@ def test_async_store_and_load_complete_on_wait(device, arena):
     assert pending_store.done() and pending_load.done()
     ref.store(theirs.transfers(store_slots))
     ref.load(fresh.transfers(load_slots))
-    assert all(torch.equal(a, b) for a, b in zip(mine.bytes(), theirs.bytes(), strict=True))
-    for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
-        assert torch.equal(as_bytes(a), as_bytes(b))
+    assert_same_objects(mine, theirs)
+    assert_same_caches(conn, ref)
 
 
 def test_store_and_load_together_from_one_thread(device, arena):
@@ -303,9 +302,8 @@ def test_store_and_load_together_from_one_thread(device, arena):
     pending_store.wait()
     ref.store(theirs.transfers(store_slots))
     ref.load(fresh.transfers(load_slots))
-    assert all(torch.equal(a, b) for a, b in zip(mine.bytes(), theirs.bytes(), strict=True))
-    for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
-        assert torch.equal(as_bytes(a), as_bytes(b))
+    assert_same_objects(mine, theirs)
+    assert_same_caches(conn, ref)
 
 
 @pytest.mark.parametrize("first_skipped", [False, True], ids=["eager-matches", "eager-overwritten"])
@@ -335,15 +333,13 @@ def test_a_loads_first_dma_before_the_call_is_checked_changes_no_byte(device, ar
     fresh, again = Objects(arena, layout, lengths, 52), Objects(arena, layout, lengths, 54)
     conn.load(fresh.transfers(load_slots))
     ref.load(fresh.transfers(load_slots))
-    for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
-        assert torch.equal(as_bytes(a), as_bytes(b))
+    assert_same_caches(conn, ref)
     assert [piece is not None for piece in eager] == ([True] if device.type == "cuda" else [])
     mine, theirs = Objects(arena, layout, lengths, 53), Objects(arena, layout, lengths, 53)
     for pending in conn.store_and_load_async(mine.transfers(store_slots), again.transfers(load_slots)):
         pending.wait()
     ref.store(theirs.transfers(store_slots))
     ref.load(again.transfers(load_slots))
-    assert all(torch.equal(a, b) for a, b in zip(mine.bytes(), theirs.bytes(), strict=True))
-    for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
-        assert torch.equal(as_bytes(a), as_bytes(b))
+    assert_same_objects(mine, theirs)
+    assert_same_caches(conn, ref)
     assert len(eager) == (1 if device.type == "cuda" else 0)
