@@ -324,17 +324,19 @@ class _Lane:
 
     def bind_context(self) -> None:
         """Make sure this thread has the device's CUDA context current before driver calls (a
-        thread's first CUDA runtime call binds it; remembered per thread and device)."""
+        thread's first CUDA runtime call binds it; remembered per thread and device, so only a
+        thread's first call pays for the device switch and the check)."""
         bound = getattr(_BOUND, "devices", None)
         if bound is None:
             bound = _BOUND.devices = set()
         if self.device.index in bound:
             return
         assert self.drv is not None
-        if not self.drv.has_context():
-            torch.cuda.current_stream(self.device).query()
+        with _OnDevice(self.device.index):
             if not self.drv.has_context():
-                raise CUDADriverError(f"no CUDA context is current on this thread for {self.device}")
+                torch.cuda.current_stream(self.device).query()
+                if not self.drv.has_context():
+                    raise CUDADriverError(f"no CUDA context is current on this thread for {self.device}")
         bound.add(self.device.index)
 
     def ensure_slots(self, nbytes: int) -> None:
@@ -485,6 +487,7 @@ class CUDAPagedConnector(DeviceConnector):
         # The kernel finds row r's paged base at bases[r] (see kvtier.cuda._triton_kernels).
         self._bases_dev = torch.tensor(self._bases, dtype=torch.int64, device=device)
         self._hd_bytes = layout.hidden_size * self._itemsize
+        self._token_bytes = self._hd_bytes * self._rows_per_obj  # one token of a chunk's object
         self._chunk_shapes: dict[int, tuple[int, ...]] = {}
         self._dma_geometry = self._geometry(())
         use_driver = use_driver_api and mode == "dma"
@@ -1254,7 +1257,7 @@ class CUDAPagedConnector(DeviceConnector):
         ``last``: the group is the call's last, so the piece leaves the load's short last piece
         (``_LAST_PIECE_BYTES``) to the plan.
         """
-        per_token = self._hd_bytes * self._rows_per_obj
+        per_token = self._token_bytes
         sizes: list[int] = []
         for t in transfers:
             meta = t.obj.meta
@@ -1312,7 +1315,7 @@ class CUDAPagedConnector(DeviceConnector):
 
         A lone store did not gain from a larger first group. Measured with
         ``benchmarks/transfer_groups_ab.py``."""
-        per_token = self.layout.hidden_size * self._itemsize * self._rows_per_obj
+        per_token = self._token_bytes
         groups: list[tuple[int, int, int]] = []
         whole = self._first_group_bytes == 0
         first = self._first_group_bytes * (2 if double_first else 1)
@@ -1408,9 +1411,8 @@ class CUDAPagedConnector(DeviceConnector):
         needs a context (measured: CUDA_ERROR_INVALID_CONTEXT in a fresh thread)."""
         if not (self._combine and self.device.type == "cuda"):
             return None
-        with _OnDevice(self.device.index):
-            self._store_lane.bind_context()
-            return _raw_current_stream(self.device)
+        self._store_lane.bind_context()
+        return _raw_current_stream(self.device)
 
     def store_async(self, transfers: Sequence[Transfer]) -> PendingTransfer:
         """Enqueue a whole-chunk store after the current stream's work and return at once.
@@ -1473,12 +1475,10 @@ class CUDAPagedConnector(DeviceConnector):
             self._step_units([unit])
             return unit.result()
         with self._issue_lock:
-            if self._issuing:
+            handed = self._issuing
+            if handed:
                 self._mailbox.append(unit)
-                handed = True
-            else:
-                self._issuing = True
-                handed = False
+            self._issuing = True
         if handed:
             return self._await_issue(unit, gens)
         units = [unit]
