@@ -25,6 +25,9 @@ timeout 90 $PY benchmarks/transfer_trace.py "$OUT/trace-driver" 2>&1 | tee "$OUT
 # (KVTIER_CUDA_DRIVER_API=0 gives the same timeline for the torch path.)
 rm -rf "$OUT/trace-driver"  # the chrome traces are large; the logs keep the timelines
 
+echo "== each call's recorded device work replayed without Python planning"
+timeout 120 $PY benchmarks/transfer_replay.py small:16 small:64 8b:16 --rounds 12 --out "$OUT" 2>&1 | tee "$OUT/replay.log"
+
 echo "== kvtier bench transfer"
 timeout 240 $PY -m kvtier.core.cli bench transfer --out "$OUT" 2>&1 | tee "$OUT/bench.log"
 
