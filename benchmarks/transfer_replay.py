@@ -11,6 +11,10 @@ arguments), then times:
   again), same streams and order; no checking, no planning, no Python between operations but a
   loop. Its ``issue`` column is the host time of the driver calls and launches alone.
 
+``--first-group 2,4,0`` adds ``store_and_load_async`` calls with other ``first_group_bytes`` (in
+MiB; each direction's first group is twice that, 0 plans the whole call first): which schedule
+would suit a host with cheaper planning.
+
 So ``replay`` is what the same schedule reaches with host code that costs nothing but its
 driver calls, the bound for any compiled or cached planner, and ``call - replay`` is what the
 Python planning costs on this host. Also prints the contiguous pinned copy one way and both
@@ -90,7 +94,7 @@ def _replay(ops: list[tuple[Callable[..., Any], tuple, dict]], issued: list[floa
     torch.cuda.synchronize()
 
 
-def run(rec: _Recorder, shape: str, chunks: int, rounds: int) -> list[dict]:
+def run(rec: _Recorder, shape: str, chunks: int, rounds: int, first_groups: list[int]) -> list[dict]:
     arena = CUDAPlatform().create_arena(4 * chunks * _chunk_nbytes(shape) + (64 << 20))
     case = _make_case(shape, chunks, arena, seed=3)
     stores, loads = case.store_transfers(), case.load_transfers()
@@ -103,6 +107,16 @@ def run(rec: _Recorder, shape: str, chunks: int, rounds: int) -> list[dict]:
     calls: dict[str, Callable[[], None]] = {
         "store": lambda: conn.store(stores), "load": lambda: conn.load(loads), "both": both,
     }
+    default_first = conn._first_group_bytes
+    for mib in first_groups:
+        def both_with(mib: int = mib) -> None:
+            conn._first_group_bytes = mib << 20
+            try:
+                both()
+            finally:
+                conn._first_group_bytes = default_first
+
+        calls[f"both-first-{mib}MiB"] = both_with
     limits, release_limits = _limit_calls(case.nbytes, arena)
     names = ["limit one-way", "limit both"] + [f"{k} {v}" for k in calls for v in ("call", "replay")]
     times: dict[str, list[float]] = {k: [] for k in names}
@@ -140,19 +154,19 @@ def run(rec: _Recorder, shape: str, chunks: int, rounds: int) -> list[dict]:
     one_way = case.nbytes / statistics.median(times["limit one-way"]) / 1e9
     print(f"== {shape}, {chunks} chunks a call ({case.nbytes / 2**20:.0f} MiB each way); "
           f"one-way limit {one_way:.1f} GB/s; median of {3 * rounds}")
-    print(f"{'':22s} {'wall us':>9s} {'GB/s':>7s} {'x one-way':>9s} {'issue us':>9s}")
+    print(f"{'':28s} {'wall us':>9s} {'GB/s':>7s} {'x one-way':>9s} {'issue us':>9s}")
     rows = []
     for name, ts in times.items():
         m = statistics.median(ts)
         moved = case.nbytes * (2 if "both" in name else 1)
         gbps = moved / m / 1e9
-        kind = name.split()[0]
+        kind = name.rsplit(" ", 1)[0]
         iss = statistics.median(issue[kind]) * 1e6 if name.endswith("replay") else None
         rows.append({"shape": shape, "chunks": chunks, "call": name, "us": round(m * 1e6, 1),
                      "gbps": round(gbps, 2), "x_one_way_limit": round(gbps / one_way, 3),
                      "issue_us": None if iss is None else round(iss, 1)})
         tail = f" {iss:9.1f}" if iss is not None else ""
-        print(f"{name:22s} {m * 1e6:9.1f} {gbps:7.1f} {gbps / one_way:9.3f}{tail}")
+        print(f"{name:28s} {m * 1e6:9.1f} {gbps:7.1f} {gbps / one_way:9.3f}{tail}")
     return rows
 
 
@@ -201,6 +215,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--plot", type=Path, help="only redraw the PNG of this JSON file")
+    ap.add_argument("--first-group", default="", help="also both at once with these first_group_bytes, MiB, "
+                    "comma-separated (0: the whole call planned first); not drawn")
     args = ap.parse_args()
     if args.plot is not None:
         return 0 if _plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png")) else 2
@@ -212,7 +228,8 @@ def main() -> int:
     rows = []
     for case in args.cases:
         shape, chunks = case.split(":")
-        rows += run(rec, shape, int(chunks), args.rounds)
+        rows += run(rec, shape, int(chunks), args.rounds,
+                    [int(x) for x in args.first_group.split(",") if x.strip()])
         torch.cuda.empty_cache()
     slug = _device_slug(torch.cuda.get_device_name())
     args.out.mkdir(parents=True, exist_ok=True)
