@@ -11,8 +11,11 @@ figure is the median over rounds, printed as a ratio to the one-way limit and wr
 
 ``store_and_load_async`` prepares each direction's first group at twice ``first_group_bytes``
 (see ``CUDAPagedConnector._groups``): the rows name the sizes each call prepares first. ``--settings`` takes
-``MiB:growth:eager`` triples; ``eager`` 0 turns off a lone load's early first DMA
-(``CUDAPagedConnector._eager_piece``, which also doubles its first group).
+``MiB:growth:eager`` triples; ``growth`` is how much larger each later group is, for stores and
+both at once, optionally ``/`` that for lone loads (``2/4``, the default; one number sets both);
+``eager`` 0 turns off a lone load's early first DMA (``CUDAPagedConnector._eager_piece``, which
+also doubles its first group). A setting whose rows repeat another's (same name) is measured
+once.
 """
 
 from __future__ import annotations
@@ -31,18 +34,21 @@ from kvtier.cuda import connector as cm
 from kvtier.cuda.bench import _chunk_nbytes, _device_slug, _limit_calls, _make_case
 from kvtier.cuda.platform import CUDAPlatform
 
-SETTINGS = "8:4:1,4:4:1,8:4:0"  # first_group_bytes in MiB : growth : a lone load's early first DMA
+# first_group_bytes in MiB : growth (stores and both at once[/lone loads]) : a lone load's early DMA
+SETTINGS = "8:2/4:1,8:4:1,4:2/4:1,8:2/4:0"
+Setting = tuple[int, int, int, bool]
 
 
-def _settings(text: str) -> list[tuple[int, int, bool]]:
+def _settings(text: str) -> list[Setting]:
     out = []
     for item in text.split(","):
-        mib, growth, eager = (int(x) for x in item.split(":"))
-        out.append((mib << 20, growth, bool(eager)))
+        mib, growth, eager = item.split(":")
+        store_growth, _, load_growth = growth.partition("/")
+        out.append((int(mib) << 20, int(store_growth), int(load_growth or store_growth), bool(int(eager))))
     return out
 
 
-def run(shape: str, chunks: int, rounds: int, settings: list[tuple[int, int, bool]]) -> list[dict]:
+def run(shape: str, chunks: int, rounds: int, settings: list[Setting]) -> list[dict]:
     # Room for the store and load objects and the two plain copies' buffers, as in the bench.
     arena = CUDAPlatform().create_arena(4 * chunks * _chunk_nbytes(shape) + (64 << 20))
     case = _make_case(shape, chunks, arena, seed=3)
@@ -55,23 +61,22 @@ def run(shape: str, chunks: int, rounds: int, settings: list[tuple[int, int, boo
 
     limits, release_limits = _limit_calls(case.nbytes, arena)
     # name -> (call, setting); limits ignore the settings
-    Setting = tuple[int, int, bool]
-    default: Setting = (conn._first_group_bytes, cm._GROUP_GROWTH, conn._eager_load)
+    default: Setting = (conn._first_group_bytes, cm._GROUP_GROWTH, cm._LOAD_GROUP_GROWTH, conn._eager_load)
     calls: dict[str, tuple[Callable[[], None], Setting]] = {
         "limit one-way": (limits["store"], default),
         "limit both": (limits["both"], default),
     }
     for setting in settings:
-        first, growth, eager = setting
+        first, growth, load_growth, eager = setting
         mib = first >> 20
-        tag = f"x{growth}" + ("" if eager else " late-load")
-        calls[f"both first {2 * mib} MiB/dir {tag}"] = (both, setting)
-        calls[f"store first {mib} MiB {tag}"] = (lambda: conn.store(stores), setting)
+        late = "" if eager else " late-load"
+        calls[f"both first {2 * mib} MiB/dir x{growth}{late}"] = (both, setting)
+        calls[f"store first {mib} MiB x{growth}{late}"] = (lambda: conn.store(stores), setting)
         # A lone load with its early DMA prepares twice the first group (see _groups).
-        calls[f"load first {2 * mib if eager else mib} MiB {tag}"] = (lambda: conn.load(loads), setting)
+        calls[f"load first {2 * mib if eager else mib} MiB x{load_growth}{late}"] = (lambda: conn.load(loads), setting)
 
     def apply(setting: Setting) -> None:
-        conn._first_group_bytes, cm._GROUP_GROWTH, conn._eager_load = setting
+        conn._first_group_bytes, cm._GROUP_GROWTH, cm._LOAD_GROUP_GROWTH, conn._eager_load = setting
 
     times: dict[str, list[float]] = {k: [] for k in calls}
     try:

@@ -48,34 +48,38 @@ _ISSUING = ("memcpy_htod", "memcpy_dtoh", "record", "launch", "copy_words")
 
 
 class _Recorder:
-    """While ``on``, every driver operation and launch is appended to ``ops`` (and run)."""
+    """``record(fn)`` runs ``fn`` with every driver operation and launch appended to a list as
+    it runs. The wrappers are in place only while recording: a timed call pays nothing for them."""
 
     def __init__(self) -> None:
-        self.on = False
         self.ops: list[tuple[Callable[..., Any], tuple, dict]] = []
-        for name in _DRIVER_OPS:
-            self._wrap(CudaDriver, name, getattr(CudaDriver, name))
-        for name in ("launch", "copy_words"):
-            self._wrap(LAUNCHES, name, getattr(LAUNCHES, name))
+        self._targets = [(CudaDriver, name) for name in _DRIVER_OPS] + [
+            (LAUNCHES, name) for name in ("launch", "copy_words")
+        ]
 
-    def _wrap(self, owner: Any, name: str, orig: Callable[..., Any]) -> None:
-        rec = self
+    def _wrapped(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        ops = self.ops
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            if rec.on:
-                rec.ops.append((orig, args, kwargs))
+            ops.append((orig, args, kwargs))
             return orig(*args, **kwargs)
 
-        setattr(owner, name, call)
+        return call
 
     def record(self, fn: Callable[[], None]) -> list[tuple[Callable[..., Any], tuple, dict]]:
         torch.cuda.synchronize()
         self.ops = []
-        self.on = True
+        saved = [(owner, name, owner.__dict__.get(name)) for owner, name in self._targets]
+        for owner, name in self._targets:
+            setattr(owner, name, self._wrapped(getattr(owner, name)))
         try:
             fn()
         finally:
-            self.on = False
+            for owner, name, old in saved:
+                if old is None:  # an instance method: drop the instance attribute again
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, old)
         torch.cuda.synchronize()
         return self.ops
 
@@ -224,7 +228,7 @@ def main() -> int:
         print("needs an NVIDIA GPU")
         return 2
     RawEvent.__del__ = lambda self: None  # type: ignore[method-assign]  # recorded handles stay valid
-    rec = _Recorder()  # once: it wraps the driver's methods
+    rec = _Recorder()
     rows = []
     for case in args.cases:
         shape, chunks = case.split(":")

@@ -81,8 +81,10 @@ _LAST_PIECE_BYTES = 4 << 20
 # A whole-chunk call's first group of transfers (see ``_groups``): the host checks and plans
 # only this much before the first DMA can start; later groups are prepared while it runs.
 _FIRST_GROUP_BYTES = 8 << 20
-# Each later group's cap, as a multiple of the previous one's.
-_GROUP_GROWTH = 4
+# Each later group's cap, as a multiple of the previous one's: for stores and for both
+# directions of store_and_load_async, and for a lone load (see ``_groups``).
+_GROUP_GROWTH = 2
+_LOAD_GROUP_GROWTH = 4
 # How long a call handed to another thread's issuer may wait before it starts (see _issue).
 _HANDOFF_TIMEOUT_S = 120.0
 # Table buffers per lane (driver path): batches of runs that may be in flight at once.
@@ -1291,14 +1293,23 @@ class CUDAPagedConnector(DeviceConnector):
         return piece
 
     def _groups(
-        self, transfers: Sequence[Transfer], lane: _Lane, *, double_first: bool = False
+        self, transfers: Sequence[Transfer], lane: _Lane, *, double_first: bool = False, growth: int = 2
     ) -> list[tuple[int, int, int]]:
         """Split a whole-chunk call into runs of transfers ``(lo, hi, tokens)``:
-        ``first_group_bytes`` (at most a staging slot) first, then ``_GROUP_GROWTH`` times the
-        previous cap each (a transfer larger than the cap is a group of its own). Preparing a
-        group costs the host a fraction of its bytes' PCIe time, so a group four times larger is
-        still ready before the previous group's DMAs end, and a call of N bytes costs only
-        log4(N) batch overheads.
+        ``first_group_bytes`` (at most a staging slot) first, then ``growth`` times the previous
+        cap each (a transfer larger than the cap is a group of its own). Preparing a group costs
+        the host a fraction of its bytes' PCIe time, so a larger group is still ready before the
+        previous group's DMAs end, and a call of N bytes costs only log(N) batch overheads.
+
+        How much larger (``_call_steps`` picks): a lone load 4x (``_LOAD_GROUP_GROWTH``), a store
+        and both directions of ``store_and_load_async`` 2x (``_GROUP_GROWTH``). A group is checked
+        and planned in one step, during which the copy engines have only what is already queued
+        (in ``store_and_load_async``, the other direction's too), so a larger group can leave
+        them idle before it is issued. Measured on an H200 with ``benchmarks/transfer_groups_ab.py``
+        (one connector switching settings call by call), 4x -> 2x: small model both at once
+        1.538x -> 1.662x the one-way limit at 64 chunks a call, 1.427x -> 1.464x at 16, 8B
+        1.746x -> 1.762x; a small store 0.886 -> 0.901 (16 chunks) and 0.924 -> 0.946 (64); a
+        lone load 0.950 -> 0.947 (64 chunks) and 0.977 -> 0.974 (8B), so loads keep 4x.
 
         ``double_first``: the first group is twice as large, where its preparation does not
         hold the first DMA up alone:
@@ -1325,7 +1336,7 @@ class CUDAPagedConnector(DeviceConnector):
             nbytes = n * per_token
             if acc and acc + nbytes > cap and not whole:
                 groups.append((start, i, tokens))
-                start, acc, tokens, cap = i, 0, 0, _GROUP_GROWTH * cap
+                start, acc, tokens, cap = i, 0, 0, growth * cap
             acc += nbytes
             tokens += n
         groups.append((start, len(transfers), tokens))
@@ -1354,7 +1365,10 @@ class CUDAPagedConnector(DeviceConnector):
                 # one's preparation or, given a turn first, delay the load's next group: not
                 # faster in A/B runs on H200s.)
                 eager = driver and not store and not interleaved and self._eager_load
-                groups = self._groups(transfers, lane, double_first=interleaved or eager)
+                groups = self._groups(
+                    transfers, lane, double_first=interleaved or eager,
+                    growth=_GROUP_GROWTH if store or interleaved else _LOAD_GROUP_GROWTH,
+                )
                 first_load_piece = None
                 if eager:
                     lo, hi, _ = groups[0]
