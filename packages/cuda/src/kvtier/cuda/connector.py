@@ -1307,7 +1307,7 @@ class CUDAPagedConnector(DeviceConnector):
         (in ``store_and_load_async``, the other direction's too), so a larger group can leave
         them idle before it is issued. Measured on an H200 with ``benchmarks/transfer_groups_ab.py``
         (one connector switching settings call by call), 4x -> 2x: small model both at once
-        1.538x -> 1.662x the one-way limit at 64 chunks a call, 1.427x -> 1.464x at 16, 8B
+        1.538x -> 1.662x the one-way limit at 64 chunks a call (at 16, 16 MiB + 16 MiB either way), 8B
         1.746x -> 1.762x; a small store 0.886 -> 0.901 (16 chunks) and 0.924 -> 0.946 (64); a
         lone load 0.950 -> 0.947 (64 chunks) and 0.977 -> 0.974 (8B), so loads keep 4x.
 
