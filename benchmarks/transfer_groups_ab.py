@@ -31,8 +31,7 @@ from pathlib import Path
 import torch
 
 from kvtier.cuda import connector as cm
-from kvtier.cuda.bench import _chunk_nbytes, _device_slug, _limit_calls, _make_case
-from kvtier.cuda.platform import CUDAPlatform
+from kvtier.cuda.bench import _arena, _calls, _device_slug, _limit_calls, _make_case, _release
 
 # first_group_bytes in MiB : growth (stores and both at once[/lone loads]) : a lone load's early DMA
 SETTINGS = "8:2/4:1,8:4:1,4:2/4:1,8:2/4:0"
@@ -49,16 +48,10 @@ def _settings(text: str) -> list[Setting]:
 
 
 def run(shape: str, chunks: int, rounds: int, settings: list[Setting]) -> list[dict]:
-    # Room for the store and load objects and the two plain copies' buffers, as in the bench.
-    arena = CUDAPlatform().create_arena(4 * chunks * _chunk_nbytes(shape) + (64 << 20))
+    arena = _arena(chunks, [shape])
     case = _make_case(shape, chunks, arena, seed=3)
-    stores, loads = case.store_transfers(), case.load_transfers()
     conn = cm.CUDAPagedConnector(case.caches, case.layout)
-
-    def both() -> None:
-        for pending in conn.store_and_load_async(stores, loads):
-            pending.wait()
-
+    calls_of = _calls(case, conn)
     limits, release_limits = _limit_calls(case.nbytes, arena)
     # name -> (call, setting); limits ignore the settings
     default: Setting = (conn._first_group_bytes, cm._GROUP_GROWTH, cm._LOAD_GROUP_GROWTH, conn._eager_load)
@@ -70,10 +63,10 @@ def run(shape: str, chunks: int, rounds: int, settings: list[Setting]) -> list[d
         first, growth, load_growth, eager = setting
         mib = first >> 20
         late = "" if eager else " late-load"
-        calls[f"both first {2 * mib} MiB/dir x{growth}{late}"] = (both, setting)
-        calls[f"store first {mib} MiB x{growth}{late}"] = (lambda: conn.store(stores), setting)
+        calls[f"both first {2 * mib} MiB/dir x{growth}{late}"] = (calls_of["both"], setting)
+        calls[f"store first {mib} MiB x{growth}{late}"] = (calls_of["store"], setting)
         # A lone load with its early DMA prepares twice the first group (see _groups).
-        calls[f"load first {2 * mib if eager else mib} MiB x{load_growth}{late}"] = (lambda: conn.load(loads), setting)
+        calls[f"load first {2 * mib if eager else mib} MiB x{load_growth}{late}"] = (calls_of["load"], setting)
 
     def apply(setting: Setting) -> None:
         conn._first_group_bytes, cm._GROUP_GROWTH, cm._LOAD_GROUP_GROWTH, conn._eager_load = setting
@@ -95,8 +88,7 @@ def run(shape: str, chunks: int, rounds: int, settings: list[Setting]) -> list[d
     finally:
         apply(default)
         release_limits()
-        for o in case.store_objs + case.load_objs:
-            o.release()
+        _release(case)
     one_way = case.nbytes / statistics.median(times["limit one-way"]) / 1e9
     print(f"== {shape}, {chunks} chunks a call ({case.nbytes / 2**20:.0f} MiB each way); "
           f"one-way limit {one_way:.1f} GB/s; median of {3 * rounds}")

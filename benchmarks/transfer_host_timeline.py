@@ -22,9 +22,8 @@ import torch
 
 from kvtier.cuda import connector as connmod
 from kvtier.cuda._driver import CudaDriver
-from kvtier.cuda.bench import _make_case
+from kvtier.cuda.bench import _arena, _calls, _make_case
 from kvtier.cuda.kernels import LAUNCHES
-from kvtier.cuda.platform import CUDAPlatform
 
 MARKS: list[tuple[str, int, int]] = []
 
@@ -68,18 +67,9 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--calls", type=int, default=40)
     args = ap.parse_args()
-    arena = CUDAPlatform().create_arena(4 * args.chunks * (32 << 20) + (64 << 20))
-    case = _make_case(args.shape, args.chunks, arena, seed=3)
+    case = _make_case(args.shape, args.chunks, _arena(args.chunks, [args.shape]), seed=3)
     conn = connmod.CUDAPagedConnector(case.caches, case.layout)
-    stores, loads = case.store_transfers(), case.load_transfers()
-
-    def both() -> None:
-        for p in conn.store_and_load_async(stores, loads):
-            p.wait()
-
-    calls: dict[str, Callable[[], object]] = {
-        "store": lambda: conn.store(stores), "load": lambda: conn.load(loads), "both": both,
-    }
+    calls = _calls(case, conn)
     plain: dict[str, float] = {}
     for name, fn in calls.items():
         for _ in range(5):

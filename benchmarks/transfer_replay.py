@@ -39,9 +39,8 @@ import torch
 
 from kvtier.cuda import connector as cm
 from kvtier.cuda._driver import CudaDriver, RawEvent
-from kvtier.cuda.bench import _chunk_nbytes, _device_slug, _limit_calls, _make_case
+from kvtier.cuda.bench import _arena, _calls, _device_slug, _limit_calls, _make_case, _release
 from kvtier.cuda.kernels import LAUNCHES
-from kvtier.cuda.platform import CUDAPlatform
 
 _DRIVER_OPS = ("memcpy_htod", "memcpy_dtoh", "record", "wait", "event_synchronize")
 _ISSUING = ("memcpy_htod", "memcpy_dtoh", "record", "launch", "copy_words")
@@ -99,18 +98,11 @@ def _replay(ops: list[tuple[Callable[..., Any], tuple, dict]], issued: list[floa
 
 
 def run(rec: _Recorder, shape: str, chunks: int, rounds: int, first_groups: list[int]) -> list[dict]:
-    arena = CUDAPlatform().create_arena(4 * chunks * _chunk_nbytes(shape) + (64 << 20))
+    arena = _arena(chunks, [shape])
     case = _make_case(shape, chunks, arena, seed=3)
-    stores, loads = case.store_transfers(), case.load_transfers()
     conn = cm.CUDAPagedConnector(case.caches, case.layout)
-
-    def both() -> None:
-        for pending in conn.store_and_load_async(stores, loads):
-            pending.wait()
-
-    calls: dict[str, Callable[[], None]] = {
-        "store": lambda: conn.store(stores), "load": lambda: conn.load(loads), "both": both,
-    }
+    calls = _calls(case, conn)
+    both = calls["both"]
     default_first = conn._first_group_bytes
     for mib in first_groups:
         def both_with(mib: int = mib) -> None:
@@ -153,8 +145,7 @@ def run(rec: _Recorder, shape: str, chunks: int, rounds: int, first_groups: list
                 timed(f"{name} call", fn)
     finally:
         release_limits()
-        for o in case.store_objs + case.load_objs:
-            o.release()
+        _release(case)
     one_way = case.nbytes / statistics.median(times["limit one-way"]) / 1e9
     print(f"== {shape}, {chunks} chunks a call ({case.nbytes / 2**20:.0f} MiB each way); "
           f"one-way limit {one_way:.1f} GB/s; median of {3 * rounds}")

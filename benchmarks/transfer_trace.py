@@ -25,10 +25,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from kvtier.cuda.bench import SHAPES, _chunk_nbytes, _make_case
+from kvtier.cuda.bench import SHAPES, _arena, _calls, _make_case
 from kvtier.cuda.connector import CUDAPagedConnector
 from kvtier.cuda.kernels import LAUNCHES
-from kvtier.cuda.platform import CUDAPlatform
 
 
 def _timeline(trace: Path, label: str) -> list[str]:
@@ -94,14 +93,7 @@ def _issue_times(fn: Callable[[], object]) -> str:
 def _trace_shape(shape: str, chunks: int, arena, out: Path) -> None:  # type: ignore[no-untyped-def]
     case = _make_case(shape, chunks, arena, seed=1)
     conn = CUDAPagedConnector(case.caches, case.layout)
-    stores, loads = case.store_transfers(), case.load_transfers()
-
-    def both() -> None:
-        for p in conn.store_and_load_async(stores, loads):
-            p.wait()
-
-    calls = {"store": lambda: conn.store(stores), "load": lambda: conn.load(loads), "both": both}
-    for name, fn in calls.items():
+    for name, fn in _calls(case, conn).items():
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
@@ -137,8 +129,7 @@ def main() -> int:
     args = ap.parse_args()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    largest = max(_chunk_nbytes(s) for s in args.shapes)
-    arena = CUDAPlatform().create_arena(4 * args.chunks * largest + (64 << 20))
+    arena = _arena(args.chunks, args.shapes)
     print(f"driver API: {os.environ.get('KVTIER_CUDA_DRIVER_API', '1')}")
     for shape in args.shapes:
         _trace_shape(shape, args.chunks, arena, out)

@@ -26,7 +26,7 @@ import re
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -182,23 +182,39 @@ class _Pair:
             t.join(timeout=30)
 
 
+def _calls(case: _Case, conn) -> dict[str, Callable[[], None]]:  # type: ignore[no-untyped-def]
+    """The case's whole calls on ``conn``, each returning with its copies done: ``store``,
+    ``load`` and ``both`` (``store_and_load_async`` from one thread, both waited)."""
+    stores, loads = case.store_transfers(), case.load_transfers()
+
+    def both() -> None:
+        for pending in conn.store_and_load_async(stores, loads):
+            pending.wait()
+
+    return {"store": lambda: conn.store(stores), "load": lambda: conn.load(loads), "both": both}
+
+
+def _arena(chunks: int, shapes: Sequence[str]) -> HostArena:
+    """A pinned arena holding a case's store and load objects of ``chunks`` chunks of the largest
+    of ``shapes``, and the plain copies' buffers of ``_limit_calls``."""
+    from kvtier.cuda.platform import CUDAPlatform
+
+    largest = max(_chunk_nbytes(s) for s in shapes)
+    return CUDAPlatform().create_arena(4 * chunks * largest + (64 << 20))
+
+
 def _measure_connector(case: _Case, conn, repeat: int, warmup: int, both: str | None) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """Median seconds per call; ``both``: None, "async" (one thread runs
     ``store_and_load_async``) or "threads" (a thread calls store(), another load())."""
-    stores, loads = case.store_transfers(), case.load_transfers()
+    calls = _calls(case, conn)
     out = {
-        "store": _median_seconds(lambda: conn.store(stores), repeat, warmup),
-        "retrieve": _median_seconds(lambda: conn.load(loads), repeat, warmup),
+        "store": _median_seconds(calls["store"], repeat, warmup),
+        "retrieve": _median_seconds(calls["load"], repeat, warmup),
     }
     if both == "async":
-
-        def together() -> None:
-            for pending in conn.store_and_load_async(stores, loads):
-                pending.wait()
-
-        out["both"] = _median_seconds(together, repeat, warmup)
+        out["both"] = _median_seconds(calls["both"], repeat, warmup)
     elif both == "threads":
-        pair = _Pair(lambda: conn.store(stores), lambda: conn.load(loads))
+        pair = _Pair(calls["store"], calls["load"])
         try:
             out["both"] = _median_seconds(pair, repeat, warmup)
         finally:
@@ -330,12 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from kvtier.cuda.connector import CUDAPagedConnector
-    from kvtier.cuda.platform import CUDAPlatform
 
     name = torch.cuda.get_device_name()
     slug = args.device_name or _device_slug(name)
-    largest = max(_chunk_nbytes(s) for s in args.shapes)
-    arena = CUDAPlatform().create_arena(4 * args.chunks * largest + (64 << 20))
+    arena = _arena(args.chunks, args.shapes)
     results: list[dict] = []
     variants: list[dict] = []
     configs: list[tuple[str, dict[str, Any]]] = [] if args.no_variants else [

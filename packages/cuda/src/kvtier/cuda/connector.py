@@ -1293,7 +1293,7 @@ class CUDAPagedConnector(DeviceConnector):
         return piece
 
     def _groups(
-        self, transfers: Sequence[Transfer], lane: _Lane, *, double_first: bool = False, growth: int = 2
+        self, transfers: Sequence[Transfer], lane: _Lane, *, double_first: bool = False, growth: int | None = None
     ) -> list[tuple[int, int, int]]:
         """Split a whole-chunk call into runs of transfers ``(lo, hi, tokens)``:
         ``first_group_bytes`` (at most a staging slot) first, then ``growth`` times the previous
@@ -1301,7 +1301,7 @@ class CUDAPagedConnector(DeviceConnector):
         the host a fraction of its bytes' PCIe time, so a larger group is still ready before the
         previous group's DMAs end, and a call of N bytes costs only log(N) batch overheads.
 
-        How much larger (``_call_steps`` picks): a lone load 4x (``_LOAD_GROUP_GROWTH``), a store
+        How much larger (``_call_steps`` picks; None: ``_GROUP_GROWTH``): a lone load 4x (``_LOAD_GROUP_GROWTH``), a store
         and both directions of ``store_and_load_async`` 2x (``_GROUP_GROWTH``). A group is checked
         and planned in one step, during which the copy engines have only what is already queued
         (in ``store_and_load_async``, the other direction's too), so a larger group can leave
@@ -1327,6 +1327,8 @@ class CUDAPagedConnector(DeviceConnector):
         A lone store did not gain from a larger first group. Measured with
         ``benchmarks/transfer_groups_ab.py``."""
         per_token = self._token_bytes
+        if growth is None:
+            growth = _GROUP_GROWTH
         groups: list[tuple[int, int, int]] = []
         whole = self._first_group_bytes == 0
         first = self._first_group_bytes * (2 if double_first else 1)
