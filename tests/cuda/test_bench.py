@@ -30,3 +30,37 @@ def test_rows_carry_the_fields_the_results_promise():
 def test_cli_says_a_gpu_is_needed(capsys):
     assert kvtier_main(["bench", "transfer"]) == 2
     assert "needs an NVIDIA GPU" in capsys.readouterr().out
+
+
+def test_a_stream_keeps_at_most_in_flight_calls_outstanding_and_waits_for_all(monkeypatch):
+    from kvtier.cuda import bench
+
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    outstanding: list[int] = []
+    peak = [0]
+    issued = [0]
+    waited: list[int] = []
+
+    class Pending:
+        def __init__(self, k: int) -> None:
+            self.k = k
+
+        def wait(self) -> None:
+            outstanding.remove(self.k)
+            waited.append(self.k)
+
+    def issue() -> list[Pending]:
+        k = issued[0]
+        issued[0] += 1
+        outstanding.append(k)
+        peak[0] = max(peak[0], len(outstanding))
+        return [Pending(k)]
+
+    per_call = bench._stream_seconds(issue, calls=7, in_flight=3, repeat=2, warmup=1)
+    assert per_call >= 0
+    assert issued[0] == 3 * 7  # warmup + repeats, 7 calls each
+    assert not outstanding and sorted(waited) == list(range(21))
+    assert waited == sorted(waited)  # the oldest first
+    assert peak[0] == 3  # the oldest is waited for before a 4th is issued
+    with pytest.raises(ValueError, match="in_flight"):
+        bench._stream_seconds(issue, calls=1, in_flight=0, repeat=1, warmup=0)

@@ -15,12 +15,21 @@ It also measures the one-kernel zero-copy mode, a call prepared as one group
 (``first_group_bytes=0``) and a few staging-ring sizes (``variants``), so
 the default can be chosen from numbers. Every path's bytes are checked against the torch
 reference before timing. Times are host wall-clock medians of whole calls (each call returns
-with its copies done), so host overhead counts. Writes ``transfer-<device>.json`` and ``.png``.
+with its copies done), so host overhead counts.
+
+It also measures a *stream* of calls (``streamed`` in the JSON): ``--stream-calls`` calls issued
+back to back with the ``_async`` API, at most ``--in-flight`` of them outstanding (the caller
+waits for the oldest before issuing another), as an engine's saver and loader keep transfers going;
+the limit's stream is the same number of contiguous copies queued back to back. One call's
+rows include its pipeline's fill and drain and the host work before its first DMA; a stream
+overlaps them with the previous call's bytes, so it measures sustained throughput.
+Writes ``transfer-<device>.json`` and ``.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import re
 import statistics
@@ -194,6 +203,37 @@ def _calls(case: _Case, conn) -> dict[str, Callable[[], None]]:  # type: ignore[
     return {"store": lambda: conn.store(stores), "load": lambda: conn.load(loads), "both": both}
 
 
+def _stream_calls(case: _Case, conn) -> dict[str, Callable[[], list[Any]]]:  # type: ignore[no-untyped-def]
+    """The case's calls through the ``_async`` API, keyed like ``_measure_connector``'s rows:
+    each issues one call and returns its pending transfers (``wait()`` each)."""
+    stores, loads = case.store_transfers(), case.load_transfers()
+    return {
+        "store": lambda: [conn.store_async(stores)],
+        "retrieve": lambda: [conn.load_async(loads)],
+        "both": lambda: list(conn.store_and_load_async(stores, loads)),
+    }
+
+
+def _stream_seconds(issue: Callable[[], list[Any]], calls: int, in_flight: int, repeat: int, warmup: int) -> float:
+    """Median seconds per call of ``calls`` calls of ``issue`` made back to back, at most
+    ``in_flight`` outstanding: before a call the oldest is waited for when that many are."""
+    if calls < 1 or in_flight < 1:
+        raise ValueError(f"calls and in_flight must be >= 1, got {calls} and {in_flight}")
+
+    def stream() -> None:
+        outstanding: collections.deque[list[Any]] = collections.deque()
+        for _ in range(calls):
+            while len(outstanding) >= in_flight:
+                for pending in outstanding.popleft():
+                    pending.wait()
+            outstanding.append(issue())
+        while outstanding:
+            for pending in outstanding.popleft():
+                pending.wait()
+
+    return _median_seconds(stream, repeat, warmup) / calls
+
+
 def _arena(chunks: int, shapes: Sequence[str]) -> HostArena:
     """A pinned arena holding a case's store and load objects of ``chunks`` chunks of the largest
     of ``shapes``, and the plain copies' buffers of ``_limit_calls``."""
@@ -222,43 +262,61 @@ def _measure_connector(case: _Case, conn, repeat: int, warmup: int, both: str | 
     return out
 
 
-def _limit_calls(nbytes: int, arena: HostArena) -> tuple[dict[str, Callable[[], None]], Callable[[], None]]:
-    """One contiguous copy of ``nbytes`` each way (pinned host <-> device), and both at once, as
-    calls keyed ``store``/``retrieve``/``both``; and the call that releases their host objects."""
+class _Queued:
+    """A copy queued on a stream, waited like a PendingTransfer."""
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self._event = torch.cuda.Event()
+        self._event.record(stream)
+
+    def wait(self) -> None:
+        self._event.synchronize()
+
+
+def _limit_stream_calls(nbytes: int, arena: HostArena) -> tuple[dict[str, Callable[[], list[Any]]], Callable[[], None]]:
+    """One contiguous copy of ``nbytes`` each way (pinned host <-> device, each on its own
+    stream), and both at once, as calls keyed ``store``/``retrieve``/``both`` that queue the
+    copies and return their waiters (for ``_stream_seconds``); and the call that releases
+    their host objects."""
     dev_out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dev_in = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     objs = [arena.allocate(MemoryObjMeta((nbytes,), torch.uint8, 1)) for _ in range(2)]
-    if any(o is None for o in objs):
-        for o in objs:
-            if o is not None:
-                o.release()
-        raise MemoryError("benchmark arena too small")
-    host_out, host_in = objs[0].tensor, objs[1].tensor  # type: ignore[union-attr]
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-
-    def d2h() -> None:
-        with torch.cuda.stream(s1):
-            host_out.copy_(dev_out, non_blocking=True)
-        s1.synchronize()
-
-    def h2d() -> None:
-        with torch.cuda.stream(s2):
-            dev_in.copy_(host_in, non_blocking=True)
-        s2.synchronize()
-
-    def both() -> None:
-        with torch.cuda.stream(s1):
-            host_out.copy_(dev_out, non_blocking=True)
-        with torch.cuda.stream(s2):
-            dev_in.copy_(host_in, non_blocking=True)
-        s1.synchronize()
-        s2.synchronize()
+    held = [o for o in objs if o is not None]
 
     def release() -> None:
-        for o in objs:
-            o.release()  # type: ignore[union-attr]
+        for o in held:
+            o.release()
 
-    return {"store": d2h, "retrieve": h2d, "both": both}, release
+    if len(held) < 2:
+        release()
+        raise MemoryError("benchmark arena too small")
+    host_out, host_in = held[0].tensor, held[1].tensor
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def d2h() -> list[Any]:
+        with torch.cuda.stream(s1):
+            host_out.copy_(dev_out, non_blocking=True)
+        return [_Queued(s1)]
+
+    def h2d() -> list[Any]:
+        with torch.cuda.stream(s2):
+            dev_in.copy_(host_in, non_blocking=True)
+        return [_Queued(s2)]
+
+    return {"store": d2h, "retrieve": h2d, "both": lambda: d2h() + h2d()}, release
+
+
+def _limit_calls(nbytes: int, arena: HostArena) -> tuple[dict[str, Callable[[], None]], Callable[[], None]]:
+    """``_limit_stream_calls``, each call returning with its copies done."""
+    issues, release = _limit_stream_calls(nbytes, arena)
+
+    def waited(issue: Callable[[], list[Any]]) -> Callable[[], None]:
+        def call() -> None:
+            for q in issue():
+                q.wait()
+        return call
+
+    return {name: waited(issue) for name, issue in issues.items()}, release
 
 
 def _measure_limit(nbytes: int, arena: HostArena, repeat: int, warmup: int) -> dict[str, float]:
@@ -266,6 +324,17 @@ def _measure_limit(nbytes: int, arena: HostArena, repeat: int, warmup: int) -> d
     calls, release = _limit_calls(nbytes, arena)
     try:
         return {name: _median_seconds(fn, repeat, warmup) for name, fn in calls.items()}
+    finally:
+        release()
+
+
+def _measure_stream_limit(
+    nbytes: int, arena: HostArena, calls: int, in_flight: int, repeat: int, warmup: int
+) -> dict[str, float]:
+    """Median seconds per call of each of ``_limit_stream_calls`` in a stream."""
+    issues, release = _limit_stream_calls(nbytes, arena)
+    try:
+        return {name: _stream_seconds(fn, calls, in_flight, repeat, warmup) for name, fn in issues.items()}
     finally:
         release()
 
@@ -305,9 +374,11 @@ def _plot(result: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    rows = result["results"] + [r for r in result["variants"] if r.get("config") == "zerocopy"]
+    rows = (result["results"] + [r for r in result["variants"] if r.get("config") == "zerocopy"]
+            + [r for r in result.get("streamed", []) if r["impl"] == "kvtier-streamed"])
     groups = [(s, d) for s in SHAPES for d in ("store", "retrieve", "both")]
-    impls = ["torch", "kvtier", "kvtier-zerocopy"]
+    impls = ["torch", "kvtier", "kvtier-streamed", "kvtier-zerocopy"]
+    impls = [i for i in impls if any(r["impl"] == i for r in rows)]
     fig, ax = plt.subplots(figsize=(10, 4))
     width = 0.8 / len(impls)
     for k, impl in enumerate(impls):
@@ -340,6 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device-name", help="name in the output files (default: from the GPU)")
     ap.add_argument("--suffix", default="", help="appended to the output file names")
     ap.add_argument("--no-variants", action="store_true", help="skip zerocopy and ring-size variants")
+    ap.add_argument("--stream-calls", type=int, default=8,
+                    help="calls per stream in the streamed rows (default 8; 0 skips them)")
+    ap.add_argument("--in-flight", type=int, default=2,
+                    help="streamed rows: most calls outstanding at once (default 2)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("kvtier bench transfer needs an NVIDIA GPU (torch.cuda.is_available() is False)")
@@ -352,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     arena = _arena(args.chunks, args.shapes)
     results: list[dict] = []
     variants: list[dict] = []
+    streamed: list[dict] = []
     configs: list[tuple[str, dict[str, Any]]] = [] if args.no_variants else [
         ("zerocopy", {"mode": "zerocopy"}),
         ("one group", {"first_group_bytes": 0}),
@@ -404,6 +480,22 @@ def main(argv: list[str] | None = None) -> int:
             variants += vrows
             rows += vrows
             del vconn
+        if args.stream_calls > 0:
+            stream_limit_s = _measure_stream_limit(case.nbytes, arena, args.stream_calls, args.in_flight,
+                                                   args.repeat, args.warmup)
+            stream_gbps = {d: case.nbytes * (2 if d == "both" else 1) / s / 1e9 for d, s in stream_limit_s.items()}
+            issues = _stream_calls(case, conn)
+            srows = _rows(shape, "limit", stream_limit_s, case.nbytes, stream_gbps) + _rows(
+                shape, "kvtier",
+                {d: _stream_seconds(fn, args.stream_calls, args.in_flight, args.repeat, args.warmup)
+                 for d, fn in issues.items()},
+                case.nbytes, stream_gbps)
+            for r in srows:
+                r["impl"] += "-streamed"
+                r["calls_per_stream"] = args.stream_calls
+                r["in_flight"] = args.in_flight
+            streamed += srows
+            rows += srows
         for r in rows:
             extra = f"  ({r['x_one_direction_limit']}x one-way limit)" if "x_one_direction_limit" in r else ""
             print(f"{r['shape']:<6} {r['direction']:<9} {r['impl']:<22} {r['gbps']:>7.2f} {r['ratio_to_limit']:>6.3f}{extra}")
@@ -425,6 +517,11 @@ def main(argv: list[str] | None = None) -> int:
         "verified_against_torch_reference": True,
         "results": results,
         "variants": variants,
+        "streamed": streamed,
+        "streamed_timing": (
+            f"host wall-clock median of {args.stream_calls} calls issued back to back (the _async API, at most "
+            f"{args.in_flight} outstanding), divided by the calls; the limit: as many contiguous copies queued back to back"
+        ) if streamed else None,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"transfer-{slug}{'-' + args.suffix if args.suffix else ''}"

@@ -61,6 +61,7 @@ import torch
 from kvtier.core.connector import DeviceConnector, Transfer
 from kvtier.core.errors import LayoutError
 from kvtier.core.layout import KVLayout, PagedLayout
+from kvtier.cuda import _native
 from kvtier.cuda._driver import CudaDriver, CUDADriverError, RawEvent, driver
 from kvtier.cuda.kernels import (
     LAUNCHES,
@@ -91,6 +92,8 @@ _HANDOFF_TIMEOUT_S = 120.0
 _TABLE_RING = 8
 # Per thread: the devices whose CUDA context the thread has current (see _Lane.bind_context).
 _BOUND = threading.local()
+# The slot tensor of a batch planned in C (its slots are in the table buffer already).
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 
 @dataclass(slots=True)
@@ -116,7 +119,7 @@ class _Copy:
     when they are adjacent in the same storage (one arena), so one DMA moves them all.
     """
 
-    obj: torch.Tensor
+    obj: torch.Tensor | None  # None from the C planner (the driver path needs addresses only)
     storage: int  # ``obj``'s buffer (see ``_Prepared.storage``)
     obj_offset: int
     host_ptr: int  # absolute address of the first byte
@@ -124,6 +127,7 @@ class _Copy:
     nbytes: int
 
     def host_view(self) -> torch.Tensor:
+        assert self.obj is not None
         start = self.obj.storage_offset() * self.obj.element_size() + self.obj_offset
         t = torch.empty(0, dtype=torch.uint8)
         return t.set_(self.obj.untyped_storage(), start, (self.nbytes,), (1,))
@@ -495,6 +499,8 @@ class CUDAPagedConnector(DeviceConnector):
         use_driver = use_driver_api and mode == "dma"
         self._store_lane = _Lane(device, staging_slots, staging_slot_bytes, use_driver=use_driver)
         self._load_lane = _Lane(device, staging_slots, staging_slot_bytes, use_driver=use_driver)
+        # The driver path checks and plans ordinary whole-chunk groups in C (_native_plan).
+        self._native = _native.load() if self._store_lane.drv is not None else None
         if not isinstance(combine_calls, bool):
             raise ValueError(f"combine_calls must be a bool, got {combine_calls!r}")
         # One thread issues the whole-chunk calls made at once from several threads (_issue): on
@@ -661,6 +667,38 @@ class CUDAPagedConnector(DeviceConnector):
                 )
         return (highs < 0).tolist(), (lows < 0).tolist()
 
+    def _native_plan(
+        self, lane: _Lane, transfers: Sequence[Transfer], lo: int, hi: int, ring: _TableSlot, *,
+        first_piece_bytes: int | None, last_piece_bytes: int | None,
+    ) -> tuple[list[_Piece], int, int] | None:
+        """``_prepare`` + ``_plan`` of whole-chunk group ``transfers[lo:hi]`` in C (see
+        ``kvtier.cuda._native``): the slots and then the run table written into ``ring``'s host
+        buffer; returns the pieces, the slot count and the table's length in int64s, or None
+        (nothing of the lane changed) for anything but the ordinary case, which the Python path
+        then checks and plans (a -1 or out-of-range slot, a released or empty object, a
+        mismatched shape or dtype, slots that are not contiguous int64 on the host, ...).
+
+        On an H200 host the Python path costs ~40 us a group of 8 small chunks; this, a few."""
+        native = self._native
+        if native is None or not lane.slot_ptrs or ring.host is None:
+            return None
+        out = native.plan_group(
+            transfers, lo, hi, self._chunk_shapes, self.layout.torch_dtype, torch.int64, self._hd_bytes,
+            self._rows_per_obj, self.num_blocks * self.layout.block_size, ring.host_ptr, ring.host.numel(),
+            lane.slot_bytes, lane.slot_ptrs, lane.next_slot, ring.dev_ptr, first_piece_bytes or 0,
+            last_piece_bytes or 0,
+        )
+        if out is None:
+            return None
+        next_slot, tokens, runs, raw = out
+        lane.next_slot = next_slot
+        pieces = [
+            _Piece(start=start, stop=stop, max_tokens=max_tokens, slot=slot, max_rows=max_rows, cap=cap,
+                   nbytes=nbytes, copies=[_Copy(None, 0, 0, ptr, offset, n) for ptr, offset, n in copies])
+            for slot, start, stop, max_rows, max_tokens, cap, nbytes, copies in raw
+        ]
+        return pieces, tokens, tokens + RUN_WORDS * runs
+
     # -- planning ---------------------------------------------------------------------------
     def _plan(
         self,
@@ -818,9 +856,11 @@ class CUDAPagedConnector(DeviceConnector):
         defer_last: bool = False,
         last_piece_bytes: int | None = None,
         ring: _TableSlot | None = None,
+        planned: tuple[list[_Piece], int, int] | None = None,
     ) -> Generator[None, None, Any]:
         """Plan and enqueue one batch of rows after the caller's current stream, one piece per
-        step (so a store and a load can be interleaved from one thread).
+        step (so a store and a load can be interleaved from one thread). ``planned``: the
+        driver path's batch already planned into ``ring`` (``_native_plan``).
 
         Driver path only: ``state`` is shared by the batches of one call (only its first batch
         orders ks after the caller's stream), and ``defer_last`` leaves a load batch's last
@@ -849,6 +889,7 @@ class CUDAPagedConnector(DeviceConnector):
                         store=store, layer_events=layer_events, interleaved=interleaved,
                         state=state if state is not None else _CallState(), defer_last=defer_last,
                         first_piece_bytes=first_piece_bytes, last_piece_bytes=last_piece_bytes,
+                        planned=planned,
                     )
                 )
             pieces, runs = self._plan(
@@ -925,8 +966,10 @@ class CUDAPagedConnector(DeviceConnector):
         defer_last: bool,
         first_piece_bytes: int | None,
         last_piece_bytes: int | None,
+        planned: tuple[list[_Piece], int, int] | None = None,
     ) -> Generator[None, None, Any]:
         """``_enqueue_steps`` for ``dma`` mode through the driver (see kvtier.cuda._driver).
+        ``planned``: the batch already checked and planned into ``ring`` by ``_native_plan``.
 
         Every copy, record, wait and (after a configuration's first launch, see
         ``kernels.LAUNCHES``) kernel launch names its stream: torch's current stream is never
@@ -941,32 +984,36 @@ class CUDAPagedConnector(DeviceConnector):
         """
         drv = lane.drv
         assert drv is not None
-        on_device = slots.device.type == "cuda"
-        n_slots = 0 if on_device else slots.numel()
-        if ring is None:
-            with _OnDevice(self.device.index):
-                ring = lane.table_buffers(n_slots + RUN_WORDS * (len(segments) + 8))
-            if n_slots:
-                ring.host_np[:n_slots] = slots.numpy()  # type: ignore[index]
-        assert ring.host is not None
-        slot_base = slots.data_ptr() if on_device else ring.dev_ptr
-        pieces, runs = self._plan(
-            lane, prepared, segments, store=store, slot_base=slot_base,
-            first_piece_bytes=first_piece_bytes, last_piece_bytes=last_piece_bytes,
-        )
-        if not pieces:
-            return None
-        numel = n_slots + RUN_WORDS * len(runs)
-        if ring.host.numel() < numel:  # more runs than the estimate: grow, slots kept
-            assert lane.drv is not None
-            with _OnDevice(self.device.index):
-                ring.ensure(numel, lane.drv, self.device, keep=n_slots)
-            if not on_device:
-                shift = ring.dev_ptr - slot_base
-                runs = [(*r[:5], r[5] + shift, *r[6:]) for r in runs]
-        host = ring.host_np
-        assert host is not None
-        host[n_slots:numel] = [x for run in runs for x in run]
+        if planned is not None:
+            assert ring is not None
+            pieces, n_slots, numel = planned
+        else:
+            on_device = slots.device.type == "cuda"
+            n_slots = 0 if on_device else slots.numel()
+            if ring is None:
+                with _OnDevice(self.device.index):
+                    ring = lane.table_buffers(n_slots + RUN_WORDS * (len(segments) + 8))
+                if n_slots:
+                    ring.host_np[:n_slots] = slots.numpy()  # type: ignore[index]
+            assert ring.host is not None
+            slot_base = slots.data_ptr() if on_device else ring.dev_ptr
+            pieces, runs = self._plan(
+                lane, prepared, segments, store=store, slot_base=slot_base,
+                first_piece_bytes=first_piece_bytes, last_piece_bytes=last_piece_bytes,
+            )
+            if not pieces:
+                return None
+            numel = n_slots + RUN_WORDS * len(runs)
+            if ring.host.numel() < numel:  # more runs than the estimate: grow, slots kept
+                assert lane.drv is not None
+                with _OnDevice(self.device.index):
+                    ring.ensure(numel, lane.drv, self.device, keep=n_slots)
+                if not on_device:
+                    shift = ring.dev_ptr - slot_base
+                    runs = [(*r[:5], r[5] + shift, *r[6:]) for r in runs]
+            host = ring.host_np
+            assert host is not None
+            host[n_slots:numel] = [x for run in runs for x in run]
         # Kernels read the table by its raw address: a tensor view per batch costs host time.
         assert ring.dev is not None
         table_dev = (ring.dev, ring.dev_ptr, n_slots)
@@ -1382,24 +1429,29 @@ class CUDAPagedConnector(DeviceConnector):
                             self._drv_load_dma(lane, lane.drv, state.eager)
                             first_load_piece = state.eager.nbytes
                 for g, (lo, hi, tokens) in enumerate(groups):
-                    ring = None
+                    ring = planned = None
+                    last_group = g + 1 == len(groups)
+                    first_piece = (_FIRST_PIECE_BYTES if store else first_load_piece) if not state.ordered else None
+                    last_piece = _LAST_PIECE_BYTES if not store and last_group else None
+                    prepared: Sequence[_Prepared] = ()
+                    slots = _NO_SLOTS
                     if driver:
                         # The slots land straight in the pinned buffer they are uploaded from.
                         with _OnDevice(self.device.index):
                             ring = lane.table_buffers(tokens + RUN_WORDS * (hi - lo + 8))
-                        prepared, slots = self._prepare(transfers[lo:hi], first_index=lo, slot_out=ring)
+                        planned = self._native_plan(
+                            lane, transfers, lo, hi, ring, first_piece_bytes=first_piece, last_piece_bytes=last_piece
+                        )
+                        if planned is None:
+                            prepared, slots = self._prepare(transfers[lo:hi], first_index=lo, slot_out=ring)
                     else:
                         prepared, slots = self._prepare(transfers[lo:hi], first_index=lo)
                     rows = self._all_rows(len(prepared))
-                    last_group = g + 1 == len(groups)
                     done = (
                         yield from self._enqueue_steps(
                             lane, prepared, rows, slots, keep, store=store, interleaved=interleaved,
-                            first_piece_bytes=(
-                                (_FIRST_PIECE_BYTES if store else first_load_piece) if not state.ordered else None
-                            ),
-                            last_piece_bytes=_LAST_PIECE_BYTES if not store and last_group else None,
-                            state=state, defer_last=not store and not last_group, ring=ring,
+                            first_piece_bytes=first_piece, last_piece_bytes=last_piece,
+                            state=state, defer_last=not store and not last_group, ring=ring, planned=planned,
                         )
                     ) or done
                 if state.pending:  # the batches after the deferring one enqueued nothing
