@@ -140,3 +140,38 @@ def test_repeated_dma_calls_launch_through_the_kept_compiled_kernel(device, aren
         assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True))
     assert LAUNCHES.usable is True
     assert any(key[1] == conn._dma_geometry for key in LAUNCHES.compiled)
+    # ... and from then on with cuLaunchKernel (the driver reports each parameter's size).
+    assert any(key[1] == conn._dma_geometry for key in LAUNCHES.direct)
+    # ... each lane with its own parameters bound (a gather and a scatter, one per table alignment).
+    for lane, to_paged in ((conn._store_lane, False), (conn._load_lane, True)):
+        assert lane.launch_cache and all(key[0] is to_paged for key in lane.launch_cache)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "runtime", "expected"),
+    [
+        ([8, 8, 4, 4, 4, 4], (1 << 40, 1 << 41, 4096, 16, 2048, 128), ["u64", "u64", "i32", "i32", "i32", "i32"]),
+        ([8, 8, 4, 8, 8], (1 << 40, 1 << 41, 64, 1 << 33), ["u64", "u64", "i32", "i64", "u64"]),  # + a scratch pointer
+        ([8, 8, 4, 8, 8], (1, 2, 3), ["u64", "u64", "i32", "u64", "u64"]),  # + two scratch pointers
+        ([8, 8, 4, 4, 4], (1 << 40, 1 << 41, 4096, 1, 2048, 128), None),  # a 1 may be passed as a constant
+        ([8, 8, 4, 4, 4, 4], (1 << 40, 1 << 41, 4096, 1, 2048, 128), None),  # ... even when the count fits
+        ([8, 8, 4, 4, 8, 8, 8], (1, 2, 3, 4), None),  # three extra parameters: an unknown layout
+        ([8, 4, 4], (1 << 40, 1 << 41, 64), None),  # a pointer that is not 8 bytes
+        ([8, 8, 4], (1 << 40, 1 << 41, 1 << 33), None),  # a value too wide for its parameter
+        ([8, 8, 4, 4], (1 << 40, 1 << 41, 64), None),  # a 4-byte extra is no scratch pointer
+        (None, (1 << 40, 1 << 41, 64), None),  # the driver cannot tell (before CUDA 12.4)
+    ],
+)
+def test_a_kernel_is_launched_directly_only_where_its_parameter_layout_is_certain(sizes, runtime, expected):
+    from kvtier.cuda.kernels import param_types
+
+    names = {ctypes.c_uint64: "u64", ctypes.c_int32: "i32", ctypes.c_int64: "i64"}
+    got = param_types(sizes, runtime, pointers=2)
+    assert (None if got is None else [names[t] for t in got]) == expected
+
+
+def test_direct_launches_can_be_turned_off(monkeypatch):
+    from kvtier.cuda.kernels import _direct_for
+
+    monkeypatch.setenv("KVTIER_CUDA_DIRECT_LAUNCH", "0")
+    assert _direct_for(object(), (1, 2, 3), pointers=2) is None

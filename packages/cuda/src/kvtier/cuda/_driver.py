@@ -54,6 +54,16 @@ class CudaDriver:
         self._sync = fn("cuEventSynchronize", c_void_p)
         self._ctx_get = fn("cuCtxGetCurrent", ctypes.POINTER(c_void_p))
         self._err_name = fn("cuGetErrorName", c_int, ctypes.POINTER(ctypes.c_char_p))
+        self._launch = fn(
+            "cuLaunchKernel", c_void_p, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_void_p, c_void_p,
+            c_void_p,
+        )
+        try:  # CUDA 12.4+
+            self._param_info: ctypes._CFuncPtr | None = fn(  # type: ignore[name-defined]
+                "cuFuncGetParamInfo", c_void_p, c_size_t, ctypes.POINTER(c_size_t), ctypes.POINTER(c_size_t)
+            )
+        except AttributeError:
+            self._param_info = None
 
     def _fail(self, call: str, res: int) -> CUDADriverError:
         name = ctypes.c_char_p()
@@ -96,6 +106,27 @@ class CudaDriver:
         """Whether this thread has a current context (the driver calls above need one)."""
         ctx = c_void_p()
         return self._ctx_get(ctypes.byref(ctx)) == _CUDA_SUCCESS and bool(ctx.value)
+
+    def param_sizes(self, function: int, limit: int = 64) -> list[int] | None:
+        """The byte size of each parameter of kernel ``function`` (a ``CUfunction``), in order;
+        None where the driver cannot tell (before CUDA 12.4)."""
+        if self._param_info is None:
+            return None
+        offset, size = c_size_t(), c_size_t()
+        sizes: list[int] = []
+        for i in range(limit):
+            if self._param_info(function, i, ctypes.byref(offset), ctypes.byref(size)):
+                break  # past the last parameter
+            sizes.append(size.value)
+        return sizes
+
+    def launch(self, function: int, grid: tuple[int, int, int], block_x: int, shared: int, stream: int,
+               params: int) -> None:
+        """``cuLaunchKernel`` of ``function`` on ``stream``; ``params``: the address of its array
+        of pointers to each parameter's value."""
+        res = self._launch(function, grid[0], grid[1], grid[2], block_x, 1, 1, shared, stream, params, None)
+        if res:
+            raise self._fail("cuLaunchKernel", res)
 
     def event_create(self) -> int:
         handle = c_void_p()

@@ -261,6 +261,8 @@ class _Lane:
         self.slot_bytes = slot_bytes
         self.lock = threading.RLock()  # a whole-chunk call holds it across its batches
         self.next_slot = 0
+        # This lane's kernels, launched directly with their parameters bound (LAUNCHES.launch).
+        self.launch_cache: dict[tuple, Any] = {}
         self.slots: list[torch.Tensor] = []
         self.slot_ptrs: list[int] = []  # the slots' addresses (read once)
         # The driver path (see kvtier.cuda._driver): raw events and stream handles, no stream
@@ -1114,7 +1116,7 @@ class CUDAPagedConnector(DeviceConnector):
             drv.wait(ks_h, filled)
         LAUNCHES.launch(
             *table_dev, piece.start, piece.stop, piece.max_rows, piece.max_tokens, geo, bases,
-            to_paged=False, stream=lane.kernel_stream,
+            to_paged=False, stream=lane.kernel_stream, cache=lane.launch_cache,
         )
         drv.record(filled, ks_h)
         drv.wait(cs_h, filled)
@@ -1134,7 +1136,7 @@ class CUDAPagedConnector(DeviceConnector):
         drv.wait(ks_h, lane.filled[s].handle)
         LAUNCHES.launch(
             *table_dev, piece.start, piece.stop, piece.max_rows, piece.max_tokens, geo, bases,
-            to_paged=True, stream=lane.kernel_stream,
+            to_paged=True, stream=lane.kernel_stream, cache=lane.launch_cache,
         )
         lane.free[s].record(ks_h)
         if layer_events is not None and piece.layers_done:

@@ -9,7 +9,9 @@ and address of the call, so the kernel copies bytes and never interprets the KV 
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +67,94 @@ def _blocks(hd_words: int, word_bytes: int) -> tuple[int, int]:
     return block_t, block_d
 
 
+def param_types(sizes: list[int] | None, runtime: tuple[int, ...], pointers: int) -> list[type] | None:
+    """The ctypes type of each parameter of a compiled Triton kernel, for ``cuLaunchKernel``.
+
+    ``sizes``: the parameters' byte sizes as the driver reports them; ``runtime``: the values of
+    the kernel's non-constexpr arguments in order, the first ``pointers`` of them addresses.
+    Triton passes those, then (by version) up to two scratch pointers. None where the sizes do
+    not fit that layout, and wherever an integer argument is 1 (Triton may pass a 1 as a
+    constant, dropping the parameter): the caller then launches through Triton.
+    """
+    if sizes is None:
+        return None
+    n = len(runtime)
+    extra = len(sizes) - n
+    if not 0 <= extra <= 2 or any(size != 8 for size in sizes[n:]):
+        return None
+    types: list[type] = []
+    for i, (value, size) in enumerate(zip(runtime, sizes, strict=False)):
+        if i < pointers:
+            if size != 8:
+                return None
+            types.append(ctypes.c_uint64)
+        elif value == 1:
+            return None
+        elif size == 4 and -(1 << 31) <= value < (1 << 31):
+            types.append(ctypes.c_int32)
+        elif size == 8:
+            types.append(ctypes.c_int64)
+        else:
+            return None
+    return types + [ctypes.c_uint64] * extra  # scratch pointers: null (the kernels use none)
+
+
+class _Direct:
+    """A kept compiled kernel launched with ``cuLaunchKernel`` through ctypes: its parameter
+    array is built once, and a launch sets the changing values and makes one driver call.
+    Triton's launcher costs ~7 us a launch on an H200 host (a Python ``__call__``, argument
+    parsing, launch metadata), this ~2 us."""
+
+    __slots__ = ("block_x", "drv", "function", "params", "shared", "values")
+
+    def __init__(self, drv: Any, function: int, block_x: int, shared: int, types: list[type]) -> None:
+        self.drv, self.function, self.block_x, self.shared = drv, function, block_x, shared
+        self.values = [t() for t in types]
+        array = (ctypes.c_void_p * len(types))(*(ctypes.addressof(v) for v in self.values))
+        self.params = (array, ctypes.addressof(array))  # the array stays alive with its address
+
+    def __call__(self, grid: tuple[int, int, int], stream: int, runtime: tuple[int, ...]) -> None:
+        values = self.values
+        for i, value in enumerate(runtime):
+            values[i].value = value
+        self.drv.launch(self.function, grid, self.block_x, self.shared, stream, self.params[1])
+
+    def bound(self, runtime: tuple[int, ...]) -> _Direct:
+        """A copy with its own parameter values set to ``runtime``, for ``launch_first`` (a
+        connector's own launches, where only the first value changes)."""
+        copy = _Direct(self.drv, self.function, self.block_x, self.shared, [type(v) for v in self.values])
+        for i, value in enumerate(runtime):
+            copy.values[i].value = value
+        return copy
+
+    def launch_first(self, grid: tuple[int, int, int], stream: int, first: int) -> None:
+        """Launch with the first parameter set to ``first`` and the others as they are."""
+        self.values[0].value = first
+        self.drv.launch(self.function, grid, self.block_x, self.shared, stream, self.params[1])
+
+
+def _direct_for(ck: Any, runtime: tuple[int, ...], pointers: int) -> _Direct | None:
+    """A ``_Direct`` for compiled kernel ``ck``, or None (launch through Triton) where it cannot
+    be sure of the parameter layout or the launch needs more than a plain ``cuLaunchKernel``."""
+    if os.environ.get("KVTIER_CUDA_DIRECT_LAUNCH", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    from kvtier.cuda._driver import driver
+
+    drv = driver()
+    md = getattr(ck, "metadata", None)
+    function = getattr(ck, "function", None)
+    if drv is None or md is None or not isinstance(function, int) or not function:
+        return None
+    if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False)
+            or getattr(md, "launch_pdl", False) or getattr(md, "global_scratch_size", 0)
+            or getattr(md, "profile_scratch_size", 0)):
+        return None
+    types = param_types(drv.param_sizes(function), runtime, pointers)
+    if types is None:
+        return None
+    return _Direct(drv, function, 32 * int(md.num_warps), int(md.shared), types)
+
+
 class _Launches:
     """Launching a configuration again without ``JITFunction.run``.
 
@@ -84,6 +174,8 @@ class _Launches:
 
     def __init__(self) -> None:
         self.compiled: dict[tuple, Any] = {}
+        # Kept kernels launched with cuLaunchKernel (see _Direct); others through Triton's launcher.
+        self.direct: dict[tuple, _Direct] = {}
         self.knobs: Any = None
         self.usable: bool | None = None  # decided at the first launch on a GPU
 
@@ -99,16 +191,28 @@ class _Launches:
     def launch(
         self, table: torch.Tensor, table_addr: int, offset: int, start: int, stop: int, max_rows: int,
         max_tokens: int, geo: RowGeometry, bases: torch.Tensor, *, to_paged: bool, stream: torch.cuda.Stream,
+        cache: dict[tuple, tuple[RowGeometry, torch.Tensor, _Direct, int]] | None = None,
     ) -> None:
         """Runs ``[start, stop)`` of the run table that starts ``offset`` int64s into the int64
         device buffer ``table`` (whose address is ``table_addr``: read once by the caller); at
         most ``max_rows`` rows and ``max_tokens`` tokens a run; on ``stream`` (need not be
-        current)."""
+        current).
+
+        ``cache``: a dict the caller owns (a connector, whose ``geo`` and ``bases`` never
+        change), holding a directly launched kernel per direction and table alignment with every
+        parameter but the table's address already set: a launch is then one lookup, one value
+        and one driver call (~3 us of host time instead of ~8)."""
         runs = stop - start
         if runs <= 0 or max_tokens == 0 or max_rows == 0:
             return
-        block_t, block_d = _blocks(geo.hd_words, geo.word_bytes)
         ptr = table_addr + 8 * (offset + start * RUN_WORDS)
+        if cache is not None:
+            fast_key = (to_paged, ptr & 15 == 0, id(geo), id(bases))
+            hit = cache.get(fast_key)
+            if hit is not None and hit[0] is geo and hit[1] is bases:
+                hit[2].launch_first((runs, max_rows, -(-max_tokens // hit[3])), stream.cuda_stream, ptr)
+                return
+        block_t, block_d = _blocks(geo.hd_words, geo.word_bytes)
         bases_ptr = bases.data_ptr()
         key = (bases.device.index, geo, to_paged, block_t, block_d, ptr % 16 == 0, bases_ptr % 16 == 0)
         args = (
@@ -120,7 +224,11 @@ class _Launches:
             view = table[offset + start * RUN_WORDS : offset + stop * RUN_WORDS].view(-1, RUN_WORDS)
             return _launch(view, max_rows, max_tokens, geo, bases, to_paged=to_paged, blocks=(block_t, block_d))
 
-        self._dispatch(key, (runs, max_rows, -(-max_tokens // block_t)), args, stream, bases.device, first)
+        self._dispatch(key, (runs, max_rows, -(-max_tokens // block_t)), args, 6, stream, bases.device, first)
+        if cache is not None:
+            direct = self.direct.get(key)
+            if direct is not None:
+                cache[(to_paged, ptr & 15 == 0, id(geo), id(bases))] = (geo, bases, direct.bound(args[:6]), block_t)
 
     def copy_words(
         self, src: torch.Tensor, src_addr: int, dst: torch.Tensor, numel: int, *, stream: torch.cuda.Stream
@@ -135,16 +243,21 @@ class _Launches:
         key = ("copy_words", dst.device.index, src_addr % 16 == 0, dst_ptr % 16 == 0)
         grid = (-(-n // _COPY_BLOCK), 1, 1)
         args = (src_addr, dst_ptr, n, _COPY_BLOCK)
-        self._dispatch(key, grid, args, stream, dst.device, lambda: copy_words(src, dst, numel))
+        self._dispatch(key, grid, args, 3, stream, dst.device, lambda: copy_words(src, dst, numel))
 
     def _dispatch(
-        self, key: tuple, grid: tuple[int, int, int], args: tuple, stream: torch.cuda.Stream,
+        self, key: tuple, grid: tuple[int, int, int], args: tuple, runtime: int, stream: torch.cuda.Stream,
         device: torch.device, first: Callable[[], Any],
     ) -> None:
         """Launch the kept kernel for ``key`` on ``stream`` with ``args`` (every argument, the
-        constexprs included, as ``JITFunction.run`` passes them); without one, ``first()``
-        launches through ``kernel[grid]`` with ``stream`` made current, and its compiled kernel
-        is kept."""
+        constexprs included, as ``JITFunction.run`` passes them; the first ``runtime`` are the
+        non-constexpr ones, two addresses first); without one, ``first()`` launches through
+        ``kernel[grid]`` with ``stream`` made current, and its compiled kernel is kept (and,
+        where its parameter layout is certain, launched directly from then on: ``_Direct``)."""
+        direct = self.direct.get(key)
+        if direct is not None:
+            direct(grid, stream.cuda_stream, args[:runtime])
+            return
         ck = self.compiled.get(key)
         if ck is not None:
             knobs = self.knobs
@@ -166,6 +279,9 @@ class _Launches:
             hasattr(ck, a) for a in ("run", "function", "packed_metadata", "launch_metadata")
         ):
             self.compiled[key] = ck
+            direct = _direct_for(ck, args[:runtime], pointers=2)
+            if direct is not None:
+                self.direct[key] = direct
 
 
 LAUNCHES = _Launches()
