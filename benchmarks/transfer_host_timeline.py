@@ -51,8 +51,7 @@ def _wrap(owner: Any, name: str, label: str | None = None) -> None:
 
 def _instrument() -> None:
     for name in ("_groups", "_eager_piece", "_native_plan", "_prepare", "_plan", "_drv_store_piece", "_drv_load_dma",
-                 "_drv_scatter",
-                 "_drv_table_up", "_flush_pending"):
+                 "_drv_scatter", "_drv_table_up", "_flush_pending"):
         _wrap(connmod.CUDAPagedConnector, name)
     _wrap(connmod._Lane, "table_buffers")
     _wrap(LAUNCHES, "launch", "launch")

@@ -255,7 +255,6 @@ static PyObject *plan_group(PyObject *self, PyObject *args) {
                 last->slot_offset = used;
                 last->nbytes = nbytes;
                 last_storage = p->storage;
-                piece = (Piece *)pieces.data + (pieces.len - 1); /* (copies grew, not pieces) */
                 piece->ncopies++;
             }
             used += nbytes;
