@@ -34,3 +34,6 @@ timeout 240 $PY -m kvtier.core.cli bench transfer --out "$OUT" 2>&1 | tee "$OUT/
 echo "== kvtier bench transfer --shapes small --chunks 64 (a 16k-token prefix in one call)"
 timeout 150 $PY -m kvtier.core.cli bench transfer --shapes small --chunks 64 \
   --suffix small-64chunks --out "$OUT" 2>&1 | tee "$OUT/bench-small-64chunks.log" | tail -n 20
+
+echo "== store_and_load_async start-up orders, one call and a stream (A/B on one connector)"
+timeout 150 $PY benchmarks/transfer_both_ab.py small:16 small:64 --rounds 20 --out "$OUT" 2>&1 | tee "$OUT/both-ab.log"

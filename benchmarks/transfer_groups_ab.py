@@ -22,16 +22,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from kvtier.cuda import connector as cm
-from kvtier.cuda.bench import _arena, _calls, _device_slug, _limit_calls, _make_case, _release
+from kvtier.cuda.bench import (
+    _ab_medians,
+    _arena,
+    _calls,
+    _device_slug,
+    _limit_calls,
+    _make_case,
+    _release,
+)
 
 # first_group_bytes in MiB : growth (stores and both at once[/lone loads]) : a lone load's early DMA
 SETTINGS = "8:2/4:1,8:4:1,4:2/4:1,8:2/4:0"
@@ -68,34 +74,24 @@ def run(shape: str, chunks: int, rounds: int, settings: list[Setting]) -> list[d
         # A lone load with its early DMA prepares twice the first group (see _groups).
         calls[f"load first {2 * mib if eager else mib} MiB x{load_growth}{late}"] = (calls_of["load"], setting)
 
-    def apply(setting: Setting) -> None:
-        conn._first_group_bytes, cm._GROUP_GROWTH, cm._LOAD_GROUP_GROWTH, conn._eager_load = setting
+    def apply(setting: Setting) -> Callable[[], None]:
+        def set_() -> None:
+            conn._first_group_bytes, cm._GROUP_GROWTH, cm._LOAD_GROUP_GROWTH, conn._eager_load = setting
+        return set_
 
-    times: dict[str, list[float]] = {k: [] for k in calls}
     try:
-        for fn, setting in calls.values():
-            apply(setting)
-            for _ in range(3):
-                fn()
-        for _ in range(rounds):
-            for name, (fn, setting) in calls.items():
-                apply(setting)
-                for _ in range(3):
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - t0)
+        medians = _ab_medians({name: (fn, apply(setting)) for name, (fn, setting) in calls.items()}, rounds)
     finally:
-        apply(default)
+        apply(default)()
         release_limits()
         _release(case)
-    one_way = case.nbytes / statistics.median(times["limit one-way"]) / 1e9
+    one_way = case.nbytes / medians["limit one-way"] / 1e9
     print(f"== {shape}, {chunks} chunks a call ({case.nbytes / 2**20:.0f} MiB each way); "
           f"one-way limit {one_way:.1f} GB/s; median of {3 * rounds}")
     rows = []
-    order = list(times)
-    for name in sorted(times, key=lambda k: (k.split()[0], order.index(k))):
-        m = statistics.median(times[name])
+    order = list(medians)
+    for name in sorted(medians, key=lambda k: (k.split()[0], order.index(k))):
+        m = medians[name]
         moved = case.nbytes * (2 if name.startswith(("both", "limit both")) else 1)
         gbps = moved / m / 1e9
         rows.append({"shape": shape, "chunks": chunks, "call": name, "us": round(m * 1e6, 1),

@@ -56,11 +56,41 @@ def test_a_stream_keeps_at_most_in_flight_calls_outstanding_and_waits_for_all(mo
         peak[0] = max(peak[0], len(outstanding))
         return [Pending(k)]
 
-    per_call = bench._stream_seconds(issue, calls=7, in_flight=3, repeat=2, warmup=1)
-    assert per_call >= 0
-    assert issued[0] == 3 * 7  # warmup + repeats, 7 calls each
-    assert not outstanding and sorted(waited) == list(range(21))
+    stream = bench._stream(issue, calls=7, in_flight=3)
+    stream()
+    stream()
+    assert issued[0] == 2 * 7
+    assert not outstanding and sorted(waited) == list(range(14))
     assert waited == sorted(waited)  # the oldest first
     assert peak[0] == 3  # the oldest is waited for before a 4th is issued
     with pytest.raises(ValueError, match="in_flight"):
-        bench._stream_seconds(issue, calls=1, in_flight=0, repeat=1, warmup=0)
+        bench._stream(issue, calls=1, in_flight=0)
+
+
+def test_ab_medians_runs_every_call_in_every_round_after_its_setting(monkeypatch):
+    """The paired measurement: calls take turns round by round (so drift hits all alike), each
+    right after its own setting is applied, and each gets the median of its own times."""
+    from kvtier.cuda import bench
+
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    log: list[str] = []
+    clock = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    setting = [""]
+
+    def call(name: str, seconds: float):  # type: ignore[no-untyped-def]
+        def fn() -> None:
+            assert setting[0] == name  # its own setting is in force
+            log.append(name)
+            clock[0] += seconds
+        return fn
+
+    def apply(name: str):  # type: ignore[no-untyped-def]
+        return lambda: setting.__setitem__(0, name)
+
+    calls = {n: (call(n, t), apply(n)) for n, t in (("a", 1.0), ("b", 2.0), ("c", 3.0))}
+    medians = bench._ab_medians(calls, rounds=4, per_round=2, warmup=1)
+    assert medians == {"a": 1.0, "b": 2.0, "c": 3.0}
+    assert log[:3] == ["a", "b", "c"]  # one untimed run each
+    timed = log[3:]
+    assert timed == ["a", "a", "b", "b", "c", "c"] * 4

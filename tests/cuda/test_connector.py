@@ -306,13 +306,49 @@ def test_store_and_load_together_from_one_thread(device, arena):
     assert_same_caches(conn, ref)
 
 
+@pytest.mark.parametrize("holes", ["none", "scatter"])
+@pytest.mark.parametrize(
+    ("lead", "eager", "store_first"),
+    [("store", True, 1), ("store", False, 0), ("load", True, 1), ("load", False, 0)],
+    ids=["store-leads-eager", "store-leads-planned", "load-leads-eager", "load-leads-planned"],
+)
+def test_store_and_load_together_whatever_starts_first(device, arena, lead, eager, store_first, holes):
+    """``store_and_load_async`` moves the same bytes whichever direction is issued first, with or
+    without the load's early first DMA and with any store first group; two calls back to back
+    (the second's store table goes up while the first's load DMAs may be in flight), every
+    transfer a group of its own (``first_group_bytes=1``). With -1 slots the groups take the
+    Python planner and the early DMA may not match the plan's first piece."""
+    layout = make_layout(PagedLayout.FLASH_NHD, torch.bfloat16)
+    caches = make_caches(layout, device, seed=60)
+    ref = _reference(layout, caches)
+    conn = CUDAPagedConnector(caches, layout, first_group_bytes=1)
+    conn._both_lead, conn._both_eager, conn._both_store_first_bytes = lead, eager, store_first
+    slots = random_slots(SHAPE.blocks * SHAPE.block, LENGTHS * 2, seed=61, holes=holes)
+    store_slots, load_slots = slots[: len(LENGTHS)], slots[len(LENGTHS) :]
+    stored = [Objects(arena, layout, LENGTHS, 62 + k) for k in range(2)]
+    expected = [Objects(arena, layout, LENGTHS, 62 + k) for k in range(2)]
+    loaded = [Objects(arena, layout, LENGTHS, 64 + k) for k in range(2)]
+    pending = [
+        p for k in range(2)
+        for p in conn.store_and_load_async(stored[k].transfers(store_slots), loaded[k].transfers(load_slots))
+    ]
+    for p in pending:
+        p.wait()
+    for k in range(2):
+        ref.store(expected[k].transfers(store_slots))
+        ref.load(loaded[k].transfers(load_slots))
+        assert_same_objects(stored[k], expected[k])
+    assert_same_caches(conn, ref)
+
+
 @pytest.mark.parametrize("first_skipped", [False, True], ids=["eager-matches", "eager-overwritten"])
 def test_a_loads_first_dma_before_the_call_is_checked_changes_no_byte(device, arena, first_skipped):
     """A lone whole-chunk load's first DMA is issued before its call is checked or planned
     (``_eager_piece``, GPU driver path). When the plan's first piece differs (here the first
     transfer skips every slot, so the plan leaves it out) the batch DMAs its own piece over it;
-    either way the cache ends byte-identical to the reference's. ``store_and_load_async`` and
-    CPU calls (run synchronously) make no early DMA."""
+    either way the cache ends byte-identical to the reference's. ``store_and_load_async`` makes
+    one for its load where ``_both_eager`` is set (the default); CPU calls (run synchronously)
+    make none."""
     layout = make_layout(PagedLayout.FLASH_NHD, torch.bfloat16)
     caches = make_caches(layout, device, seed=50)
     ref = _reference(layout, caches)
@@ -342,4 +378,4 @@ def test_a_loads_first_dma_before_the_call_is_checked_changes_no_byte(device, ar
     ref.load(again.transfers(load_slots))
     assert_same_objects(mine, theirs)
     assert_same_caches(conn, ref)
-    assert len(eager) == (1 if device.type == "cuda" else 0)
+    assert len(eager) == ((2 if conn._both_eager else 1) if device.type == "cuda" else 0)

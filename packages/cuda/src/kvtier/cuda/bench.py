@@ -15,7 +15,9 @@ It also measures the one-kernel zero-copy mode, a call prepared as one group
 (``first_group_bytes=0``) and a few staging-ring sizes (``variants``), so
 the default can be chosen from numbers. Every path's bytes are checked against the torch
 reference before timing. Times are host wall-clock medians of whole calls (each call returns
-with its copies done), so host overhead counts.
+with its copies done), so host overhead counts. The rows the targets are read from (the limit,
+kvtier's three calls and the streams) are measured together, each call once per round in turn,
+so drift during the run falls on the reference and kvtier alike (``_measure_paired``).
 
 It also measures a *stream* of calls (``streamed`` in the JSON): ``--stream-calls`` calls issued
 back to back with the ``_async`` API, at most ``--in-flight`` of them outstanding (the caller
@@ -214,9 +216,9 @@ def _stream_calls(case: _Case, conn) -> dict[str, Callable[[], list[Any]]]:  # t
     }
 
 
-def _stream_seconds(issue: Callable[[], list[Any]], calls: int, in_flight: int, repeat: int, warmup: int) -> float:
-    """Median seconds per call of ``calls`` calls of ``issue`` made back to back, at most
-    ``in_flight`` outstanding: before a call the oldest is waited for when that many are."""
+def _stream(issue: Callable[[], list[Any]], calls: int, in_flight: int) -> Callable[[], None]:
+    """A call that makes ``calls`` calls of ``issue`` back to back, at most ``in_flight``
+    outstanding (before a call the oldest is waited for when that many are), and waits for all."""
     if calls < 1 or in_flight < 1:
         raise ValueError(f"calls and in_flight must be >= 1, got {calls} and {in_flight}")
 
@@ -231,7 +233,31 @@ def _stream_seconds(issue: Callable[[], list[Any]], calls: int, in_flight: int, 
             for pending in outstanding.popleft():
                 pending.wait()
 
-    return _median_seconds(stream, repeat, warmup) / calls
+    return stream
+
+
+def _ab_medians(
+    calls: dict[str, tuple[Callable[[], None], Callable[[], None]]], rounds: int, per_round: int = 3,
+    warmup: int = 3,
+) -> dict[str, float]:
+    """Median seconds of each ``name: (fn, apply)``, A/B style: every round runs every call
+    ``per_round`` times, ``apply()`` first (settings switched call by call on one connector), so
+    a shared machine's drift falls on all of them alike. ``warmup`` untimed runs each first."""
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for fn, apply in calls.values():
+        apply()
+        for _ in range(warmup):
+            fn()
+    for _ in range(rounds):
+        for name, (fn, apply) in calls.items():
+            apply()
+            for _ in range(per_round):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _arena(chunks: int, shapes: Sequence[str]) -> HostArena:
@@ -241,6 +267,44 @@ def _arena(chunks: int, shapes: Sequence[str]) -> HostArena:
 
     largest = max(_chunk_nbytes(s) for s in shapes)
     return CUDAPlatform().create_arena(4 * chunks * largest + (64 << 20))
+
+
+def _measure_paired(
+    case: _Case, conn, arena: HostArena, repeat: int, warmup: int, stream_calls: int, in_flight: int  # type: ignore[no-untyped-def]
+) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float]]:
+    """The rows the targets are read from, measured together: seconds per call of the limit
+    (``_limit_stream_calls``) and of ``conn`` (``store``, ``retrieve``, ``both``: one call each),
+    and, with ``stream_calls``, of both as streams (``_stream``, per call). Every call runs once
+    per round, in turn (``_ab_medians``), so a machine whose PCIe or host speed drifts during
+    the run (seen on shared H200 hosts: the plain copy both ways from 1.69x to 1.84x the
+    one-way copy within one session) slows the reference and kvtier alike.
+
+    Returns ``(limit, kvtier, limit streamed, kvtier streamed)``; the streamed dicts are empty
+    without ``stream_calls``."""
+    issues, release = _limit_stream_calls(case.nbytes, arena)
+    mine = _calls(case, conn)
+    mine_async = _stream_calls(case, conn)
+    calls: dict[str, Callable[[], None]] = {}
+    for d in ("store", "retrieve", "both"):
+        calls[f"limit {d}"] = _waited(issues[d])
+        calls[f"kvtier {d}"] = mine["load" if d == "retrieve" else d]
+        if stream_calls > 0:
+            calls[f"limit-streamed {d}"] = _stream(issues[d], stream_calls, in_flight)
+            calls[f"kvtier-streamed {d}"] = _stream(mine_async[d], stream_calls, in_flight)
+    try:
+        medians = _ab_medians({k: (fn, _nothing) for k, fn in calls.items()}, repeat, per_round=1, warmup=warmup)
+    finally:
+        release()
+    out: tuple[dict[str, float], ...] = ({}, {}, {}, {})
+    for k, m in medians.items():
+        impl, d = k.split()
+        i = ("limit", "kvtier", "limit-streamed", "kvtier-streamed").index(impl)
+        out[i][d] = m / (stream_calls if i >= 2 else 1)
+    return out[0], out[1], out[2], out[3]
+
+
+def _nothing() -> None:
+    pass
 
 
 def _measure_connector(case: _Case, conn, repeat: int, warmup: int, both: str | None) -> dict[str, float]:  # type: ignore[no-untyped-def]
@@ -276,7 +340,7 @@ class _Queued:
 def _limit_stream_calls(nbytes: int, arena: HostArena) -> tuple[dict[str, Callable[[], list[Any]]], Callable[[], None]]:
     """One contiguous copy of ``nbytes`` each way (pinned host <-> device, each on its own
     stream), and both at once, as calls keyed ``store``/``retrieve``/``both`` that queue the
-    copies and return their waiters (for ``_stream_seconds``); and the call that releases
+    copies and return their waiters (for ``_stream``); and the call that releases
     their host objects."""
     dev_out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dev_in = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -309,34 +373,15 @@ def _limit_stream_calls(nbytes: int, arena: HostArena) -> tuple[dict[str, Callab
 def _limit_calls(nbytes: int, arena: HostArena) -> tuple[dict[str, Callable[[], None]], Callable[[], None]]:
     """``_limit_stream_calls``, each call returning with its copies done."""
     issues, release = _limit_stream_calls(nbytes, arena)
-
-    def waited(issue: Callable[[], list[Any]]) -> Callable[[], None]:
-        def call() -> None:
-            for q in issue():
-                q.wait()
-        return call
-
-    return {name: waited(issue) for name, issue in issues.items()}, release
+    return {name: _waited(issue) for name, issue in issues.items()}, release
 
 
-def _measure_limit(nbytes: int, arena: HostArena, repeat: int, warmup: int) -> dict[str, float]:
-    """Median seconds of each of ``_limit_calls``."""
-    calls, release = _limit_calls(nbytes, arena)
-    try:
-        return {name: _median_seconds(fn, repeat, warmup) for name, fn in calls.items()}
-    finally:
-        release()
-
-
-def _measure_stream_limit(
-    nbytes: int, arena: HostArena, calls: int, in_flight: int, repeat: int, warmup: int
-) -> dict[str, float]:
-    """Median seconds per call of each of ``_limit_stream_calls`` in a stream."""
-    issues, release = _limit_stream_calls(nbytes, arena)
-    try:
-        return {name: _stream_seconds(fn, calls, in_flight, repeat, warmup) for name, fn in issues.items()}
-    finally:
-        release()
+def _waited(issue: Callable[[], list[Any]]) -> Callable[[], None]:
+    """``issue`` as a call that returns with its copies done."""
+    def call() -> None:
+        for q in issue():
+            q.wait()
+    return call
 
 
 def _chunk_nbytes(shape: str) -> int:
@@ -438,16 +483,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'shape':<6} {'direction':<9} {'impl':<22} {'GB/s':>7} {'ratio':>6}")
     for shape in args.shapes:
         case = _make_case(shape, args.chunks, arena, seed=len(results))
-        limit_s = _measure_limit(case.nbytes, arena, args.repeat, args.warmup)
+        conn = CUDAPagedConnector(case.caches, case.layout)
+        _check(case, conn, "kvtier")
+        limit_s, kvtier_s, stream_limit_s, stream_s = _measure_paired(
+            case, conn, arena, args.repeat, args.warmup, args.stream_calls, args.in_flight
+        )
         limit_gbps = {d: case.nbytes * (2 if d == "both" else 1) / s / 1e9 for d, s in limit_s.items()}
         rows = _rows(shape, "limit", limit_s, case.nbytes, limit_gbps)
         torch_conn = TorchPagedConnector(case.caches, case.layout)
         rows += _rows(shape, "torch", _measure_connector(case, torch_conn, max(3, args.repeat // 4), 1, both=None),
                       case.nbytes, limit_gbps)
-        conn = CUDAPagedConnector(case.caches, case.layout)
-        _check(case, conn, "kvtier")
-        rows += _rows(shape, "kvtier", _measure_connector(case, conn, args.repeat, args.warmup, both="async"),
-                      case.nbytes, limit_gbps)
+        rows += _rows(shape, "kvtier", kvtier_s, case.nbytes, limit_gbps)
         results += rows
         if configs:
             trows = [r for r in _rows(shape, "kvtier-two-threads",
@@ -480,16 +526,10 @@ def main(argv: list[str] | None = None) -> int:
             variants += vrows
             rows += vrows
             del vconn
-        if args.stream_calls > 0:
-            stream_limit_s = _measure_stream_limit(case.nbytes, arena, args.stream_calls, args.in_flight,
-                                                   args.repeat, args.warmup)
+        if stream_s:
             stream_gbps = {d: case.nbytes * (2 if d == "both" else 1) / s / 1e9 for d, s in stream_limit_s.items()}
-            issues = _stream_calls(case, conn)
             srows = _rows(shape, "limit", stream_limit_s, case.nbytes, stream_gbps) + _rows(
-                shape, "kvtier",
-                {d: _stream_seconds(fn, args.stream_calls, args.in_flight, args.repeat, args.warmup)
-                 for d, fn in issues.items()},
-                case.nbytes, stream_gbps)
+                shape, "kvtier", stream_s, case.nbytes, stream_gbps)
             for r in srows:
                 r["impl"] += "-streamed"
                 r["calls_per_stream"] = args.stream_calls
@@ -512,7 +552,10 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": BLOCK,
         "dtype": "bfloat16",
         "layout": PagedLayout.FLASH_NHD.value,
-        "timing": "host wall-clock median of whole calls (copies complete on return)",
+        "timing": (
+            "host wall-clock median of whole calls (copies complete on return); the limit, kvtier and streamed "
+            "rows measured together, each call once per round in turn"
+        ),
         "targets": {"per_direction": TARGETS, "both_x_one_direction_limit": DUPLEX_TARGET},
         "verified_against_torch_reference": True,
         "results": results,

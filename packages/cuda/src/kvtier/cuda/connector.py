@@ -482,6 +482,13 @@ class CUDAPagedConnector(DeviceConnector):
         self._first_group_bytes = first_group_bytes
         # A whole-chunk load's first DMA starts before the call is checked (_eager_piece).
         self._eager_load = True
+        # store_and_load_async (see there): which direction's steps go first ("load" or "store"),
+        # whether the load's first DMA starts before its first group is planned, and the store's
+        # first group (0: twice first_group_bytes, as the load's). Measured with
+        # benchmarks/transfer_both_ab.py.
+        self._both_lead = "load"
+        self._both_eager = True
+        self._both_store_first_bytes = 0
         if layout.paged_layout is PagedLayout.VLLM_CPU:
             raise LayoutError("the CUDA connector does not handle the vllm_cpu paged layout")
         self.mode = mode
@@ -1342,7 +1349,8 @@ class CUDAPagedConnector(DeviceConnector):
         return piece
 
     def _groups(
-        self, transfers: Sequence[Transfer], lane: _Lane, *, double_first: bool = False, growth: int | None = None
+        self, transfers: Sequence[Transfer], lane: _Lane, *, double_first: bool = False, growth: int | None = None,
+        first_bytes: int = 0,
     ) -> list[tuple[int, int, int]]:
         """Split a whole-chunk call into runs of transfers ``(lo, hi, tokens)``:
         ``first_group_bytes`` (at most a staging slot) first, then ``growth`` times the previous
@@ -1380,7 +1388,7 @@ class CUDAPagedConnector(DeviceConnector):
             growth = _GROUP_GROWTH
         groups: list[tuple[int, int, int]] = []
         whole = self._first_group_bytes == 0
-        first = self._first_group_bytes * (2 if double_first else 1)
+        first = first_bytes or self._first_group_bytes * (2 if double_first else 1)
         start, acc, tokens, cap = 0, 0, 0, min(first, lane.slot_bytes)
         for i, t in enumerate(transfers):
             n = t.obj.meta.num_tokens
@@ -1411,14 +1419,13 @@ class CUDAPagedConnector(DeviceConnector):
         with lane.lock:  # held across batches: a deferred scatter's slot must stay ours
             try:
                 driver = lane.drv is not None and self.mode == "dma"
-                # A lone load's first DMA starts before anything is checked (_eager_piece). (Not
-                # in store_and_load_async: there the store's first batch would wait for this
-                # one's preparation or, given a turn first, delay the load's next group: not
-                # faster in A/B runs on H200s.)
-                eager = driver and not store and not interleaved and self._eager_load
+                # A load's first DMA starts before anything is checked (_eager_piece); in
+                # store_and_load_async (``_both_eager``) the store's first batch goes next.
+                eager = driver and not store and self._eager_load and (not interleaved or self._both_eager)
                 groups = self._groups(
                     transfers, lane, double_first=interleaved or eager,
                     growth=_GROUP_GROWTH if store or interleaved else _LOAD_GROUP_GROWTH,
+                    first_bytes=self._both_store_first_bytes if store and interleaved else 0,
                 )
                 first_load_piece = None
                 if eager:
@@ -1430,6 +1437,8 @@ class CUDAPagedConnector(DeviceConnector):
                             assert lane.drv is not None
                             self._drv_load_dma(lane, lane.drv, state.eager)
                             first_load_piece = state.eager.nbytes
+                    if interleaved and state.eager is not None:
+                        yield  # the other direction's first batch next, while this DMA runs
                 for g, (lo, hi, tokens) in enumerate(groups):
                     ring = planned = None
                     last_group = g + 1 == len(groups)
@@ -1502,16 +1511,25 @@ class CUDAPagedConnector(DeviceConnector):
         """A store and a load at once from one thread: their steps are enqueued alternately (a
         store's batch at a time, a load's piece at a time), so both directions' copy engines
         start at once instead of the load waiting for the store's whole enqueue. Returns
-        ``(store, load)``; ``wait()`` on each as for the ``*_async`` methods."""
+        ``(store, load)``; ``wait()`` on each as for the ``*_async`` methods.
+
+        Start-up order: the load's first DMA (before its group is checked, ``_eager_piece``), the
+        store's first batch (planned, gathered, its DMAs queued), then the load's first group
+        planned and scattered, and so on. A one-call A/B on an H200 (small model, 32 MiB each
+        way, ``benchmarks/transfer_both_ab.py``): 1.58-1.64x the one-way limit against
+        1.50-1.53x when the load's first group was planned before its first DMA; issuing the
+        store's whole first batch (4 or 8 MiB) before the load's first DMA measured no better
+        (1.56-1.64x), nor did pausing the store after its table (1.46-1.60x). Larger calls change little (64 chunks 1.71 ->
+        1.72-1.74x, 8B 1.77 -> 1.78x) and a stream of calls none (about 1.80x)."""
         keep_s: list[torch.Tensor] = []
         keep_l: list[torch.Tensor] = []
         caller = self._caller_stream()
-        # The load steps first: its first DMA needs no kernel before it, so both copy engines
-        # are busy soonest when the store's first gather is prepared while that DMA runs.
-        done_l, done_s = self._issue([
-            self._call_steps(self._load_lane, loads, keep_l, store=False, interleaved=True, caller_stream=caller),
-            self._call_steps(self._store_lane, stores, keep_s, store=True, interleaved=True, caller_stream=caller),
-        ])
+        store_steps = self._call_steps(self._store_lane, stores, keep_s, store=True, interleaved=True, caller_stream=caller)
+        load_steps = self._call_steps(self._load_lane, loads, keep_l, store=False, interleaved=True, caller_stream=caller)
+        if self._both_lead == "store":
+            done_s, done_l = self._issue([store_steps, load_steps])
+        else:
+            done_l, done_s = self._issue([load_steps, store_steps])
         return PendingTransfer(done_s, keep_s, None), PendingTransfer(done_l, keep_l, self.device)
 
     def load_async(self, transfers: Sequence[Transfer]) -> PendingTransfer:
