@@ -124,7 +124,7 @@ def test_every_row_lands_once_inside_its_piece_and_its_dma(call):  # type: ignor
 def test_groups_cover_the_call_in_order_and_grow_from_the_first_cap(lengths, first_rows, slot_rows, double_first):  # type: ignore[no-untyped-def]
     """``_groups``: consecutive ``(lo, hi, tokens)`` covering every transfer once, in order; the
     first group within ``first_group_bytes`` (twice that with ``double_first``, at most a
-    staging slot) unless one transfer alone is larger; 0 makes one group."""
+    staging slot) unless one transfer alone is larger; 0, or ``whole``, makes one group."""
     # (Later groups grow by _GROUP_GROWTH; how much is a tuning choice, not a property.)
     per_token = 2 * LAYOUT.num_layers * 32  # bytes one token of a chunk holds
     caches = [torch.zeros(LAYOUT.expected_cache_shape(BLOCKS), dtype=torch.float16) for _ in range(2)]
@@ -138,6 +138,10 @@ def test_groups_cover_the_call_in_order_and_grow_from_the_first_cap(lengths, fir
         assert obj is not None
         transfers.append(Transfer(obj, torch.full((n,), -1, dtype=torch.int64)))
     groups = conn._groups(transfers, conn._store_lane, double_first=double_first)
+    # A call made while its lane is busy (``whole``) is one group, whatever the first cap.
+    assert conn._groups(transfers, conn._store_lane, double_first=double_first, whole=True) == [
+        (0, len(lengths), sum(lengths))
+    ]
     assert groups[0][0] == 0 and groups[-1][1] == len(lengths)
     for (_, hi, _), (lo, _, _) in itertools.pairwise(groups):
         assert hi == lo
