@@ -22,7 +22,6 @@ All settings run on one connector, switched call by call, every setting in every
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -32,15 +31,16 @@ import torch
 from kvtier.cuda import connector as cm
 from kvtier.cuda.bench import (
     _ab_medians,
+    _ab_row,
     _arena,
     _calls,
-    _device_slug,
     _limit_stream_calls,
     _make_case,
     _release,
     _stream,
     _stream_calls,
     _waited,
+    _write_ab,
 )
 
 SETTINGS = "load/1/0,load/0/0,store/1/4,store/1/8,store/0/8"
@@ -91,15 +91,11 @@ def run(shape: str, chunks: int, rounds: int, settings: list[Setting], stream_ca
     one_way = case.nbytes / medians["limit one-way"] / 1e9
     print(f"== {shape}, {chunks} chunks a call ({case.nbytes / 2**20:.0f} MiB each way); "
           f"one-way limit {one_way:.1f} GB/s; median of {3 * rounds}; streams of {stream_calls}, {in_flight} in flight")
-    rows = []
-    for name, m in medians.items():
-        per_call = m / (stream_calls if "streamed" in name else 1)
-        moved = case.nbytes * (1 if name == "limit one-way" else 2)
-        gbps = moved / per_call / 1e9
-        rows.append({"shape": shape, "chunks": chunks, "call": name, "us": round(per_call * 1e6, 1),
-                     "gbps": round(gbps, 2), "x_one_way_limit": round(gbps / one_way, 3)})
-        print(f"{name:62s} {per_call * 1e6:9.1f} us  {gbps:6.1f} GB/s  {gbps / one_way:5.3f}x one-way limit")
-    return rows
+    return [
+        _ab_row(shape, chunks, name, m / (stream_calls if "streamed" in name else 1),
+                case.nbytes * (1 if name == "limit one-way" else 2), one_way, 62)
+        for name, m in medians.items()
+    ]
 
 
 def main() -> int:
@@ -121,11 +117,7 @@ def main() -> int:
         shape, chunks = case.split(":")
         rows += run(shape, int(chunks), args.rounds, settings, args.stream_calls, args.in_flight)
         torch.cuda.empty_cache()
-    slug = _device_slug(torch.cuda.get_device_name())
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"transfer-both-ab-{slug}{'-' + args.suffix if args.suffix else ''}.json"
-    path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": rows}, indent=1))
-    print(f"wrote {path}")
+    _write_ab(rows, args.out, "transfer-both-ab", args.suffix)
     return 0
 
 

@@ -21,7 +21,6 @@ once.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,12 +30,13 @@ import torch
 from kvtier.cuda import connector as cm
 from kvtier.cuda.bench import (
     _ab_medians,
+    _ab_row,
     _arena,
     _calls,
-    _device_slug,
     _limit_calls,
     _make_case,
     _release,
+    _write_ab,
 )
 
 # first_group_bytes in MiB : growth (stores and both at once[/lone loads]) : a lone load's early DMA
@@ -88,16 +88,12 @@ def run(shape: str, chunks: int, rounds: int, settings: list[Setting]) -> list[d
     one_way = case.nbytes / medians["limit one-way"] / 1e9
     print(f"== {shape}, {chunks} chunks a call ({case.nbytes / 2**20:.0f} MiB each way); "
           f"one-way limit {one_way:.1f} GB/s; median of {3 * rounds}")
-    rows = []
     order = list(medians)
-    for name in sorted(medians, key=lambda k: (k.split()[0], order.index(k))):
-        m = medians[name]
-        moved = case.nbytes * (2 if name.startswith(("both", "limit both")) else 1)
-        gbps = moved / m / 1e9
-        rows.append({"shape": shape, "chunks": chunks, "call": name, "us": round(m * 1e6, 1),
-                     "gbps": round(gbps, 2), "x_one_way_limit": round(gbps / one_way, 3)})
-        print(f"{name:30s} {m * 1e6:9.1f} us  {gbps:6.1f} GB/s  {gbps / one_way:5.3f}x one-way limit")
-    return rows
+    return [
+        _ab_row(shape, chunks, name, medians[name],
+                case.nbytes * (2 if name.startswith(("both", "limit both")) else 1), one_way, 30)
+        for name in sorted(medians, key=lambda k: (k.split()[0], order.index(k)))
+    ]
 
 
 def main() -> int:
@@ -115,11 +111,7 @@ def main() -> int:
         shape, chunks = case.split(":")
         rows += run(shape, int(chunks), args.rounds, _settings(args.settings))
         torch.cuda.empty_cache()
-    slug = _device_slug(torch.cuda.get_device_name())
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"transfer-groups-ab-{slug}.json"
-    path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": rows}, indent=1))
-    print(f"wrote {path}")
+    _write_ab(rows, args.out, "transfer-groups-ab")
     return 0
 
 

@@ -94,3 +94,12 @@ def test_ab_medians_runs_every_call_in_every_round_after_its_setting(monkeypatch
     assert log[:3] == ["a", "b", "c"]  # one untimed run each
     timed = log[3:]
     assert timed == ["a", "a", "b", "b", "c", "c"] * 4
+
+
+def test_ab_rows_give_gbps_and_the_ratio_to_the_one_way_limit(capsys):
+    from kvtier.cuda import bench
+
+    row = bench._ab_row("small", 16, "both x", 0.001, 100_000_000, 50.0, 10)
+    assert row == {"shape": "small", "chunks": 16, "call": "both x", "us": 1000.0, "gbps": 100.0,
+                   "x_one_way_limit": 2.0}
+    assert "2.000x one-way limit" in capsys.readouterr().out

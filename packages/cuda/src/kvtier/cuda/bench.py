@@ -260,6 +260,24 @@ def _ab_medians(
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def _ab_row(shape: str, chunks: int, name: str, seconds: float, moved: int, one_way_gbps: float, width: int) -> dict:
+    """One row of an A/B script (``benchmarks/transfer_*_ab.py``): a call's median ``seconds``
+    moving ``moved`` bytes, as GB/s and as a ratio to the one-way limit; printed as well."""
+    gbps = moved / seconds / 1e9
+    print(f"{name:{width}s} {seconds * 1e6:9.1f} us  {gbps:6.1f} GB/s  {gbps / one_way_gbps:5.3f}x one-way limit")
+    return {"shape": shape, "chunks": chunks, "call": name, "us": round(seconds * 1e6, 1),
+            "gbps": round(gbps, 2), "x_one_way_limit": round(gbps / one_way_gbps, 3)}
+
+
+def _write_ab(rows: list[dict], out: Path, stem: str, suffix: str = "") -> None:
+    """An A/B script's rows to ``OUT/<stem>-<device>[-suffix].json``."""
+    name = torch.cuda.get_device_name()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{stem}-{_device_slug(name)}{'-' + suffix if suffix else ''}.json"
+    path.write_text(json.dumps({"device": name, "results": rows}, indent=1))
+    print(f"wrote {path}")
+
+
 def _arena(chunks: int, shapes: Sequence[str]) -> HostArena:
     """A pinned arena holding a case's store and load objects of ``chunks`` chunks of the largest
     of ``shapes``, and the plain copies' buffers of ``_limit_calls``."""

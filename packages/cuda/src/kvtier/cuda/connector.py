@@ -333,7 +333,7 @@ class _Lane:
     def busy(self) -> bool:
         """Driver path: whether work this lane enqueued may still be running: a slot still being
         filled or not yet freed (event queries, never a wait)."""
-        return not (all(e.query() for e in self.filled) and all(e.query() for e in self.free))
+        return self.dma_in_flight() or not all(e.query() for e in self.free)
 
     def bind_context(self) -> None:
         """Make sure this thread has the device's CUDA context current before driver calls (a
@@ -1436,8 +1436,9 @@ class CUDAPagedConnector(DeviceConnector):
                 # matters when the copy engine is idle. While the lane's earlier calls still keep
                 # it busy, preparing this call hides behind their bytes anyway, and each group
                 # boundary costs the copy engine a gap: one group then (H200, small model, 8 calls
-                # back to back, 2 outstanding: loads 0.919 -> 0.936 of the streamed one-way copy
-                # at 16 chunks a call and 0.951 -> 0.976 at 64; both at once 1.709 -> 1.750x).
+                # back to back, 2 outstanding, A/B on one connector: loads 0.916 -> 0.936 of the
+                # streamed one-way copy at 16 chunks a call and 0.952 -> 0.974 at 64; both at
+                # once 1.719 -> 1.764x at 64, unchanged at 16).
                 whole = driver and self._whole_when_busy and lane.busy()
                 groups = self._groups(
                     transfers, lane, double_first=interleaved or eager,
@@ -1536,8 +1537,9 @@ class CUDAPagedConnector(DeviceConnector):
         way, ``benchmarks/transfer_both_ab.py``): 1.58-1.64x the one-way limit against
         1.50-1.53x when the load's first group was planned before its first DMA; issuing the
         store's whole first batch (4 or 8 MiB) before the load's first DMA measured no better
-        (1.56-1.64x), nor did pausing the store after its table (1.46-1.60x). Larger calls change little (64 chunks 1.71 ->
-        1.72-1.74x, 8B 1.77 -> 1.78x) and a stream of calls none (about 1.80x)."""
+        (1.56-1.64x), nor did pausing the store after its table (1.46-1.60x). Larger calls
+        change little (64 chunks 1.71 -> 1.72-1.74x, 8B 1.77 -> 1.78x), and streams of calls
+        measured the same under every order."""
         keep_s: list[torch.Tensor] = []
         keep_l: list[torch.Tensor] = []
         caller = self._caller_stream()
