@@ -37,3 +37,6 @@ timeout 150 $PY -m kvtier.core.cli bench transfer --shapes small --chunks 64 \
 
 echo "== store_and_load_async start-up orders, one call and a stream (A/B on one connector)"
 timeout 150 $PY benchmarks/transfer_both_ab.py small:16 small:64 --rounds 20 --out "$OUT" 2>&1 | tee "$OUT/both-ab.log"
+
+echo "== driver calls through the C op runner or ctypes, one call and a stream (A/B on one connector)"
+timeout 150 $PY benchmarks/transfer_ops_ab.py small:16 small:64 --rounds 16 --out "$OUT" 2>&1 | tee "$OUT/ops-ab.log"

@@ -68,8 +68,9 @@ def test_a_stream_keeps_at_most_in_flight_calls_outstanding_and_waits_for_all(mo
 
 
 def test_ab_medians_runs_every_call_in_every_round_after_its_setting(monkeypatch):
-    """The paired measurement: calls take turns round by round (so drift hits all alike), each
-    right after its own setting is applied, and each gets the median of its own times."""
+    """The paired measurement: calls take turns round by round (so drift hits all alike), in an
+    order that rotates each round, each right after its own setting is applied, and each gets
+    the median of its own times."""
     from kvtier.cuda import bench
 
     monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
@@ -93,7 +94,9 @@ def test_ab_medians_runs_every_call_in_every_round_after_its_setting(monkeypatch
     assert medians == {"a": 1.0, "b": 2.0, "c": 3.0}
     assert log[:3] == ["a", "b", "c"]  # one untimed run each
     timed = log[3:]
-    assert timed == ["a", "a", "b", "b", "c", "c"] * 4
+    # The order rotates each round: every call follows every other alike.
+    rounds = [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert timed == [name for order in rounds for name in order for _ in range(2)]
 
 
 def test_ab_rows_give_gbps_and_the_ratio_to_the_one_way_limit(capsys):

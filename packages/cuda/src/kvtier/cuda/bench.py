@@ -242,14 +242,23 @@ def _ab_medians(
 ) -> dict[str, float]:
     """Median seconds of each ``name: (fn, apply)``, A/B style: every round runs every call
     ``per_round`` times, ``apply()`` first (settings switched call by call on one connector), so
-    a shared machine's drift falls on all of them alike. ``warmup`` untimed runs each first."""
+    a shared machine's drift falls on all of them alike. ``warmup`` untimed runs each first.
+
+    The order rotates by one call each round, so every call runs after every other about
+    equally often: a call that follows a different kind of call runs slower (the host's caches
+    hold the other code path), and with a fixed order that cost fell on the same call every
+    round. On one H200 it was worth 0.04-0.07 of the one-way limit to whichever of an A/B pair
+    came first (``benchmarks/transfer_ops_ab.py`` run in both orders)."""
     times: dict[str, list[float]] = {k: [] for k in calls}
     for fn, apply in calls.values():
         apply()
         for _ in range(warmup):
             fn()
-    for _ in range(rounds):
-        for name, (fn, apply) in calls.items():
+    names = list(calls)
+    for r in range(rounds):
+        k = r % len(names) if names else 0
+        for name in names[k:] + names[:k]:
+            fn, apply = calls[name]
             apply()
             for _ in range(per_round):
                 torch.cuda.synchronize()

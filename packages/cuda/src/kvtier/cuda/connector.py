@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
@@ -62,7 +63,7 @@ from kvtier.core.connector import DeviceConnector, Transfer
 from kvtier.core.errors import LayoutError
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.cuda import _native
-from kvtier.cuda._driver import CudaDriver, CUDADriverError, RawEvent, driver
+from kvtier.cuda._driver import CudaDriver, CUDADriverError, OpBatch, RawEvent, driver
 from kvtier.cuda.kernels import (
     LAUNCHES,
     RUN_WORDS,
@@ -94,6 +95,10 @@ _TABLE_RING = 8
 _BOUND = threading.local()
 # The slot tensor of a batch planned in C (its slots are in the table buffer already).
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)
+
+
+def _nothing() -> None:
+    pass
 
 
 @dataclass(slots=True)
@@ -201,7 +206,7 @@ class _CallState:
     # A load batch's last scatter, issued only after the next batch's first DMA: streams may
     # share a hardware queue, and a DMA submitted after a scatter that waits for the previous
     # DMA would wait for that scatter too (~35 us per batch on an H200).
-    pending: list[Callable[[], None]] = field(default_factory=list)
+    pending: list[Callable[[Any], None]] = field(default_factory=list)  # called with the step's driver
 
 
 @dataclass(slots=True)
@@ -268,6 +273,9 @@ class _Lane:
         # The driver path (see kvtier.cuda._driver): raw events and stream handles, no stream
         # switches for copies. None: torch events, set_stream and Tensor.copy_.
         self.drv: CudaDriver | None = None
+        # The driver path's calls of one step, issued by one C call (kvtier.cuda._driver.OpBatch);
+        # None: each through ctypes. Set by the connector when its host module is compiled.
+        self.ops: OpBatch | None = None
         if self.is_cuda:
             self.kernel_stream = torch.cuda.Stream(device)
             self.copy_stream = torch.cuda.Stream(device)
@@ -518,6 +526,17 @@ class CUDAPagedConnector(DeviceConnector):
         self._load_lane = _Lane(device, staging_slots, staging_slot_bytes, use_driver=use_driver)
         # The driver path checks and plans ordinary whole-chunk groups in C (_native_plan).
         self._native = _native.load() if self._store_lane.drv is not None else None
+        # ... and issues each step's driver calls in one C call (OpBatch); False: through ctypes,
+        # call by call (same calls, same order; for A/B runs).
+        self._native_ops = False
+        if self._native is not None and hasattr(self._native, "run_ops"):
+            drv = self._store_lane.drv
+            assert drv is not None
+            self._native.set_driver(*drv.entry_points())
+            for lane in (self._store_lane, self._load_lane):
+                lane.ops = OpBatch(drv, self._native.run_ops)
+            self._native_ops = os.environ.get("KVTIER_CUDA_NATIVE_OPS", "1").strip().lower() not in (
+                "0", "false", "no", "off")
         if not isinstance(combine_calls, bool):
             raise ValueError(f"combine_calls must be a bool, got {combine_calls!r}")
         # One thread issues the whole-chunk calls made at once from several threads (_issue): on
@@ -1037,6 +1056,11 @@ class CUDAPagedConnector(DeviceConnector):
         ks_h, cs_h = lane.ks_h, lane.cs_h
         geo = self._dma_geometry
         bases = self._bases_dev
+        # ``d`` takes this step's driver calls: the lane's OpBatch (issued by one C call at each
+        # ``flush``, before every yield and return) or the driver itself (one ctypes call each).
+        ops = lane.ops if self._native_ops else None
+        d: Any = ops if ops is not None else drv
+        flush = ops.flush if ops is not None else _nothing
         with _OnDevice(self.device.index):
             try:
                 if not state.ordered:
@@ -1045,77 +1069,92 @@ class CUDAPagedConnector(DeviceConnector):
                     # wrote, a scatter writes blocks only after the engine's earlier reads of them.
                     # One lane event serves every call: a wait takes its state when enqueued.
                     caller = state.caller_stream
-                    drv.record(lane.after.handle, caller if caller is not None else _raw_current_stream(self.device))
-                    drv.wait(ks_h, lane.after.handle)
+                    d.record(lane.after.handle, caller if caller is not None else _raw_current_stream(self.device))
+                    d.wait(ks_h, lane.after.handle)
                     state.ordered = True
                 if store:
-                    self._drv_table_up(lane, ring, numel, by_kernel=self._load_lane.dma_in_flight())
+                    self._drv_table_up(lane, d, ring, numel, by_kernel=self._load_lane.dma_in_flight())
                     # A store issues its whole batch in one step: each gather waits on the device
                     # for its slot, so nothing here blocks the host, and a piece left for a later
                     # step would wait for the load's next preparation (H200, small model, both at
                     # once: 3% faster at 16 chunks a call; no change for 8B).
                     for piece in pieces:
-                        self._drv_store_piece(lane, drv, piece, table_dev, geo, bases)
+                        self._drv_store_piece(lane, d, piece, table_dev, geo, bases)
+                        # Issued piece by piece: held to the end of the batch, the first DMA
+                        # started later (H200, small model, 16 chunks: a store 0.894-0.900 of
+                        # the one-way limit against 0.912-0.917 through ctypes).
+                        flush()
                     yield
-                    ring.done.record(ks_h)
                     done = RawEvent(drv)
-                    done.record(cs_h)
+                    d.record(ring.done.handle, ks_h)
+                    d.record(done.handle, cs_h)
+                    flush()
                     return done
                 eager, state.eager = state.eager, None
                 if eager is None or not _same_copies(eager, pieces[0]):
                     # (A mismatching eager DMA only wrote a staging slot, which this DMA, later
                     # on the same stream, overwrites: the cost is bandwidth, never bytes.)
-                    self._drv_load_dma(lane, drv, pieces[0])
+                    self._drv_load_dma(lane, d, pieces[0])
+                    flush()  # the copy engine starts now, not at the step's end
                 for scatter in state.pending:  # the previous batch's last scatter, after our DMA
-                    scatter()
+                    scatter(d)
                 state.pending.clear()
                 # On the copy engine the table queues behind this batch's first DMA; the first
                 # scatter waits for that DMA anyway.
-                self._drv_table_up(lane, ring, numel, by_kernel=False)
+                self._drv_table_up(lane, d, ring, numel, by_kernel=False)
                 for k, piece in enumerate(pieces):
                     last = k + 1 == len(pieces)
                     if not last:
-                        self._drv_load_dma(lane, drv, pieces[k + 1])
+                        self._drv_load_dma(lane, d, pieces[k + 1])
                     scatter = functools.partial(
-                        self._drv_scatter, lane, drv, piece, table_dev, geo, bases, layer_events,
-                        ring if last else None,
+                        self._drv_scatter, lane, piece=piece, table_dev=table_dev, geo=geo, bases=bases,
+                        layer_events=layer_events, table=ring if last else None,
                     )
                     if interleaved:
                         # The other direction's next piece is submitted before this scatter, which
                         # waits for this piece's DMA: on a shared hardware queue it would hold that
                         # piece up until the DMA lands.
+                        flush()
                         yield
                     if last and defer_last:
                         state.pending.append(scatter)
                     else:
-                        scatter()
+                        scatter(d)
                     if not interleaved:
+                        flush()
                         yield
                 if defer_last:
+                    flush()
                     return None
                 done = RawEvent(drv)
-                done.record(ks_h)
+                d.record(done.handle, ks_h)
+                flush()
                 return done
             except BaseException:
                 # Nothing half-enqueued may outlive the call: the objects may be released next.
+                if ops is not None:
+                    ops.discard()
                 lane.synchronize()
                 raise
 
     @staticmethod
-    def _drv_table_up(lane: _Lane, ring: _TableSlot, numel: int, *, by_kernel: bool) -> None:
-        """The table's first ``numel`` words to the device, on ks (see _TableSlot)."""
-        assert ring.host is not None and ring.dev is not None and lane.drv is not None
+    def _drv_table_up(lane: _Lane, drv: Any, ring: _TableSlot, numel: int, *, by_kernel: bool) -> None:
+        """The table's first ``numel`` words to the device, on ks (see _TableSlot); ``drv``: the
+        driver or an OpBatch."""
+        assert ring.host is not None and ring.dev is not None
         if by_kernel:
-            LAUNCHES.copy_words(ring.host, ring.host_read_ptr, ring.dev, numel, stream=lane.kernel_stream)
+            LAUNCHES.copy_words(ring.host, ring.host_read_ptr, ring.dev, numel, stream=lane.kernel_stream,
+                                ops=drv if isinstance(drv, OpBatch) else None)
         else:
-            lane.drv.memcpy_htod(ring.dev_ptr, ring.host_ptr, 8 * numel, lane.ks_h)
+            drv.memcpy_htod(ring.dev_ptr, ring.host_ptr, 8 * numel, lane.ks_h)
 
     @staticmethod
     def _drv_store_piece(
-        lane: _Lane, drv: CudaDriver, piece: _Piece, table_dev: tuple[torch.Tensor, int, int], geo: RowGeometry,
+        lane: _Lane, drv: Any, piece: _Piece, table_dev: tuple[torch.Tensor, int, int], geo: RowGeometry,
         bases: torch.Tensor,
     ) -> None:
-        """Gather into the piece's slot on ks, then DMA it out on cs."""
+        """Gather into the piece's slot on ks, then DMA it out on cs (``drv``: the driver or an
+        OpBatch)."""
         ks_h, cs_h = lane.ks_h, lane.cs_h
         s = piece.slot
         base = lane.slot_ptrs[s]
@@ -1132,6 +1171,7 @@ class CUDAPagedConnector(DeviceConnector):
         LAUNCHES.launch(
             *table_dev, piece.start, piece.stop, piece.max_rows, piece.max_tokens, geo, bases,
             to_paged=False, stream=lane.kernel_stream, cache=lane.launch_cache,
+            ops=drv if isinstance(drv, OpBatch) else None,
         )
         drv.record(filled, ks_h)
         drv.wait(cs_h, filled)
@@ -1141,42 +1181,55 @@ class CUDAPagedConnector(DeviceConnector):
 
     @staticmethod
     def _drv_scatter(
-        lane: _Lane, drv: CudaDriver, piece: _Piece, table_dev: tuple[torch.Tensor, int, int], geo: RowGeometry,
+        lane: _Lane, drv: Any, *, piece: _Piece, table_dev: tuple[torch.Tensor, int, int], geo: RowGeometry,
         bases: torch.Tensor, layer_events: dict[int, Any] | None, table: _TableSlot | None,
     ) -> None:
         """Scatter a load piece from its slot once its DMA has landed (ks); ``table``: the
-        batch's last piece, after which its table slot may be reused."""
+        batch's last piece, after which its table slot may be reused. ``drv``: the driver or an
+        OpBatch (given when called: a deferred scatter runs in a later step)."""
         ks_h = lane.ks_h
         s = piece.slot
         drv.wait(ks_h, lane.filled[s].handle)
         LAUNCHES.launch(
             *table_dev, piece.start, piece.stop, piece.max_rows, piece.max_tokens, geo, bases,
             to_paged=True, stream=lane.kernel_stream, cache=lane.launch_cache,
+            ops=drv if isinstance(drv, OpBatch) else None,
         )
-        lane.free[s].record(ks_h)
+        drv.record(lane.free[s].handle, ks_h)
         if layer_events is not None and piece.layers_done:
-            ev = RawEvent(drv)
-            ev.record(ks_h)
+            assert lane.drv is not None
+            ev = RawEvent(lane.drv)
+            drv.record(ev.handle, ks_h)
             for layer in piece.layers_done:
                 layer_events[layer] = ev
         if table is not None:
-            table.done.record(ks_h)
+            drv.record(table.done.handle, ks_h)
 
     def _flush_pending(self, lane: _Lane, state: _CallState) -> Any:
         """Issue a call's deferred scatter when no later batch did; the event after it."""
         drv = lane.drv
         assert drv is not None
+        ops = lane.ops if self._native_ops else None
+        d: Any = ops if ops is not None else drv
         with _OnDevice(self.device.index):
-            for scatter in state.pending:
-                scatter()
-            state.pending.clear()
-            done = RawEvent(drv)
-            done.record(lane.ks_h)
+            try:
+                for scatter in state.pending:
+                    scatter(d)
+                state.pending.clear()
+                done = RawEvent(drv)
+                d.record(done.handle, lane.ks_h)
+                if ops is not None:
+                    ops.flush()
+            except BaseException:
+                if ops is not None:
+                    ops.discard()
+                raise
             return done
 
     @staticmethod
-    def _drv_load_dma(lane: _Lane, drv: CudaDriver, piece: _Piece) -> None:
-        """DMA a load piece's host rows into its slot on cs, once the slot's last scatter is done."""
+    def _drv_load_dma(lane: _Lane, drv: Any, piece: _Piece) -> None:
+        """DMA a load piece's host rows into its slot on cs, once the slot's last scatter is done
+        (``drv``: the driver or an OpBatch)."""
         cs_h = lane.cs_h
         s = piece.slot
         base = lane.slot_ptrs[s]
@@ -1452,8 +1505,13 @@ class CUDAPagedConnector(DeviceConnector):
                         lane.bind_context()
                         state.eager = self._eager_piece(lane, transfers[lo:hi], last=len(groups) == 1)
                         if state.eager is not None:
-                            assert lane.drv is not None
-                            self._drv_load_dma(lane, lane.drv, state.eager)
+                            ops = lane.ops if self._native_ops else None
+                            if ops is not None:
+                                self._drv_load_dma(lane, ops, state.eager)
+                                ops.flush()
+                            else:
+                                assert lane.drv is not None
+                                self._drv_load_dma(lane, lane.drv, state.eager)
                             first_load_piece = state.eager.nbytes
                     if interleaved and state.eager is not None:
                         yield  # the other direction's first batch next, while this DMA runs

@@ -105,17 +105,28 @@ class _Direct:
     skipping Triton's Python ``__call__``, argument parsing and launch metadata. The driver call
     is most of a launch's cost: on one H200 host ``LAUNCHES.launch`` took 9.2 us with a lane's
     bound launcher (``launch_first``) and 11.6 us without it; Triton's launcher call alone
-    (``ck.run``, with none of ``LAUNCHES``' bookkeeping) took 8.8 us there."""
+    (``ck.run``, with none of ``LAUNCHES``' bookkeeping) took 8.8 us there.
 
-    __slots__ = ("block_x", "drv", "function", "params", "shared", "values")
+    With ``ops`` (a ``kvtier.cuda._driver.OpBatch``) a launch is appended to the batch instead:
+    the changing values as ``set_value`` ops (the batch writes them just before its launch, so
+    two launches in one batch each get their own), then the launch."""
+
+    __slots__ = ("block_x", "drv", "function", "params", "shared", "sizes", "value_addrs", "values")
 
     def __init__(self, drv: Any, function: int, block_x: int, shared: int, types: list[type]) -> None:
         self.drv, self.function, self.block_x, self.shared = drv, function, block_x, shared
         self.values = [t() for t in types]
-        array = (ctypes.c_void_p * len(types))(*(ctypes.addressof(v) for v in self.values))
+        self.value_addrs = [ctypes.addressof(v) for v in self.values]
+        self.sizes = [ctypes.sizeof(v) for v in self.values]
+        array = (ctypes.c_void_p * len(types))(*self.value_addrs)
         self.params = (array, ctypes.addressof(array))  # the array stays alive with its address
 
-    def __call__(self, grid: tuple[int, int, int], stream: int, runtime: tuple[int, ...]) -> None:
+    def __call__(self, grid: tuple[int, int, int], stream: int, runtime: tuple[int, ...], ops: Any = None) -> None:
+        if ops is not None:
+            for addr, size, value in zip(self.value_addrs, self.sizes, runtime, strict=False):
+                ops.set_value(addr, size, value)
+            ops.launch(self.function, grid, self.block_x, self.shared, stream, self.params[1])
+            return
         values = self.values
         for i, value in enumerate(runtime):
             values[i].value = value
@@ -129,8 +140,12 @@ class _Direct:
             copy.values[i].value = value
         return copy
 
-    def launch_first(self, grid: tuple[int, int, int], stream: int, first: int) -> None:
+    def launch_first(self, grid: tuple[int, int, int], stream: int, first: int, ops: Any = None) -> None:
         """Launch with the first parameter set to ``first`` and the others as they are."""
+        if ops is not None:
+            ops.set_value(self.value_addrs[0], self.sizes[0], first)
+            ops.launch(self.function, grid, self.block_x, self.shared, stream, self.params[1])
+            return
         self.values[0].value = first
         self.drv.launch(self.function, grid, self.block_x, self.shared, stream, self.params[1])
 
@@ -193,7 +208,7 @@ class _Launches:
     def launch(
         self, table: torch.Tensor, table_addr: int, offset: int, start: int, stop: int, max_rows: int,
         max_tokens: int, geo: RowGeometry, bases: torch.Tensor, *, to_paged: bool, stream: torch.cuda.Stream,
-        cache: dict[tuple, tuple[RowGeometry, torch.Tensor, _Direct, int]] | None = None,
+        cache: dict[tuple, tuple[RowGeometry, torch.Tensor, _Direct, int]] | None = None, ops: Any = None,
     ) -> None:
         """Runs ``[start, stop)`` of the run table that starts ``offset`` int64s into the int64
         device buffer ``table`` (whose address is ``table_addr``: read once by the caller); at
@@ -204,7 +219,10 @@ class _Launches:
         change), holding a directly launched kernel per direction and table alignment with every
         parameter but the table's address already set: a launch is then one lookup, one value
         and one driver call (9.2 us of host time instead of 11.6 on one H200 host: the gain is the
-        key building and lookups skipped, see ``_Direct``)."""
+        key building and lookups skipped, see ``_Direct``).
+
+        ``ops``: a ``kvtier.cuda._driver.OpBatch`` the caller flushes: a cached launch is
+        appended to it; any other launch first flushes it (so the order stays the caller's)."""
         runs = stop - start
         if runs <= 0 or max_tokens == 0 or max_rows == 0:
             return
@@ -213,8 +231,10 @@ class _Launches:
             fast_key = (to_paged, ptr & 15 == 0, id(geo), id(bases))
             hit = cache.get(fast_key)
             if hit is not None and hit[0] is geo and hit[1] is bases:
-                hit[2].launch_first((runs, max_rows, -(-max_tokens // hit[3])), stream.cuda_stream, ptr)
+                hit[2].launch_first((runs, max_rows, -(-max_tokens // hit[3])), stream.cuda_stream, ptr, ops)
                 return
+        if ops is not None:
+            ops.flush()
         block_t, block_d = _blocks(geo.hd_words, geo.word_bytes)
         bases_ptr = bases.data_ptr()
         key = (bases.device.index, geo, to_paged, block_t, block_d, ptr % 16 == 0, bases_ptr % 16 == 0)
@@ -234,11 +254,12 @@ class _Launches:
                 cache[(to_paged, ptr & 15 == 0, id(geo), id(bases))] = (geo, bases, direct.bound(args[:6]), block_t)
 
     def copy_words(
-        self, src: torch.Tensor, src_addr: int, dst: torch.Tensor, numel: int, *, stream: torch.cuda.Stream
+        self, src: torch.Tensor, src_addr: int, dst: torch.Tensor, numel: int, *, stream: torch.cuda.Stream,
+        ops: Any = None,
     ) -> None:
         """``dst[:numel] = src[:numel]`` (int64) by a kernel on ``stream``; ``src`` is pinned host
         memory the kernel reads in place at ``src_addr``. Both hold at least ``numel`` rounded up
-        to ``WORDS_ALIGN``."""
+        to ``WORDS_ALIGN``. ``ops``: as for ``launch``."""
         n = -(-numel // WORDS_ALIGN) * WORDS_ALIGN
         if n == 0:
             return
@@ -246,21 +267,24 @@ class _Launches:
         key = ("copy_words", dst.device.index, src_addr % 16 == 0, dst_ptr % 16 == 0)
         grid = (-(-n // _COPY_BLOCK), 1, 1)
         args = (src_addr, dst_ptr, n, _COPY_BLOCK)
-        self._dispatch(key, grid, args, 3, stream, dst.device, lambda: copy_words(src, dst, numel))
+        self._dispatch(key, grid, args, 3, stream, dst.device, lambda: copy_words(src, dst, numel), ops)
 
     def _dispatch(
         self, key: tuple, grid: tuple[int, int, int], args: tuple, runtime: int, stream: torch.cuda.Stream,
-        device: torch.device, first: Callable[[], Any],
+        device: torch.device, first: Callable[[], Any], ops: Any = None,
     ) -> None:
         """Launch the kept kernel for ``key`` on ``stream`` with ``args`` (every argument, the
         constexprs included, as ``JITFunction.run`` passes them; the first ``runtime`` are the
         non-constexpr ones, two addresses first); without one, ``first()`` launches through
         ``kernel[grid]`` with ``stream`` made current, and its compiled kernel is kept (and,
-        where its parameter layout is certain, launched directly from then on: ``_Direct``)."""
+        where its parameter layout is certain, launched directly from then on: ``_Direct``).
+        ``ops``: as for ``launch``."""
         direct = self.direct.get(key)
         if direct is not None:
-            direct(grid, stream.cuda_stream, args[:runtime])
+            direct(grid, stream.cuda_stream, args[:runtime], ops)
             return
+        if ops is not None:
+            ops.flush()
         ck = self.compiled.get(key)
         if ck is not None:
             knobs = self.knobs

@@ -1,0 +1,138 @@
+"""Driver calls issued by one C call per step (``OpBatch``) or one ctypes call each: an A/B on
+one GPU machine.
+
+``python benchmarks/transfer_ops_ab.py small:16 small:64 8b:16 [--out DIR]`` times, for each
+``shape:chunks``, a store, a load and ``store_and_load_async`` (one call, waited, and a stream of
+``--stream-calls`` calls, at most ``--in-flight`` outstanding) on one connector with
+``_native_ops`` on and off, switched call by call, every setting in every round
+(``kvtier.cuda.bench._ab_medians``), with the contiguous pinned copy for reference. Figures are
+medians as ratios to the one-way limit of the same kind (a call against one copy, a stream
+against a stream of copies; both directions against the one-way limit). Written to
+``transfer-ops-ab-<device>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kvtier.cuda import connector as cm
+from kvtier.cuda.bench import (
+    _ab_medians,
+    _ab_row,
+    _arena,
+    _calls,
+    _limit_stream_calls,
+    _make_case,
+    _release,
+    _stream,
+    _stream_calls,
+    _waited,
+    _write_ab,
+)
+
+
+def run(shape: str, chunks: int, rounds: int, stream_calls: int, in_flight: int) -> list[dict]:
+    arena = _arena(chunks, [shape])
+    case = _make_case(shape, chunks, arena, seed=3)
+    conn = cm.CUDAPagedConnector(case.caches, case.layout)
+    if conn._store_lane.ops is None:
+        raise SystemExit("the host module did not build: no C op runner to compare")
+    one = _calls(case, conn)
+    streams = _stream_calls(case, conn)
+    limit_issues, release_limits = _limit_stream_calls(case.nbytes, arena)
+    default = conn._native_ops
+
+    def apply(on: bool) -> Callable[[], None]:
+        def set_() -> None:
+            conn._native_ops = on
+        return set_
+
+    keep = apply(default)
+    calls: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {
+        "limit one-way": (_waited(limit_issues["store"]), keep),
+        "limit both": (_waited(limit_issues["both"]), keep),
+        "limit one-way streamed": (_stream(limit_issues["store"], stream_calls, in_flight), keep),
+        "limit both streamed": (_stream(limit_issues["both"], stream_calls, in_flight), keep),
+    }
+    for direction in ("store", "load", "both"):
+        for on in (True, False):
+            how = "C ops" if on else "ctypes"
+            calls[f"{direction} {how}"] = (one[direction], apply(on))
+            issue = streams["retrieve" if direction == "load" else direction]
+            calls[f"{direction} streamed {how}"] = (_stream(issue, stream_calls, in_flight), apply(on))
+    try:
+        medians = _ab_medians(calls, rounds)
+        issue = _issue_seconds(streams, apply, rounds)
+    finally:
+        keep()
+        release_limits()
+        _release(case)
+    one_way = case.nbytes / medians["limit one-way"] / 1e9
+    one_way_streamed = case.nbytes * stream_calls / medians["limit one-way streamed"] / 1e9
+    print(f"== {shape}, {chunks} chunks a call ({case.nbytes / 2**20:.0f} MiB each way); "
+          f"one-way limit {one_way:.1f} GB/s, streamed {one_way_streamed:.1f} GB/s; median of {3 * rounds}; "
+          f"streams of {stream_calls}, {in_flight} in flight")
+    rows = []
+    for name, m in medians.items():
+        is_stream = "streamed" in name
+        two_way = name.startswith(("both", "limit both"))
+        rows.append(_ab_row(
+            shape, chunks, name, m / (stream_calls if is_stream else 1), case.nbytes * (2 if two_way else 1),
+            one_way_streamed if is_stream else one_way, 40,
+        ))
+    for name, seconds in issue.items():
+        print(f"{name:40s} {seconds * 1e6:9.1f} us to return (host time, copies not waited)")
+        rows.append({"shape": shape, "chunks": chunks, "call": name, "issue_us": round(seconds * 1e6, 1)})
+    return rows
+
+
+def _issue_seconds(
+    streams: dict[str, Callable[[], list]], apply: Callable[[bool], Callable[[], None]], rounds: int
+) -> dict[str, float]:
+    """Median host time until each ``_async`` call returns (its copies waited for afterwards,
+    untimed), runner on and off in turn: the host time a call takes from the engine's thread."""
+    times: dict[str, list[float]] = {}
+    for _ in range(3 * rounds):
+        for direction, key in (("store", "store"), ("load", "retrieve"), ("both", "both")):
+            for on in (True, False):
+                apply(on)()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                pending = streams[key]()
+                dt = time.perf_counter() - t0
+                for p in pending:
+                    p.wait()
+                times.setdefault(f"{direction} issue {'C ops' if on else 'ctypes'}", []).append(dt)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("cases", nargs="+", help="shape:chunks, e.g. small:16")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--stream-calls", type=int, default=8)
+    ap.add_argument("--in-flight", type=int, default=2)
+    ap.add_argument("--suffix", default="")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs an NVIDIA GPU")
+        return 2
+    rows = []
+    for case in args.cases:
+        shape, chunks = case.split(":")
+        rows += run(shape, int(chunks), args.rounds, args.stream_calls, args.in_flight)
+        torch.cuda.empty_cache()
+    _write_ab(rows, args.out, "transfer-ops-ab", args.suffix)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
