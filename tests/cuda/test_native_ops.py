@@ -207,9 +207,9 @@ def test_a_direct_launcher_appends_its_values_and_launch_to_a_batch(isolated):  
 
 
 def test_a_gpu_connector_issues_through_the_runner_byte_for_byte(device, arena):  # type: ignore[no-untyped-def]
-    """With the runner on (the default where the host module builds) and off, stores, loads and
-    both at once move the bytes core's reference connector moves; with it on they went through
-    it."""
+    """With the runner on (``KVTIER_CUDA_NATIVE_OPS=1``; it needs the host module) and off,
+    stores, loads and both at once move the bytes core's reference connector moves; with it on
+    they went through it."""
     if device.type != "cuda":
         pytest.skip("the op runner issues driver calls, which needs an NVIDIA GPU (KVTIER_TEST_DEVICE=cuda)")
     layout = make_layout(PagedLayout.FLASH_NHD, torch.bfloat16)

@@ -526,8 +526,11 @@ class CUDAPagedConnector(DeviceConnector):
         self._load_lane = _Lane(device, staging_slots, staging_slot_bytes, use_driver=use_driver)
         # The driver path checks and plans ordinary whole-chunk groups in C (_native_plan).
         self._native = _native.load() if self._store_lane.drv is not None else None
-        # ... and issues each step's driver calls in one C call (OpBatch); False: through ctypes,
-        # call by call (same calls, same order; for A/B runs).
+        # It can also issue each step's driver calls in one C call (OpBatch) instead of one ctypes
+        # call each: same calls, same order. Off unless KVTIER_CUDA_NATIVE_OPS=1: on H200 hosts
+        # it cut a call's host time by 5-12% (small model, both at once, 16 chunks: 341 -> 304 us)
+        # but a lone store or load per call measured 0.01-0.03 of the one-way limit slower in
+        # five A/B runs (benchmarks/transfer_ops_ab.py), both at once and streams the same.
         self._native_ops = False
         if self._native is not None and hasattr(self._native, "run_ops"):
             drv = self._store_lane.drv
@@ -535,8 +538,8 @@ class CUDAPagedConnector(DeviceConnector):
             self._native.set_driver(*drv.entry_points())
             for lane in (self._store_lane, self._load_lane):
                 lane.ops = OpBatch(drv, self._native.run_ops)
-            self._native_ops = os.environ.get("KVTIER_CUDA_NATIVE_OPS", "1").strip().lower() not in (
-                "0", "false", "no", "off")
+            self._native_ops = os.environ.get("KVTIER_CUDA_NATIVE_OPS", "0").strip().lower() in (
+                "1", "true", "yes", "on")
         if not isinstance(combine_calls, bool):
             raise ValueError(f"combine_calls must be a bool, got {combine_calls!r}")
         # One thread issues the whole-chunk calls made at once from several threads (_issue): on
@@ -1074,6 +1077,7 @@ class CUDAPagedConnector(DeviceConnector):
                     state.ordered = True
                 if store:
                     self._drv_table_up(lane, d, ring, numel, by_kernel=self._load_lane.dma_in_flight())
+                    flush()  # the table copy starts while the first piece is prepared
                     # A store issues its whole batch in one step: each gather waits on the device
                     # for its slot, so nothing here blocks the host, and a piece left for a later
                     # step would wait for the load's next preparation (H200, small model, both at
