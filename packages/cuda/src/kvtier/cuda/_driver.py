@@ -178,7 +178,7 @@ class OpBatch:
     record, a wait, a 4 KiB copy and a launch took 1.16, 1.44, 4.4 and 9.3 us through ctypes and
     0.28, 0.22, 2.1 and 4.4 us from C (``benchmarks/transfer_host_timeline.py`` shows the
     steps); a small model's store piece is about eight of them. Measured end to end
-    (``benchmarks/transfer_ops_ab.py``) it saves 5-12% of a call's host time but no transfer
+    (``benchmarks/transfer_ops_ab.py``) it saves 2-12% of a call's host time but no transfer
     time, so the connector uses it only with ``KVTIER_CUDA_NATIVE_OPS=1`` (see there).
 
     A failed call raises ``CUDADriverError`` naming it at ``flush()``; the calls after it in the
