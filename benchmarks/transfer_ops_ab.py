@@ -1,14 +1,17 @@
-"""Driver calls issued by one C call per step (``OpBatch``) or one ctypes call each: an A/B on
-one GPU machine.
+"""A connector switch on and off, an A/B on one GPU machine: by default the C op runner
+(``_native_ops``: driver calls issued by one C call per step, ``OpBatch``, or one ctypes call
+each); ``--knob NAME`` flips another boolean attribute of the connector (``_load_table_by_kernel``,
+``_whole_when_busy``, ``_eager_load``, ...).
 
-``python benchmarks/transfer_ops_ab.py small:16 small:64 8b:16 [--out DIR]`` times, for each
-``shape:chunks``, a store, a load and ``store_and_load_async`` (one call, waited, and a stream of
-``--stream-calls`` calls, at most ``--in-flight`` outstanding) on one connector with
-``_native_ops`` on and off, switched call by call, every setting in every round
+``python benchmarks/transfer_ops_ab.py small:16 small:64 8b:16 [--knob NAME] [--out DIR]`` times,
+for each ``shape:chunks``, a store, a load and ``store_and_load_async`` (one call, waited, and a
+stream of ``--stream-calls`` calls, at most ``--in-flight`` outstanding) on one connector with
+the switch on and off, switched call by call, every setting in every round
 (``kvtier.cuda.bench._ab_medians``), with the contiguous pinned copy for reference. Figures are
 medians as ratios to the one-way limit of the same kind (a call against one copy, a stream
-against a stream of copies; both directions against the one-way limit). Written to
-``transfer-ops-ab-<device>.json``.
+against a stream of copies; both directions against the one-way limit), and the host time until
+each ``_async`` call returns. Written to ``transfer-ops-ab-<device>.json`` (another knob:
+``transfer-<knob>-ab-<device>.json``).
 """
 
 from __future__ import annotations
@@ -38,20 +41,23 @@ from kvtier.cuda.bench import (
 )
 
 
-def run(shape: str, chunks: int, rounds: int, stream_calls: int, in_flight: int) -> list[dict]:
+def run(shape: str, chunks: int, rounds: int, stream_calls: int, in_flight: int, knob: str = "_native_ops") -> list[dict]:
     arena = _arena(chunks, [shape])
     case = _make_case(shape, chunks, arena, seed=3)
     conn = cm.CUDAPagedConnector(case.caches, case.layout)
-    if conn._store_lane.ops is None:
+    if knob == "_native_ops" and conn._store_lane.ops is None:
         raise SystemExit("the host module did not build: no C op runner to compare")
+    if not isinstance(getattr(conn, knob, None), bool):
+        raise SystemExit(f"{knob} is not a boolean attribute of the connector")
     one = _calls(case, conn)
     streams = _stream_calls(case, conn)
     limit_issues, release_limits = _limit_stream_calls(case.nbytes, arena)
-    default = conn._native_ops
+    default = getattr(conn, knob)
+    label = {True: "C ops", False: "ctypes"} if knob == "_native_ops" else {True: "on", False: "off"}
 
     def apply(on: bool) -> Callable[[], None]:
         def set_() -> None:
-            conn._native_ops = on
+            setattr(conn, knob, on)
         return set_
 
     keep = apply(default)
@@ -63,13 +69,13 @@ def run(shape: str, chunks: int, rounds: int, stream_calls: int, in_flight: int)
     }
     for direction in ("store", "load", "both"):
         for on in (True, False):
-            how = "C ops" if on else "ctypes"
+            how = label[on]
             calls[f"{direction} {how}"] = (one[direction], apply(on))
             issue = streams["retrieve" if direction == "load" else direction]
             calls[f"{direction} streamed {how}"] = (_stream(issue, stream_calls, in_flight), apply(on))
     try:
         medians = _ab_medians(calls, rounds)
-        issue = _issue_seconds(streams, apply, rounds)
+        issue = _issue_seconds(streams, apply, rounds, label)
     finally:
         keep()
         release_limits()
@@ -94,7 +100,8 @@ def run(shape: str, chunks: int, rounds: int, stream_calls: int, in_flight: int)
 
 
 def _issue_seconds(
-    streams: dict[str, Callable[[], list]], apply: Callable[[bool], Callable[[], None]], rounds: int
+    streams: dict[str, Callable[[], list]], apply: Callable[[bool], Callable[[], None]], rounds: int,
+    label: dict[bool, str],
 ) -> dict[str, float]:
     """Median host time until each ``_async`` call returns (its copies waited for afterwards,
     untimed), runner on and off in turn: the host time a call takes from the engine's thread."""
@@ -109,7 +116,7 @@ def _issue_seconds(
                 dt = time.perf_counter() - t0
                 for p in pending:
                     p.wait()
-                times.setdefault(f"{direction} issue {'C ops' if on else 'ctypes'}", []).append(dt)
+                times.setdefault(f"{direction} issue {label[on]}", []).append(dt)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -119,6 +126,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--stream-calls", type=int, default=8)
     ap.add_argument("--in-flight", type=int, default=2)
+    ap.add_argument("--knob", default="_native_ops", help="the connector's boolean attribute to flip")
     ap.add_argument("--suffix", default="")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args()
@@ -128,9 +136,10 @@ def main() -> int:
     rows = []
     for case in args.cases:
         shape, chunks = case.split(":")
-        rows += run(shape, int(chunks), args.rounds, args.stream_calls, args.in_flight)
+        rows += run(shape, int(chunks), args.rounds, args.stream_calls, args.in_flight, args.knob)
         torch.cuda.empty_cache()
-    _write_ab(rows, args.out, "transfer-ops-ab", args.suffix)
+    stem = "transfer-ops-ab" if args.knob == "_native_ops" else f"transfer-{args.knob.strip('_').replace('_', '-')}-ab"
+    _write_ab(rows, args.out, stem, args.suffix)
     return 0
 
 

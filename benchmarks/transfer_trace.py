@@ -1,8 +1,9 @@
 """Where a transfer call's time goes, on a CUDA machine: a device timeline of one call.
 
-``python benchmarks/transfer_trace.py [OUTDIR] [--shapes small 8b] [--chunks 16]`` runs ``store``, ``load`` and
-``store_and_load_async`` once each under ``torch.profiler`` (after warm-up) for the benchmark's
-shapes, and prints, per call, every copy and kernel on the device relative to the call's start
+``python benchmarks/transfer_trace.py [OUTDIR] [--shapes small 8b] [--chunks 16] [--stream N]`` runs
+``store``, ``load`` and ``store_and_load_async`` once each (``--stream N``: a stream of N calls
+of each through the ``_async`` API, as the bench's streamed rows) under ``torch.profiler`` (after
+warm-up) for the benchmark's shapes, and prints, per call, every copy and kernel on the device relative to the call's start
 on the host: when the first byte moved, the gaps between DMAs, and how long the host took to
 return after the last one. It also prints the same call's host wall time without the profiler.
 Chrome traces go to OUTDIR (default /tmp/kvtier-trace).
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from kvtier.cuda.bench import SHAPES, _arena, _calls, _make_case
+from kvtier.cuda.bench import SHAPES, _arena, _calls, _make_case, _stream, _stream_calls
 from kvtier.cuda.connector import CUDAPagedConnector
 from kvtier.cuda.kernels import LAUNCHES
 
@@ -90,10 +91,14 @@ def _issue_times(fn: Callable[[], object]) -> str:
     return " ".join(parts) + f"; returned at {(end - t0) * 1e6:.0f}"
 
 
-def _trace_shape(shape: str, chunks: int, arena, out: Path) -> None:  # type: ignore[no-untyped-def]
+def _trace_shape(shape: str, chunks: int, arena, out: Path, stream: int = 0, in_flight: int = 2) -> None:  # type: ignore[no-untyped-def]
     case = _make_case(shape, chunks, arena, seed=1)
     conn = CUDAPagedConnector(case.caches, case.layout)
-    for name, fn in _calls(case, conn).items():
+    calls = (
+        {f"stream{stream}-{name}": _stream(issue, stream, in_flight) for name, issue in _stream_calls(case, conn).items()}
+        if stream else _calls(case, conn)
+    )
+    for name, fn in calls.items():
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
@@ -126,13 +131,16 @@ def main() -> int:
     ap.add_argument("out", nargs="?", type=Path, default=Path("/tmp/kvtier-trace"), help="chrome traces go here")
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["small", "8b"])
     ap.add_argument("--chunks", type=int, default=16, help="256-token chunks per call (default 16)")
+    ap.add_argument("--stream", type=int, default=0,
+                    help="trace a stream of this many _async calls instead of one call (bench's streamed rows)")
+    ap.add_argument("--in-flight", type=int, default=2, help="with --stream: calls outstanding at most")
     args = ap.parse_args()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     arena = _arena(args.chunks, args.shapes)
     print(f"driver API: {os.environ.get('KVTIER_CUDA_DRIVER_API', '1')}")
     for shape in args.shapes:
-        _trace_shape(shape, args.chunks, arena, out)
+        _trace_shape(shape, args.chunks, arena, out, args.stream, args.in_flight)
         torch.cuda.empty_cache()
     return 0
 

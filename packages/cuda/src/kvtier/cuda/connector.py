@@ -214,12 +214,13 @@ class _TableSlot:
     """One table buffer of a lane's ring (driver path): a call's slots, then its run table.
 
     Written in pinned host memory, read by the kernels from a device copy ``dev``. A load lane
-    makes the copy on the copy engine, on its kernel stream after its first DMA. A store lane
-    does the same when no load DMA of its connector is in flight, and otherwise copies with a
-    small kernel reading the pinned buffer in place (``copy_words``, ~10 us more host time a
-    batch): a host-to-device copy queues behind every host-to-device copy already on the copy
+    makes the copy with a small kernel reading the pinned buffer in place (``copy_words``, ~10 us
+    more host time a batch than a copy), and so does a store lane while a load DMA of its
+    connector is in flight; otherwise a store's copy goes on the copy engine. A host-to-device
+    copy that waits for anything queues behind every host-to-device copy already on the copy
     engine, whatever its stream (measured on an H200: a 64 KiB copy issued just after a 32 MiB
-    one ended with it, ~600 us later), so a store's table would wait for the loads in flight.
+    one ended with it, ~600 us later), so a store's table would wait for the loads in flight,
+    and a load's for its own call's DMAs, holding its scatters back (``_driver_steps``).
     (Gathers reading the table in place instead measured slower: each row re-reads its
     chunk's slots across PCIe.)
     """
@@ -505,6 +506,8 @@ class CUDAPagedConnector(DeviceConnector):
         # A whole-chunk call made while its lane still has work in flight is prepared as one
         # group (see _call_steps).
         self._whole_when_busy = True
+        # A load's table goes up by a kernel, not on the copy engine (see _driver_steps).
+        self._load_table_by_kernel = True
         if layout.paged_layout is PagedLayout.VLLM_CPU:
             raise LayoutError("the CUDA connector does not handle the vllm_cpu paged layout")
         self.mode = mode
@@ -1104,9 +1107,13 @@ class CUDAPagedConnector(DeviceConnector):
                 for scatter in state.pending:  # the previous batch's last scatter, after our DMA
                     scatter(d)
                 state.pending.clear()
-                # On the copy engine the table queues behind this batch's first DMA; the first
-                # scatter waits for that DMA anyway.
-                self._drv_table_up(lane, d, ring, numel, by_kernel=False)
+                # The table goes up by a kernel reading it in place, not on the copy engine: a
+                # copy there that waits for anything (a pending scatter, the caller's stream)
+                # runs only after every copy queued by then, so the batch's scatters (and the
+                # next call's first DMA, which waits for a scatter to free its slot) waited for
+                # all of the call's DMAs (device trace, H200, streamed small loads: 23-42 us idle
+                # copy engine a call; benchmarks/transfer_trace.py --stream).
+                self._drv_table_up(lane, d, ring, numel, by_kernel=self._load_table_by_kernel)
                 for k, piece in enumerate(pieces):
                     last = k + 1 == len(pieces)
                     if not last:
