@@ -23,6 +23,7 @@ timeout 60 $PY benchmarks/transfer_host_timeline.py --shape small --chunks 16 2>
 echo "== device timeline of one call per shape"
 timeout 90 $PY benchmarks/transfer_trace.py "$OUT/trace-driver" 2>&1 | tee "$OUT/trace-driver.log"
 # (KVTIER_CUDA_DRIVER_API=0 gives the same timeline for the torch path.)
+timeout 90 $PY benchmarks/transfer_trace.py "$OUT/trace-driver" --shapes small --stream 4 2>&1 | tee "$OUT/trace-stream.log"
 rm -rf "$OUT/trace-driver"  # the chrome traces are large; the logs keep the timelines
 
 echo "== each call's recorded device work replayed without Python planning"
