@@ -532,9 +532,9 @@ class CUDAPagedConnector(DeviceConnector):
         # It can also issue each step's driver calls in one C call (OpBatch) instead of one ctypes
         # call each: same calls, same order. Off unless KVTIER_CUDA_NATIVE_OPS=1: on H200 hosts
         # it cut a call's host time by 2-12% (small model, both at once, 16 chunks: 308 -> 283 us)
-        # but no transfer got faster: in three A/B runs (benchmarks/transfer_ops_ab.py) a lone
-        # store or load per call measured 0.00-0.03 of the one-way limit slower, both at once
-        # and streams the same.
+        # but no transfer got faster: in four A/B runs (benchmarks/transfer_ops_ab.py) a lone
+        # store per call measured 0.00-0.08 of the one-way limit slower (a load 0.00-0.02; why
+        # is not understood yet), both at once and streams the same.
         self._native_ops = False
         if self._native is not None and hasattr(self._native, "run_ops"):
             drv = self._store_lane.drv
