@@ -508,6 +508,8 @@ class CUDAPagedConnector(DeviceConnector):
         self._whole_when_busy = True
         # A load's table goes up by a kernel, not on the copy engine (see _driver_steps).
         self._load_table_by_kernel = True
+        # A call on a busy lane skips the short first and last pieces (see _call_steps).
+        self._busy_whole_pieces = True
         if layout.paged_layout is PagedLayout.VLLM_CPU:
             raise LayoutError("the CUDA connector does not handle the vllm_cpu paged layout")
         self.mode = mode
@@ -1505,6 +1507,15 @@ class CUDAPagedConnector(DeviceConnector):
                 # streamed one-way copy at 16 chunks a call and 0.952 -> 0.974 at 64; both at
                 # once 1.719 -> 1.764x at 64, unchanged at 16).
                 whole = driver and self._whole_when_busy and lane.busy()
+                # A short first store piece (its DMA starts early) and a short last load piece
+                # (its scatter ends the call soon after the last DMA) pay off on an idle copy
+                # engine; on a busy lane the earlier calls' bytes cover both, and each piece
+                # boundary costs the engine a gap (7.4 us between a store's DMAs while loads run:
+                # transfer_trace.py --stream). A/B on an H200 (transfer_ops_ab.py --knob
+                # _busy_whole_pieces, one run): streamed small both at once 1.758x -> 1.768x at 16
+                # chunks a call, 1.787x -> 1.789x at 64, 8B unchanged; calls on an idle lane are
+                # unaffected.
+                caps_off = whole and self._busy_whole_pieces
                 groups = self._groups(
                     transfers, lane, double_first=interleaved or eager,
                     growth=_GROUP_GROWTH if store or interleaved else _LOAD_GROUP_GROWTH,
@@ -1515,7 +1526,7 @@ class CUDAPagedConnector(DeviceConnector):
                     lo, hi, _ = groups[0]
                     with _OnDevice(self.device.index):
                         lane.bind_context()
-                        state.eager = self._eager_piece(lane, transfers[lo:hi], last=len(groups) == 1)
+                        state.eager = self._eager_piece(lane, transfers[lo:hi], last=len(groups) == 1 and not caps_off)
                         if state.eager is not None:
                             ops = lane.ops if self._native_ops else None
                             if ops is not None:
@@ -1530,8 +1541,10 @@ class CUDAPagedConnector(DeviceConnector):
                 for g, (lo, hi, tokens) in enumerate(groups):
                     ring = planned = None
                     last_group = g + 1 == len(groups)
-                    first_piece = (_FIRST_PIECE_BYTES if store else first_load_piece) if not state.ordered else None
-                    last_piece = _LAST_PIECE_BYTES if not store and last_group else None
+                    first_piece = (
+                        (None if caps_off else _FIRST_PIECE_BYTES) if store else first_load_piece
+                    ) if not state.ordered else None
+                    last_piece = _LAST_PIECE_BYTES if not store and last_group and not caps_off else None
                     prepared: Sequence[_Prepared] = ()
                     slots = _NO_SLOTS
                     if driver:
