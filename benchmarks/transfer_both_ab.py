@@ -32,8 +32,10 @@ import torch
 
 from kvtier.cuda import connector as cm
 from kvtier.cuda.bench import (
+    _ab_cases,
+    _ab_limits,
     _ab_medians,
-    _ab_row,
+    _ab_streamed_rows,
     _arena,
     _calls,
     _limit_stream_calls,
@@ -41,7 +43,6 @@ from kvtier.cuda.bench import (
     _release,
     _stream,
     _stream_calls,
-    _waited,
     _write_ab,
 )
 
@@ -74,12 +75,7 @@ def run(shape: str, chunks: int, rounds: int, settings: list[Setting], stream_ca
         return set_
 
     keep = apply(default)
-    calls: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {
-        "limit one-way": (_waited(limit_issues["store"]), keep),
-        "limit both": (_waited(limit_issues["both"]), keep),
-        "limit one-way streamed": (_stream(limit_issues["store"], stream_calls, in_flight), keep),
-        "limit both streamed": (_stream(limit_issues["both"], stream_calls, in_flight), keep),
-    }
+    calls = _ab_limits(limit_issues, stream_calls, in_flight, keep)
     for setting in settings:
         lead, eager, first = setting
         name = f"{lead} leads, {'eager' if eager else 'planned'} load, store first {(first >> 20) or 'x2'}"
@@ -91,21 +87,7 @@ def run(shape: str, chunks: int, rounds: int, settings: list[Setting], stream_ca
         keep()
         release_limits()
         _release(case)
-    one_way = case.nbytes / medians["limit one-way"] / 1e9
-    one_way_streamed = case.nbytes * stream_calls / medians["limit one-way streamed"] / 1e9
-    print(f"== {shape}, {chunks} chunks a call ({case.nbytes / 2**20:.0f} MiB each way); "
-          f"one-way limit {one_way:.1f} GB/s, streamed {one_way_streamed:.1f} GB/s; median of {3 * rounds}; "
-          f"streams of {stream_calls}, {in_flight} in flight")
-    rows = []
-    for name, m in medians.items():
-        is_stream = "streamed" in name
-        rows.append(_ab_row(
-            shape, chunks, name, m / (stream_calls if is_stream else 1),
-            case.nbytes * (1 if name.startswith("limit one-way") else 2),
-            one_way_streamed if is_stream else one_way, 62,
-        ))
-    return rows
-
+    return _ab_streamed_rows(shape, chunks, case.nbytes, medians, rounds, stream_calls, in_flight, 62)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -121,11 +103,9 @@ def main() -> int:
         print("needs an NVIDIA GPU")
         return 2
     settings = _settings(args.settings)
-    rows = []
-    for case in args.cases:
-        shape, chunks = case.split(":")
-        rows += run(shape, int(chunks), args.rounds, settings, args.stream_calls, args.in_flight)
-        torch.cuda.empty_cache()
+    rows = _ab_cases(
+        args.cases, lambda shape, chunks: run(shape, chunks, args.rounds, settings, args.stream_calls, args.in_flight)
+    )
     _write_ab(rows, args.out, "transfer-both-ab", args.suffix)
     return 0
 

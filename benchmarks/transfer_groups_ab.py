@@ -29,6 +29,7 @@ import torch
 
 from kvtier.cuda import connector as cm
 from kvtier.cuda.bench import (
+    _ab_cases,
     _ab_medians,
     _ab_row,
     _arena,
@@ -106,11 +107,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs an NVIDIA GPU")
         return 2
-    rows = []
-    for case in args.cases:
-        shape, chunks = case.split(":")
-        rows += run(shape, int(chunks), args.rounds, _settings(args.settings))
-        torch.cuda.empty_cache()
+    settings = _settings(args.settings)
+    rows = _ab_cases(args.cases, lambda shape, chunks: run(shape, chunks, args.rounds, settings))
     _write_ab(rows, args.out, "transfer-groups-ab")
     return 0
 

@@ -27,8 +27,10 @@ import torch
 
 from kvtier.cuda import connector as cm
 from kvtier.cuda.bench import (
+    _ab_cases,
+    _ab_limits,
     _ab_medians,
-    _ab_row,
+    _ab_streamed_rows,
     _arena,
     _calls,
     _limit_stream_calls,
@@ -36,7 +38,6 @@ from kvtier.cuda.bench import (
     _release,
     _stream,
     _stream_calls,
-    _waited,
     _write_ab,
 )
 
@@ -61,12 +62,7 @@ def run(shape: str, chunks: int, rounds: int, stream_calls: int, in_flight: int,
         return set_
 
     keep = apply(default)
-    calls: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {
-        "limit one-way": (_waited(limit_issues["store"]), keep),
-        "limit both": (_waited(limit_issues["both"]), keep),
-        "limit one-way streamed": (_stream(limit_issues["store"], stream_calls, in_flight), keep),
-        "limit both streamed": (_stream(limit_issues["both"], stream_calls, in_flight), keep),
-    }
+    calls = _ab_limits(limit_issues, stream_calls, in_flight, keep)
     for direction in ("store", "load", "both"):
         for on in (True, False):
             how = label[on]
@@ -80,19 +76,7 @@ def run(shape: str, chunks: int, rounds: int, stream_calls: int, in_flight: int,
         keep()
         release_limits()
         _release(case)
-    one_way = case.nbytes / medians["limit one-way"] / 1e9
-    one_way_streamed = case.nbytes * stream_calls / medians["limit one-way streamed"] / 1e9
-    print(f"== {shape}, {chunks} chunks a call ({case.nbytes / 2**20:.0f} MiB each way); "
-          f"one-way limit {one_way:.1f} GB/s, streamed {one_way_streamed:.1f} GB/s; median of {3 * rounds}; "
-          f"streams of {stream_calls}, {in_flight} in flight")
-    rows = []
-    for name, m in medians.items():
-        is_stream = "streamed" in name
-        two_way = name.startswith(("both", "limit both"))
-        rows.append(_ab_row(
-            shape, chunks, name, m / (stream_calls if is_stream else 1), case.nbytes * (2 if two_way else 1),
-            one_way_streamed if is_stream else one_way, 40,
-        ))
+    rows = _ab_streamed_rows(shape, chunks, case.nbytes, medians, rounds, stream_calls, in_flight, 40)
     for name, seconds in issue.items():
         print(f"{name:40s} {seconds * 1e6:9.1f} us to return (host time, copies not waited)")
         rows.append({"shape": shape, "chunks": chunks, "call": name, "issue_us": round(seconds * 1e6, 1)})
@@ -133,11 +117,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs an NVIDIA GPU")
         return 2
-    rows = []
-    for case in args.cases:
-        shape, chunks = case.split(":")
-        rows += run(shape, int(chunks), args.rounds, args.stream_calls, args.in_flight, args.knob)
-        torch.cuda.empty_cache()
+    rows = _ab_cases(
+        args.cases, lambda shape, chunks: run(shape, chunks, args.rounds, args.stream_calls, args.in_flight, args.knob)
+    )
     stem = "transfer-ops-ab" if args.knob == "_native_ops" else f"transfer-{args.knob.strip('_').replace('_', '-')}-ab"
     _write_ab(rows, args.out, stem, args.suffix)
     return 0

@@ -106,3 +106,37 @@ def test_ab_rows_give_gbps_and_the_ratio_to_the_one_way_limit(capsys):
     assert row == {"shape": "small", "chunks": 16, "call": "both x", "us": 1000.0, "gbps": 100.0,
                    "x_one_way_limit": 2.0}
     assert "2.000x one-way limit" in capsys.readouterr().out
+
+
+def test_ab_streamed_rows_compare_calls_with_calls_and_streams_with_streams(capsys):
+    """A call is divided by the one-way copy, a stream (per call) by the streamed copy; rows
+    named for one direction move the bytes once, the others twice."""
+    from kvtier.cuda import bench
+
+    mb = 1_000_000
+    medians = {
+        "limit one-way": 0.01, "limit one-way streamed": 0.04, "limit both": 0.02,
+        "store x": 0.01, "load streamed x": 0.04, "both x": 0.01, "streamed y": 0.04,
+    }
+    rows = bench._ab_streamed_rows("small", 16, 100 * mb, medians, rounds=1, stream_calls=4, in_flight=2, width=20)
+    ratio = {r["call"]: r["x_one_way_limit"] for r in rows}
+    # one-way copy: 10 GB/s a call, 10 GB/s streamed (4 calls in 0.04 s)
+    assert ratio == {"limit one-way": 1.0, "limit one-way streamed": 1.0, "limit both": 1.0,
+                     "store x": 1.0, "load streamed x": 1.0, "both x": 2.0, "streamed y": 2.0}
+    assert [r["us"] for r in rows] == [10000.0, 10000.0, 20000.0, 10000.0, 10000.0, 10000.0, 10000.0]
+    assert "one-way limit 10.0 GB/s, streamed 10.0 GB/s" in capsys.readouterr().out
+
+
+def test_ab_cases_runs_each_shape_and_chunk_count_in_turn(monkeypatch):
+    from kvtier.cuda import bench
+
+    monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
+    seen: list[tuple[str, int]] = []
+
+    def run(shape: str, chunks: int) -> list[dict]:
+        seen.append((shape, chunks))
+        return [{"shape": shape, "chunks": chunks}]
+
+    rows = bench._ab_cases(["small:16", "8b:4"], run)
+    assert seen == [("small", 16), ("8b", 4)]
+    assert rows == [{"shape": "small", "chunks": 16}, {"shape": "8b", "chunks": 4}]
