@@ -117,6 +117,24 @@ def assert_same_caches(conn: DeviceConnector, ref: DeviceConnector) -> None:
         assert torch.equal(as_bytes(a), as_bytes(b))
 
 
+def assert_store_then_load_like(
+    conn: DeviceConnector, ref: DeviceConnector, arena: HostArena, layout: KVLayout, lengths: list[int],
+    store_slots: list[torch.Tensor], load_slots: list[torch.Tensor], seed: int,
+) -> list[Objects]:
+    """``conn`` and the reference ``ref`` store the same objects from ``store_slots`` (the objects
+    must then match), then load the same fresh objects into ``load_slots`` (the caches must then
+    match). Returns the objects made, for the caller to release."""
+    mine, theirs = Objects(arena, layout, lengths, seed), Objects(arena, layout, lengths, seed)
+    conn.store(mine.transfers(store_slots))
+    ref.store(theirs.transfers(store_slots))
+    assert_same_objects(mine, theirs)
+    fresh, fresh_ref = Objects(arena, layout, lengths, seed + 10), Objects(arena, layout, lengths, seed + 10)
+    conn.load(fresh.transfers(load_slots))
+    ref.load(fresh_ref.transfers(load_slots))
+    assert_same_caches(conn, ref)
+    return [mine, theirs, fresh, fresh_ref]
+
+
 def random_slots(total: int, lengths: list[int], seed: int, holes: str) -> list[torch.Tensor]:
     """Distinct random slots per chunk; ``holes``: "none", "prefix" (skipped prefix) or "scatter"."""
     gen = torch.Generator().manual_seed(seed)

@@ -20,8 +20,7 @@ from hypothesis import strategies as st
 from conftest import (
     SHAPE,
     Objects,
-    assert_same_caches,
-    assert_same_objects,
+    assert_store_then_load_like,
     make_caches,
     make_layout,
     random_slots,
@@ -243,14 +242,7 @@ def test_a_gpu_connector_plans_in_c_byte_for_byte_and_falls_back_per_group(devic
     lengths = [SHAPE.chunk // 4] * 4  # 8 MiB chunks at the GPU shape: several groups a call
     for holes, seed in (("none", 61), ("scatter", 62)):
         slots = random_slots(total, lengths, seed=seed, holes=holes)
-        mine, theirs = Objects(arena, layout, lengths, seed), Objects(arena, layout, lengths, seed)
-        conn.store(mine.transfers(slots))
-        ref.store(theirs.transfers(slots))
-        assert_same_objects(mine, theirs)
-        fresh, fresh_ref = Objects(arena, layout, lengths, seed + 10), Objects(arena, layout, lengths, seed + 10)
-        conn.load(fresh.transfers(slots))
-        ref.load(fresh_ref.transfers(slots))
-        assert_same_caches(conn, ref)
+        assert_store_then_load_like(conn, ref, arena, layout, lengths, slots, slots, seed)
         if holes == "none":
             assert counting.planned >= 2 and counting.left == 0
     assert counting.left >= 2  # the -1 slots' groups

@@ -22,6 +22,7 @@ from conftest import (
     Objects,
     assert_same_caches,
     assert_same_objects,
+    assert_store_then_load_like,
     make_caches,
     make_layout,
     random_slots,
@@ -226,14 +227,7 @@ def test_a_gpu_connector_issues_through_the_runner_byte_for_byte(device, arena):
         # Disjoint: the store of store_and_load_async reads what its load does not write.
         both = random_slots(total, lengths * 2, seed=seed, holes="none")
         slots, load_slots = both[: len(lengths)], both[len(lengths) :]
-        mine, theirs = Objects(arena, layout, lengths, seed), Objects(arena, layout, lengths, seed)
-        conn.store(mine.transfers(slots))
-        ref.store(theirs.transfers(slots))
-        assert_same_objects(mine, theirs)
-        fresh, fresh_ref = Objects(arena, layout, lengths, seed + 10), Objects(arena, layout, lengths, seed + 10)
-        conn.load(fresh.transfers(load_slots))
-        ref.load(fresh_ref.transfers(load_slots))
-        assert_same_caches(conn, ref)
+        made = assert_store_then_load_like(conn, ref, arena, layout, lengths, slots, load_slots, seed)
         out, out_ref = Objects(arena, layout, lengths, seed + 20), Objects(arena, layout, lengths, seed + 20)
         back, back_ref = Objects(arena, layout, lengths, seed + 30), Objects(arena, layout, lengths, seed + 30)
         s, ld = conn.store_and_load_async(out.transfers(slots), back.transfers(load_slots))
@@ -245,5 +239,5 @@ def test_a_gpu_connector_issues_through_the_runner_byte_for_byte(device, arena):
         assert_same_caches(conn, ref)
         after = conn._store_lane.ops.flushes + conn._load_lane.ops.flushes  # type: ignore[union-attr]
         assert (after > before) == native_ops
-        for objs in (mine, theirs, fresh, fresh_ref, out, out_ref, back, back_ref):
+        for objs in (*made, out, out_ref, back, back_ref):
             objs.release()
