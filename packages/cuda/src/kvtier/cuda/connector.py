@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
@@ -64,6 +63,7 @@ from kvtier.core.errors import LayoutError
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.cuda import _native
 from kvtier.cuda._driver import CudaDriver, CUDADriverError, OpBatch, RawEvent, driver
+from kvtier.cuda._env import switch
 from kvtier.cuda.kernels import (
     LAUNCHES,
     RUN_WORDS,
@@ -544,8 +544,7 @@ class CUDAPagedConnector(DeviceConnector):
             self._native.set_driver(*drv.entry_points())
             for lane in (self._store_lane, self._load_lane):
                 lane.ops = OpBatch(drv, self._native.run_ops)
-            self._native_ops = os.environ.get("KVTIER_CUDA_NATIVE_OPS", "0").strip().lower() in (
-                "1", "true", "yes", "on")
+            self._native_ops = switch("KVTIER_CUDA_NATIVE_OPS", default=False)
         if not isinstance(combine_calls, bool):
             raise ValueError(f"combine_calls must be a bool, got {combine_calls!r}")
         # One thread issues the whole-chunk calls made at once from several threads (_issue): on
@@ -1065,11 +1064,8 @@ class CUDAPagedConnector(DeviceConnector):
         ks_h, cs_h = lane.ks_h, lane.cs_h
         geo = self._dma_geometry
         bases = self._bases_dev
-        # ``d`` takes this step's driver calls: the lane's OpBatch (issued by one C call at each
-        # ``flush``, before every yield and return) or the driver itself (one ctypes call each).
-        ops = lane.ops if self._native_ops else None
-        d: Any = ops if ops is not None else drv
-        flush = ops.flush if ops is not None else _nothing
+        # ``d`` takes this step's driver calls (``_issuer``), flushed before every yield and return.
+        d, flush, ops = self._issuer(lane)
         with _OnDevice(self.device.index):
             try:
                 if not state.ordered:
@@ -1151,6 +1147,16 @@ class CUDAPagedConnector(DeviceConnector):
                 lane.synchronize()
                 raise
 
+    def _issuer(self, lane: _Lane) -> tuple[Any, Callable[[], None], OpBatch | None]:
+        """Where a driver-path step's calls go: ``(d, flush, ops)``. With the op runner on
+        (``_native_ops``) ``d`` is the lane's OpBatch and ``flush`` issues what it collected (one C
+        call); otherwise ``d`` is the driver (one ctypes call each) and ``flush`` does nothing."""
+        ops = lane.ops if self._native_ops else None
+        if ops is not None:
+            return ops, ops.flush, ops
+        assert lane.drv is not None
+        return lane.drv, _nothing, None
+
     @staticmethod
     def _drv_table_up(lane: _Lane, drv: Any, ring: _TableSlot, numel: int, *, by_kernel: bool) -> None:
         """The table's first ``numel`` words to the device, on ks (see _TableSlot); ``drv``: the
@@ -1223,8 +1229,7 @@ class CUDAPagedConnector(DeviceConnector):
         """Issue a call's deferred scatter when no later batch did; the event after it."""
         drv = lane.drv
         assert drv is not None
-        ops = lane.ops if self._native_ops else None
-        d: Any = ops if ops is not None else drv
+        d, flush, ops = self._issuer(lane)
         with _OnDevice(self.device.index):
             try:
                 for scatter in state.pending:
@@ -1232,8 +1237,7 @@ class CUDAPagedConnector(DeviceConnector):
                 state.pending.clear()
                 done = RawEvent(drv)
                 d.record(done.handle, lane.ks_h)
-                if ops is not None:
-                    ops.flush()
+                flush()
             except BaseException:
                 if ops is not None:
                     ops.discard()
@@ -1528,13 +1532,9 @@ class CUDAPagedConnector(DeviceConnector):
                         lane.bind_context()
                         state.eager = self._eager_piece(lane, transfers[lo:hi], last=len(groups) == 1 and not caps_off)
                         if state.eager is not None:
-                            ops = lane.ops if self._native_ops else None
-                            if ops is not None:
-                                self._drv_load_dma(lane, ops, state.eager)
-                                ops.flush()
-                            else:
-                                assert lane.drv is not None
-                                self._drv_load_dma(lane, lane.drv, state.eager)
+                            d, flush, _ = self._issuer(lane)
+                            self._drv_load_dma(lane, d, state.eager)
+                            flush()
                             first_load_piece = state.eager.nbytes
                     if interleaved and state.eager is not None:
                         yield  # the other direction's first batch next, while this DMA runs
