@@ -175,3 +175,21 @@ def test_direct_launches_can_be_turned_off(monkeypatch):
 
     monkeypatch.setenv("KVTIER_CUDA_DIRECT_LAUNCH", "0")
     assert _direct_for(object(), (1, 2, 3), pointers=2) is None
+
+
+@pytest.mark.parametrize(
+    ("value", "on_by_default", "off_by_default"),
+    [(None, True, False), ("0", False, False), (" OFF ", False, False), ("no", False, False),
+     ("1", True, True), ("Yes", True, True), ("on", True, True), ("maybe", True, False), ("", True, False)],
+)
+def test_an_environment_switch_leaves_its_default_only_for_the_opposite_word(
+    monkeypatch, value, on_by_default, off_by_default
+):  # type: ignore[no-untyped-def]
+    from kvtier.cuda._env import switch
+
+    if value is None:
+        monkeypatch.delenv("KVTIER_TEST_SWITCH", raising=False)
+    else:
+        monkeypatch.setenv("KVTIER_TEST_SWITCH", value)
+    assert switch("KVTIER_TEST_SWITCH", default=True) is on_by_default
+    assert switch("KVTIER_TEST_SWITCH", default=False) is off_by_default

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from ctypes import c_int, c_size_t, c_uint, c_void_p
 from typing import Any
+
+from kvtier.cuda._env import switch
 
 _CUDA_SUCCESS = 0
 _CUDA_ERROR_NOT_READY = 600
@@ -270,7 +271,7 @@ class RawEvent:
 @functools.cache
 def driver() -> CudaDriver | None:
     """The driver wrapper, or None when disabled (``KVTIER_CUDA_DRIVER_API=0``) or unavailable."""
-    if os.environ.get("KVTIER_CUDA_DRIVER_API", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not switch("KVTIER_CUDA_DRIVER_API", default=True):
         return None
     try:
         lib = ctypes.CDLL("libcuda.so.1")

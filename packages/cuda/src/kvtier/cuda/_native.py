@@ -27,6 +27,8 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
+from kvtier.cuda._env import switch
+
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("_hostplan.c")
@@ -102,7 +104,7 @@ def _import(path: Path) -> ModuleType:
 @functools.cache
 def load() -> ModuleType | None:
     """The compiled planner, or None (Python planning) when disabled or it cannot be built."""
-    if os.environ.get("KVTIER_CUDA_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not switch("KVTIER_CUDA_NATIVE", default=True):
         return None
     try:
         return _import(build())

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from kvtier.cuda._env import switch
 
 # Bytes one program moves: large enough to keep the memory system busy, small enough to stay in
 # registers (an 8B-shaped row of 2 KiB gives 8 tokens a program).
@@ -153,7 +154,7 @@ class _Direct:
 def _direct_for(ck: Any, runtime: tuple[int, ...], pointers: int) -> _Direct | None:
     """A ``_Direct`` for compiled kernel ``ck``, or None (launch through Triton) where it cannot
     be sure of the parameter layout or the launch needs more than a plain ``cuLaunchKernel``."""
-    if os.environ.get("KVTIER_CUDA_DIRECT_LAUNCH", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not switch("KVTIER_CUDA_DIRECT_LAUNCH", default=True):
         return None
     from kvtier.cuda._driver import driver
 
