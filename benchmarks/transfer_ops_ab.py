@@ -1,7 +1,9 @@
 """A connector switch on and off, an A/B on one GPU machine: by default the C op runner
 (``_native_ops``: driver calls issued by one C call per step, ``OpBatch``, or one ctypes call
 each); ``--knob NAME`` flips another boolean attribute of the connector (``_load_table_by_kernel``,
-``_whole_when_busy``, ``_eager_load``, ...).
+``_whole_when_busy``, ``_eager_load``, ...); ``--on SETTINGS --off SETTINGS --name NAME``
+compares two sets of settings (``NAME=VALUE,...``, see ``kvtier.cuda.bench._settings``), e.g.
+``--on _both_lead=store,_store_first_in_place=1 --off _both_lead=load --name store-leads``.
 
 ``python benchmarks/transfer_ops_ab.py small:16 small:64 8b:16 [--knob NAME] [--out DIR]`` times,
 for each ``shape:chunks``, a store, a load and ``store_and_load_async`` (one call, waited, and a
@@ -11,7 +13,7 @@ the switch on and off, switched call by call, every setting in every round
 medians as ratios to the one-way limit of the same kind (a call against one copy, a stream
 against a stream of copies; both directions against the one-way limit), and the host time until
 each ``_async`` call returns. Written to ``transfer-ops-ab-<device>.json`` (another knob:
-``transfer-<knob>-ab-<device>.json``).
+``transfer-<knob>-ab-<device>.json``; two sets of settings: ``transfer-<name>-ab-<device>.json``).
 """
 
 from __future__ import annotations
@@ -36,32 +38,48 @@ from kvtier.cuda.bench import (
     _limit_stream_calls,
     _make_case,
     _release,
+    _settings,
     _stream,
     _stream_calls,
     _write_ab,
 )
 
 
-def run(shape: str, chunks: int, rounds: int, stream_calls: int, in_flight: int, knob: str = "_native_ops") -> list[dict]:
+def run(
+    shape: str, chunks: int, rounds: int, stream_calls: int, in_flight: int, knob: str = "_native_ops",
+    arms: tuple[str, str] | None = None,
+) -> list[dict]:
+    """``arms``: the settings of the two arms (``on``, ``off``) instead of ``knob`` on and off."""
     arena = _arena(chunks, [shape])
     case = _make_case(shape, chunks, arena, seed=3)
     conn = cm.CUDAPagedConnector(case.caches, case.layout)
-    if knob == "_native_ops" and conn._store_lane.ops is None:
-        raise SystemExit("the host module did not build: no C op runner to compare")
-    if not isinstance(getattr(conn, knob, None), bool):
-        raise SystemExit(f"{knob} is not a boolean attribute of the connector")
+    if arms is not None:
+        try:
+            setting = {True: _settings(arms[0], conn), False: _settings(arms[1], conn)}
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+    else:
+        if knob == "_native_ops" and conn._store_lane.ops is None:
+            raise SystemExit("the host module did not build: no C op runner to compare")
+        if not isinstance(getattr(conn, knob, None), bool):
+            raise SystemExit(f"{knob} is not a boolean attribute of the connector")
+        setting = {True: {knob: True}, False: {knob: False}}
     one = _calls(case, conn)
     streams = _stream_calls(case, conn)
     limit_issues, release_limits = _limit_stream_calls(case.nbytes, arena)
-    default = getattr(conn, knob)
-    label = {True: "C ops", False: "ctypes"} if knob == "_native_ops" else {True: "on", False: "off"}
+    names = set(setting[True]) | set(setting[False])
+    default = {name: getattr(conn, name) for name in names}
+    label = {True: "C ops", False: "ctypes"} if knob == "_native_ops" and arms is None else {True: "on", False: "off"}
 
-    def apply(on: bool) -> Callable[[], None]:
+    def apply(on: bool | None) -> Callable[[], None]:
+        values = default if on is None else {**default, **setting[on]}
+
         def set_() -> None:
-            setattr(conn, knob, on)
+            for name, value in values.items():
+                setattr(conn, name, value)
         return set_
 
-    keep = apply(default)
+    keep = apply(None)
     calls = _ab_limits(limit_issues, stream_calls, in_flight, keep)
     for direction in ("store", "load", "both"):
         for on in (True, False):
@@ -111,16 +129,29 @@ def main() -> int:
     ap.add_argument("--stream-calls", type=int, default=8)
     ap.add_argument("--in-flight", type=int, default=2)
     ap.add_argument("--knob", default="_native_ops", help="the connector's boolean attribute to flip")
+    ap.add_argument("--on", help="the first arm's settings, NAME=VALUE,... (with --off and --name)")
+    ap.add_argument("--off", default="", help="the second arm's settings, NAME=VALUE,...")
+    ap.add_argument("--name", help="with --on: the results' name (transfer-<name>-ab-<device>.json)")
     ap.add_argument("--suffix", default="")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs an NVIDIA GPU")
         return 2
+    if args.on is not None and not args.name:
+        ap.error("--on needs --name")
+    arms = (args.on, args.off) if args.on is not None else None
     rows = _ab_cases(
-        args.cases, lambda shape, chunks: run(shape, chunks, args.rounds, args.stream_calls, args.in_flight, args.knob)
+        args.cases,
+        lambda shape, chunks: run(shape, chunks, args.rounds, args.stream_calls, args.in_flight, args.knob, arms),
     )
-    stem = "transfer-ops-ab" if args.knob == "_native_ops" else f"transfer-{args.knob.strip('_').replace('_', '-')}-ab"
+    if arms is not None:
+        print(f"on: {args.on}; off: {args.off or '(defaults)'}")
+        stem = f"transfer-{args.name}-ab"
+    elif args.knob == "_native_ops":
+        stem = "transfer-ops-ab"
+    else:
+        stem = f"transfer-{args.knob.strip('_').replace('_', '-')}-ab"
     _write_ab(rows, args.out, stem, args.suffix)
     return 0
 

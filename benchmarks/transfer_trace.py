@@ -2,7 +2,8 @@
 
 ``python benchmarks/transfer_trace.py [OUTDIR] [--shapes small 8b] [--chunks 16] [--stream N]`` runs
 ``store``, ``load`` and ``store_and_load_async`` once each (``--stream N``: a stream of N calls
-of each through the ``_async`` API, as the bench's streamed rows) under ``torch.profiler`` (after
+of each through the ``_async`` API, as the bench's streamed rows; ``--only both``: just those;
+``--set NAME=VALUE,...``: the connector's settings, see ``kvtier.cuda.bench._settings``) under ``torch.profiler`` (after
 warm-up) for the benchmark's shapes, and prints, per call, every copy and kernel on the device relative to the call's start
 on the host: when the first byte moved, the gaps between DMAs, and how long the host took to
 return after the last one. It also prints the same call's host wall time without the profiler.
@@ -20,13 +21,13 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from kvtier.cuda.bench import SHAPES, _arena, _calls, _make_case, _stream, _stream_calls
+from kvtier.cuda.bench import SHAPES, _arena, _calls, _make_case, _settings, _stream, _stream_calls
 from kvtier.cuda.connector import CUDAPagedConnector
 from kvtier.cuda.kernels import LAUNCHES
 
@@ -91,14 +92,21 @@ def _issue_times(fn: Callable[[], object]) -> str:
     return " ".join(parts) + f"; returned at {(end - t0) * 1e6:.0f}"
 
 
-def _trace_shape(shape: str, chunks: int, arena, out: Path, stream: int = 0, in_flight: int = 2) -> None:  # type: ignore[no-untyped-def]
+def _trace_shape(  # type: ignore[no-untyped-def]
+    shape: str, chunks: int, arena, out: Path, stream: int = 0, in_flight: int = 2, settings: str = "",
+    only: Sequence[str] = (),
+) -> None:
     case = _make_case(shape, chunks, arena, seed=1)
     conn = CUDAPagedConnector(case.caches, case.layout)
+    for name, value in _settings(settings, conn).items():
+        setattr(conn, name, value)
     calls = (
         {f"stream{stream}-{name}": _stream(issue, stream, in_flight) for name, issue in _stream_calls(case, conn).items()}
         if stream else _calls(case, conn)
     )
     for name, fn in calls.items():
+        if only and name.rsplit("-", 1)[-1] not in only:
+            continue
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
@@ -134,13 +142,16 @@ def main() -> int:
     ap.add_argument("--stream", type=int, default=0,
                     help="trace a stream of this many _async calls instead of one call (bench's streamed rows)")
     ap.add_argument("--in-flight", type=int, default=2, help="with --stream: calls outstanding at most")
+    ap.add_argument("--set", default="", help="connector settings NAME=VALUE,... (kvtier.cuda.bench._settings)")
+    ap.add_argument("--only", nargs="+", default=(), choices=("store", "load", "retrieve", "both"),
+                    help="trace only these calls")
     args = ap.parse_args()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     arena = _arena(args.chunks, args.shapes)
     print(f"driver API: {os.environ.get('KVTIER_CUDA_DRIVER_API', '1')}")
     for shape in args.shapes:
-        _trace_shape(shape, args.chunks, arena, out, args.stream, args.in_flight)
+        _trace_shape(shape, args.chunks, arena, out, args.stream, args.in_flight, args.set, args.only)
         torch.cuda.empty_cache()
     return 0
 

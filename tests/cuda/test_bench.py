@@ -140,3 +140,25 @@ def test_ab_cases_runs_each_shape_and_chunk_count_in_turn(monkeypatch):
     rows = bench._ab_cases(["small:16", "8b:4"], run)
     assert seen == [("small", 16), ("8b", 4)]
     assert rows == [{"shape": "small", "chunks": 16}, {"shape": "8b", "chunks": 4}]
+
+
+def test_settings_are_read_as_the_connectors_attribute_types():
+    from kvtier.cuda import bench
+
+    class Conn:
+        _flag = False
+        _bytes = 0
+        _lead = "load"
+        _odd = 1.5
+
+    conn = Conn()
+    got = bench._settings(" _flag=on, _bytes=4MiB ,_lead=store,", conn)
+    assert got == {"_flag": True, "_bytes": 4 << 20, "_lead": "store"}
+    assert bench._settings("_flag=0,_bytes=12", conn) == {"_flag": False, "_bytes": 12}
+    assert bench._settings("", conn) == {}
+    for spec, named in [
+        ("_nope=1", "'_nope'"), ("_flag=maybe", "'_flag'"), ("_bytes=four", "'_bytes'"),
+        ("_odd=2", "'_odd'"), ("_flag", "'_flag'"), ("=1", "'=1'"),
+    ]:
+        with pytest.raises(ValueError, match=named):
+            bench._settings(spec, conn)

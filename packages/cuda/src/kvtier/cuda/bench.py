@@ -328,6 +328,39 @@ def _ab_cases(cases: Sequence[str], run: Callable[[str, int], list[dict]]) -> li
     return rows
 
 
+def _settings(spec: str, conn: object) -> dict[str, Any]:
+    """``"NAME=VALUE[,NAME=VALUE...]"`` as connector settings for an A/B script or a trace:
+    each NAME must be an existing attribute of ``conn`` and VALUE is read as that attribute's
+    type (a bool from ``1/0/true/false/on/off``, an int with an optional ``MiB`` suffix, or a
+    str). Raises ValueError naming the setting at fault."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, sep, text = item.partition("=")
+        name, text = name.strip(), text.strip()
+        if not sep or not name:
+            raise ValueError(f"setting {item!r}: expected NAME=VALUE")
+        if not hasattr(conn, name):
+            raise ValueError(f"setting {name!r}: the connector has no such attribute")
+        current = getattr(conn, name)
+        if isinstance(current, bool):
+            words = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
+            if text.lower() not in words:
+                raise ValueError(f"setting {name!r}: {text!r} is not a bool (1/0, true/false, on/off)")
+            out[name] = words[text.lower()]
+        elif isinstance(current, int):
+            scale = 1 << 20 if text.lower().endswith("mib") else 1
+            digits = text[:-3] if scale > 1 else text
+            try:
+                out[name] = int(digits) * scale
+            except ValueError:
+                raise ValueError(f"setting {name!r}: {text!r} is not an int") from None
+        elif isinstance(current, str):
+            out[name] = text
+        else:
+            raise ValueError(f"setting {name!r}: only bool, int and str attributes can be set, not {type(current).__name__}")
+    return out
+
+
 def _write_ab(rows: list[dict], out: Path, stem: str, suffix: str = "") -> None:
     """An A/B script's rows to ``OUT/<stem>-<device>[-suffix].json``."""
     name = torch.cuda.get_device_name()
