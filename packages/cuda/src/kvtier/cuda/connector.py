@@ -498,11 +498,11 @@ class CUDAPagedConnector(DeviceConnector):
         self._eager_load = True
         # store_and_load_async (see there): which direction's steps go first ("load" or "store"),
         # whether the load's first DMA starts before its first group is planned, and the store's
-        # first group (0: twice first_group_bytes, as the load's). Measured with
-        # benchmarks/transfer_both_ab.py.
-        self._both_lead = "load"
+        # first group (0: twice first_group_bytes, as the load's; the default: first_group_bytes).
+        # Measured with benchmarks/transfer_both_ab.py.
+        self._both_lead = "store"
         self._both_eager = True
-        self._both_store_first_bytes = 0
+        self._both_store_first_bytes = first_group_bytes
         # A whole-chunk call made while its lane still has work in flight is prepared as one
         # group (see _call_steps).
         self._whole_when_busy = True
@@ -1450,11 +1450,13 @@ class CUDAPagedConnector(DeviceConnector):
         ``double_first``: the first group is twice as large, where its preparation does not
         hold the first DMA up alone:
 
-        - ``store_and_load_async``: one thread prepares both directions, so each direction's
-          first DMAs must also cover the other direction's preparation; with the
+        - ``store_and_load_async``'s load: one thread prepares both directions, so each
+          direction's first DMAs must also cover the other direction's preparation; with the
           single-direction size the copy engines sat idle between the first and second groups
           (H200, small model, one connector switching sizes call by call: both at once 1.20x ->
           1.39x the one-way limit at 16 chunks a call, 1.51x -> 1.62x at 64, 8B unchanged).
+          Its store, which now goes first, takes ``first_bytes`` (``_both_store_first_bytes``,
+          by default ``first_group_bytes``: see ``store_and_load_async``).
         - a lone load with its early first DMA (``_eager_piece``): that DMA starts before the
           group is prepared, and the longer it runs the more of the next group is ready when it
           ends (small model, 16 chunks a call: 0.91-0.93 of the one-way limit with 16 MiB,
@@ -1501,7 +1503,7 @@ class CUDAPagedConnector(DeviceConnector):
             try:
                 driver = lane.drv is not None and self.mode == "dma"
                 # A load's first DMA starts before anything is checked (_eager_piece); in
-                # store_and_load_async (``_both_eager``) the store's first batch goes next.
+                # store_and_load_async (``_both_eager``) it goes right after the store's first batch.
                 eager = driver and not store and self._eager_load and (not interleaved or self._both_eager)
                 # Groups let a call's first DMA start before the whole call is prepared, which
                 # matters when the copy engine is idle. While the lane's earlier calls still keep
@@ -1614,15 +1616,27 @@ class CUDAPagedConnector(DeviceConnector):
         start at once instead of the load waiting for the store's whole enqueue. Returns
         ``(store, load)``; ``wait()`` on each as for the ``*_async`` methods.
 
-        Start-up order: the load's first DMA (before its group is checked, ``_eager_piece``), the
-        store's first batch (planned, gathered, its DMAs queued), then the load's first group
-        planned and scattered, and so on. A one-call A/B on an H200 (small model, 32 MiB each
-        way, ``benchmarks/transfer_both_ab.py``): 1.58-1.64x the one-way limit against
-        1.50-1.53x when the load's first group was planned before its first DMA; issuing the
-        store's whole first batch (4 or 8 MiB) before the load's first DMA measured no better
-        (1.56-1.64x), nor did pausing the store after its table (1.46-1.60x). Larger calls
-        change little (64 chunks 1.71 -> 1.72-1.74x, 8B 1.77 -> 1.78x), and streams of calls
-        measured the same under every order."""
+        Start-up order (``_both_lead``, ``_both_store_first_bytes``): the store's first batch
+        (``first_group_bytes``, 8 MiB by default: planned, gathered, its DMAs queued), then the
+        load's first DMA (before its group is checked, ``_eager_piece``), then the store's next
+        group, the load's first group planned and scattered, and so on. The store goes first
+        because its first DMA needs the most host work (a plan, a table and a gather before
+        it); led by the load, the store's first DMA started ~110 us after the load's (device
+        trace, ``benchmarks/transfer_trace.py --only both``), and that lag was most of what a
+        call lost against two plain copies. The load's copies then end ~25 us later within the
+        call, the pair 40-90 us sooner.
+
+        A/B on one connector, every order in every round with the order rotating
+        (``benchmarks/transfer_both_ab.py``, H200, two runs, ratios to the one-way limit), load
+        leading -> store leading with an 8 MiB first group: small model, one 16-chunk call
+        1.536-1.551x -> 1.606-1.615x (a 4 MiB first group: 1.622-1.629x), 64 chunks
+        1.704-1.706x -> 1.743-1.750x, 8B 1.778x -> 1.796x in the run whose plain copy both ways
+        reached 1.82x (1.715x -> 1.702x in the one where it reached only 1.71x); streams of
+        calls +0.002 to +0.014. (An earlier A/B, before the order rotated and on a machine whose
+        plain copy both ways reached only 1.78x, found the orders equal: 1.45-1.46x each.)
+        Planning the load's first group before its first DMA
+        was slower (1.50-1.53x against 1.58-1.64x with the early DMA), and so was pausing the
+        store after its table (1.46-1.60x)."""
         keep_s: list[torch.Tensor] = []
         keep_l: list[torch.Tensor] = []
         caller = self._caller_stream()
