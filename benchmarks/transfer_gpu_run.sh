@@ -24,6 +24,8 @@ echo "== device timeline of one call per shape"
 timeout 90 $PY benchmarks/transfer_trace.py "$OUT/trace-driver" 2>&1 | tee "$OUT/trace-driver.log"
 # (KVTIER_CUDA_DRIVER_API=0 gives the same timeline for the torch path.)
 timeout 90 $PY benchmarks/transfer_trace.py "$OUT/trace-driver" --shapes small --stream 4 2>&1 | tee "$OUT/trace-stream.log"
+# A store and a load from two threads started together (an engine's saver and forward threads).
+timeout 60 $PY benchmarks/transfer_trace.py "$OUT/trace-driver" --shapes small --only threads 2>&1 | tee "$OUT/trace-threads.log"
 rm -rf "$OUT/trace-driver"  # the chrome traces are large; the logs keep the timelines
 
 echo "== each call's recorded device work replayed without Python planning"

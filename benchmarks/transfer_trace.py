@@ -3,6 +3,8 @@
 ``python benchmarks/transfer_trace.py [OUTDIR] [--shapes small 8b] [--chunks 16] [--stream N]`` runs
 ``store``, ``load`` and ``store_and_load_async`` once each (``--stream N``: a stream of N calls
 of each through the ``_async`` API, as the bench's streamed rows; ``--only both``: just those;
+``--only threads``: a store and a load from two threads started together, as the bench's "two
+threads" variant;
 ``--set NAME=VALUE,...``: the connector's settings, see ``kvtier.cuda.bench._settings``) under ``torch.profiler`` (after
 warm-up) for the benchmark's shapes, and prints, per call, every copy and kernel on the device relative to the call's start
 on the host: when the first byte moved, the gaps between DMAs, and how long the host took to
@@ -27,7 +29,16 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from kvtier.cuda.bench import SHAPES, _arena, _calls, _make_case, _settings, _stream, _stream_calls
+from kvtier.cuda.bench import (
+    SHAPES,
+    _arena,
+    _calls,
+    _make_case,
+    _Pair,
+    _settings,
+    _stream,
+    _stream_calls,
+)
 from kvtier.cuda.connector import CUDAPagedConnector
 from kvtier.cuda.kernels import LAUNCHES
 
@@ -104,6 +115,12 @@ def _trace_shape(  # type: ignore[no-untyped-def]
         {f"stream{stream}-{name}": _stream(issue, stream, in_flight) for name, issue in _stream_calls(case, conn).items()}
         if stream else _calls(case, conn)
     )
+    pair = None
+    if "threads" in only and not stream:
+        # A store and a load from two threads started together, as an engine's saver thread and
+        # forward thread (the bench's "two threads" variant).
+        pair = _Pair(calls["store"], calls["load"])
+        calls["threads"] = pair
     for name, fn in calls.items():
         if only and name.rsplit("-", 1)[-1] not in only:
             continue
@@ -129,6 +146,8 @@ def _trace_shape(  # type: ignore[no-untyped-def]
         print(f"== {label}: {case.nbytes / 2**20:.0f} MiB, median host wall "
               f"{statistics.median(walls) * 1e6:.1f} us without the profiler")
         print("\n".join(_timeline(trace, f"{label}-2")))
+    if pair is not None:
+        pair.close()
     print(f"  kept compiled launches: usable={LAUNCHES.usable} configurations={len(LAUNCHES.compiled)}")
     for o in case.store_objs + case.load_objs:
         o.release()
@@ -143,7 +162,7 @@ def main() -> int:
                     help="trace a stream of this many _async calls instead of one call (bench's streamed rows)")
     ap.add_argument("--in-flight", type=int, default=2, help="with --stream: calls outstanding at most")
     ap.add_argument("--set", default="", help="connector settings NAME=VALUE,... (kvtier.cuda.bench._settings)")
-    ap.add_argument("--only", nargs="+", default=(), choices=("store", "load", "retrieve", "both"),
+    ap.add_argument("--only", nargs="+", default=(), choices=("store", "load", "retrieve", "both", "threads"),
                     help="trace only these calls")
     args = ap.parse_args()
     out: Path = args.out
