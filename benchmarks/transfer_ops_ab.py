@@ -3,7 +3,7 @@
 each); ``--knob NAME`` flips another boolean attribute of the connector (``_load_table_by_kernel``,
 ``_whole_when_busy``, ``_eager_load``, ...); ``--on SETTINGS --off SETTINGS --name NAME``
 compares two sets of settings (``NAME=VALUE,...``, see ``kvtier.cuda.bench._settings``), e.g.
-``--on _both_lead=store,_store_first_in_place=1 --off _both_lead=load --name store-leads``.
+``--on _both_lead=store,_both_store_first_bytes=4MiB --off _both_lead=load --name store-leads``.
 
 ``python benchmarks/transfer_ops_ab.py small:16 small:64 8b:16 [--knob NAME] [--out DIR]`` times,
 for each ``shape:chunks``, a store, a load and ``store_and_load_async`` (one call, waited, and a

@@ -165,6 +165,8 @@ def main() -> int:
     ap.add_argument("--only", nargs="+", default=(), choices=("store", "load", "retrieve", "both", "threads"),
                     help="trace only these calls")
     args = ap.parse_args()
+    if "threads" in args.only and args.stream:
+        ap.error("--only threads traces one call of the two-thread pair, not a --stream")
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     arena = _arena(args.chunks, args.shapes)

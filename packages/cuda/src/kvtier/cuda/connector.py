@@ -1632,11 +1632,11 @@ class CUDAPagedConnector(DeviceConnector):
         1.536-1.551x -> 1.606-1.615x in two runs (a 4 MiB first group: 1.622-1.629x) and
         1.445x -> 1.445x in the third, 64 chunks 1.684-1.706x -> 1.715-1.750x, 8B 1.778x ->
         1.796x in a run whose plain copy both ways reached 1.82x (1.715x -> 1.702x in one where
-        it reached only 1.71x); streams of calls -0.016 to +0.014. (An earlier A/B, before the order rotated and on a machine whose
-        plain copy both ways reached only 1.78x, found the orders equal: 1.45-1.46x each.)
-        Planning the load's first group before its first DMA
-        was slower (1.50-1.53x against 1.58-1.64x with the early DMA), and so was pausing the
-        store after its table (1.46-1.60x)."""
+        it reached only 1.71x); streams of calls -0.016 to +0.014. (An earlier A/B, before the
+        order rotated and on a machine whose plain copy both ways reached only 1.78x, found the
+        orders equal: 1.45-1.46x each.) Planning the load's first group before its first DMA was
+        slower (1.50-1.53x against 1.58-1.64x with the early DMA), and so was pausing the store
+        after its table (1.46-1.60x)."""
         keep_s: list[torch.Tensor] = []
         keep_l: list[torch.Tensor] = []
         caller = self._caller_stream()
