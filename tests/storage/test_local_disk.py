@@ -22,10 +22,10 @@ def disk_of(m):
     return disk
 
 
-def stored(m, *idx):
+def stored(m, *idx, landed=True):
     for i in idx:
         put_chunk(m, i)
-    assert m.flush(10)
+    assert m.flush(10) == landed, m.last_flush
     m.host.remove([key(i) for i in idx])
 
 
@@ -59,8 +59,9 @@ def test_budget_evicts_least_recently_used_files(make_manager):
 def test_chunk_larger_than_the_budget_is_skipped_with_a_warning(make_manager, caplog):
     m = make_manager(local_disk_size_gb=1000 / GiB)
     with caplog.at_level(logging.WARNING, logger="kvtier.storage"):
-        stored(m, 0)
+        stored(m, 0, landed=False)
     assert m.stats.get("local_disk.store_skipped") == 1
+    assert m.last_flush.not_stored == {"local_disk.store_skipped": 1}
     assert "exceeds the budget" in caplog.text
     assert m.get(key(0)) is None
 
@@ -173,7 +174,7 @@ def test_write_error_skips_the_store_with_a_warning(make_manager, caplog):
         if os.access(disk.dir, os.W_OK):
             pytest.skip("running as a user who can write to a read-only directory (root)")
         with caplog.at_level(logging.WARNING, logger="kvtier.storage"):
-            stored(m, 0)
+            stored(m, 0, landed=False)
     finally:
         disk.dir.chmod(0o755)
     assert m.stats.get("local_disk.store_skipped") == 1
@@ -194,7 +195,7 @@ m = create_storage_manager(config=config(Path({str(tmp_path)!r})), arena=arena, 
                            namespace=NAMESPACE)
 resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
 put_chunk(m, 0)
-assert m.flush(10)
+assert not m.flush(10)
 assert m.stats.get("local_disk.store_skipped") == 1, m.stats
 m.host.remove([key(0)])
 assert m.get(key(0)) is None

@@ -5,7 +5,10 @@ Contract (on top of ``kvtier.core.storage``):
 - ``put`` stores into the host tier synchronously and queues the chunk for every lower tier.
   The queue is bounded (``write_queue_size``); when it is full the lower-tier copy is dropped
   and counted (``write_queue.dropped``): the engine is never blocked. ``io_threads`` writer
-  threads drain it; ``flush(timeout)`` waits for them.
+  threads drain it; ``flush(timeout)`` waits for them and says whether everything put since the
+  previous flush landed in every lower tier: False when writes are still queued at the timeout
+  or when any chunk did not land (a full queue, a tier that skipped it: disk full or unwritable,
+  Redis down); ``last_flush`` says what and where.
 - ``get``/``batched_get``/``get_non_blocking``/``prefetch`` search tiers in order. A hit in a
   lower tier is written back into the host tier on every one of these paths (counted as
   ``writeback.chunks``); host hits are not written back.
@@ -15,7 +18,9 @@ Contract (on top of ``kvtier.core.storage``):
   each tier only for keys past the prefix already found.
 - A lower tier that raises (it should not: see ``backends.base``) is logged and treated as a
   miss; nothing from a lower tier reaches the caller as an exception.
-- ``close`` stops the threads within a bounded time and releases every object held.
+- ``close`` stops the threads within a bounded time and releases every object held. Queued
+  writes, and tiers a dequeued batch did not reach yet, are dropped and counted
+  (``write_queue.dropped_at_close``, ``<tier>.dropped_at_close``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, TypeVar
 
@@ -54,6 +60,29 @@ _PREFETCH_BATCH = 8
 # Writers take up to this many queued chunks at once (one pipeline / one pass per tier).
 _WRITE_BATCH = 8
 _POLL_S = 0.05
+
+
+# Counters of chunks that did not land in a lower tier (``<tier>.<suffix>`` or a full name).
+_LOSS_SUFFIXES = (".store_skipped", ".write_failed", ".dropped_at_close")
+_LOSS_NAMES = ("write_queue.dropped",)
+
+
+def _is_loss(name: str) -> bool:
+    return name in _LOSS_NAMES or name.endswith(_LOSS_SUFFIXES)
+
+
+@dataclass(frozen=True)
+class FlushReport:
+    """What one ``flush`` found. ``pending``: writes still queued or in flight when it returned;
+    ``not_stored``: chunks that did not land since the previous flush, by counter name
+    (``local_disk.store_skipped``, ``redis.store_skipped``, ``write_queue.dropped``, ...).
+    True when everything landed."""
+
+    pending: int = 0
+    not_stored: dict[str, int] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return self.pending == 0 and not self.not_stored
 
 
 def load_backend_class(name: str, allow: Sequence[str] | None = None) -> type[StorageBackend]:
@@ -98,6 +127,9 @@ class TieredStorageManager(StorageManager):
         self._pending_cv = threading.Condition()
         self._stop = threading.Event()
         self._writers: list[threading.Thread] = []
+        self._flush_lock = threading.Lock()
+        self._loss_base = {n: v for n, v in stats.snapshot().items() if _is_loss(n)}
+        self.last_flush = FlushReport()
         if self.lower:
             for i in range(io_threads):
                 t = threading.Thread(target=self._writer, name=f"kvtier-writer-{i}", daemon=True)
@@ -160,12 +192,14 @@ class TieredStorageManager(StorageManager):
             try:
                 for tier in self.lower:
                     if self._stop.is_set():
-                        break
+                        self.stats.add(f"{tier.name}.dropped_at_close", len(batch))
+                        continue
                     try:
                         tier.batched_put(batch)
                         self.stats.add(f"{tier.name}.put_calls")
                     except Exception:
                         self.stats.add(f"{tier.name}.errors")
+                        self.stats.add(f"{tier.name}.write_failed", len(batch))
                         logger.exception("kvtier: tier %s failed a write; chunks skipped", tier.name)
             finally:
                 for _, obj in batch:
@@ -173,14 +207,30 @@ class TieredStorageManager(StorageManager):
                 self._done_pending(len(batch))
 
     def flush(self, timeout: float | None = None) -> bool:
+        """Wait (up to ``timeout`` s) for queued lower-tier writes; True only if all of them are
+        done and every chunk put since the previous flush landed in every lower tier. The
+        details are in ``last_flush`` (a ``FlushReport``) and in a warning."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._pending_cv:
-            while self._pending:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._pending_cv.wait(left)
-        return True
+        with self._flush_lock:
+            with self._pending_cv:
+                while self._pending:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    self._pending_cv.wait(left)
+                pending = self._pending
+            now = {n: v for n, v in self.stats.snapshot().items() if _is_loss(n)}
+            lost = {n: v - self._loss_base.get(n, 0) for n, v in now.items()
+                    if v != self._loss_base.get(n, 0)}
+            self._loss_base = now
+            report = FlushReport(pending, lost)
+            self.last_flush = report
+        if pending:
+            logger.warning("kvtier: flush timed out with %d lower-tier write(s) still queued", pending)
+        if lost:
+            logger.warning("kvtier: flush: chunks not stored in a lower tier since the last flush: %s",
+                           ", ".join(f"{n}={v}" for n, v in sorted(lost.items())))
+        return bool(report)
 
     # -- lookups -------------------------------------------------------------------------------
     def _tier_call(self, tier: StorageBackend, what: str, fn: Callable[[], T], default: T) -> T:
@@ -338,6 +388,8 @@ class TieredStorageManager(StorageManager):
         if dropped:
             self._done_pending(dropped)
             self.stats.add("write_queue.dropped_at_close", dropped)
+            logger.warning("kvtier: close dropped %d queued lower-tier write(s); call flush() "
+                           "before close() to keep them", dropped)
         # In-flight reads finish within their tiers' timeouts; they must not write back into a
         # host tier that is already closed.
         self._readers.shutdown(wait=True, cancel_futures=True)

@@ -2,24 +2,37 @@
 
 Layout: ``<local_disk_path>/<namespace digest>/<key digest>.kvc``, each file a header + payload
 (``kvtier.storage.codec``). A file appears only complete: it is written to a temporary name in
-the same directory, fsync'ed, then renamed over its final name, so a reader (this process or
-another) sees either nothing or the whole file. The directory itself is not fsync'ed: after a
-crash a rename may be lost, which is a miss, never a wrong hit.
+the same directory (created ``O_EXCL | O_NOFOLLOW``), fsync'ed, then renamed over its final
+name, so a reader (this process or another) sees either nothing or the whole file. The directory
+itself is not fsync'ed: after a crash a rename may be lost, which is a miss, never a wrong hit.
+Files are ``0600`` and the directories this tier creates ``0700``: KV is user data.
 
 Restart and sharing: the index is rebuilt from the directory when the tier starts (oldest
 modification first, for LRU order), and a key this process has not indexed is looked up on disk,
 so a second process using the same directory sees what the first wrote. Budget accounting is per
 process: each process evicts only files it has indexed.
 
-Every read is checked (key, layout, shape, dtype, length, checksum); a file that fails is a miss,
-is counted as ``local_disk.corrupt``, logged, and deleted. A full disk or a chunk larger than the
-budget skips the store with a warning (``local_disk.store_skipped``).
+Lookups answer only what a read can deliver: ``contains`` checks that the entry is a regular file
+(``lstat``) and, the first time it sees that file (after a restart, or written or replaced by
+another process), that its header is this key's and its length the header's; a file that fails
+is a miss, deleted. A file this process wrote or fully read is trusted while its inode, size and
+mtime stay the same. Payload bit rot is found by the checksum on the read (a miss, counted).
+
+Every open refuses symlinks and never blocks (``_disk_io.open_regular``): a FIFO, directory,
+device or socket at a chunk path is a miss for that key, removed (a non-empty directory is
+bypassed), counted as ``local_disk.corrupt``. Every read is bounded by the file's size, which is
+checked against the largest chunk before anything is read. Every read is checked (key, layout,
+shape, dtype, length, checksum); a file that fails is a miss, counted, logged, and deleted.
+
+Full disks: a chunk larger than the budget skips the store with a warning
+(``local_disk.store_skipped``). A file system that fills up below the budget (ENOSPC) makes the
+tier evict its least recently used files to make room and retry once; for a minute after, the
+tier's budget is capped at what it held when the file system filled, so later stores evict first
+instead of failing.
 
 ``local_disk_o_direct`` reads and writes files with O_DIRECT, bypassing the page cache (a large
-KV working set then does not push the engine's other files out of it). O_DIRECT needs
-page-aligned buffers and the host arena aligns objects to 256 bytes, so each I/O thread goes
-through a page-aligned bounce buffer of one file's size (one extra copy, overlapped with the
-checksum). A file system without O_DIRECT support is a config error at start.
+KV working set then does not push the engine's other files out of it); see ``_disk_direct``. A
+file system without O_DIRECT support is a config error at start.
 """
 
 from __future__ import annotations
@@ -27,8 +40,8 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
-import mmap
 import os
+import stat
 import threading
 import time
 import zlib
@@ -37,11 +50,21 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from kvtier.core.errors import ConfigError
 from kvtier.storage import codec
 from kvtier.storage._log import warn_throttled
+from kvtier.storage.backends._disk_direct import DirectIO
+from kvtier.storage.backends._disk_io import (
+    NotRegular,
+    create_temp,
+    kind_of,
+    make_private_dirs,
+    open_regular,
+    read_checksummed,
+    read_header,
+    remove_entry,
+    write_all,
+)
 from kvtier.storage.backends.base import BackendContext, StorageBackend
 
 if TYPE_CHECKING:
@@ -53,8 +76,18 @@ logger = logging.getLogger("kvtier.storage")
 GiB = 1 << 30
 SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"
+NAMESPACE_FILE = "NAMESPACE"
 # Temporary files older than this at start-up belong to a writer that died mid-write.
 _STALE_TMP_S = 300.0
+# After ENOSPC the budget is capped at what the tier held then, for this long.
+_FS_FULL_CAP_S = 60.0
+
+# (inode, size, mtime) of a file whose header (or whole content) was checked.
+_Ident = tuple[int, int, int]
+
+
+def _ident(st: os.stat_result) -> _Ident:
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def namespace_dir(root: Path, namespace: str) -> Path:
@@ -62,51 +95,24 @@ def namespace_dir(root: Path, namespace: str) -> Path:
     return root / hashlib.blake2b(namespace.encode(), digest_size=10).hexdigest()
 
 
-def _write_all(fd: int, parts: Sequence[memoryview | bytes]) -> None:
-    views = [memoryview(p).cast("B") for p in parts]
-    while views:
-        n = os.writev(fd, views)
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-
-
-def _read_into(fd: int, view: memoryview, offset: int) -> int:
-    done = 0
-    while done < view.nbytes:
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            break
-        done += n
-    return done
-
-
-_PAGE = 4096
-
-
-def _round_up(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
-
-
-# Reads go in pieces so the checksum of one overlaps the read of the next (a multiple of the
-# codec's checksum segment).
-_SEGMENT = 2 * codec.SEGMENT
-
-
-def _read_checksummed(fd: int, view: memoryview, offset: int, cs: codec.Checksum) -> None:
-    """Read ``view.nbytes`` bytes at ``offset`` into ``view``, each piece hashed into ``cs`` as
-    soon as it is in. Raises ``PayloadError`` if the file is short."""
+def _write_marker(directory: Path, namespace: str) -> None:
+    """The namespace's name in ``NAMESPACE`` (read by ``kvtier ls``), written like a chunk."""
     try:
-        for start in range(0, view.nbytes, _SEGMENT):
-            seg = view[start : start + _SEGMENT]
-            if _read_into(fd, seg, offset + start) != seg.nbytes:
-                raise codec.PayloadError("truncated: file ended inside the payload")
-            cs.add(seg)
-    finally:
-        # never hand the buffer back (or fail) while a helper thread still reads it
-        cs.wait()
+        if stat.S_ISREG(os.lstat(directory / NAMESPACE_FILE).st_mode):
+            return
+    except FileNotFoundError:
+        pass
+    fd, tmp = create_temp(directory, NAMESPACE_FILE)
+    try:
+        try:
+            write_all(fd, [(namespace + "\n").encode()])
+        finally:
+            os.close(fd)
+        remove_entry(directory / NAMESPACE_FILE)
+        os.replace(directory / tmp, directory / NAMESPACE_FILE)
+    except BaseException:
+        remove_entry(directory / tmp)
+        raise
 
 
 class LocalDiskBackend(StorageBackend):
@@ -117,87 +123,36 @@ class LocalDiskBackend(StorageBackend):
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
         cfg = ctx.config
+        if ctx.options:
+            opt = sorted(ctx.options)[0]
+            raise ConfigError(f"backend_options.local_disk.{opt}", ctx.options[opt],
+                              "unknown option: the local_disk tier takes none (see the config keys "
+                              "local_disk_*)")
         self.budget = int(cfg.local_disk_size_gb * GiB)
         self.max_tokens = cfg.chunk_size
         self.root = cfg.disk_path()
         self.dir = namespace_dir(self.root, ctx.namespace)
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            marker = self.dir / "NAMESPACE"
-            if not marker.exists():
-                marker.write_text(ctx.namespace + "\n")
+            make_private_dirs(self.dir)
+            if not stat.S_ISDIR(os.lstat(self.dir).st_mode):
+                raise NotADirectoryError(f"{self.dir} is not a directory")
+            _write_marker(self.dir, ctx.namespace)
         except OSError as e:
             raise ConfigError("local_disk_path", str(self.root), f"cannot be used: {e}") from None
         self.o_direct = cfg.local_disk_o_direct
-        if self.o_direct:
-            self._check_o_direct()
-        self._bounce_tls = threading.local()
+        self._direct = DirectIO(self.dir) if self.o_direct else None
+        # The largest file a chunk of this layout can make: nothing larger is read.
+        self.max_file = (codec.PREFIX.size + codec.MAX_META + ctx.layout.chunk_nbytes(self.max_tokens)
+                         + codec.TRAILER.size)
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, oldest first
+        self._checked: dict[str, _Ident] = {}  # files whose header or content was checked
         self._reading: dict[str, int] = {}
         self._used = 0
         self._reserved = 0
+        self._fs_cap = 0
+        self._fs_cap_until = 0.0
         self._rebuild_index()
-
-    # -- O_DIRECT --------------------------------------------------------------------------------
-    def _check_o_direct(self) -> None:
-        probe = self.dir / f".odirect.{os.getpid()}{TMP_SUFFIX}"
-        try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
-            try:
-                os.write(fd, mmap.mmap(-1, _PAGE))
-            finally:
-                os.close(fd)
-        except OSError as e:
-            raise ConfigError("local_disk_o_direct", True,
-                              f"the file system of {self.dir} refuses O_DIRECT: {e}") from None
-        finally:
-            probe.unlink(missing_ok=True)
-
-    def _bounce(self, nbytes: int) -> memoryview:
-        """This thread's page-aligned buffer, at least ``nbytes`` long."""
-        buf = getattr(self._bounce_tls, "buf", None)
-        if buf is None or len(buf) < nbytes:
-            buf = mmap.mmap(-1, _round_up(nbytes, _PAGE))
-            self._bounce_tls.buf = buf
-        return memoryview(buf)
-
-    def _write_direct(self, fd: int, header: bytes, payload: memoryview) -> None:
-        total = len(header) + payload.nbytes + codec.TRAILER.size
-        padded = _round_up(total, _PAGE)
-        buf = self._bounce(padded)
-        end = len(header) + payload.nbytes
-        buf[: len(header)] = header
-        cs = codec.Checksum(zlib.crc32(header))
-        try:
-            cs.add(payload)
-            np.copyto(np.frombuffer(buf[len(header) : end], dtype=np.uint8),
-                      np.frombuffer(payload, dtype=np.uint8))
-        finally:
-            cs.wait()  # the helpers must be done with the buffer
-        buf[end:total] = codec.TRAILER.pack(cs.value())
-        buf[total:padded] = bytes(padded - total)
-        _write_all(fd, [buf[:padded]])
-        os.ftruncate(fd, total)
-
-    def _read_direct(
-        self, fd: int, size: int, key: ChunkKey, allocate: Callable[[MemoryObjMeta], MemoryObj | None]
-    ) -> MemoryObj | None:
-        """Raises ``PayloadError`` for a bad file; None when host memory is full."""
-        largest = codec.PREFIX.size + codec.MAX_META + self.ctx.layout.chunk_nbytes(self.max_tokens)
-        if size > largest + codec.TRAILER.size:
-            raise codec.PayloadError(f"corrupt: file of {size} bytes is larger than any chunk")
-        buf = self._bounce(_round_up(max(size, 1), _PAGE))
-        done = 0
-        while done < size:
-            n = os.preadv(fd, [buf[done : _round_up(size, _PAGE)]], done)
-            if n == 0 or (n % _PAGE and done + n < size):
-                break
-            done += n
-        if done != size:
-            raise codec.PayloadError(f"truncated: read {done} of {size} bytes")
-        return codec.decode_into_object(buf[:size], key=key, layout=self.ctx.layout,
-                                        max_tokens=self.max_tokens, allocate=allocate)
 
     # -- index ---------------------------------------------------------------------------------
     def _rebuild_index(self) -> None:
@@ -206,13 +161,16 @@ class LocalDiskBackend(StorageBackend):
         with os.scandir(self.dir) as it:
             for entry in it:
                 try:
-                    st = entry.stat()
+                    st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
                 if entry.name.endswith(SUFFIX):
-                    found.append((st.st_mtime, entry.name, st.st_size))
+                    if stat.S_ISREG(st.st_mode):
+                        found.append((st.st_mtime, entry.name, st.st_size))
+                    else:
+                        self._bad_entry(entry.name, kind_of(st.st_mode))
                 elif entry.name.endswith(TMP_SUFFIX) and now - st.st_mtime > _STALE_TMP_S:
-                    self._unlink(entry.name)
+                    remove_entry(self.dir / entry.name)
         found.sort()
         for _, name, size in found:
             self._index[name] = size
@@ -237,65 +195,120 @@ class LocalDiskBackend(StorageBackend):
 
     def _unlink(self, name: str) -> None:
         try:
-            os.unlink(self.dir / name)
-        except FileNotFoundError:
-            pass
+            if not remove_entry(self.dir / name):
+                warn_throttled("disk-unlink", "kvtier disk tier: cannot delete %s (a non-empty "
+                               "directory); that key is bypassed", name)
         except OSError as e:
             warn_throttled("disk-unlink", "kvtier disk tier: cannot delete %s: %s", name, e)
 
     def _forget(self, name: str) -> None:
         """Drop ``name`` from the index (caller holds the lock)."""
+        self._checked.pop(name, None)
         size = self._index.pop(name, None)
         if size is not None:
             self._used -= size
 
+    def _record(self, name: str, st: os.stat_result) -> None:
+        """Index ``name`` as the checked file ``st``, most recent (caller holds the lock)."""
+        self._forget(name)
+        self._index[name] = st.st_size
+        self._used += st.st_size
+        self._checked[name] = _ident(st)
+
+    def _limit(self) -> int:
+        if time.monotonic() < self._fs_cap_until:
+            return min(self.budget, self._fs_cap)
+        return self.budget
+
     def _evict_to(self, incoming: int) -> bool:
         """Evict LRU files until ``incoming`` more bytes fit the budget (caller holds the lock
         or is the constructor); False if files being read are all that is left."""
+        limit = self._limit()
         victims: list[str] = []
         skipped = 0
-        while self._used + self._reserved + incoming > self.budget and skipped < len(self._index):
-            name, size = next(iter(self._index.items()))
+        while self._used + self._reserved + incoming > limit and skipped < len(self._index):
+            name = next(iter(self._index))
             if self._reading.get(name):
                 self._index.move_to_end(name)
                 skipped += 1
                 continue
-            del self._index[name]
-            self._used -= size
+            self._forget(name)
             victims.append(name)
         for name in victims:
             self._unlink(name)
         self.ctx.stats.add(f"{self.name}.evicted", len(victims))
-        return self._used + self._reserved + incoming <= self.budget
+        return self._used + self._reserved + incoming <= limit
 
-    def _lookup(self, name: str) -> bool:
-        """Whether ``name`` exists: the index, else the directory (another process wrote it)."""
+    def _bad_entry(self, name: str, kind: str) -> None:
+        """Something not a chunk file sits at a chunk path: a miss; remove it (or bypass it)."""
+        self.ctx.stats.add(f"{self.name}.corrupt")
+        warn_throttled("disk-bad-entry", "kvtier disk tier: %s is a %s, not a chunk file; "
+                       "treated as a miss and removed", self.dir / name, kind)
         with self._lock:
-            if name in self._index:
+            self._forget(name)
+        self._unlink(name)
+
+    def _check(self, key: ChunkKey, name: str) -> bool:
+        """Whether a read of ``key`` can deliver: a regular file whose header is ``key``'s."""
+        path = self.dir / name
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            with self._lock:
+                self._forget(name)
+            return False
+        except OSError as e:
+            warn_throttled("disk-stat", "kvtier disk tier: cannot stat %s: %s", path, e)
+            self.ctx.stats.add(f"{self.name}.errors")
+            return False
+        if not stat.S_ISREG(st.st_mode):
+            self._bad_entry(name, kind_of(st.st_mode))
+            return False
+        with self._lock:
+            if self._checked.get(name) == _ident(st):
                 self._index.move_to_end(name)
                 return True
         try:
-            size = os.stat(self.dir / name).st_size
-        except OSError:
+            fd, st = open_regular(path)
+        except FileNotFoundError:
+            with self._lock:
+                self._forget(name)
             return False
+        except NotRegular as e:
+            self._bad_entry(name, e.kind)
+            return False
+        except OSError as e:
+            warn_throttled("disk-read", "kvtier disk tier: cannot read %s: %s", path, e)
+            self.ctx.stats.add(f"{self.name}.errors")
+            return False
+        try:
+            read_header(fd, st.st_size, key=key, layout=self.ctx.layout, max_tokens=self.max_tokens)
+        except codec.PayloadError as e:
+            self._reject(name, e)
+            return False
+        except OSError as e:
+            warn_throttled("disk-read", "kvtier disk tier: cannot read %s: %s", path, e)
+            self.ctx.stats.add(f"{self.name}.errors")
+            return False
+        finally:
+            os.close(fd)
         with self._lock:
-            if name not in self._index:
-                self._index[name] = size
-                self._used += size
+            self._record(name, st)
         return True
 
     # -- interface -----------------------------------------------------------------------------
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        return [self._lookup(self.file_name(k)) for k in keys]
+        return [self._check(k, self.file_name(k)) for k in keys]
 
     def batched_put(self, items: Sequence[tuple[ChunkKey, MemoryObj]]) -> None:
         for key, obj in items:
             self._put_one(key, obj)
 
-    def _put_one(self, key: ChunkKey, obj: MemoryObj) -> None:
+    def _put_one(self, key: ChunkKey, obj: MemoryObj) -> bool:
+        """Store one chunk; whether it is on disk now (False: skipped, counted)."""
         name = self.file_name(key)
-        if self._lookup(name):
-            return
+        if self._check(key, name):
+            return True
         payload = obj.byte_view()
         header = codec.encode_header(key, obj.meta, self.ctx.layout)
         size = len(header) + payload.nbytes + codec.TRAILER.size
@@ -303,52 +316,85 @@ class LocalDiskBackend(StorageBackend):
             self.ctx.stats.add(f"{self.name}.store_skipped")
             warn_throttled("disk-budget", "kvtier disk tier: a %d-byte chunk exceeds the budget "
                            "local_disk_size_gb=%s; not stored", size, self.ctx.config.local_disk_size_gb)
-            return
+            return False
         with self._lock:
             if not self._evict_to(size):
                 self.ctx.stats.add(f"{self.name}.store_skipped")
                 warn_throttled("disk-full-budget", "kvtier disk tier: budget full of chunks being "
                                "read; chunk not stored")
-                return
+                return False
             self._reserved += size
-        tmp = f".{name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
-        ok = False
+        st: os.stat_result | None = None
         try:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if self.o_direct else 0)
-            fd = os.open(self.dir / tmp, flags, 0o644)
             try:
-                if self.o_direct:
-                    self._write_direct(fd, header, payload)
-                else:
-                    cs = codec.Checksum(zlib.crc32(header))
-                    try:
-                        cs.add(payload)
-                        _write_all(fd, [header, payload])
-                    finally:
-                        cs.wait()  # the helpers must be done with the buffer
-                    _write_all(fd, [codec.TRAILER.pack(cs.value())])
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(self.dir / tmp, self.dir / name)
-            ok = True
+                st = self._write_file(name, header, payload)
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._make_room(size):
+                    raise
+                st = self._write_file(name, header, payload)
         except OSError as e:
-            self._unlink(tmp)
             self.ctx.stats.add(f"{self.name}.store_skipped")
             full = e.errno in (errno.ENOSPC, errno.EDQUOT)
             warn_throttled(
                 "disk-write", "kvtier disk tier: %s writing %s; chunk not stored",
-                "disk full" if full else e, self.dir,
+                "disk full (nothing left to evict)" if full else e, self.dir,
             )
         finally:
             with self._lock:
                 self._reserved -= size
-                if ok:
-                    self._forget(name)
-                    self._index[name] = size
-                    self._used += size
-        if ok:
-            self.ctx.stats.add(f"{self.name}.stored")
+                if st is not None:
+                    self._record(name, st)
+        if st is None:
+            return False
+        self.ctx.stats.add(f"{self.name}.stored")
+        return True
+
+    def _make_room(self, size: int) -> bool:
+        """The file system is full below the budget: cap the budget at what the tier holds now
+        and evict until ``size`` more bytes fit; whether any room was made."""
+        with self._lock:
+            self._fs_cap = self._used
+            self._fs_cap_until = time.monotonic() + _FS_FULL_CAP_S
+            before = self._used
+            self._evict_to(0)
+            freed = before - self._used
+        if freed:
+            warn_throttled("disk-enospc", "kvtier disk tier: file system full below the budget; "
+                           "evicted %d bytes and capped the budget at %d bytes for %.0f s",
+                           freed, self._fs_cap, _FS_FULL_CAP_S)
+        return freed > 0
+
+    def _write_file(self, name: str, header: bytes, payload: memoryview) -> os.stat_result:
+        """Write the chunk file ``name`` atomically; the new file's ``fstat``."""
+        fd, tmp = create_temp(self.dir, name, os.O_DIRECT if self.o_direct else 0)
+        try:
+            try:
+                if self._direct is not None:
+                    self._direct.write(fd, header, payload)
+                else:
+                    cs = codec.Checksum(zlib.crc32(header))
+                    try:
+                        cs.add(payload)
+                        write_all(fd, [header, payload])
+                    finally:
+                        cs.wait()  # the helpers must be done with the buffer
+                    write_all(fd, [codec.TRAILER.pack(cs.value())])
+                os.fsync(fd)
+                st = os.fstat(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.replace(self.dir / tmp, self.dir / name)
+            except OSError as e:
+                # something planted at the name (a directory): remove it if it can be, once
+                if e.errno not in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST) or not remove_entry(
+                        self.dir / name):
+                    raise
+                os.replace(self.dir / tmp, self.dir / name)
+        except BaseException:
+            self._unlink(tmp)
+            raise
+        return st
 
     def batched_get(
         self,
@@ -365,13 +411,16 @@ class LocalDiskBackend(StorageBackend):
             self._reading[name] = self._reading.get(name, 0) + 1
         try:
             try:
-                fd = os.open(self.dir / name, os.O_RDONLY | (os.O_DIRECT if self.o_direct else 0))
+                fd, st = open_regular(self.dir / name, os.O_DIRECT if self.o_direct else 0)
             except FileNotFoundError:
                 with self._lock:
                     self._forget(name)
                 return None
+            except NotRegular as e:
+                self._bad_entry(name, e.kind)
+                return None
             try:
-                return self._read(fd, key, name, allocate)
+                return self._read(fd, st, key, name, allocate)
             finally:
                 os.close(fd)
         except OSError as e:
@@ -387,58 +436,44 @@ class LocalDiskBackend(StorageBackend):
                     del self._reading[name]
 
     def _read(
-        self, fd: int, key: ChunkKey, name: str, allocate: Callable[[MemoryObjMeta], MemoryObj | None]
+        self, fd: int, st: os.stat_result, key: ChunkKey, name: str,
+        allocate: Callable[[MemoryObjMeta], MemoryObj | None],
     ) -> MemoryObj | None:
-        size = os.fstat(fd).st_size
-        if self.o_direct:
-            try:
-                obj = self._read_direct(fd, size, key, allocate)
-            except codec.PayloadError as e:
-                self._reject(name, e)
-                return None
-            if obj is None:
-                self.ctx.stats.add(f"{self.name}.no_host_memory")
-                return None
-            self._touch(name, size)
-            return obj
         try:
-            prefix = os.pread(fd, codec.PREFIX.size, 0)
-            header_len, payload_len = codec.prefix_lengths(prefix)
-            if size != header_len + payload_len + codec.TRAILER.size:
-                raise codec.PayloadError(f"truncated: file of {size} bytes, header says "
-                                         f"{header_len + payload_len + codec.TRAILER.size}")
-            head = os.pread(fd, header_len, 0)
-            header = codec.decode_header(head, key=key, layout=self.ctx.layout, max_tokens=self.max_tokens)
+            if st.st_size > self.max_file:
+                raise codec.PayloadError(f"corrupt: file of {st.st_size} bytes is larger than any chunk")
+            if self._direct is not None:
+                obj = self._direct.read(fd, st.st_size, key=key, layout=self.ctx.layout,
+                                        max_tokens=self.max_tokens, allocate=allocate)
+            else:
+                obj = self._read_buffered(fd, st.st_size, key, allocate)
         except codec.PayloadError as e:
             self._reject(name, e)
             return None
-        obj = allocate(header.meta)
         if obj is None:
             self.ctx.stats.add(f"{self.name}.no_host_memory")
             return None
+        with self._lock:
+            self._record(name, st)
+        return obj
+
+    def _read_buffered(
+        self, fd: int, size: int, key: ChunkKey, allocate: Callable[[MemoryObjMeta], MemoryObj | None]
+    ) -> MemoryObj | None:
+        """Raises ``PayloadError`` for a bad file; None when host memory is full."""
+        header = read_header(fd, size, key=key, layout=self.ctx.layout, max_tokens=self.max_tokens)
+        obj = allocate(header.meta)
+        if obj is None:
+            return None
         try:
             cs = codec.Checksum(header.crc_of_header)
-            _read_checksummed(fd, obj.byte_view(), header.header_len, cs)
+            read_checksummed(fd, obj.byte_view(), header.header_len, cs)
             tail = os.pread(fd, codec.TRAILER.size, header.header_len + header.payload_len)
             codec.check_trailer(cs.value(), tail)
-        except codec.PayloadError as e:
-            obj.release()
-            self._reject(name, e)
-            return None
         except BaseException:
             obj.release()
             raise
-        self._touch(name, size)
         return obj
-
-    def _touch(self, name: str, size: int) -> None:
-        """Mark ``name`` just read (most recent in the LRU)."""
-        with self._lock:
-            if name in self._index:
-                self._index.move_to_end(name)
-            else:  # written by another process: now this one counts it against its budget
-                self._index[name] = size
-                self._used += size
 
     def _reject(self, name: str, err: codec.PayloadError) -> None:
         self.ctx.stats.add(f"{self.name}.corrupt")

@@ -1,0 +1,177 @@
+"""File primitives of the disk tier: safe opens, whole reads and writes, bad-entry removal.
+
+Every open of a chunk path refuses to follow a symlink and never blocks (``O_NOFOLLOW |
+O_NONBLOCK``); what it opened is checked with ``fstat`` and anything but a regular file (a FIFO,
+a directory, a device, a socket) is refused with ``NotRegular``, so nothing planted at a chunk
+path can hang a read or pose as a chunk. Temporary files are created with ``O_EXCL |
+O_NOFOLLOW`` and mode ``0600`` under a random name, so a planted file or symlink is never
+written through.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvtier.storage import codec
+
+if TYPE_CHECKING:
+    from kvtier.core.keys import ChunkKey
+    from kvtier.core.layout import KVLayout
+
+PAGE = 4096
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+# errnos an open of a non-regular entry gives: a symlink with O_NOFOLLOW (ELOOP), a directory
+# opened for writing or with O_DIRECT (EISDIR, EINVAL), a FIFO or socket without a peer (ENXIO).
+_NOT_REGULAR_ERRNOS = {errno.ELOOP, errno.EISDIR, errno.EINVAL, errno.ENXIO, errno.ENOTDIR}
+
+
+class NotRegular(OSError):
+    """A chunk path holds something other than a regular file (``kind`` says what)."""
+
+    def __init__(self, path: Path | str, kind: str) -> None:
+        self.kind = kind
+        super().__init__(f"{path} is a {kind}, not a regular file")
+
+
+def kind_of(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symlink"),
+                       (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def open_regular(path: Path, extra_flags: int = 0) -> tuple[int, os.stat_result]:
+    """Open ``path`` read-only without following a symlink or blocking; ``(fd, fstat)``.
+
+    Raises ``FileNotFoundError`` when nothing is there, ``NotRegular`` for anything that is not
+    a regular file, other ``OSError`` for I/O failures."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC | extra_flags)
+    except OSError as e:
+        if e.errno in _NOT_REGULAR_ERRNOS:
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                raise e from None
+            if not stat.S_ISREG(st.st_mode):
+                raise NotRegular(path, kind_of(st.st_mode)) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegular(path, kind_of(st.st_mode))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def create_temp(directory: Path, name: str, extra_flags: int = 0) -> tuple[int, str]:
+    """A new temporary file for ``name`` in ``directory`` (``O_EXCL``, no symlink, ``0600``);
+    ``(fd, temporary name)``."""
+    tmp = f".{name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC | extra_flags
+    return os.open(directory / tmp, flags, FILE_MODE), tmp
+
+
+def remove_entry(path: Path) -> bool:
+    """Remove whatever sits at ``path`` (a file, a link, a FIFO, an empty directory); True if
+    nothing is left. A non-empty directory is left in place (the caller bypasses it)."""
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return True
+    except (IsADirectoryError, PermissionError):
+        try:
+            os.rmdir(path)
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+
+
+def make_private_dirs(path: Path) -> None:
+    """Create ``path`` and any missing parents with mode ``0700`` (existing ones are kept)."""
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=DIR_MODE)
+        except FileExistsError:
+            pass
+
+
+def write_all(fd: int, parts: Sequence[memoryview | bytes]) -> None:
+    views = [memoryview(p).cast("B") for p in parts]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def read_into(fd: int, view: memoryview, offset: int) -> int:
+    """Read up to ``view.nbytes`` bytes at ``offset``; the count read (short at end of file)."""
+    done = 0
+    while done < view.nbytes:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+# Reads go in pieces so the checksum of one overlaps the read of the next (a multiple of the
+# codec's checksum segment).
+READ_PIECE = 2 * codec.SEGMENT
+
+
+def read_checksummed(fd: int, view: memoryview, offset: int, cs: codec.Checksum) -> None:
+    """Read ``view.nbytes`` bytes at ``offset`` into ``view``, each piece hashed into ``cs`` as
+    soon as it is in. Raises ``PayloadError`` if the file is short."""
+    try:
+        for start in range(0, view.nbytes, READ_PIECE):
+            seg = view[start : start + READ_PIECE]
+            if read_into(fd, seg, offset + start) != seg.nbytes:
+                raise codec.PayloadError("truncated: file ended inside the payload")
+            cs.add(seg)
+    finally:
+        # never hand the buffer back (or fail) while a helper thread still reads it
+        cs.wait()
+
+
+def read_header(fd: int, size: int, *, key: ChunkKey, layout: KVLayout, max_tokens: int) -> codec.Header:
+    """Check the header of the open chunk file ``fd`` of ``size`` bytes against ``key``; the
+    file's length must be exactly what the header says. Raises ``PayloadError``."""
+    prefix = os.pread(fd, codec.PREFIX.size, 0)
+    header_len, payload_len = codec.prefix_lengths(prefix)
+    if size != header_len + payload_len + codec.TRAILER.size:
+        raise codec.PayloadError(f"truncated: file of {size} bytes, header says "
+                                 f"{header_len + payload_len + codec.TRAILER.size}")
+    head = os.pread(fd, header_len, 0)
+    return codec.decode_header(head, key=key, layout=layout, max_tokens=max_tokens)
