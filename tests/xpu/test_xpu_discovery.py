@@ -84,13 +84,6 @@ def test_cache_engine_picks_xpu_and_builds_its_connector(fake_xpu: pytest.Monkey
     engine.close()
 
 
-def test_platform_rejects_a_bad_staging_option() -> None:
-    layout = KVLayout(1, 1, 8, "float32", 4, PagedLayout.FLASH_NHD)
-    cache = torch.zeros(layout.expected_cache_shape(2))
-    with pytest.raises(TypeError, match="staging_buffer"):
-        XPUPlatform().create_connector([cache], layout, staging_buffer="yes")
-
-
 def test_no_pinned_memory_without_a_device(no_xpu: pytest.MonkeyPatch) -> None:
     platform = XPUPlatform()
     assert not platform.has_pinned_memory
@@ -109,5 +102,4 @@ def test_real_xpu_is_discovered_with_pinned_arena_and_streams() -> None:
     cache = torch.zeros(layout.expected_cache_shape(2), dtype=torch.float16, device="xpu")
     conn = platform.create_connector([cache], layout)
     assert conn.streams.is_async
-    assert isinstance(conn._stream, torch.xpu.Stream)
     platform.synchronize()

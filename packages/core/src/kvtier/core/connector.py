@@ -1,6 +1,7 @@
 """Device connectors: move chunks between an engine's paged KV cache and host memory objects.
 
-The contract (every platform's connector keeps it):
+The contract (every platform's connector keeps it; ``tests/conformance/test_device_connector.py``
+runs the same checks against every platform):
 
 - A ``Transfer`` pairs a memory object (``[2, layers, n, heads*head]``, MLA ``[layers, n, latent]``)
   with ``n`` slot indices into the paged cache (``slot = block_id * block_size + offset``). A slot
@@ -10,7 +11,38 @@ The contract (every platform's connector keeps it):
   host objects may be read or written to disk; after ``load`` attention may read the cache.
 - ``store_layerwise``/``load_layerwise`` are generators that yield each layer index once that
   layer is done (load: the layer may be read by attention; store: the layer has been captured
-  and the engine may overwrite it). Exhausting the generator completes the transfer.
+  and the engine may overwrite it). Exhausting the generator completes the transfer. Closing it
+  early waits for the copies it issued (the objects may then be released); layers it has not
+  yielded may or may not have moved.
+- **Bad input** raises and never writes outside the cache or the call's objects: a slot below
+  -1 or past the cache is an ``IndexError``; an object whose shape or dtype is not the layout's
+  chunk a ``LayoutError``; a transfer whose slot count is not its object's token count a
+  ``ValueError`` (``Transfer`` itself). Other transfers of the failed call may have moved (a
+  connector may start copying before it has checked the whole call); the connector stays
+  usable. A paged layout the connector cannot move, or KV tensors that do not match the
+  layout, are a ``LayoutError`` when the connector is built.
+- **Threads.** One store (``store``, ``store_layer``, or a ``store_layerwise`` generator not yet
+  exhausted or closed) and one load (likewise) may be in flight at the same time, called from two
+  threads (vLLM saves on its saver thread while the forward thread loads): each moves exactly
+  its own bytes, as if it ran alone. Their slots are disjoint (the engine never loads into
+  blocks it is saving). Two stores, or two loads, at once are the caller's to serialise.
+- **Streams** (accelerators). A call is ordered after the work the calling thread issued on its
+  current stream before the call; work issued by another thread must be ordered by the caller
+  (an event recorded where the work is handed over).
+- **Synchronous.** Every method of this interface has done its copies when it returns (a
+  generator: when it yields, for that layer). There is no asynchronous variant in the contract:
+  a platform may offer one as an extension (the CUDA connector's ``store_async``, ``load_async``
+  and ``store_and_load_async`` return a handle to ``wait()`` on), but nothing in kvtier calls
+  them and other platforms have none, so code written against ``DeviceConnector`` must not.
+- **Options** (``Platform.create_connector(kv_caches, layout, **options)``) mean the same on
+  every platform. ``staging_buffer`` (bool, default True; config ``device_staging_buffer``) is
+  accepted by every platform: True lets the connector keep device memory between calls to batch
+  transfers through (XPU: per-direction staging buffers; CUDA: its DMA staging ring), False
+  keeps none (XPU: each chunk moves through a temporary; CUDA: kernels read and write pinned host
+  memory in place); on the CPU platform the cache is host memory and it changes nothing. Other
+  options are the platform's own (documented on its ``create_connector``). An unknown option, or
+  a value of the wrong type, is a ``TypeError`` naming it; a value out of range a ``ValueError``.
+  ``check_options`` does these checks for a platform.
 
 ``TorchPagedConnector`` is the torch-generic reference (``index_select``/``index_copy_``); it is
 the CPU platform's connector, the XPU platform builds on it, and the CUDA kernels are tested
@@ -20,7 +52,7 @@ against it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +60,31 @@ import torch
 from kvtier.core.errors import LayoutError
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import MemoryObj
+
+#: Options every platform's ``create_connector`` accepts, with their types (see the module doc).
+COMMON_OPTIONS: Mapping[str, type] = {"staging_buffer": bool}
+
+
+def check_options(
+    platform: str, options: Mapping[str, object], own: Mapping[str, type] | None = None
+) -> dict[str, object]:
+    """``options`` checked against ``COMMON_OPTIONS`` and the platform's ``own`` ones (name ->
+    type): an unknown name or a value of the wrong type is a ``TypeError`` naming it (a bool is
+    not an int here). Returns them as a new dict, for the platform to read."""
+    known = {**COMMON_OPTIONS, **(own or {})}
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise TypeError(
+            f"unknown {platform} connector option(s) {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(known))}"
+        )
+    for name, value in options.items():
+        want = known[name]
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            raise TypeError(
+                f"{platform} connector option {name} must be a {want.__name__}, got {value!r}"
+            )
+    return dict(options)
 
 
 @dataclass(frozen=True)
@@ -46,7 +103,12 @@ class Transfer:
 
 
 class DeviceConnector(ABC):
-    """Moves chunks between the paged KV tensors of one engine and host memory objects."""
+    """Moves chunks between the paged KV tensors of one engine and host memory objects.
+
+    Every platform's connector keeps the contract in this module's docstring: what each method
+    guarantees on return, ``-1`` slots, bad input, one store and one load from two threads at
+    once, stream ordering, options.
+    """
 
     def __init__(self, kv_caches: Sequence[torch.Tensor], layout: KVLayout) -> None:
         if len(kv_caches) != layout.num_layers:
@@ -110,12 +172,16 @@ class TorchPagedConnector(DeviceConnector):
 
     def __init__(self, kv_caches: Sequence[torch.Tensor], layout: KVLayout) -> None:
         super().__init__(kv_caches, layout)
+        # The dtype bytes are indexed as: fp8 formats as uint8 (torch's CPU indexing has no fp8
+        # kernels, and a copy moves the same bytes either way).
+        self.copy_dtype = torch.uint8 if layout.torch_dtype.itemsize == 1 else layout.torch_dtype
         self._views = [self._paged_views(c) for c in self.kv_caches]
 
     # -- paged views -----------------------------------------------------------------------
     def _paged_views(self, cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
         lay = self.layout
         b, h, d, n = lay.block_size, lay.num_kv_heads, lay.head_size, self.num_blocks
+        cache = cache.view(self.copy_dtype)
         try:
             if lay.paged_layout is PagedLayout.FLASH_NHD:
                 return (cache.view(2, n * b, h * d),)
@@ -136,7 +202,20 @@ class TorchPagedConnector(DeviceConnector):
         raise LayoutError(f"no torch paged copy for layout {lay.paged_layout!r}")
 
     def _rows(self, transfer: Transfer) -> Rows:
+        obj, lay = transfer.obj, self.layout
+        if tuple(obj.tensor.shape) != tuple(lay.chunk_shape(obj.num_tokens)) or (
+            obj.tensor.dtype != lay.torch_dtype
+        ):
+            raise LayoutError(
+                f"a memory object {tuple(obj.tensor.shape)} {obj.tensor.dtype} does not match the "
+                f"layout's chunk {tuple(lay.chunk_shape(obj.num_tokens))} {lay.torch_dtype}"
+            )
         slots = transfer.slots.to(device=self.device, dtype=torch.long)
+        total = self.num_blocks * self.layout.block_size
+        if slots.numel():
+            lo, hi = (int(v) for v in torch.aminmax(slots))
+            if lo < -1 or hi >= total:
+                raise IndexError(f"slot values must be -1 or in [0, {total}), got [{lo}, {hi}]")
         valid = slots >= 0
         rows: torch.Tensor | None = None
         if not bool(valid.all()):
@@ -179,7 +258,8 @@ class TorchPagedConnector(DeviceConnector):
     # -- host side ---------------------------------------------------------------------------
     def host_layer(self, obj: MemoryObj, layer: int) -> torch.Tensor:
         """The object's slice for one layer: ``[2, n, h*d]`` (MLA ``[n, latent]``)."""
-        return obj.tensor[layer] if self.layout.use_mla else obj.tensor[:, layer]
+        t = obj.tensor.view(self.copy_dtype)
+        return t[layer] if self.layout.use_mla else t[:, layer]
 
     def _token_dim(self) -> int:
         return 0 if self.layout.use_mla else 1

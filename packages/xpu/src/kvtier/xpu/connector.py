@@ -1,10 +1,10 @@
-"""The XPU device connector: core's torch paged copy, run on a transfer stream.
+"""The XPU device connector: core's torch paged copy, run on transfer streams.
 
 What this adds to ``TorchPagedConnector`` (whose ``index_select``/``index_copy_`` paged indexing it
 reuses unchanged):
 
-- **A transfer stream.** Every gather, scatter and host copy is issued on one side stream of the
-  cache's device, so copies overlap the engine's compute. Ordering with the engine's current
+- **Transfer streams.** Every gather, scatter and host copy is issued on a side stream of the
+  cache's device (one for stores, one for loads), so copies overlap the engine's compute. Ordering with the engine's current
   stream is explicit: a store waits for the engine's work before reading a layer (per layer for
   the layer-wise store, whose next layer is computed between calls); a layer-wise load makes the
   engine's stream wait for that layer's event, so attention on layer ``l`` starts as soon as
@@ -25,9 +25,11 @@ reuses unchanged):
   each chunk is gathered/scattered on its own through a temporary. Buffers grow on demand and
   are kept for the next transfer (``staging_nbytes``).
 
-A connector is used from one thread. Its staging buffers are shared by stores and loads: safe,
-because every use is issued on the one transfer stream and consumed within one step (a layer,
-or a whole load).
+Threads (``DeviceConnector``'s contract): one store and one load may be in flight at once, from
+two threads. Each direction has its own transfer stream and its own staging buffers (a
+``_Lane``), so a load never writes into a buffer a store has gathered into but not yet copied
+to host, and neither waits for the other's copies; no lock is taken. Two stores (or two loads)
+at once share a lane: the caller serialises those.
 On CPU tensors the streams are no-ops (``kvtier.xpu.streams``) and the same code runs, which is
 how the tests check it.
 """
@@ -43,6 +45,19 @@ import torch
 from kvtier.core.connector import Rows, TorchPagedConnector, Transfer
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.xpu.streams import Stream, StreamAPI
+
+
+@dataclass
+class _Lane:
+    """One direction's transfer stream and staging buffers (stores and loads each own one)."""
+
+    stream: Stream
+    staging: torch.Tensor | None = None  # one layer of a batch
+    whole: torch.Tensor | None = None  # whole objects of a batch (loads only)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in (self.staging, self.whole) if b is not None)
 
 
 @dataclass
@@ -102,15 +117,13 @@ class XPUPagedConnector(TorchPagedConnector):
         self.streams = StreamAPI(self.device)
         self.use_staging = staging_buffer
         self.max_staging_bytes = max_staging_bytes
-        self._stream: Stream = self.streams.new_stream()
-        self._staging: torch.Tensor | None = None
-        self._whole_buf: torch.Tensor | None = None
+        self._store_lane = _Lane(self.streams.new_stream())
+        self._load_lane = _Lane(self.streams.new_stream())
 
     @property
     def staging_nbytes(self) -> int:
         """Device bytes held by the staging buffers (0 until a staged transfer ran, or without)."""
-        return sum(b.numel() * b.element_size() for b in (self._staging, self._whole_buf)
-                   if b is not None)
+        return self._store_lane.nbytes + self._load_lane.nbytes
 
     # -- planning ------------------------------------------------------------------------------
     def _plan(self, transfers: Sequence[Transfer], *, all_tokens: bool) -> _Plan:
@@ -165,28 +178,28 @@ class XPUPagedConnector(TorchPagedConnector):
         )
 
     def _whole_view(self, w: _WholeStaging) -> torch.Tensor:
-        """``[rows, width]`` of the whole-object staging buffer (allocated on the transfer stream)."""
+        """``[rows, width]`` of the whole-object staging buffer (allocated on the load stream)."""
         numel = w.rows * w.width
-        buf = self._whole_buf
+        lane = self._load_lane
+        buf = lane.whole
         if buf is None or buf.numel() < numel:
-            buf = self._whole_buf = torch.empty(numel, dtype=self.layout.torch_dtype,
-                                                device=self.device)
+            buf = lane.whole = torch.empty(numel, dtype=self.copy_dtype, device=self.device)
         return buf[:numel].view(w.rows, w.width)
 
     def _object_rows(self, transfer: Transfer, w: _WholeStaging) -> torch.Tensor:
-        return transfer.obj.tensor.view(-1, w.width)
+        return transfer.obj.tensor.view(self.copy_dtype).view(-1, w.width)
 
-    def _staging_view(self, num_tokens: int) -> torch.Tensor:
-        """``[2, num_tokens, h*d]`` (MLA ``[num_tokens, latent]``) of the staging buffer.
+    def _staging_view(self, lane: _Lane, num_tokens: int) -> torch.Tensor:
+        """``[2, num_tokens, h*d]`` (MLA ``[num_tokens, latent]``) of ``lane``'s staging buffer.
 
-        Called on the transfer stream, so the buffer belongs to it in the caching allocator.
+        Called on the lane's stream, so the buffer belongs to it in the caching allocator.
         """
         lay = self.layout
         shape = (num_tokens, lay.head_size) if lay.use_mla else (2, num_tokens, lay.hidden_size)
         numel = math.prod(shape)
-        buf = self._staging
+        buf = lane.staging
         if buf is None or buf.numel() < numel:
-            buf = self._staging = torch.empty(numel, dtype=lay.torch_dtype, device=self.device)
+            buf = lane.staging = torch.empty(numel, dtype=self.copy_dtype, device=self.device)
         return buf[:numel].view(shape)
 
     # -- copies between host and device -------------------------------------------------------
@@ -230,7 +243,7 @@ class XPUPagedConnector(TorchPagedConnector):
         if plan.merged is None:
             self._store_layer(layer, plan.prepared)
             return
-        buf = self._staging_view(plan.num_tokens)
+        buf = self._staging_view(self._store_lane, plan.num_tokens)
         self._gather_into(layer, plan.merged, buf)
         dim = self._token_dim()
         for (t, r), (lo, hi) in zip(plan.prepared, plan.spans, strict=True):
@@ -240,7 +253,7 @@ class XPUPagedConnector(TorchPagedConnector):
         if plan.merged is None:
             self._load_layer(layer, plan.prepared)
             return
-        buf = self._staging_view(plan.num_tokens)
+        buf = self._staging_view(self._load_lane, plan.num_tokens)
         dim = self._token_dim()
         for (t, _), (lo, hi) in zip(plan.prepared, plan.spans, strict=True):
             self._copy_into_device(buf.narrow(dim, lo, hi - lo), self.host_layer(t.obj, layer))
@@ -258,34 +271,36 @@ class XPUPagedConnector(TorchPagedConnector):
             values = buf.index_select(0, w.base + layer * w.step).view(shape)
             self.scatter(layer, plan.merged, values)
 
-    # -- the moves, on the transfer stream -----------------------------------------------------
+    # -- the moves, on the lanes' streams ------------------------------------------------------
     def _run_store(self, transfers: Sequence[Transfer], layers: Sequence[int],
                    layerwise: bool) -> Iterator[int]:
         compute = self.streams.current_stream()
+        stream = self._store_lane.stream
         try:
-            with self.streams.use(self._stream):
+            with self.streams.use(stream):
                 plan = self._plan(transfers, all_tokens=False)
             for layer in layers:
                 # The engine wrote this layer before asking (layer-wise: just before this step).
-                self._stream.wait_stream(compute)
-                with self.streams.use(self._stream):
+                stream.wait_stream(compute)
+                with self.streams.use(stream):
                     self._store_planned(layer, plan)
-                    captured = self._stream.record_event()
+                    captured = stream.record_event()
                 if layerwise:
                     # The engine may overwrite the layer once the gather has read it.
                     compute.wait_event(captured)
                     yield layer
         finally:
             # The caller reads (or, on failure, frees) the host objects next.
-            self._stream.synchronize()
+            stream.synchronize()
 
     def _run_load(self, transfers: Sequence[Transfer], layers: Sequence[int],
                   layerwise: bool) -> Iterator[int]:
         compute = self.streams.current_stream()
+        stream = self._load_lane.stream
         try:
             # The engine's earlier work on the destination blocks comes first.
-            self._stream.wait_stream(compute)
-            with self.streams.use(self._stream):
+            stream.wait_stream(compute)
+            with self.streams.use(stream):
                 plan = self._plan(transfers, all_tokens=True)
                 if not layerwise:
                     # Nothing waits on single layers: one copy per chunk, then every layer.
@@ -293,16 +308,16 @@ class XPUPagedConnector(TorchPagedConnector):
                 if plan.whole is not None:
                     self._whole_load(plan, layers)
             for layer in layers if plan.whole is None else ():
-                with self.streams.use(self._stream):
+                with self.streams.use(stream):
                     self._load_planned(layer, plan)
-                    landed = self._stream.record_event()
+                    landed = stream.record_event()
                 if layerwise:
                     compute.wait_event(landed)
                     yield layer
         finally:
             # The caller releases the host objects next; pending copies still read them. (This
             # also orders whatever the engine issues after a whole load returns.)
-            self._stream.synchronize()
+            stream.synchronize()
 
     def store(self, transfers: Sequence[Transfer]) -> None:
         for _ in self._run_store(transfers, range(self.layout.num_layers), layerwise=False):

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvtier.core.connector import check_options
 from kvtier.core.layout import KVLayout
 from kvtier.core.platform import Platform
 from kvtier.xpu.connector import DEFAULT_MAX_STAGING_BYTES, XPUPagedConnector
@@ -33,15 +34,15 @@ class XPUPlatform(Platform):
     def create_connector(
         self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, **options: object
     ) -> XPUPagedConnector:
-        """An ``XPUPagedConnector``. Options: ``staging_buffer`` (bool, default True) turns the
-        device staging buffers on or off; ``max_staging_bytes`` (int) caps whole-batch staging.
-        Options meant for other platforms are ignored."""
-        staging = options.get("staging_buffer", True)
-        if not isinstance(staging, bool):
-            raise TypeError(f"staging_buffer must be a bool, got {staging!r}")
-        cap = options.get("max_staging_bytes", DEFAULT_MAX_STAGING_BYTES)
-        if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
-            raise TypeError(f"max_staging_bytes must be an int >= 0, got {cap!r}")
+        """An ``XPUPagedConnector``. Options: the common ``staging_buffer`` (bool, default True:
+        per-direction device staging buffers, see ``kvtier.xpu.connector``; False: each chunk
+        moves through a temporary) and ``max_staging_bytes`` (int >= 0, default 256 MiB: the
+        largest whole load staged in one piece; larger ones go layer by layer). Anything else is
+        a ``TypeError``, as on every platform (``kvtier.core.connector.check_options``)."""
+        opts = check_options(self.name, options, {"max_staging_bytes": int})
+        staging = opts.get("staging_buffer", True)
+        cap = opts.get("max_staging_bytes", DEFAULT_MAX_STAGING_BYTES)
+        assert isinstance(staging, bool) and isinstance(cap, int)
         return XPUPagedConnector(kv_caches, layout, staging_buffer=staging, max_staging_bytes=cap)
 
     def synchronize(self) -> None:

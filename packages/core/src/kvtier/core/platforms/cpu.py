@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.core.connector import TorchPagedConnector
+from kvtier.core.connector import TorchPagedConnector, check_options
 from kvtier.core.layout import KVLayout
 from kvtier.core.platform import Platform
 
@@ -24,4 +24,8 @@ class CPUPlatform(Platform):
     def create_connector(
         self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, **options: object
     ) -> TorchPagedConnector:
+        """The reference ``TorchPagedConnector``. Options: only the common ones
+        (``kvtier.core.connector.COMMON_OPTIONS``); ``staging_buffer`` changes nothing here, the
+        cache being host memory. Anything else is a ``TypeError``."""
+        check_options(self.name, options)
         return TorchPagedConnector(kv_caches, layout)
