@@ -88,3 +88,59 @@ def test_readme_documents_every_key() -> None:
     readme = (ROOT / "README.md").read_text()
     for line in reference_table().splitlines()[2:]:
         assert line in readme, f"README config reference is stale: {line}"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"local_cpu_size_gb": float("nan")}, "local_cpu_size_gb"),
+        ({"local_disk_size_gb": "inf"}, "local_disk_size_gb"),
+        ({"redis_timeout_s": float("inf")}, "redis_timeout_s"),
+        ({"lookup_timeout_s": "nan"}, "lookup_timeout_s"),
+        ({"redis_connect_timeout_s": "-inf"}, "redis_connect_timeout_s"),
+        ({"redis_url": "redis://127.0.0.1:99999/0"}, "redis_url"),
+        ({"redis_url": "redis://127.0.0.1:port/0"}, "redis_url"),
+        ({"redis_url": "redis://127.0.0.1:0"}, "redis_url"),
+        ({"redis_url": "redis://127.0.0.1:6379/zero"}, "redis_url"),
+        ({"redis_url": "unix://"}, "redis_url"),
+        ({"backend_options": {"redis": 3}}, "backend_options.redis"),
+        ({"backend_options": {"redis": {"retry_interval_s": float("nan")}}},
+         "backend_options.redis.retry_interval_s"),
+    ],
+)
+def test_non_finite_numbers_bad_urls_and_options_are_errors_at_load(
+    overrides: dict[str, object], field: str
+) -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_config(env={}, overrides=overrides)
+    assert exc.value.field == field
+    assert field in str(exc.value)
+
+
+def test_the_constructor_and_replace_validate_too() -> None:
+    with pytest.raises(ConfigError, match="local_cpu_size_gb"):
+        KVTierConfig(local_cpu_size_gb=float("nan"))
+    with pytest.raises(ConfigError, match="redis_timeout_s"):
+        KVTierConfig().replace(redis_timeout_s=float("inf"))
+
+
+def test_redis_password_is_masked_in_repr_and_errors() -> None:
+    cfg = load_config(env={}, overrides={"redis_url": "redis://user:hunter2@127.0.0.1:6379/0",
+                                         "redis_password": "s3cret-pw"})
+    assert cfg.redis_password == "s3cret-pw"  # the value itself is kept
+    for text in (repr(cfg), str(cfg)):
+        assert "hunter2" not in text and "s3cret-pw" not in text
+        assert "redis://user:***@127.0.0.1:6379/0" in text
+    bad = [
+        {"redis_url": "redis://user:hunter2@127.0.0.1:99999/0"},
+        {"redis_url": "http://user:hunter2@127.0.0.1/"},
+        {"redis_password": ["s3cret-pw"]},
+    ]
+    for overrides in bad:
+        with pytest.raises(ConfigError) as exc:
+            load_config(env={}, overrides=overrides)
+        assert "hunter2" not in str(exc.value) and "s3cret-pw" not in str(exc.value)
+        assert "hunter2" not in repr(exc.value.value) and "s3cret-pw" not in repr(exc.value.value)
+    with pytest.raises(ConfigError) as exc:
+        load_config(env={"KVTIER_REDIS_URL": "redis://:hunter2@127.0.0.1:6379x"})
+    assert "hunter2" not in str(exc.value)

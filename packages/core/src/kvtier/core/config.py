@@ -3,13 +3,16 @@ those (what vLLM's ``kv_connector_extra_config`` passes).
 
 Every field is declared once below with its type, default and meaning; the README's config
 reference is generated from the same table (``python -m kvtier.core.config``). Unknown keys and
-bad values raise ``ConfigError`` naming the field and the value.
+bad values raise ``ConfigError`` naming the field and the value (secrets masked: the Redis
+password, and the password inside a Redis URL, never appear in an error or in ``repr``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -22,6 +25,37 @@ from kvtier.core.errors import ConfigError
 ENV_PREFIX = "KVTIER_"
 ENV_CONFIG_FILE = "KVTIER_CONFIG_FILE"
 KNOWN_TIERS_DOC = "local_cpu, local_disk, redis (or any name registered in kvtier.backends)"
+
+
+_MASK = "***"
+
+
+def mask_url(url: str) -> str:
+    """``url`` with the password of its user-info part replaced by ``***``."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return _MASK
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:{_MASK}@{host}"))
+
+
+def shown(name: str, value: Any) -> Any:
+    """``value`` as an error or ``repr`` may show it: secrets masked."""
+    if value is None:
+        return None
+    if "password" in name or "secret" in name:
+        return _MASK
+    if "url" in name and isinstance(value, str):
+        return mask_url(value)
+    return value
+
+
+def _error(name: str, value: Any, reason: str) -> ConfigError:
+    return ConfigError(name, shown(name, value), reason)
 
 
 def default_cache_dir() -> str:
@@ -88,6 +122,13 @@ class KVTierConfig:
         default_factory=dict,
     )
 
+    def __post_init__(self) -> None:
+        _validated(self)  # however it is built (load_config, replace, the constructor)
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{f.name}={shown(f.name, getattr(self, f.name))!r}" for f in fields(self))
+        return f"KVTierConfig({body})"
+
     def disk_path(self) -> Path:
         return Path(self.local_disk_path or os.path.join(default_cache_dir(), "disk")).expanduser()
 
@@ -101,13 +142,50 @@ _POSITIVE_FLOAT = ("local_cpu_size_gb", "local_disk_size_gb", "redis_connect_tim
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
+def _check_redis_url(url: str) -> None:
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise _error("redis_url", url, "must start with redis://, rediss:// or unix://")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise _error("redis_url", url, f"has a bad port: {e}") from None
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise _error("redis_url", url, "a unix:// URL needs a socket path")
+        return
+    if port == 0:
+        raise _error("redis_url", url, "has a bad port: 0")
+    db = parts.path.lstrip("/")
+    if db and not db.isdigit():
+        raise _error("redis_url", url, f"database {db!r} is not a number (redis://host:port/DB)")
+
+
+def _check_backend_options(options: dict[str, Any]) -> None:
+    for tier, opts in options.items():
+        if not isinstance(tier, str):
+            raise _error("backend_options", options, f"backend name {tier!r} is not a string")
+        if not isinstance(opts, Mapping):
+            raise _error(f"backend_options.{tier}", opts, "must be a mapping of option: value")
+        for opt, value in opts.items():
+            if not isinstance(opt, str):
+                raise _error(f"backend_options.{tier}", dict(opts), f"option name {opt!r} is not a string")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise _error(f"backend_options.{tier}.{opt}", value, "must be a finite number")
+
+
 def _validated(cfg: KVTierConfig) -> KVTierConfig:
+    hints = _hints()
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if hints[f.name] is float and not (isinstance(value, int | float) and math.isfinite(value)):
+            raise _error(f.name, value, "must be a finite number")
     for name in _POSITIVE_INT:
         if getattr(cfg, name) <= 0:
-            raise ConfigError(name, getattr(cfg, name), "must be a positive integer")
+            raise _error(name, getattr(cfg, name), "must be a positive integer")
     for name in _POSITIVE_FLOAT:
         if getattr(cfg, name) <= 0:
-            raise ConfigError(name, getattr(cfg, name), "must be positive")
+            raise _error(name, getattr(cfg, name), "must be positive")
     if cfg.redis_ttl_s < 0:
         raise ConfigError("redis_ttl_s", cfg.redis_ttl_s, "must be >= 0 (0 = no expiry)")
     if cfg.log_level.upper() not in _LOG_LEVELS:
@@ -118,8 +196,9 @@ def _validated(cfg: KVTierConfig) -> KVTierConfig:
         raise ConfigError("tiers", cfg.tiers, "names a tier twice")
     if "redis" in cfg.tiers and not cfg.redis_url:
         raise ConfigError("redis_url", cfg.redis_url, "the redis tier is enabled but has no URL")
-    if cfg.redis_url and not cfg.redis_url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError("redis_url", cfg.redis_url, "must start with redis://, rediss:// or unix://")
+    if cfg.redis_url:
+        _check_redis_url(cfg.redis_url)
+    _check_backend_options(cfg.backend_options)
     return cfg
 
 
@@ -142,10 +221,10 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
             return bool(value)
         if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
             return value.strip().lower() in _TRUE
-        raise ConfigError(name, value, "must be a boolean (true/false)")
+        raise _error(name, value, "must be a boolean (true/false)")
     if hint is int:
         if isinstance(value, bool):
-            raise ConfigError(name, value, "must be an integer")
+            raise _error(name, value, "must be an integer")
         if isinstance(value, int):
             return value
         if isinstance(value, float) and value.is_integer():
@@ -155,38 +234,43 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
                 return int(value.strip())
             except ValueError:
                 pass
-        raise ConfigError(name, value, "must be an integer")
+        raise _error(name, value, "must be an integer")
     if hint is float:
         if isinstance(value, bool):
-            raise ConfigError(name, value, "must be a number")
+            raise _error(name, value, "must be a number")
+        number: float | None = None
         if isinstance(value, int | float):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value.strip())
+                number = float(value.strip())
             except ValueError:
                 pass
-        raise ConfigError(name, value, "must be a number")
+        if number is None:
+            raise _error(name, value, "must be a number")
+        if not math.isfinite(number):
+            raise _error(name, value, "must be a finite number")
+        return number
     if hint is str:
         if isinstance(value, str):
             return value
-        raise ConfigError(name, value, "must be a string")
+        raise _error(name, value, "must be a string")
     if origin is list:
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list | tuple):
-            raise ConfigError(name, value, "must be a list (or a comma-separated string)")
+            raise _error(name, value, "must be a list (or a comma-separated string)")
         return [_coerce(name, v, args[0]) for v in value]
     if origin is dict:
         if isinstance(value, str):
             try:
                 value = yaml.safe_load(value)
             except yaml.YAMLError as e:
-                raise ConfigError(name, value, f"is not a YAML/JSON mapping: {e}") from None
+                raise _error(name, value, f"is not a YAML/JSON mapping: {e}") from None
         if not isinstance(value, Mapping):
-            raise ConfigError(name, value, "must be a mapping")
+            raise _error(name, value, "must be a mapping")
         return dict(value)
-    raise ConfigError(name, value, f"has an unsupported type {hint}")
+    raise _error(name, value, f"has an unsupported type {hint}")
 
 
 def _hints() -> dict[str, Any]:
@@ -197,7 +281,7 @@ def _apply(source: str, raw: Mapping[str, Any], into: dict[str, Any]) -> None:
     hints = _hints()
     for key, value in raw.items():
         if key not in hints:
-            raise ConfigError(key, value, f"unknown key (from {source}); known keys: {', '.join(hints)}")
+            raise _error(key, value, f"unknown key (from {source}); known keys: {', '.join(hints)}")
         into[key] = _coerce(key, value, hints[key])
 
 

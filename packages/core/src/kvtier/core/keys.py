@@ -26,13 +26,29 @@ _MODEL_SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
 def token_bytes(tokens: TokenIds) -> np.ndarray:
-    """Token ids as a contiguous little-endian int64 array (the bytes that are hashed)."""
+    """Token ids as a contiguous little-endian int64 array (the bytes that are hashed).
+
+    Only integer ids in ``[0, 2**63)`` are accepted; float, bool or other arrays, and ids out of
+    that range, raise ``ValueError`` (a float truncated to an int, or a uint64 that wraps, would
+    hash as some other prompt's tokens)."""
     if isinstance(tokens, torch.Tensor):
+        if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
+            raise ValueError(f"token ids must be integers, got a tensor of {tokens.dtype}")
         tokens = tokens.detach().cpu().numpy()
-    arr = np.ascontiguousarray(np.asarray(tokens), dtype="<i8")
+    elif isinstance(tokens, list | tuple) and any(isinstance(t, bool | np.bool_) for t in tokens):
+        raise ValueError("token ids must be integers, got a bool among them")
+    arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
-    return arr
+    if arr.size == 0:
+        return np.zeros(0, dtype="<i8")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got {arr.dtype} values (first: {arr[0]!r})")
+    if arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"token id {int(arr.max())} is out of range: ids are below 2**63")
+    if arr.dtype.kind == "i" and arr.min() < 0:
+        raise ValueError(f"token id {int(arr.min())} is negative")
+    return np.ascontiguousarray(arr, dtype="<i8")
 
 
 def salt_seed(salt: str | None) -> bytes:
