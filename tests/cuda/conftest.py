@@ -18,16 +18,13 @@ from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena, MemoryObjMeta
 
 ON_GPU = os.environ.get("KVTIER_TEST_DEVICE", "cpu") == "cuda"
-# Connector modes under test. "dma-torch" is dma with torch issuing the copies instead of the
-# CUDA driver (use_driver_api=False); on CPU both are the same synchronous path.
-MODES = ["dma", "zerocopy"] + (["dma-torch"] if ON_GPU else [])
-
-
-def connector_kwargs(mode: str) -> dict:
-    """CUDAPagedConnector keyword arguments for one of MODES."""
-    if mode == "dma-torch":
-        return {"mode": "dma", "use_driver_api": False}
-    return {"mode": mode}
+# Connector options that change which code runs: the C or the Python planner, and a staging
+# ring kept between calls or released after each.
+OPTION_SETS = {
+    "default": {},
+    "python-planner": {"native_planner": False},
+    "ring-released": {"staging_buffer": False},
+}
 
 
 @dataclass(frozen=True)

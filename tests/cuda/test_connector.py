@@ -1,7 +1,8 @@
 """CUDAPagedConnector against core's TorchPagedConnector, byte for byte.
 
-Every kernel path (store/load, whole and layer-wise, dma and zerocopy, three paged layouts,
-fp16/bf16/fp8, -1 slots, ring wrap-around) is checked on CPU through the Triton interpreter
+Every path (store/load, whole and layer-wise, the C and the Python planner, a kept or released
+staging ring, three paged layouts, fp16/bf16/fp8, -1 slots, ring wrap-around, calls split into
+groups) is checked on CPU through the Triton interpreter (the same pipeline, run synchronously)
 and, with KVTIER_TEST_DEVICE=cuda, on a GPU at an 8B-like size.
 """
 
@@ -13,13 +14,12 @@ import pytest
 import torch
 
 from conftest import (
-    MODES,
+    OPTION_SETS,
     SHAPE,
     Objects,
     as_bytes,
     assert_same_caches,
     assert_same_objects,
-    connector_kwargs,
     make_caches,
     make_layout,
     random_slots,
@@ -74,14 +74,14 @@ def test_store_then_load_matches_reference(device, arena, paged, dtype):
     _assert_load_matches(conn, ref, arena, LENGTHS, slots, 4)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("options", OPTION_SETS)
 @pytest.mark.parametrize("holes", ["prefix", "scatter"])
 @pytest.mark.parametrize("paged", LAYOUTS, ids=lambda p: p.value)
-def test_minus_one_slots_are_skipped_both_ways(device, arena, paged, holes, mode):
+def test_minus_one_slots_are_skipped_both_ways(device, arena, paged, holes, options):
     layout = make_layout(paged, torch.bfloat16)
     caches = make_caches(layout, device, seed=5)
     ref = _reference(layout, caches)
-    conn = CUDAPagedConnector(caches, layout, **connector_kwargs(mode), **SMALL_RING)
+    conn = CUDAPagedConnector(caches, layout, **OPTION_SETS[options], **SMALL_RING)
     slots = random_slots(SHAPE.blocks * SHAPE.block, LENGTHS, seed=6, holes=holes)
 
     mine, theirs = Objects(arena, layout, LENGTHS, 7), Objects(arena, layout, LENGTHS, 7)
@@ -103,13 +103,13 @@ def test_minus_one_slots_are_skipped_both_ways(device, arena, paged, holes, mode
     assert changed
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("options", OPTION_SETS)
 @pytest.mark.parametrize("paged", [PagedLayout.FLASH_NHD, PagedLayout.MLA], ids=lambda p: p.value)
-def test_layerwise_generators_and_single_layers_match_reference(device, arena, paged, mode):
+def test_layerwise_generators_and_single_layers_match_reference(device, arena, paged, options):
     layout = make_layout(paged, torch.float16)
     caches = make_caches(layout, device, seed=9)
     ref = _reference(layout, caches)
-    conn = CUDAPagedConnector(caches, layout, **connector_kwargs(mode), **SMALL_RING)
+    conn = CUDAPagedConnector(caches, layout, **OPTION_SETS[options], **SMALL_RING)
     slots = random_slots(SHAPE.blocks * SHAPE.block, LENGTHS, seed=10, holes="prefix")
 
     gen_objs, layer_objs, ref_objs = (Objects(arena, layout, LENGTHS, 11) for _ in range(3))
@@ -123,7 +123,7 @@ def test_layerwise_generators_and_single_layers_match_reference(device, arena, p
 
     fresh = Objects(arena, layout, LENGTHS, 12)
     ref.load(fresh.transfers(slots))
-    gen_conn = CUDAPagedConnector([c.clone() for c in caches], layout, **connector_kwargs(mode), **SMALL_RING)
+    gen_conn = CUDAPagedConnector([c.clone() for c in caches], layout, **OPTION_SETS[options], **SMALL_RING)
     seen = []
     for layer in gen_conn.load_layerwise(fresh.transfers(slots)):
         # Attention may read this layer now: it already holds the loaded bytes.
@@ -175,8 +175,8 @@ def test_adjacent_objects_and_growing_ring(device, arena):
     theirs = Objects(arena, layout, lengths, 22)
     conn.store([Transfer(o, s) for o, s in zip(mine.objs, slots, strict=True)])
     ref.store([Transfer(o, s) for o, s in zip(theirs.objs, slots, strict=True)])
-    assert conn._store_lane.slot_bytes >= row_bytes
     assert_same_objects(mine, theirs)
+    _assert_load_matches(conn, ref, arena, lengths, slots, 23)
 
 
 def test_empty_and_all_skipped_transfers_are_no_ops(device, arena):
@@ -211,8 +211,10 @@ def test_bad_input_is_refused_with_a_clear_error(device, arena):
     mla_objs = Objects(arena, other, [3], 27)
     with pytest.raises(LayoutError, match="does not match"):
         conn.store(mla_objs.transfers([torch.tensor([0, 1, 2])]))
-    with pytest.raises(ValueError, match="mode"):
-        CUDAPagedConnector(caches, layout, mode="fast")
+    with pytest.raises(TypeError, match=r"unknown CUDA connector option.*mode"):
+        CUDAPagedConnector(caches, layout, mode="dma")
+    with pytest.raises(TypeError, match="staging_buffer must be a bool"):
+        CUDAPagedConnector(caches, layout, staging_buffer="yes")
     with pytest.raises(ValueError, match="staging_slots"):
         CUDAPagedConnector(caches, layout, staging_slots=1)
     cpu_layout = KVLayout(SHAPE.layers, SHAPE.heads, SHAPE.head, "float16", SHAPE.block, PagedLayout.VLLM_CPU)
@@ -221,14 +223,13 @@ def test_bad_input_is_refused_with_a_clear_error(device, arena):
 
 
 def test_a_call_split_into_groups_names_the_bad_transfer_and_leaves_nothing_in_flight(device, arena):
-    """One transfer per group (a one-row ring): the third transfer's bad slot is found after
-    the first two groups were enqueued; the error names it by its index in the call."""
+    """One transfer per group (a one-byte staging slot caps every group): the third transfer's
+    bad slot is found after the first two groups were issued; the error names it by its index
+    in the call."""
     layout = make_layout(PagedLayout.FLASH_NHD, torch.float16)
     caches = make_caches(layout, device, seed=40)
     conn = CUDAPagedConnector(caches, layout, **SMALL_RING)
     lengths = [SHAPE.chunk] * 3
-    assert len(conn._groups(Objects(arena, layout, lengths, 41).transfers(
-        random_slots(SHAPE.blocks * SHAPE.block, lengths, seed=42, holes="none")), conn._store_lane)) == 3
     objs = Objects(arena, layout, lengths, 43)
     slots = random_slots(SHAPE.blocks * SHAPE.block, lengths, seed=44, holes="none")
     slots[2] = slots[2].clone()
@@ -236,11 +237,6 @@ def test_a_call_split_into_groups_names_the_bad_transfer_and_leaves_nothing_in_f
     for call in (conn.store, conn.load):
         with pytest.raises(IndexError, match="transfer 2: slot values"):
             call(objs.transfers(slots))
-    # first_group_bytes=0 prepares a call as one group; a negative value is refused.
-    whole = CUDAPagedConnector(caches, layout, first_group_bytes=0, **SMALL_RING)
-    assert whole._groups(objs.transfers(slots), whole._store_lane) == [(0, 3, sum(lengths))]
-    with pytest.raises(ValueError, match="first_group_bytes"):
-        CUDAPagedConnector(caches, layout, first_group_bytes=-1)
     # The connector is still usable and exact afterwards.
     ref = _reference(layout, caches)
     good = random_slots(SHAPE.blocks * SHAPE.block, lengths, seed=45, holes="none")
@@ -251,14 +247,13 @@ def test_a_call_split_into_groups_names_the_bad_transfer_and_leaves_nothing_in_f
     ("dtype", "head", "word"),
     [(torch.float16, 3, 2), (torch.float8_e4m3fn, 3, 1), (torch.float16, 2, 4), (torch.float8_e5m2, 8, 8)],
 )
-def test_every_word_width(device, arena, dtype, head, word):
+def test_every_word_width(device, arena, dtype, head, word):  # word: the kernel's word width for the row
     """Rows whose byte width is not a multiple of 8 are moved in narrower words, still exactly."""
     shape = dataclasses.replace(SHAPE, heads=1, head=head)
     layout = make_layout(PagedLayout.FLASH_BLOCK_FIRST, dtype, shape)
     caches = make_caches(layout, device, seed=30)
     ref = _reference(layout, caches)
     conn = CUDAPagedConnector(caches, layout)
-    assert conn._dma_geometry.word_bytes == word
     slots = random_slots(SHAPE.blocks * SHAPE.block, LENGTHS, seed=31, holes="scatter")
     _assert_store_matches(conn, ref, arena, LENGTHS, slots, 32)
     _assert_load_matches(conn, ref, arena, LENGTHS, slots, 33)
@@ -307,22 +302,15 @@ def test_store_and_load_together_from_one_thread(device, arena):
 
 
 @pytest.mark.parametrize("holes", ["none", "scatter"])
-@pytest.mark.parametrize(
-    ("lead", "eager", "store_first"),
-    [("store", True, 1), ("store", False, 0), ("load", True, 1), ("load", False, 0)],
-    ids=["store-leads-eager", "store-leads-planned", "load-leads-eager", "load-leads-planned"],
-)
-def test_store_and_load_together_whatever_starts_first(device, arena, lead, eager, store_first, holes):
-    """``store_and_load_async`` moves the same bytes whichever direction is issued first, with or
-    without the load's early first DMA and with any store first group; two calls back to back
-    (the second's store table goes up while the first's load DMAs may be in flight), every
-    transfer a group of its own (``first_group_bytes=1``). With -1 slots the groups take the
-    Python planner and the early DMA may not match the plan's first piece."""
+def test_store_and_load_together_back_to_back(device, arena, holes):
+    """Two ``store_and_load_async`` calls back to back (the second's store table goes up while
+    the first's load DMAs may be in flight), every transfer a group of its own (a one-byte
+    staging slot): the same bytes as the reference. With -1 slots the groups take the Python
+    planner and the load's early first DMA does not match the plan's first piece."""
     layout = make_layout(PagedLayout.FLASH_NHD, torch.bfloat16)
     caches = make_caches(layout, device, seed=60)
     ref = _reference(layout, caches)
-    conn = CUDAPagedConnector(caches, layout, first_group_bytes=1)
-    conn._both_lead, conn._both_eager, conn._both_store_first_bytes = lead, eager, store_first
+    conn = CUDAPagedConnector(caches, layout, **SMALL_RING)
     slots = random_slots(SHAPE.blocks * SHAPE.block, LENGTHS * 2, seed=61, holes=holes)
     store_slots, load_slots = slots[: len(LENGTHS)], slots[len(LENGTHS) :]
     stored = [Objects(arena, layout, LENGTHS, 62 + k) for k in range(2)]
@@ -343,24 +331,14 @@ def test_store_and_load_together_whatever_starts_first(device, arena, lead, eage
 
 @pytest.mark.parametrize("first_skipped", [False, True], ids=["eager-matches", "eager-overwritten"])
 def test_a_loads_first_dma_before_the_call_is_checked_changes_no_byte(device, arena, first_skipped):
-    """A lone whole-chunk load's first DMA is issued before its call is checked or planned
-    (``_eager_piece``, GPU driver path). When the plan's first piece differs (here the first
-    transfer skips every slot, so the plan leaves it out) the batch DMAs its own piece over it;
-    either way the cache ends byte-identical to the reference's. ``store_and_load_async`` makes
-    one for its load where ``_both_eager`` is set (the default); CPU calls (run synchronously)
-    make none."""
+    """A whole-chunk load's first DMA is issued before its call is checked or planned. When the
+    plan's first piece differs (here the first transfer skips every slot, so the plan leaves it
+    out) the batch DMAs its own piece over it; either way the cache ends byte-identical to the
+    reference's, alone and in ``store_and_load_async``."""
     layout = make_layout(PagedLayout.FLASH_NHD, torch.bfloat16)
     caches = make_caches(layout, device, seed=50)
     ref = _reference(layout, caches)
     conn = CUDAPagedConnector(caches, layout)
-    eager: list[object] = []
-    find = conn._eager_piece
-
-    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        eager.append(find(*args, **kwargs))
-        return eager[-1]
-
-    conn._eager_piece = spy  # type: ignore[method-assign]
     lengths = [SHAPE.chunk] * 3
     slots = random_slots(SHAPE.blocks * SHAPE.block, lengths * 2, seed=51, holes="none")
     load_slots, store_slots = slots[:3], slots[3:]
@@ -370,7 +348,6 @@ def test_a_loads_first_dma_before_the_call_is_checked_changes_no_byte(device, ar
     conn.load(fresh.transfers(load_slots))
     ref.load(fresh.transfers(load_slots))
     assert_same_caches(conn, ref)
-    assert [piece is not None for piece in eager] == ([True] if device.type == "cuda" else [])
     mine, theirs = Objects(arena, layout, lengths, 53), Objects(arena, layout, lengths, 53)
     for pending in conn.store_and_load_async(mine.transfers(store_slots), again.transfers(load_slots)):
         pending.wait()
@@ -378,4 +355,3 @@ def test_a_loads_first_dma_before_the_call_is_checked_changes_no_byte(device, ar
     ref.load(again.transfers(load_slots))
     assert_same_objects(mine, theirs)
     assert_same_caches(conn, ref)
-    assert len(eager) == ((2 if conn._both_eager else 1) if device.type == "cuda" else 0)

@@ -1,9 +1,10 @@
 """The C host planner (``kvtier.cuda._native``, ``_hostplan.c``) against the Python one.
 
-Host logic only (no kernel runs, no GPU): for random whole-chunk groups, ``_native_plan`` must
-write the same slots and run table into the table buffer and return the same pieces as
-``_prepare`` + ``_plan``, and leave everything to the Python path (returning None, the lane
-untouched) for every input that is not the ordinary case.
+Host logic only (no kernel runs, no GPU): for random whole-chunk groups, ``_native.plan_group``
+must write the same slots and run table into the table buffer and return the same pieces as
+``plan.prepare`` + ``plan.plan``, and leave everything to the Python path (returning None, the
+ring untouched) for every input that is not the ordinary case. A missing compiler means Python
+planning, logged once.
 """
 
 from __future__ import annotations
@@ -17,20 +18,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import (
-    SHAPE,
-    Objects,
-    assert_store_then_load_like,
-    make_caches,
-    make_layout,
-    random_slots,
-)
-from kvtier.core.connector import TorchPagedConnector, Transfer
+from kvtier.core.connector import Transfer
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena, MemoryObjMeta
 from kvtier.cuda import _native
-from kvtier.cuda.connector import CUDAPagedConnector, _TableSlot
+from kvtier.cuda.geometry import CallShape
 from kvtier.cuda.kernels import RUN_WORDS
+from kvtier.cuda.memory import StagingRing, TableBuffer
+from kvtier.cuda.plan import all_rows, plan, prepare
 
 LAYOUT = KVLayout(2, 2, 8, "float16", 4, PagedLayout.FLASH_NHD)  # a row token: 32 bytes
 BLOCKS = 64
@@ -46,18 +41,17 @@ def native():  # type: ignore[no-untyped-def]
         pytest.skip(f"no C toolchain here: {e}")
 
 
-def _ring(words: int) -> _TableSlot:
-    host = torch.full((words,), -7, dtype=torch.int64)
-    return _TableSlot(done=None, host=host, host_np=host.numpy(), host_ptr=host.data_ptr(), dev_ptr=DEV_PTR)
+def _table(words: int) -> TableBuffer:
+    table = TableBuffer(done=None)
+    table.host = torch.full((words,), -7, dtype=torch.int64)
+    table.host_np, table.host_ptr, table.dev_ptr = table.host.numpy(), table.host.data_ptr(), DEV_PTR
+    return table
 
 
-def _connector(native, slot_bytes: int) -> CUDAPagedConnector:  # type: ignore[no-untyped-def]
-    caches = [torch.zeros(LAYOUT.expected_cache_shape(BLOCKS), dtype=torch.float16) for _ in range(2)]
-    conn = CUDAPagedConnector(caches, LAYOUT, staging_slots=3, staging_slot_bytes=slot_bytes)
-    conn._native = native
-    for lane in (conn._store_lane, conn._load_lane):
-        lane.ensure_slots(slot_bytes)
-    return conn
+def _setup(slot_bytes: int) -> tuple[CallShape, StagingRing]:
+    ring = StagingRing(torch.device("cpu"), 3, slot_bytes, None)
+    ring.ensure(slot_bytes)
+    return CallShape.of(LAYOUT, BLOCKS), ring
 
 
 def _transfers(lengths: list[int], arenas: list[int], gaps: list[bool], seed: int) -> list[Transfer]:
@@ -74,13 +68,12 @@ def _transfers(lengths: list[int], arenas: list[int], gaps: list[bool], seed: in
     return out
 
 
-def _python_plan(conn, lane, transfers, lo, hi, ring, first, last):  # type: ignore[no-untyped-def]
-    prepared, _ = conn._prepare(transfers[lo:hi], first_index=lo, slot_out=ring)
-    with lane.lock:
-        pieces, runs = conn._plan(
-            lane, prepared, conn._all_rows(len(prepared)), store=True, slot_base=ring.dev_ptr,
-            first_piece_bytes=first, last_piece_bytes=last,
-        )
+def _python_plan(shape, ring, transfers, lo, table, first, last):  # type: ignore[no-untyped-def]
+    prepared, _ = prepare(shape, transfers[lo:], first_index=lo, out=table.host)
+    pieces, runs = plan(
+        ring, prepared, all_rows(len(prepared), shape), store=True, slot_base=table.dev_ptr,
+        first_piece_bytes=first, last_piece_bytes=last,
+    )
     tokens = sum(p.num_tokens for p in prepared)
     return pieces, tokens, [x for run in runs for x in run]
 
@@ -106,51 +99,45 @@ def test_the_c_planner_writes_and_returns_what_the_python_planner_does(  # type:
 ):
     lo = min(lo, len(lengths) - 1)
     transfers = _transfers(lengths, arenas[: len(lengths)], gaps[: len(lengths)], seed=len(lengths))
-    conn = _connector(native, slot_rows * max(lengths) * 32)
-    conn._prepare(transfers)  # the Python path learns each length's shape (the C path reads them)
-    lane = conn._store_lane
-    words = 4096
-    lane.next_slot = next_slot
-    py_ring = _ring(words)
-    py_pieces, tokens, py_runs = _python_plan(conn, lane, transfers, lo, len(transfers), py_ring, first, last)
-    py_next = lane.next_slot
-    lane.next_slot = next_slot
-    c_ring = _ring(words)
-    with lane.lock:
-        out = conn._native_plan(lane, transfers, lo, len(transfers), c_ring, first_piece_bytes=first,
-                                last_piece_bytes=last)
+    shape, ring = _setup(slot_rows * max(lengths) * 32)
+    prepare(shape, transfers)  # the Python path learns each length's shape (the C path reads them)
+    ring.next_slot = next_slot
+    py_table = _table(4096)
+    py_pieces, tokens, py_runs = _python_plan(shape, ring, transfers, lo, py_table, first, last)
+    py_next = ring.next_slot
+    ring.next_slot = next_slot
+    c_table = _table(4096)
+    out = _native.plan_group(native, shape, ring, transfers, lo, len(transfers), c_table, first_piece_bytes=first,
+                             last_piece_bytes=last)
     assert out is not None
     pieces, n_slots, numel = out
     assert n_slots == tokens and numel == tokens + len(py_runs)
-    assert lane.next_slot == py_next
+    assert ring.next_slot == py_next
     assert [_key(p) for p in pieces] == [_key(p) for p in py_pieces]
-    assert torch.equal(c_ring.host[:tokens], py_ring.host[:tokens])
-    assert c_ring.host[tokens:numel].tolist() == py_runs
-    assert (c_ring.host[numel:] == -7).all()  # nothing written past the table
-    assert all(len(py_runs) % RUN_WORDS == 0 for _ in [0])
+    assert c_table.host is not None and py_table.host is not None
+    assert torch.equal(c_table.host[:tokens], py_table.host[:tokens])
+    assert c_table.host[tokens:numel].tolist() == py_runs
+    assert (c_table.host[numel:] == -7).all()  # nothing written past the table
 
 
 def _ordinary(native):  # type: ignore[no-untyped-def]
     transfers = _transfers([4, 4, 4], [0, 0, 0], [False, False, False], seed=1)
-    conn = _connector(native, 4 * 4 * 32)
-    conn._prepare(transfers)
-    return conn, transfers
+    shape, ring = _setup(4 * 4 * 32)
+    prepare(shape, transfers)
+    return shape, ring, transfers
 
 
-def _plan_or_none(conn, transfers, ring=None):  # type: ignore[no-untyped-def]
-    lane = conn._store_lane
-    lane.next_slot = 1
-    with lane.lock:
-        out = conn._native_plan(lane, transfers, 0, len(transfers), ring or _ring(4096),
-                                first_piece_bytes=None, last_piece_bytes=None)
+def _plan_or_none(native, shape, ring, transfers, table=None):  # type: ignore[no-untyped-def]
+    ring.next_slot = 1
+    out = _native.plan_group(native, shape, ring, transfers, 0, len(transfers), table or _table(4096),
+                             first_piece_bytes=None, last_piece_bytes=None)
     if out is None:
-        assert lane.next_slot == 1  # the lane is left as it was
+        assert ring.next_slot == 1  # the ring is left as it was
     return out
 
 
 def test_the_ordinary_case_is_planned_in_c(native):  # type: ignore[no-untyped-def]
-    conn, transfers = _ordinary(native)
-    assert _plan_or_none(conn, transfers) is not None
+    assert _plan_or_none(native, *_ordinary(native)) is not None
 
 
 def test_objects_of_two_arenas_never_share_a_dma_even_when_adjacent_in_memory(native):  # type: ignore[no-untyped-def]
@@ -162,9 +149,9 @@ def test_objects_of_two_arenas_never_share_a_dma_even_when_adjacent_in_memory(na
     assert objs[0] is not None and objs[1] is not None
     assert objs[0].tensor.data_ptr() + meta.nbytes == objs[1].tensor.data_ptr()
     transfers = [Transfer(o, torch.arange(4 * k, 4 * k + 4)) for k, o in enumerate(objs)]  # type: ignore[arg-type]
-    conn = _connector(native, 8 * meta.nbytes)
-    conn._prepare(transfers)
-    out = _plan_or_none(conn, transfers)
+    shape, ring = _setup(8 * meta.nbytes)
+    prepare(shape, transfers)
+    out = _plan_or_none(native, shape, ring, transfers)
     assert out is not None
     (piece,) = out[0]
     assert [(c.host_ptr, c.nbytes) for c in piece.copies] == [
@@ -180,8 +167,8 @@ def test_objects_of_two_arenas_never_share_a_dma_even_when_adjacent_in_memory(na
     ],
 )
 def test_anything_but_the_ordinary_case_is_left_to_the_python_path(native, spoil):  # type: ignore[no-untyped-def]
-    conn, transfers = _ordinary(native)
-    ring = None
+    shape, ring, transfers = _ordinary(native)
+    table = None
     t = transfers[1]
     if spoil == "minus_one":
         t.slots[2] = -1
@@ -196,75 +183,31 @@ def test_anything_but_the_ordinary_case_is_left_to_the_python_path(native, spoil
     elif spoil == "strided_slots":
         transfers[1] = Transfer(t.obj, torch.arange(8, dtype=torch.int64)[::2])
     elif spoil == "unknown_length":
-        conn._chunk_shapes.clear()
+        shape.chunk_shapes.clear()
     elif spoil == "wrong_object_dtype":
         arena = HostArena.create(1 << 16)
         obj = arena.allocate(MemoryObjMeta(LAYOUT.chunk_shape(4), torch.bfloat16, 4))
         assert obj is not None
         transfers[1] = Transfer(obj, t.slots)
     elif spoil == "small_table":
-        ring = _ring(12 + RUN_WORDS)  # the slots fit, the runs do not
+        table = _table(12 + RUN_WORDS)  # the slots fit, the runs do not
     elif spoil == "row_over_slot":
-        conn._store_lane.slot_bytes = 64
+        ring.slot_bytes = 64
     elif spoil == "no_slots_yet":
-        conn._store_lane.slot_ptrs = []
-    assert _plan_or_none(conn, transfers, ring) is None
+        ring.release()
+    assert _plan_or_none(native, shape, ring, transfers, table) is None
 
 
-class _Counting:
-    """A stand-in for the compiled module that counts what it planned and what it left."""
-
-    def __init__(self, module) -> None:  # type: ignore[no-untyped-def]
-        self.module, self.planned, self.left = module, 0, 0
-
-    def plan_group(self, *args):  # type: ignore[no-untyped-def]
-        out = self.module.plan_group(*args)
-        if out is None:
-            self.left += 1
-        else:
-            self.planned += 1
-        return out
-
-
-def test_a_gpu_connector_plans_in_c_byte_for_byte_and_falls_back_per_group(device, arena, native):  # type: ignore[no-untyped-def]
-    """On the driver path ordinary groups are planned in C (the bytes match core's reference);
-    a group with -1 slots goes to the Python path and still moves the right bytes; a bad slot
-    is refused with the Python path's message."""
-    if device.type != "cuda":
-        pytest.skip("the C planner serves the driver path, which needs an NVIDIA GPU (KVTIER_TEST_DEVICE=cuda)")
-    layout = make_layout(PagedLayout.FLASH_NHD, torch.bfloat16)
-    caches = make_caches(layout, device, seed=60)
-    conn = CUDAPagedConnector(caches, layout)
-    assert conn._native is not None
-    counting = conn._native = _Counting(conn._native)
-    ref = TorchPagedConnector([c.clone() for c in caches], layout)
-    total = SHAPE.blocks * SHAPE.block
-    lengths = [SHAPE.chunk // 4] * 4  # 8 MiB chunks at the GPU shape: several groups a call
-    for holes, seed in (("none", 61), ("scatter", 62)):
-        slots = random_slots(total, lengths, seed=seed, holes=holes)
-        assert_store_then_load_like(conn, ref, arena, layout, lengths, slots, slots, seed)
-        if holes == "none":
-            assert counting.planned >= 2 and counting.left == 0
-    assert counting.left >= 2  # the -1 slots' groups
-    bad = random_slots(total, lengths, seed=63, holes="none")
-    bad[2] = bad[2].clone()
-    bad[2][0] = total
-    with pytest.raises(IndexError, match="transfer 2: slot values"):
-        conn.store(Objects(arena, layout, lengths, 64).transfers(bad))
-
-
-def test_disabled_or_unbuildable_means_python_planning(monkeypatch, tmp_path, caplog):  # type: ignore[no-untyped-def]
-    monkeypatch.setenv("KVTIER_CUDA_NATIVE", "0")
+def test_no_compiler_means_python_planning_logged_once(monkeypatch, tmp_path, caplog):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a compiler that always fails
     _native.load.cache_clear()
     try:
-        assert _native.load() is None
-        monkeypatch.setenv("KVTIER_CUDA_NATIVE", "1")
-        monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))
-        monkeypatch.setenv("CC", "false")  # a compiler that always fails
-        _native.load.cache_clear()
         with caplog.at_level(logging.WARNING, logger="kvtier.cuda._native"):
             assert _native.load() is None
-        assert "planning in Python" in caplog.text and "failed" in caplog.text
+            assert _native.load() is None
+        warnings = [r for r in caplog.records if "planning in Python" in r.getMessage()]
+        assert len(warnings) == 1 and "failed" in warnings[0].getMessage()
         assert not list((tmp_path / "native").glob("*"))  # no half-written module left behind
     finally:
         _native.load.cache_clear()

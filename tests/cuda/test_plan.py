@@ -8,7 +8,6 @@ exactly the rows the kernel reads or writes, and the first/last piece caps hold.
 from __future__ import annotations
 
 import itertools
-from unittest.mock import patch
 
 import torch
 from hypothesis import given, settings
@@ -17,11 +16,17 @@ from hypothesis import strategies as st
 from kvtier.core.connector import Transfer
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena, MemoryObjMeta
-from kvtier.cuda import connector as connmod
-from kvtier.cuda.connector import CUDAPagedConnector, _same_copies
+from kvtier.cuda.geometry import CallShape
+from kvtier.cuda.memory import StagingRing
+from kvtier.cuda.plan import all_rows, eager_piece, groups, layer_rows, plan, prepare, same_copies
 
 LAYOUT = KVLayout(2, 2, 8, "float16", 4, PagedLayout.FLASH_NHD)  # a row token: 32 bytes
 BLOCKS = 64
+SHAPE = CallShape.of(LAYOUT, BLOCKS)
+
+
+def _ring(slot_bytes: int) -> StagingRing:
+    return StagingRing(torch.device("cpu"), 3, slot_bytes, None)
 
 
 @st.composite
@@ -44,8 +49,7 @@ def calls(draw):  # type: ignore[no-untyped-def]
 @given(calls())
 def test_every_row_lands_once_inside_its_piece_and_its_dma(call):  # type: ignore[no-untyped-def]
     lengths, holes, by_layer, slot_bytes, first, last, store, uniform = call
-    caches = [torch.zeros(LAYOUT.expected_cache_shape(BLOCKS), dtype=torch.float16) for _ in range(2)]
-    conn = CUDAPagedConnector(caches, LAYOUT, staging_slots=3, staging_slot_bytes=slot_bytes)
+    ring = _ring(slot_bytes)
     arena = HostArena.create(1 << 20)
     perm = torch.randperm(BLOCKS * LAYOUT.block_size, generator=torch.Generator().manual_seed(len(lengths)))
     transfers, at = [], 0
@@ -57,26 +61,24 @@ def test_every_row_lands_once_inside_its_piece_and_its_dma(call):  # type: ignor
         if hole:
             slots[: (n + 1) // 2] = -1
         transfers.append(Transfer(obj, slots))
-    prepared, _ = conn._prepare(transfers)
-    lane = conn._store_lane if store else conn._load_lane
+    prepared, _ = prepare(SHAPE, transfers)
     segments = (
-        [seg for layer in range(LAYOUT.num_layers) for seg in conn._layer_rows(len(prepared), layer)]
-        if by_layer else conn._all_rows(len(prepared))
+        [seg for layer in range(LAYOUT.num_layers) for seg in layer_rows(len(prepared), layer, SHAPE)]
+        if by_layer else all_rows(len(prepared), SHAPE)
     )
-    slot0 = lane.next_slot
-    with lane.lock:
-        pieces, runs = conn._plan(
-            lane, prepared, segments, store=store, slot_base=1 << 40, first_piece_bytes=first, last_piece_bytes=last
-        )
+    slot0 = ring.next_slot
+    pieces, runs = plan(
+        ring, prepared, segments, store=store, slot_base=1 << 40, first_piece_bytes=first, last_piece_bytes=last
+    )
     rows_per_obj = 2 * LAYOUT.num_layers
     expected = {(i, r) for i, p in enumerate(prepared) if not p.empty for r in range(rows_per_obj)}
     by_slot_index = {p.slot_index: i for i, p in enumerate(prepared)}
-    slot_ptrs = [t.data_ptr() for t in lane.slots]
+    slot_ptrs = [t.data_ptr() for t in ring.slots]
     seen: set[tuple[int, int]] = set()
     total = 0
     for k, piece in enumerate(pieces):
-        assert piece.slot == (slot0 + k) % lane.num_slots
-        assert 0 < piece.nbytes <= piece.cap <= lane.slot_bytes
+        assert piece.slot == (slot0 + k) % ring.num_slots
+        assert 0 < piece.nbytes <= piece.cap <= ring.slot_bytes
         base = slot_ptrs[piece.slot]
         used: list[tuple[int, int]] = []
         for run in runs[piece.start : piece.stop]:
@@ -122,39 +124,39 @@ def test_every_row_lands_once_inside_its_piece_and_its_dma(call):  # type: ignor
     double_first=st.booleans(),
 )
 def test_groups_cover_the_call_in_order_and_grow_from_the_first_cap(lengths, first_rows, slot_rows, double_first):  # type: ignore[no-untyped-def]
-    """``_groups``: consecutive ``(lo, hi, tokens)`` covering every transfer once, in order; the
-    first group within ``first_group_bytes`` (twice that with ``double_first``, at most a
-    staging slot) unless one transfer alone is larger; 0, or ``whole``, makes one group."""
-    # (Later groups grow by _GROUP_GROWTH; how much is a tuning choice, not a property.)
-    per_token = 2 * LAYOUT.num_layers * 32  # bytes one token of a chunk holds
-    caches = [torch.zeros(LAYOUT.expected_cache_shape(BLOCKS), dtype=torch.float16) for _ in range(2)]
-    conn = CUDAPagedConnector(
-        caches, LAYOUT, staging_slot_bytes=slot_rows * per_token, first_group_bytes=first_rows * per_token
-    )
+    """``groups``: consecutive ``(lo, hi, tokens)`` covering every transfer once, in order; the
+    first group within ``first`` bytes (at most a staging slot) unless one transfer alone is
+    larger; later groups within ``growth`` times the previous cap; 0, or ``whole``, makes one
+    group."""
+    per_token = SHAPE.token_bytes
+    first = first_rows * per_token * (2 if double_first else 1)
+
+    def split(whole: bool = False) -> list[tuple[int, int, int]]:
+        return groups(transfers, per_token, first=first, slot_bytes=slot_rows * per_token, growth=2, whole=whole)
+
     arena = HostArena.create(1 << 20)
     transfers = []
     for n in lengths:
         obj = arena.allocate(MemoryObjMeta(LAYOUT.chunk_shape(n), torch.float16, n))
         assert obj is not None
         transfers.append(Transfer(obj, torch.full((n,), -1, dtype=torch.int64)))
-    groups = conn._groups(transfers, conn._store_lane, double_first=double_first)
+    parts = split()
     # A call made while its lane is busy (``whole``) is one group, whatever the first cap.
-    assert conn._groups(transfers, conn._store_lane, double_first=double_first, whole=True) == [
-        (0, len(lengths), sum(lengths))
-    ]
-    assert groups[0][0] == 0 and groups[-1][1] == len(lengths)
-    for (_, hi, _), (lo, _, _) in itertools.pairwise(groups):
+    assert split(whole=True) == [(0, len(lengths), sum(lengths))]
+    assert parts[0][0] == 0 and parts[-1][1] == len(lengths)
+    for (_, hi, _), (lo, _, _) in itertools.pairwise(parts):
         assert hi == lo
-    for lo, hi, tokens in groups:
+    for lo, hi, tokens in parts:
         assert lo < hi and tokens == sum(lengths[lo:hi])
     if first_rows == 0:
-        assert groups == [(0, len(lengths), sum(lengths))]
+        assert parts == [(0, len(lengths), sum(lengths))]
         return
     cap = min(first_rows * (2 if double_first else 1), slot_rows)  # in tokens
-    lo, hi, tokens = groups[0]
-    assert tokens <= cap or sum(1 for n in lengths[lo:hi] if n) == 1  # empty transfers ride along
-    if len(groups) > 1:  # the first group stopped only because the next transfer did not fit
-        assert tokens + lengths[hi] > cap
+    for lo, hi, tokens in parts:
+        assert tokens <= cap or sum(1 for n in lengths[lo:hi] if n) == 1  # empty transfers ride along
+        if hi < len(lengths):  # a group stops only because the next transfer did not fit
+            assert tokens + lengths[hi] > cap
+        cap *= 2
 
 
 @settings(max_examples=150, deadline=None)
@@ -167,14 +169,13 @@ def test_groups_cover_the_call_in_order_and_grow_from_the_first_cap(lengths, fir
     last=st.booleans(),
 )
 def test_an_eager_first_load_piece_is_the_plans_first_piece(lengths, empty, gaps, slot_rows, last_rows, last):  # type: ignore[no-untyped-def]
-    """``_eager_piece`` (a load's first DMA, issued before the call is checked): whole leading
+    """``eager_piece`` (a load's first DMA, issued before the call is checked): whole leading
     objects within a staging slot (leaving the short last piece to the plan when the group is
     the call's last), host ranges exactly their bytes, adjacent ones merged; and when none of
     them is empty (every slot -1), the plan told its size makes the same first piece, so the
     batch skips its own first DMA."""
-    per_token = 2 * LAYOUT.num_layers * 32
-    caches = [torch.zeros(LAYOUT.expected_cache_shape(BLOCKS), dtype=torch.float16) for _ in range(2)]
-    conn = CUDAPagedConnector(caches, LAYOUT, staging_slots=3, staging_slot_bytes=slot_rows * per_token)
+    per_token = SHAPE.token_bytes
+    ring = _ring(slot_rows * per_token)
     arena = HostArena.create(1 << 20)
     perm = torch.randperm(BLOCKS * LAYOUT.block_size, generator=torch.Generator().manual_seed(len(lengths)))
     transfers, at = [], 0
@@ -186,40 +187,38 @@ def test_an_eager_first_load_piece_is_the_plans_first_piece(lengths, empty, gaps
         slots = torch.full((n,), -1, dtype=torch.int64) if empty[k] else perm[at : at + n].clone()
         at += n
         transfers.append(Transfer(obj, slots))
-    lane = conn._load_lane
-    with patch.object(connmod, "_LAST_PIECE_BYTES", last_rows * per_token):
-        eager = conn._eager_piece(lane, transfers, last=last)
-        sizes = [n * per_token for n in lengths]
-        lead = sizes[: sizes.index(0)] if 0 in sizes else sizes  # objects before the first empty one
-        budget = lane.slot_bytes
-        if last and last_rows * per_token < sum(lead) <= budget + last_rows * per_token:
-            budget = sum(lead) - last_rows * per_token
-        if eager is None:
-            assert not lead or lead[0] > budget
-            return
-        assert eager.slot == lane.next_slot and 0 < eager.nbytes <= budget
-        covered = len(list(itertools.takewhile(lambda total: total <= budget, itertools.accumulate(lead))))
-        assert sum(sizes[:covered]) == eager.nbytes
-        ranges = [(t.obj.tensor.data_ptr(), size) for t, size in zip(transfers[:covered], sizes, strict=False)]
-        got, offset = [], 0
-        for c in eager.copies:
-            assert c.slot_offset == offset
-            offset += c.nbytes
-            got.append((c.host_ptr, c.nbytes))
-        merged: list[tuple[int, int]] = []
-        for addr, size in ranges:
-            if merged and merged[-1][0] + merged[-1][1] == addr:
-                merged[-1] = (merged[-1][0], merged[-1][1] + size)
-            else:
-                merged.append((addr, size))
-        assert got == merged
-        prepared, _ = conn._prepare(transfers)
-        with lane.lock:
-            pieces, _ = conn._plan(
-                lane, prepared, conn._all_rows(len(prepared)), store=False, slot_base=1 << 40,
-                first_piece_bytes=eager.nbytes, last_piece_bytes=connmod._LAST_PIECE_BYTES if last else None,
-            )
+    last_bytes = last_rows * per_token if last else None
+    eager = eager_piece(ring, transfers, SHAPE, last_piece_bytes=last_bytes)
+    sizes = [n * per_token for n in lengths]
+    lead = sizes[: sizes.index(0)] if 0 in sizes else sizes  # objects before the first empty one
+    budget = ring.slot_bytes
+    if last_bytes and last_bytes < sum(lead) <= budget + last_bytes:
+        budget = sum(lead) - last_bytes
+    if eager is None:
+        assert not lead or lead[0] > budget
+        return
+    assert eager.slot == ring.next_slot and 0 < eager.nbytes <= budget
+    covered = len(list(itertools.takewhile(lambda total: total <= budget, itertools.accumulate(lead))))
+    assert sum(sizes[:covered]) == eager.nbytes
+    ranges = [(t.obj.tensor.data_ptr(), size) for t, size in zip(transfers[:covered], sizes, strict=False)]
+    got, offset = [], 0
+    for c in eager.copies:
+        assert c.slot_offset == offset
+        offset += c.nbytes
+        got.append((c.host_ptr, c.nbytes))
+    merged: list[tuple[int, int]] = []
+    for addr, size in ranges:
+        if merged and merged[-1][0] + merged[-1][1] == addr:
+            merged[-1] = (merged[-1][0], merged[-1][1] + size)
+        else:
+            merged.append((addr, size))
+    assert got == merged
+    prepared, _ = prepare(SHAPE, transfers)
+    pieces, _ = plan(
+        ring, prepared, all_rows(len(prepared), SHAPE), store=False, slot_base=1 << 40,
+        first_piece_bytes=eager.nbytes, last_piece_bytes=last_bytes,
+    )
     if not any(empty[:covered]):
-        assert _same_copies(eager, pieces[0])
+        assert same_copies(eager, pieces[0])
     elif pieces:
-        assert not _same_copies(eager, pieces[0])
+        assert not same_copies(eager, pieces[0])

@@ -8,8 +8,6 @@ same. The handles are the ones torch uses (a runtime ``cudaStream_t`` is a drive
 so these calls order correctly with torch's own work.
 
 ``libcuda.so.1`` comes with the NVIDIA driver, so this adds no dependency and compiles nothing.
-Set ``KVTIER_CUDA_DRIVER_API=0`` to use torch's stream switches and copies instead (slower,
-same results); the connector also falls back to them when the library cannot be loaded.
 
 Every call's result is checked: a failure raises ``CUDADriverError`` naming the call and the
 driver's error name, never a silent skip.
@@ -20,9 +18,6 @@ from __future__ import annotations
 import ctypes
 import functools
 from ctypes import c_int, c_size_t, c_uint, c_void_p
-from typing import Any
-
-from kvtier.cuda._env import switch
 
 _CUDA_SUCCESS = 0
 _CUDA_ERROR_NOT_READY = 600
@@ -66,14 +61,6 @@ class CudaDriver:
             )
         except AttributeError:
             self._param_info = None
-
-    def entry_points(self) -> tuple[int, int, int, int, int]:
-        """The addresses of cuEventRecord, cuStreamWaitEvent, cuMemcpyHtoDAsync_v2,
-        cuMemcpyDtoHAsync_v2 and cuLaunchKernel, as this wrapper calls them (for the C op runner,
-        see ``OpBatch``)."""
-        fns = (self._record, self._wait, self._htod, self._dtoh, self._launch)
-        addrs = tuple(ctypes.cast(f, c_void_p).value or 0 for f in fns)
-        return addrs  # type: ignore[return-value]
 
     def _fail(self, call: str, res: int) -> CUDADriverError:
         name = ctypes.c_char_p()
@@ -163,78 +150,6 @@ class CudaDriver:
             raise self._fail("cuEventSynchronize", res)
 
 
-class OpBatch:
-    """The driver calls of one step of a transfer, collected and then issued by one C call.
-
-    It has ``CudaDriver``'s enqueueing methods (``record``, ``wait``, ``memcpy_htod``,
-    ``memcpy_dtoh``, ``launch``) plus ``set_value`` (a kernel parameter's value, written just
-    before the launch after it); each appends a tuple of integers, and ``flush()`` hands the
-    list to ``run_ops`` of the compiled host module (``kvtier/cuda/_hostplan.c``), which calls
-    the same libcuda entry points in order (``CudaDriver.entry_points``). Nothing reaches the
-    device before ``flush()``: the connector flushes before every point where another step, the
-    host or another direction may look at what was enqueued (each yield and return of a step,
-    and before any launch that goes through Triton).
-
-    Why: from Python each driver call costs a ctypes call. On one H200 host (16-core Xeon) a
-    record, a wait, a 4 KiB copy and a launch took 1.16, 1.44, 4.4 and 9.3 us through ctypes and
-    0.28, 0.22, 2.1 and 4.4 us from C (``benchmarks/transfer_host_timeline.py`` shows the
-    steps); a small model's store piece is about eight of them. Measured end to end
-    (``benchmarks/transfer_ops_ab.py``) it saves 2-12% of a call's host time but no transfer
-    time, so the connector uses it only with ``KVTIER_CUDA_NATIVE_OPS=1`` (see there).
-
-    A failed call raises ``CUDADriverError`` naming it at ``flush()``; the calls after it in the
-    batch are not issued (the caller then drains its lane, as for any error).
-    """
-
-    RECORD, WAIT, HTOD, DTOH, LAUNCH, SET = range(6)
-    _NAMES = ("cuEventRecord", "cuStreamWaitEvent", "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync", "cuLaunchKernel",
-              "a launch parameter")
-
-    __slots__ = ("_drv", "_run", "flushes", "ops")
-
-    def __init__(self, drv: CudaDriver, run_ops: Any) -> None:
-        self._drv = drv
-        self._run = run_ops
-        self.ops: list[tuple[int, ...]] = []
-        self.flushes = 0  # batches issued (tests check the C path ran)
-
-    def record(self, event: int, stream: int) -> None:
-        self.ops.append((0, event, stream))
-
-    def wait(self, stream: int, event: int) -> None:
-        self.ops.append((1, stream, event))
-
-    def memcpy_htod(self, dst_device: int, src_host: int, nbytes: int, stream: int) -> None:
-        self.ops.append((2, dst_device, src_host, nbytes, stream))
-
-    def memcpy_dtoh(self, dst_host: int, src_device: int, nbytes: int, stream: int) -> None:
-        self.ops.append((3, dst_host, src_device, nbytes, stream))
-
-    def launch(self, function: int, grid: tuple[int, int, int], block_x: int, shared: int, stream: int,
-               params: int) -> None:
-        self.ops.append((4, function, params, grid[0], grid[1], grid[2], block_x, shared, stream))
-
-    def set_value(self, address: int, size: int, value: int) -> None:
-        """Write ``value`` (``size`` 4 or 8 bytes) at ``address`` when the batch runs, in order."""
-        self.ops.append((5, address, size, value))
-
-    def flush(self) -> None:
-        """Issue the collected calls in order (one C call); raises CUDADriverError on a failure."""
-        ops = self.ops
-        if not ops:
-            return
-        self.ops = []
-        self.flushes += 1
-        failed = self._run(ops)
-        if failed is not None:
-            index, res = failed
-            raise self._drv._fail(self._NAMES[ops[index][0]], res)
-
-    def discard(self) -> None:
-        """Drop calls not issued yet (after an error: the caller drains what was issued)."""
-        self.ops = []
-
-
 class RawEvent:
     """A driver event (timing disabled) owned by Python: destroyed when collected.
 
@@ -270,9 +185,7 @@ class RawEvent:
 
 @functools.cache
 def driver() -> CudaDriver | None:
-    """The driver wrapper, or None when disabled (``KVTIER_CUDA_DRIVER_API=0``) or unavailable."""
-    if not switch("KVTIER_CUDA_DRIVER_API", default=True):
-        return None
+    """The driver wrapper, or None when ``libcuda.so.1`` cannot be loaded or is too old."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError:

@@ -3,7 +3,7 @@
  * Python C API (no torch headers, so no ABI coupling to a torch version).
  *
  * plan_group() does, for one group of a whole-chunk call on the driver path, what
- * CUDAPagedConnector._prepare followed by _plan do in Python: it checks each transfer, copies
+ * kvtier.cuda.plan.prepare followed by plan do in Python: it checks each transfer, copies
  * its slots into the pinned table buffer (checking each is in [0, total_slots)), packs the
  * chunks' rows into staging pieces and writes the run table after the slots. It returns None
  * -- and changes nothing the caller keeps -- whenever anything is not the ordinary case (a -1
@@ -11,13 +11,7 @@
  * not contiguous int64 on the CPU, a row larger than a staging slot, a table buffer too small,
  * any Python error): the Python path then runs and raises or handles it. So both paths give
  * the same pieces and runs (tests/cuda/test_native.py checks this property).
- *
- * run_ops() issues a batch of CUDA driver calls (event records and waits, async copies, kernel
- * launches) that the connector built as tuples of integers (kvtier.cuda._driver.OpBatch), through
- * the libcuda entry points that set_driver() was given as addresses (the ones Python's ctypes
- * resolved): no CUDA header and no link to libcuda here. One call per step of a transfer instead
- * of one ctypes call per driver call: on an H200 host a driver call from Python through ctypes
- * cost 1.2-9.3 us (record, wait, copy, launch) against 0.2-4.4 us from C. */
+ */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -325,150 +319,7 @@ out:
     return result;
 }
 
-/* -- run_ops ---------------------------------------------------------------------------- */
-
-typedef int (*record_fn)(void *event, void *stream);
-typedef int (*wait_fn)(void *stream, void *event, unsigned int flags);
-typedef int (*htod_fn)(uint64_t dst_device, const void *src_host, size_t nbytes, void *stream);
-typedef int (*dtoh_fn)(void *dst_host, uint64_t src_device, size_t nbytes, void *stream);
-typedef int (*launch_fn)(void *function, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
-                         unsigned int by, unsigned int bz, unsigned int shared, void *stream, void **params,
-                         void **extra);
-
-static record_fn drv_record;
-static wait_fn drv_wait;
-static htod_fn drv_htod;
-static dtoh_fn drv_dtoh;
-static launch_fn drv_launch;
-
-/* Op kinds (kvtier.cuda._driver.OpBatch): the tuple after the kind. */
-enum { OP_RECORD, OP_WAIT, OP_HTOD, OP_DTOH, OP_LAUNCH, OP_SET, OP_KINDS };
-static const Py_ssize_t op_len[OP_KINDS] = {3, 3, 5, 5, 9, 4};
-
-static PyObject *set_driver(PyObject *self, PyObject *args) {
-    unsigned long long rec, wt, htod, dtoh, launch;
-    if (!PyArg_ParseTuple(args, "KKKKK", &rec, &wt, &htod, &dtoh, &launch)) return NULL;
-    if (!rec || !wt || !htod || !dtoh || !launch) {
-        PyErr_SetString(PyExc_ValueError, "set_driver: every entry point must be a non-null address");
-        return NULL;
-    }
-    drv_record = (record_fn)(uintptr_t)rec;
-    drv_wait = (wait_fn)(uintptr_t)wt;
-    drv_htod = (htod_fn)(uintptr_t)htod;
-    drv_dtoh = (dtoh_fn)(uintptr_t)dtoh;
-    drv_launch = (launch_fn)(uintptr_t)launch;
-    Py_RETURN_NONE;
-}
-
-/* ops: a list of tuples of ints, run in order; None when every call succeeded, else
- * (index, result) of the first that failed (nothing after it runs). Malformed ops raise before
- * any is run. */
-static PyObject *run_ops(PyObject *self, PyObject *args) {
-    PyObject *ops;
-    if (!PyArg_ParseTuple(args, "O!", &PyList_Type, &ops)) return NULL;
-    if (drv_record == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "run_ops: set_driver() was not called");
-        return NULL;
-    }
-    Py_ssize_t n = PyList_GET_SIZE(ops);
-    if (n == 0) Py_RETURN_NONE;
-    uint64_t stack[64 * 9];
-    uint64_t *vals = n <= 64 ? stack : PyMem_Malloc(n * 9 * sizeof(uint64_t));
-    int *kinds = PyMem_Malloc(n * sizeof(int));
-    if (vals == NULL || kinds == NULL) {
-        if (vals != stack) PyMem_Free(vals);
-        PyMem_Free(kinds);
-        return PyErr_NoMemory();
-    }
-    PyObject *result = NULL;
-    /* Parse everything first: a malformed batch issues nothing. */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *op = PyList_GET_ITEM(ops, i);
-        if (!PyTuple_Check(op) || PyTuple_GET_SIZE(op) < 1) {
-            PyErr_Format(PyExc_TypeError, "run_ops: op %zd is not a tuple", i);
-            goto out;
-        }
-        long kind = PyLong_AsLong(PyTuple_GET_ITEM(op, 0));
-        if (kind == -1 && PyErr_Occurred()) goto out;
-        if (kind < 0 || kind >= OP_KINDS || PyTuple_GET_SIZE(op) != op_len[kind]) {
-            PyErr_Format(PyExc_ValueError, "run_ops: op %zd has kind %ld and %zd items", i, kind,
-                         PyTuple_GET_SIZE(op));
-            goto out;
-        }
-        kinds[i] = (int)kind;
-        for (Py_ssize_t j = 1; j < op_len[kind]; j++) {
-            PyObject *v = PyTuple_GET_ITEM(op, j);
-            uint64_t x;
-            long long sv = PyLong_AsLongLong(v);
-            if (sv == -1 && PyErr_Occurred()) {
-                PyErr_Clear();
-                x = (uint64_t)PyLong_AsUnsignedLongLong(v); /* an address above 2**63 */
-                if (PyErr_Occurred()) goto out;
-            } else {
-                x = (uint64_t)sv;
-            }
-            vals[i * 9 + j - 1] = x;
-        }
-        if (kind == OP_SET && vals[i * 9 + 1] != 4 && vals[i * 9 + 1] != 8) {
-            PyErr_Format(PyExc_ValueError, "run_ops: op %zd sets %llu bytes (4 or 8)", i,
-                         (unsigned long long)vals[i * 9 + 1]);
-            goto out;
-        }
-        if (kind == OP_SET && vals[i * 9] == 0) {
-            PyErr_Format(PyExc_ValueError, "run_ops: op %zd sets a value at address 0", i);
-            goto out;
-        }
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const uint64_t *a = vals + i * 9;
-        int res = 0;
-        switch (kinds[i]) {
-        case OP_RECORD:
-            res = drv_record((void *)(uintptr_t)a[0], (void *)(uintptr_t)a[1]);
-            break;
-        case OP_WAIT:
-            res = drv_wait((void *)(uintptr_t)a[0], (void *)(uintptr_t)a[1], 0);
-            break;
-        case OP_HTOD:
-            res = drv_htod(a[0], (const void *)(uintptr_t)a[1], (size_t)a[2], (void *)(uintptr_t)a[3]);
-            break;
-        case OP_DTOH:
-            res = drv_dtoh((void *)(uintptr_t)a[0], a[1], (size_t)a[2], (void *)(uintptr_t)a[3]);
-            break;
-        case OP_LAUNCH:
-            /* (function, params, gx, gy, gz, block_x, shared, stream) */
-            res = drv_launch((void *)(uintptr_t)a[0], (unsigned int)a[2], (unsigned int)a[3], (unsigned int)a[4],
-                             (unsigned int)a[5], 1, 1, (unsigned int)a[6], (void *)(uintptr_t)a[7],
-                             (void **)(uintptr_t)a[1], NULL);
-            break;
-        case OP_SET: /* (address, size, value): a launch parameter's value, before its launch */
-            if (a[1] == 4) {
-                int32_t v = (int32_t)a[2];
-                memcpy((void *)(uintptr_t)a[0], &v, 4);
-            } else {
-                memcpy((void *)(uintptr_t)a[0], &a[2], 8);
-            }
-            break;
-        }
-        if (res != 0) {
-            result = Py_BuildValue("(ni)", i, res);
-            goto out;
-        }
-    }
-    result = Py_None;
-    Py_INCREF(result);
-out:
-    if (vals != stack) PyMem_Free(vals);
-    PyMem_Free(kinds);
-    return result;
-}
-
 static PyMethodDef methods[] = {
-    {"set_driver", set_driver, METH_VARARGS,
-     "set_driver(cuEventRecord, cuStreamWaitEvent, cuMemcpyHtoDAsync_v2, cuMemcpyDtoHAsync_v2, cuLaunchKernel): "
-     "the entry points' addresses run_ops calls"},
-    {"run_ops", run_ops, METH_VARARGS,
-     "run_ops(ops) -> None, or (index, result) of the first driver call that failed"},
     {"plan_group", plan_group, METH_VARARGS,
      "plan_group(transfers, lo, hi, shapes, dtype, int64, hd_bytes, rows_per_obj, total_slots, table_addr, "
      "table_words, slot_bytes, slot_ptrs, next_slot, slot_base, first_piece_bytes, last_piece_bytes) -> "

@@ -7,8 +7,9 @@ them) into ``$KVTIER_CACHE_DIR/native`` (default ``~/.cache/kvtier/native``), na
 of the source, the Python version and the platform; later processes load that file. The module
 uses the Python C API only (no torch headers), so it is not tied to a torch version.
 
-Where no compiler or headers are found, or ``KVTIER_CUDA_NATIVE=0``, ``load()`` returns None and
-the connector plans in Python (same pieces and runs, more host time), with one warning.
+Where no compiler or headers are found, or the build fails, ``load()`` logs one warning (once per
+process) and returns None: the connector then plans in Python (same pieces and runs, more host
+time). The connector option ``native_planner=False`` skips it.
 """
 
 from __future__ import annotations
@@ -24,10 +25,17 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
-from kvtier.cuda._env import switch
+import torch
+
+from kvtier.cuda.geometry import CallShape
+from kvtier.cuda.kernels import RUN_WORDS
+from kvtier.cuda.memory import StagingRing, TableBuffer
+from kvtier.cuda.plan import Copy, Piece
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +111,36 @@ def _import(path: Path) -> ModuleType:
 
 @functools.cache
 def load() -> ModuleType | None:
-    """The compiled planner, or None (Python planning) when disabled or it cannot be built."""
-    if not switch("KVTIER_CUDA_NATIVE", default=True):
-        return None
+    """The compiled planner, or None (Python planning) when it cannot be built (logged once)."""
     try:
         return _import(build())
     except Exception as e:  # any failure means the Python path, never a failed transfer
         log.warning("kvtier-cuda: planning in Python (slower host path): %s", e)
         return None
+
+
+def plan_group(
+    native: Any, shape: CallShape, ring: StagingRing, transfers: Sequence[Any], lo: int, hi: int,
+    table: TableBuffer, *, first_piece_bytes: int | None, last_piece_bytes: int | None,
+) -> tuple[list[Piece], int, int] | None:
+    """``plan.prepare`` + ``plan.plan`` of whole-chunk group ``transfers[lo:hi]`` in C: the slots
+    and then the run table written into ``table``'s host buffer; returns the pieces, the slot
+    count and the table's length in int64s, or None (nothing of the ring changed) for anything
+    but the ordinary case, which the Python path then checks and plans."""
+    if not ring.slot_ptrs or table.host is None:
+        return None
+    out = native.plan_group(
+        transfers, lo, hi, shape.chunk_shapes, shape.layout.torch_dtype, torch.int64, shape.hd_bytes,
+        shape.rows_per_obj, shape.total_slots, table.host_ptr, table.host.numel(), ring.slot_bytes,
+        ring.slot_ptrs, ring.next_slot, table.dev_ptr, first_piece_bytes or 0, last_piece_bytes or 0,
+    )
+    if out is None:
+        return None
+    next_slot, tokens, runs, raw = out
+    ring.next_slot = next_slot
+    pieces = [
+        Piece(start=start, stop=stop, max_tokens=max_tokens, slot=slot, max_rows=max_rows, cap=cap, nbytes=nbytes,
+              copies=[Copy(ptr, 0, offset, n) for ptr, offset, n in copies])
+        for slot, start, stop, max_rows, max_tokens, cap, nbytes, copies in raw
+    ]
+    return pieces, tokens, tokens + RUN_WORDS * runs

@@ -17,8 +17,6 @@ from typing import Any
 
 import torch
 
-from kvtier.cuda._env import switch
-
 # Bytes one program moves: large enough to keep the memory system busy, small enough to stay in
 # registers (an 8B-shaped row of 2 KiB gives 8 tokens a program).
 _TILE_BYTES = 16 * 1024
@@ -103,14 +101,7 @@ def param_types(sizes: list[int] | None, runtime: tuple[int, ...], pointers: int
 class _Direct:
     """A kept compiled kernel launched with ``cuLaunchKernel`` through ctypes: its parameter
     array is built once, and a launch sets the changing values and makes one driver call,
-    skipping Triton's Python ``__call__``, argument parsing and launch metadata. The driver call
-    is most of a launch's cost: on one H200 host ``LAUNCHES.launch`` took 9.2 us with a lane's
-    bound launcher (``launch_first``) and 11.6 us without it; Triton's launcher call alone
-    (``ck.run``, with none of ``LAUNCHES``' bookkeeping) took 8.8 us there.
-
-    With ``ops`` (a ``kvtier.cuda._driver.OpBatch``) a launch is appended to the batch instead:
-    the changing values as ``set_value`` ops (the batch writes them just before its launch, so
-    two launches in one batch each get their own), then the launch."""
+    skipping Triton's Python ``__call__``, argument parsing and launch metadata."""
 
     __slots__ = ("block_x", "drv", "function", "params", "shared", "sizes", "value_addrs", "values")
 
@@ -122,12 +113,7 @@ class _Direct:
         array = (ctypes.c_void_p * len(types))(*self.value_addrs)
         self.params = (array, ctypes.addressof(array))  # the array stays alive with its address
 
-    def __call__(self, grid: tuple[int, int, int], stream: int, runtime: tuple[int, ...], ops: Any = None) -> None:
-        if ops is not None:
-            for addr, size, value in zip(self.value_addrs, self.sizes, runtime, strict=False):
-                ops.set_value(addr, size, value)
-            ops.launch(self.function, grid, self.block_x, self.shared, stream, self.params[1])
-            return
+    def __call__(self, grid: tuple[int, int, int], stream: int, runtime: tuple[int, ...]) -> None:
         values = self.values
         for i, value in enumerate(runtime):
             values[i].value = value
@@ -141,12 +127,8 @@ class _Direct:
             copy.values[i].value = value
         return copy
 
-    def launch_first(self, grid: tuple[int, int, int], stream: int, first: int, ops: Any = None) -> None:
+    def launch_first(self, grid: tuple[int, int, int], stream: int, first: int) -> None:
         """Launch with the first parameter set to ``first`` and the others as they are."""
-        if ops is not None:
-            ops.set_value(self.value_addrs[0], self.sizes[0], first)
-            ops.launch(self.function, grid, self.block_x, self.shared, stream, self.params[1])
-            return
         self.values[0].value = first
         self.drv.launch(self.function, grid, self.block_x, self.shared, stream, self.params[1])
 
@@ -154,8 +136,6 @@ class _Direct:
 def _direct_for(ck: Any, runtime: tuple[int, ...], pointers: int) -> _Direct | None:
     """A ``_Direct`` for compiled kernel ``ck``, or None (launch through Triton) where it cannot
     be sure of the parameter layout or the launch needs more than a plain ``cuLaunchKernel``."""
-    if not switch("KVTIER_CUDA_DIRECT_LAUNCH", default=True):
-        return None
     from kvtier.cuda._driver import driver
 
     drv = driver()
@@ -209,7 +189,7 @@ class _Launches:
     def launch(
         self, table: torch.Tensor, table_addr: int, offset: int, start: int, stop: int, max_rows: int,
         max_tokens: int, geo: RowGeometry, bases: torch.Tensor, *, to_paged: bool, stream: torch.cuda.Stream,
-        cache: dict[tuple, tuple[RowGeometry, torch.Tensor, _Direct, int]] | None = None, ops: Any = None,
+        cache: dict[tuple, tuple[RowGeometry, torch.Tensor, _Direct, int]] | None = None,
     ) -> None:
         """Runs ``[start, stop)`` of the run table that starts ``offset`` int64s into the int64
         device buffer ``table`` (whose address is ``table_addr``: read once by the caller); at
@@ -220,10 +200,7 @@ class _Launches:
         change), holding a directly launched kernel per direction and table alignment with every
         parameter but the table's address already set: a launch is then one lookup, one value
         and one driver call (9.2 us of host time instead of 11.6 on one H200 host: the gain is the
-        key building and lookups skipped, see ``_Direct``).
-
-        ``ops``: a ``kvtier.cuda._driver.OpBatch`` the caller flushes: a cached launch is
-        appended to it; any other launch first flushes it (so the order stays the caller's)."""
+        key building and lookups skipped, see ``_Direct``)."""
         runs = stop - start
         if runs <= 0 or max_tokens == 0 or max_rows == 0:
             return
@@ -232,10 +209,8 @@ class _Launches:
             fast_key = (to_paged, ptr & 15 == 0, id(geo), id(bases))
             hit = cache.get(fast_key)
             if hit is not None and hit[0] is geo and hit[1] is bases:
-                hit[2].launch_first((runs, max_rows, -(-max_tokens // hit[3])), stream.cuda_stream, ptr, ops)
+                hit[2].launch_first((runs, max_rows, -(-max_tokens // hit[3])), stream.cuda_stream, ptr)
                 return
-        if ops is not None:
-            ops.flush()
         block_t, block_d = _blocks(geo.hd_words, geo.word_bytes)
         bases_ptr = bases.data_ptr()
         key = (bases.device.index, geo, to_paged, block_t, block_d, ptr % 16 == 0, bases_ptr % 16 == 0)
@@ -256,11 +231,10 @@ class _Launches:
 
     def copy_words(
         self, src: torch.Tensor, src_addr: int, dst: torch.Tensor, numel: int, *, stream: torch.cuda.Stream,
-        ops: Any = None,
     ) -> None:
         """``dst[:numel] = src[:numel]`` (int64) by a kernel on ``stream``; ``src`` is pinned host
         memory the kernel reads in place at ``src_addr``. Both hold at least ``numel`` rounded up
-        to ``WORDS_ALIGN``. ``ops``: as for ``launch``."""
+        to ``WORDS_ALIGN``."""
         n = -(-numel // WORDS_ALIGN) * WORDS_ALIGN
         if n == 0:
             return
@@ -268,24 +242,21 @@ class _Launches:
         key = ("copy_words", dst.device.index, src_addr % 16 == 0, dst_ptr % 16 == 0)
         grid = (-(-n // _COPY_BLOCK), 1, 1)
         args = (src_addr, dst_ptr, n, _COPY_BLOCK)
-        self._dispatch(key, grid, args, 3, stream, dst.device, lambda: copy_words(src, dst, numel), ops)
+        self._dispatch(key, grid, args, 3, stream, dst.device, lambda: copy_words(src, dst, numel))
 
     def _dispatch(
         self, key: tuple, grid: tuple[int, int, int], args: tuple, runtime: int, stream: torch.cuda.Stream,
-        device: torch.device, first: Callable[[], Any], ops: Any = None,
+        device: torch.device, first: Callable[[], Any],
     ) -> None:
         """Launch the kept kernel for ``key`` on ``stream`` with ``args`` (every argument, the
         constexprs included, as ``JITFunction.run`` passes them; the first ``runtime`` are the
         non-constexpr ones, two addresses first); without one, ``first()`` launches through
         ``kernel[grid]`` with ``stream`` made current, and its compiled kernel is kept (and,
-        where its parameter layout is certain, launched directly from then on: ``_Direct``).
-        ``ops``: as for ``launch``."""
+        where its parameter layout is certain, launched directly from then on: ``_Direct``)."""
         direct = self.direct.get(key)
         if direct is not None:
-            direct(grid, stream.cuda_stream, args[:runtime], ops)
+            direct(grid, stream.cuda_stream, args[:runtime])
             return
-        if ops is not None:
-            ops.flush()
         ck = self.compiled.get(key)
         if ck is not None:
             knobs = self.knobs
