@@ -1,4 +1,6 @@
-"""The disk tier: atomic files, budget LRU, restart index, integrity, sharing between processes."""
+"""The disk tier's own behaviour: atomic files, restart index, O_DIRECT, write errors, sharing between
+processes. Round trips, damaged and foreign files, namespaces and the budget's LRU eviction are in
+tests/conformance/test_storage_backend.py (every tier runs them)."""
 
 from __future__ import annotations
 
@@ -40,22 +42,6 @@ def test_files_are_complete_and_no_temporaries_remain(make_manager):
         assert disk.path_of(key(i)).stat().st_size > meta().nbytes
 
 
-def test_budget_evicts_least_recently_used_files(make_manager):
-    probe = make_manager()
-    stored(probe, 99)
-    file_bytes = disk_of(probe).path_of(key(99)).stat().st_size
-    m = make_manager(local_disk_size_gb=3.5 * file_bytes / GiB, local_disk_path=str(
-        disk_of(probe).root.parent / "small"))
-    for i in range(3):  # one at a time: two writer threads could finish in either order
-        stored(m, i)
-    m.get(key(0)).release()  # disk read: 0 becomes the most recent file
-    m.host.remove([key(0)])
-    stored(m, 3)
-    disk = disk_of(m)
-    assert disk.contains([key(i) for i in range(4)]) == [True, False, True, True]
-    assert disk.used_bytes <= disk.budget
-
-
 def test_chunk_larger_than_the_budget_is_skipped_with_a_warning(make_manager, caplog):
     m = make_manager(local_disk_size_gb=1000 / GiB)
     with caplog.at_level(logging.WARNING, logger="kvtier.storage"):
@@ -93,45 +79,6 @@ def corrupt_byte(path: Path, offset: int) -> None:
     data = bytearray(path.read_bytes())
     data[offset] ^= 0x40
     path.write_bytes(bytes(data))
-
-
-@pytest.mark.parametrize("damage", ["payload_byte", "header_byte", "truncate", "extend", "swap", "empty"])
-def test_damaged_file_is_a_miss_and_is_removed(make_manager, caplog, damage):
-    m = make_manager()
-    stored(m, 0, 1)
-    disk = disk_of(m)
-    p0, p1 = disk.path_of(key(0)), disk.path_of(key(1))
-    size = p0.stat().st_size
-    if damage == "payload_byte":
-        corrupt_byte(p0, size - 7)
-    elif damage == "header_byte":
-        corrupt_byte(p0, 30)
-    elif damage == "truncate":
-        os.truncate(p0, size - 100)
-    elif damage == "extend":
-        with open(p0, "ab") as f:
-            f.write(b"\0" * 64)
-    elif damage == "swap":
-        tmp = p0.with_suffix(".swap")
-        os.replace(p0, tmp)
-        os.replace(p1, p0)
-        os.replace(tmp, p1)
-    else:
-        p0.write_bytes(b"")
-    with caplog.at_level(logging.WARNING, logger="kvtier.storage"):
-        assert m.get(key(0)) is None
-    assert "rejected" in caplog.text
-    assert m.stats.get("local_disk.corrupt") == 1
-    assert not p0.exists()
-    assert disk.contains([key(0)]) == [False]
-    assert m.host.contains([key(0)]) == [False]
-    if damage == "swap":
-        assert m.get(key(1)) is None
-        assert not p1.exists()
-    else:
-        obj = m.get(key(1))
-        check_obj(obj, 1)
-        obj.release()
 
 
 def test_a_second_process_sees_what_the_first_wrote(make_manager, tmp_path):
