@@ -2,9 +2,17 @@
 
 In vLLM's default multiprocess mode the scheduler (EngineCore process) and the worker (which owns
 the KV tensors, the host-memory tier and the CacheEngine) are different processes. The worker
-serves lookups on a Unix socket in a private directory (``0700``); the scheduler asks it with a
+serves lookups on a Unix socket in a private directory; the scheduler asks it with a
 bounded timeout. A slow, dead or missing worker is a miss (logged), never a hang. In-process
 mode uses the same path, so both modes run the same code.
+
+Security: lookups carry prompts' token ids and cache salts, so only this user may see or answer
+them. The socket directory is per user (``$KVTIER_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR`` if it
+exists, else the temp dir, then ``kvtier-<uid>``), created ``0700`` and checked on every use: a directory,
+not a symlink, owned by this user, no access for group or others; anything else (another user
+pre-created it, or opened it up) is refused with ``UnsafeRuntimeDir``. Each end checks the
+other's user id (``SO_PEERCRED``), and the client checks the shape of every reply (a lookup's
+hit is a non-negative integer) before anything uses it.
 
 Frames: 4-byte big-endian length + a JSON header; a lookup's header carries ``n`` and is followed
 by ``n`` little-endian int64 token ids. Nothing is unpickled from the socket.
@@ -16,6 +24,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import struct
 import tempfile
 import threading
@@ -35,11 +44,45 @@ MAX_TOKENS = 1 << 24
 Handler = Callable[[dict[str, Any], np.ndarray | None], dict[str, Any]]
 
 
+class UnsafeRuntimeDir(PermissionError):
+    """The lookup socket directory is not private to this user; the message says why and how to fix it."""
+
+
+def runtime_dir() -> Path:
+    """This user's private directory for lookup sockets, created ``0700`` if missing and
+    checked (see the module docstring); raises ``UnsafeRuntimeDir``."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and not os.path.isdir(xdg):
+        xdg = None  # set but missing (a session without a login manager): the temp dir
+    base = Path(os.environ.get("KVTIER_RUNTIME_DIR") or xdg or tempfile.gettempdir())
+    d = base / f"kvtier-{os.getuid()}"
+    try:
+        d.mkdir(mode=0o700, parents=False)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise UnsafeRuntimeDir(f"kvtier cannot create its lookup socket directory {d}: {e}; set "
+                               f"KVTIER_RUNTIME_DIR to a directory of yours") from None
+    st = os.lstat(d)
+    problem = None
+    if not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory (a symlink or a file is there)"
+    elif st.st_uid != os.getuid():
+        problem = f"belongs to user id {st.st_uid}, not to this user ({os.getuid()})"
+    elif st.st_mode & 0o077:
+        problem = f"has mode {stat.S_IMODE(st.st_mode):o}: group or others may use it (needs 700)"
+    if problem:
+        raise UnsafeRuntimeDir(
+            f"kvtier refuses the lookup socket directory {d}: it {problem}. Another local user may "
+            f"have planted it to read prompts; remove it, or set KVTIER_RUNTIME_DIR (or "
+            f"XDG_RUNTIME_DIR) to a private directory"
+        )
+    return d
+
+
 def socket_path(engine_id: str, rank: int) -> str:
     """Where rank ``rank`` of engine ``engine_id`` serves lookups (same in every process)."""
-    base = Path(os.environ.get("KVTIER_RUNTIME_DIR") or tempfile.gettempdir())
-    d = base / f"kvtier-{os.getuid()}"
-    d.mkdir(mode=0o700, exist_ok=True)
+    d = runtime_dir()
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)[:48]
     return str(d / f"{safe}-r{rank}.sock")
 
@@ -69,6 +112,31 @@ def _recv_header(sock: socket.socket) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise ConnectionError("lookup channel header is not an object")
     return header
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The user id of the process at the other end of a Unix socket (None where the system
+    cannot say)."""
+    opt = getattr(socket, "SO_PEERCRED", None)
+    if opt is None:
+        return None
+    _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, opt, struct.calcsize("3i")))
+    return int(uid)
+
+
+def _check_reply(header: dict[str, Any], n: int | None, reply: dict[str, Any]) -> None:
+    """Raise ``ConnectionError`` unless ``reply`` has the shape the request ``header`` calls for."""
+    if "error" in reply:
+        return
+    op = header.get("op")
+    if op == "lookup":
+        hit = reply.get("hit")
+        if not isinstance(hit, int) or isinstance(hit, bool) or hit < 0:
+            raise ConnectionError(f"bad lookup reply: hit {hit!r} for {n} tokens")
+    elif op == "flush" and not isinstance(reply.get("flushed"), bool):
+        raise ConnectionError(f"bad flush reply {str(reply)[:200]}")
+    elif op == "stats" and not isinstance(reply.get("stats"), dict):
+        raise ConnectionError(f"bad stats reply {str(reply)[:200]}")
 
 
 def _is_served(path: str) -> bool:
@@ -128,6 +196,11 @@ class LookupServer:
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
+            uid = peer_uid(conn)
+            if uid is not None and uid != os.getuid():
+                logger.warning("kvtier lookup channel %s: refused a connection from user id %d",
+                               self.path, uid)
+                return
             while not self._closed.is_set():
                 try:
                     header = _recv_header(conn)
@@ -173,7 +246,10 @@ class LookupClient:
             s.settimeout(self.timeout_s)
             try:
                 s.connect(self.path)
-            except OSError:
+                uid = peer_uid(s)
+                if uid is not None and uid != os.getuid():
+                    raise ConnectionError(f"the socket is served by user id {uid}, not this user")
+            except (OSError, ConnectionError):
                 s.close()
                 raise
             self._sock = s
@@ -181,15 +257,18 @@ class LookupClient:
 
     def call(self, header: dict[str, Any], tokens: np.ndarray | None = None) -> dict[str, Any]:
         payload = b""
+        n = None
         if tokens is not None:
             arr = np.ascontiguousarray(tokens, dtype="<i8")
-            header = {**header, "n": int(arr.size)}
+            n = int(arr.size)
+            header = {**header, "n": n}
             payload = arr.tobytes()
         with self._lock:
             try:
                 sock = self._connect()
                 _send(sock, header, payload)
                 reply = _recv_header(sock)
+                _check_reply(header, n, reply)
             except (OSError, ConnectionError, ValueError) as e:
                 self.close_locked()
                 raise ChannelError(f"kvtier lookup channel {self.path}: {e}") from e

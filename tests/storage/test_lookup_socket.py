@@ -1,0 +1,162 @@
+"""The lookup socket is private to its user: a planted or opened-up runtime directory is refused,
+each end checks the other's user id, and replies are checked before anything uses them (the
+drill: another user pre-created the directory world-writable, replaced the socket, read every
+lookup's tokens and salt and answered arbitrary hit counts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import stat
+import struct
+import tempfile
+import threading
+
+import numpy as np
+import pytest
+
+from kvtier.vllm_integration.channel import (
+    ChannelError,
+    LookupClient,
+    LookupServer,
+    UnsafeRuntimeDir,
+    socket_path,
+)
+
+
+@pytest.fixture
+def runtime_base(tmp_path, monkeypatch):
+    base = tmp_path / "run"
+    base.mkdir()
+    monkeypatch.setenv("KVTIER_RUNTIME_DIR", str(base))
+    return base / f"kvtier-{os.getuid()}"
+
+
+def test_runtime_dir_is_created_private(runtime_base):
+    old = os.umask(0)
+    try:
+        path = socket_path("engine", 0)
+    finally:
+        os.umask(old)
+    assert os.path.dirname(path) == str(runtime_base)
+    st = os.lstat(runtime_base)
+    assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
+
+
+def test_xdg_runtime_dir_is_used_when_set(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVTIER_RUNTIME_DIR", raising=False)
+    xdg = tmp_path / "xdg"
+    xdg.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
+    assert socket_path("e", 1).startswith(str(xdg) + os.sep)
+
+
+@pytest.mark.parametrize("plant", ["world_writable", "group_readable", "other_owner", "symlink", "file"])
+def test_planted_runtime_dir_is_refused(runtime_base, tmp_path, plant):
+    if plant == "world_writable":
+        runtime_base.mkdir()
+        runtime_base.chmod(0o777)
+    elif plant == "group_readable":
+        runtime_base.mkdir(mode=0o750)
+        runtime_base.chmod(0o750)
+    elif plant == "other_owner":
+        if os.getuid() != 0:
+            pytest.skip("needs root to make a directory owned by another user")
+        runtime_base.mkdir(mode=0o700)
+        os.chown(runtime_base, 12345, 12345)
+    elif plant == "symlink":
+        target = tmp_path / "attacker"
+        target.mkdir(mode=0o700)
+        runtime_base.symlink_to(target)
+    else:
+        runtime_base.write_text("x")
+    with pytest.raises(UnsafeRuntimeDir, match="refuses the lookup socket directory"):
+        socket_path("engine", 0)
+    with pytest.raises(UnsafeRuntimeDir):  # and on every later use
+        socket_path("e", 1)
+
+
+def _fake_server(path: str, reply: object, seen: list) -> socket.socket:
+    """A hostile server: records what it is sent, answers ``reply`` to everything."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(4)
+
+    def run() -> None:
+        try:
+            conn, _ = srv.accept()
+        except OSError:
+            return
+        with conn:
+            try:
+                (n,) = struct.unpack(">I", conn.recv(4, socket.MSG_WAITALL))
+                seen.append(json.loads(conn.recv(n, socket.MSG_WAITALL)))
+                blob = json.dumps(reply).encode()
+                conn.sendall(struct.pack(">I", len(blob)) + blob)
+                conn.recv(1 << 20)
+            except OSError:
+                pass
+
+    threading.Thread(target=run, daemon=True).start()
+    return srv
+
+
+@pytest.mark.parametrize("reply", [{"hit": -5}, {"hit": "64"}, {"hit": True},
+                                   {"hit": 3.5}, {}, {"hits": 4}])
+def test_replies_out_of_shape_are_errors_not_hits(runtime_base, reply):
+    path = socket_path("engine", 0)
+    seen: list = []
+    srv = _fake_server(path, reply, seen)
+    client = LookupClient(path, 2.0)
+    try:
+        with pytest.raises(ChannelError, match="bad lookup reply"):
+            client.call({"op": "lookup", "salt": None}, np.arange(64))
+    finally:
+        client.close()
+        srv.close()
+
+
+def test_a_good_reply_passes(runtime_base):
+    path = socket_path("engine", 0)
+    server = LookupServer(path, lambda header, tokens: {"hit": int(tokens.size) // 2})
+    client = LookupClient(path, 2.0)
+    try:
+        assert client.call({"op": "lookup"}, np.arange(64))["hit"] == 32
+    finally:
+        client.close()
+        server.close()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a server as another user")
+def test_a_server_of_another_user_is_refused():
+    shared = tempfile.mkdtemp(prefix="kvtier-test-shared-")  # the other user must reach it
+    os.chmod(shared, 0o777)
+    path = os.path.join(shared, "s.sock")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the other user's process: serve one hostile answer, then exit
+        try:
+            os.close(r)
+            os.setgid(65534)
+            os.setuid(65534)
+            srv = _fake_server(path, {"hit": 64}, [])
+            os.write(w, b"1")
+            conn_wait = threading.Event()
+            conn_wait.wait(5)
+            srv.close()
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 1) == b"1"
+        client = LookupClient(path, 2.0)
+        with pytest.raises(ChannelError, match="user id 65534"):
+            client.call({"op": "lookup"}, np.arange(64))
+        client.close()
+    finally:
+        os.close(r)
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        shutil.rmtree(shared, ignore_errors=True)
