@@ -12,8 +12,13 @@ literally that. The spec:
   (max_tokens optional; ``"extend_with_previous": k`` instead sends the previous generate's
   prompt plus its first k generated tokens) -> generated token ids and the logprob of each; ``{"op": "stats"}`` -> the worker connector's counters (over the
   lookup channel); ``{"op": "flush"}``; ``{"op": "reset_prefix_cache"}``;
+  ``{"op": "reset_connector"}`` (``llm.reset_prefix_cache(reset_connector=True)``, what a weight
+  update is followed by); ``{"op": "perturb_k", "seed": n}`` (in-process only: add noise to
+  every layer's K projection rows through ``llm.apply_model``, as a weight update would);
   ``{"op": "corrupt", "prompt": [...], "salt": ...}`` (in-process only) -> overwrite every stored
   chunk of the prompt with zeros through the storage manager's public API.
+- ``"lora": {"name", "id", "path"}`` on a generate sends it with that LoRA adapter (the spec
+  needs ``"enable_lora": true``).
 - ``"evict_after_lookup": true`` on a generate (in-process only): once the scheduler has looked
   the prompt up and allocated its blocks, and before the worker loads, fill the host tier with
   chunk-sized objects (as other requests' saves would), more than the tier holds, until none
@@ -49,6 +54,27 @@ def _corrupt(prompt: list[int], salt: str | None) -> int:
             engine.storage.put(span.key, obj)
         n += 1
     return n
+
+
+def _perturb_k(llm, seed: int) -> int:
+    """Add noise to the K rows of every layer's fused QKV projection; returns layers changed."""
+    import torch
+
+    def perturb(model) -> int:
+        gen = torch.Generator().manual_seed(seed)
+        changed = 0
+        for name, param in model.named_parameters():
+            if not name.endswith("qkv_proj.weight"):
+                continue
+            attn = model.model.layers[0].self_attn
+            q, kv = attn.q_size, attn.kv_size
+            rows = param.data[q : q + kv]
+            noise = torch.randn(rows.shape, generator=gen, dtype=torch.float32) * 0.2
+            rows.add_(noise.to(rows.dtype))
+            changed += 1
+        return changed
+
+    return sum(llm.apply_model(perturb))
 
 
 @contextlib.contextmanager
@@ -115,6 +141,8 @@ def main(spec_path: str, out_path: str) -> None:
         }
         if spec.get("load_failure_policy"):
             kwargs["kv_transfer_config"]["kv_load_failure_policy"] = spec["load_failure_policy"]
+    if spec.get("enable_lora"):
+        kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=2)
     llm = LLM(
         model=spec["model"], enforce_eager=True, block_size=32, kv_cache_memory_bytes=64 << 20,
         max_model_len=4096, enable_prefix_caching=bool(spec.get("prefix_caching")),
@@ -139,9 +167,15 @@ def main(spec_path: str, out_path: str) -> None:
             if "max_tokens" in step:
                 step_params = SamplingParams(max_tokens=step["max_tokens"], temperature=0.0,
                                              logprobs=0)
+            lora = None
+            if step.get("lora"):
+                from vllm.lora.request import LoRARequest
+
+                lora = LoRARequest(step["lora"]["name"], step["lora"]["id"], step["lora"]["path"])
             evicting = step.get("evict_after_lookup")
             with _evict_after_lookup(llm) if evicting else contextlib.nullcontext({}) as evict:
-                out = llm.generate([prompt], step_params, use_tqdm=False)[0].outputs[0]
+                out = llm.generate([prompt], step_params, use_tqdm=False,
+                                   lora_request=lora)[0].outputs[0]
             logprobs = [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
             last_output = list(out.token_ids)
             results.append({"tokens": last_output, "logprobs": logprobs})
@@ -151,11 +185,13 @@ def main(spec_path: str, out_path: str) -> None:
             results.append(query_worker_stats(engine_id))
         elif op == "flush":
             results.append(flush_worker(engine_id))
-        elif op == "reset_prefix_cache":
+        elif op in ("reset_prefix_cache", "reset_connector"):
             # A finished request whose saves were pending keeps its blocks until the engine's
             # next step reports the saves done; the offline LLM steps only inside generate().
             llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
-            results.append(llm.reset_prefix_cache())
+            results.append(llm.reset_prefix_cache(reset_connector=op == "reset_connector"))
+        elif op == "perturb_k":
+            results.append(_perturb_k(llm, step["seed"]))
         elif op == "corrupt":
             results.append(_corrupt(step["prompt"], step.get("salt")))
         else:

@@ -21,8 +21,8 @@ from kvtier.vllm_integration.channel import (
     LookupServer,
     socket_path,
 )
-from kvtier.vllm_integration.connector import slot_mapping
 from kvtier.vllm_integration.layout import build_layout, detect_paged_layout, layer_index
+from kvtier.vllm_integration.metadata import slot_mapping
 
 BS, H, D, NB = 32, 2, 64, 5
 

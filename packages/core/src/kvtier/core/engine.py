@@ -12,6 +12,9 @@ Holds: ``hold(tokens)`` looks a prompt up *and* keeps its hit objects in host me
 lower-tier hits now, like a prefetch) until the hold is released, so a load that follows the
 lookup cannot come up short because a chunk was evicted in between.
 
+Scopes: every method that takes ``salt`` accepts a bare cache salt or a ``KeyScope`` (salt,
+adapter identity, weights generation); see ``kvtier.core.keys``.
+
 Slot mappings: ``slot_mapping[i]`` is token ``i``'s slot in the paged cache, ``-1`` when the
 engine does not hold it (store: the chunk cannot be saved) or does not want it (retrieve: the
 engine already has it, or it is past what the engine asked for).
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,10 +33,18 @@ import torch
 from kvtier.core.config import KVTierConfig
 from kvtier.core.connector import DeviceConnector, Transfer
 from kvtier.core.errors import ConfigError, KVTierError
-from kvtier.core.keys import ChunkKey, KeyFactory, TokenIds, chain_hash, salt_seed, token_bytes
+from kvtier.core.keys import (
+    ChunkKey,
+    KeyFactory,
+    Scope,
+    TokenIds,
+    chain_hash,
+    salt_seed,
+    token_bytes,
+)
 from kvtier.core.layout import KVLayout
 from kvtier.core.memory import MemoryObj, MemoryObjMeta
-from kvtier.core.platform import Platform, get_platform
+from kvtier.core.platform import Marker, Platform, get_platform
 from kvtier.core.storage import StorageManager, create_storage_manager
 
 logger = logging.getLogger("kvtier")
@@ -62,6 +73,7 @@ class EngineStats:
     store_skipped_chunks: int = 0
     retrieved_tokens: int = 0
     retrieve_misses: int = 0
+    store_abandoned_chunks: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **counts: int) -> None:
@@ -73,7 +85,7 @@ class EngineStats:
         return {k: v for k, v in vars(self).items() if not k.startswith("_")}
 
 
-def _prefix_digest(arr: np.ndarray, salt: str | None) -> bytes:
+def _prefix_digest(arr: np.ndarray, salt: Scope) -> bytes:
     return chain_hash(salt_seed(salt), arr)
 
 
@@ -171,7 +183,7 @@ class CacheEngine:
         return self.connector
 
     # -- chunking ------------------------------------------------------------------------------
-    def full_spans(self, tokens: TokenIds, salt: str | None = None) -> list[ChunkSpan]:
+    def full_spans(self, tokens: TokenIds, salt: Scope = None) -> list[ChunkSpan]:
         arr = token_bytes(tokens)
         c = self.chunk_size
         prev = salt_seed(salt)
@@ -181,10 +193,10 @@ class CacheEngine:
             spans.append(ChunkSpan(start, start + c, self.keys.key(prev, salt)))
         return spans
 
-    def _prev_hash(self, spans: Sequence[ChunkSpan], index: int, salt: str | None) -> bytes:
+    def _prev_hash(self, spans: Sequence[ChunkSpan], index: int, salt: Scope) -> bytes:
         return bytes.fromhex(spans[index - 1].key.chunk_hash) if index else salt_seed(salt)
 
-    def tail_spans(self, tokens: TokenIds, index: int, salt: str | None = None,
+    def tail_spans(self, tokens: TokenIds, index: int, salt: Scope = None,
                    spans: Sequence[ChunkSpan] | None = None) -> list[ChunkSpan]:
         """Block-sized spans after full chunk ``index - 1``: whole blocks of ``tokens`` up to one
         block short of a chunk, each keyed by chaining its block onto the previous key.
@@ -206,7 +218,7 @@ class CacheEngine:
             out.append(ChunkSpan(s0, s0 + bs, self.keys.key(prev, salt)))
         return out
 
-    def hit_spans(self, tokens: TokenIds, salt: str | None = None) -> list[ChunkSpan]:
+    def hit_spans(self, tokens: TokenIds, salt: Scope = None) -> list[ChunkSpan]:
         """The contiguous run of stored spans covering a prefix of ``tokens``."""
         arr = token_bytes(tokens)
         spans = self.full_spans(arr, salt)
@@ -218,7 +230,7 @@ class CacheEngine:
                 hits.extend(tail[: self.storage.prefix_hits([s.key for s in tail])])
         return hits
 
-    def store_spans(self, tokens: TokenIds, salt: str | None = None) -> list[ChunkSpan]:
+    def store_spans(self, tokens: TokenIds, salt: Scope = None) -> list[ChunkSpan]:
         """Spans ``store`` would save for ``tokens``: full chunks, then the tail block by block."""
         arr = token_bytes(tokens)
         spans = self.full_spans(arr, salt)
@@ -227,7 +239,7 @@ class CacheEngine:
         return spans
 
     # -- API -----------------------------------------------------------------------------------
-    def lookup(self, tokens: TokenIds, salt: str | None = None) -> int:
+    def lookup(self, tokens: TokenIds, salt: Scope = None) -> int:
         """Number of leading tokens of ``tokens`` whose KV is stored (a multiple of the block size)."""
         hits = self.hit_spans(tokens, salt)
         n = hits[-1].end if hits else 0
@@ -253,7 +265,7 @@ class CacheEngine:
             self.stats.add(retrieve_misses=1)
         return list(spans[: len(kept)]), kept
 
-    def hold(self, tokens: TokenIds, salt: str | None = None) -> Hold:
+    def hold(self, tokens: TokenIds, salt: Scope = None) -> Hold:
         """Look ``tokens`` up and keep the hit prefix's objects in host memory (see ``Hold``)."""
         arr = token_bytes(tokens)
         spans, objs = self._fetch_prefix(self.hit_spans(arr, salt))
@@ -293,7 +305,7 @@ class CacheEngine:
         return MemoryObjMeta(self.layout.chunk_shape(num_tokens), self.layout.torch_dtype, num_tokens)
 
     def _plan_store(
-        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], salt: str | None
+        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], salt: Scope
     ) -> list[tuple[ChunkSpan, Transfer]]:
         arr = token_bytes(tokens)
         slots = self._slots(slot_mapping, len(arr))
@@ -331,26 +343,39 @@ class CacheEngine:
                 obj.release()
 
     def store(
-        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], *, salt: str | None = None
+        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], *, salt: Scope = None,
+        ready: Marker = None, keep: Callable[[], bool] | None = None,
     ) -> int:
         """Save every storable span of ``tokens`` not already stored; returns tokens newly stored.
 
         A span is storable when all its slots are valid (>= 0). Skipped silently when host
         memory is exhausted (counted in ``stats.store_skipped_chunks``).
+
+        ``ready``: a marker from ``platform.record_marker()`` taken on the thread whose device
+        work wrote this KV (vLLM's forward pass); the copy is ordered after it. Needed whenever
+        ``store`` runs on another thread than the one that computed the KV: device work is
+        ordered per stream, and another thread's current stream does not wait for the compute
+        stream. ``keep``: asked once the copy is done; if it returns False the copied chunks
+        are dropped, nothing is stored (the engine's blocks may have been reused meanwhile).
         """
         connector = self._require_connector()
         plan = self._plan_store(tokens, slot_mapping, salt)
         if not plan:
             return 0
         try:
+            self.platform.wait_marker(ready)
             connector.store([t for _, t in plan])
         except BaseException:
             self._abort([t.obj for _, t in plan])
             raise
+        if keep is not None and not keep():
+            self._abort([t.obj for _, t in plan])
+            self.stats.add(store_abandoned_chunks=len(plan))
+            return 0
         return self._commit_store(plan)
 
     def store_layerwise(
-        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], *, salt: str | None = None
+        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], *, salt: Scope = None
     ) -> Iterator[int]:
         """Like ``store``, one layer per ``next()``; the chunks are saved when it is exhausted."""
         connector = self._require_connector()
@@ -366,7 +391,7 @@ class CacheEngine:
         self._commit_store(plan)
 
     def _plan_retrieve(
-        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], salt: str | None,
+        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], salt: Scope,
         hold: Hold | None,
     ) -> tuple[list[Transfer], torch.Tensor]:
         arr = token_bytes(tokens)
@@ -394,18 +419,20 @@ class CacheEngine:
 
     def retrieve(
         self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], *,
-        salt: str | None = None, hold: Hold | None = None,
+        salt: Scope = None, hold: Hold | None = None, ready: Marker = None,
     ) -> torch.Tensor:
         """Load the stored prefix of ``tokens`` into the slots that are not -1.
 
         With ``hold`` (from ``hold(tokens, salt)``), load exactly the held objects (the hold stays
         the caller's to release). Returns a bool mask (one per token) of the tokens whose KV was
-        written into the cache.
+        written into the cache. ``ready``: as for ``store`` (a load issued on another thread
+        must not overwrite blocks that earlier device work on the compute stream still reads).
         """
         connector = self._require_connector()
         transfers, mask = self._plan_retrieve(tokens, slot_mapping, salt, hold)
         try:
             if transfers:
+                self.platform.wait_marker(ready)
                 connector.load(transfers)
         finally:
             self._abort([t.obj for t in transfers])
@@ -414,7 +441,7 @@ class CacheEngine:
 
     def retrieve_layerwise(
         self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], *,
-        salt: str | None = None, hold: Hold | None = None,
+        salt: Scope = None, hold: Hold | None = None,
     ) -> RetrieveJob:
         """Fetch the stored prefix now; load it layer by layer as the job's ``layers`` is iterated."""
         connector = self._require_connector()

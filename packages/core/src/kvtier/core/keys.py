@@ -1,10 +1,15 @@
 """Chunk keys and prefix-chained chunk hashing.
 
 A prompt is cut into chunks of ``chunk_size`` tokens. Chunk ``i``'s hash covers every token before
-it: ``h_i = blake2b(h_{i-1} || tokens of chunk i)``, seeded with the cache salt, so two prompts
-share a chunk key exactly when they share the whole prefix up to the end of that chunk. The hash
-depends only on token ids (as little-endian int64), never on Python's ``hash()``, so keys agree
-across processes, hash seeds and machines.
+it: ``h_i = blake2b(h_{i-1} || tokens of chunk i)``, seeded by the request's ``KeyScope`` (cache
+salt, adapter identity, weights generation), so two prompts share a chunk key exactly when they
+share the whole prefix up to the end of that chunk *and* their scope. The hash depends only on
+token ids (as little-endian int64) and the scope's strings, never on Python's ``hash()``, so keys
+agree across processes, hash seeds and machines.
+
+What the tokens cannot say (an image behind placeholder tokens) must be folded into the token ids
+by the caller before hashing: the vLLM connector replaces each multimodal item's placeholder
+positions with ids derived from the item's content hash (``kvtier.vllm_integration.identity``).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-HASH_VERSION = b"kvtier-chunk-v1"
+HASH_VERSION = b"kvtier-chunk-v2"
 DIGEST_SIZE = 16
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
@@ -51,13 +56,58 @@ def token_bytes(tokens: TokenIds) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype="<i8")
 
 
-def salt_seed(salt: str | None) -> bytes:
-    """The chain's seed: depends on the hash version and on the cache salt (if any)."""
-    h = hashlib.blake2b(HASH_VERSION, digest_size=DIGEST_SIZE)
-    if salt:
-        h.update(b"\x00salt\x00")
-        h.update(salt.encode())
-    return h.digest()
+@dataclass(frozen=True)
+class KeyScope:
+    """Everything per request, besides its tokens, that changes the KV and so seeds the chain.
+
+    - ``salt``: the request's cache salt (tenants that must not share KV); its ``salt_id`` is
+      also written into the key, so a tier can list or clear one salt.
+    - ``adapter``: the identity of a LoRA adapter on the request (name, path and content
+      digest); adapters on k/v projections change the KV, so base and adapter never share.
+    - ``generation``: the weights generation of the engine (a new one after every cache reset
+      following a weight update); chunks of older weights become unreachable.
+
+    Empty strings mean the same as ``None``.
+    """
+
+    salt: str | None = None
+    adapter: str | None = None
+    generation: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("salt", "adapter", "generation"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"KeyScope.{name} must be a str or None, got {value!r}")
+            if value == "":
+                object.__setattr__(self, name, None)
+
+    @classmethod
+    def of(cls, scope: KeyScope | str | None) -> KeyScope:
+        """A scope from a scope, a bare cache salt, or None."""
+        if isinstance(scope, KeyScope):
+            return scope
+        if scope is not None and not isinstance(scope, str):
+            raise ValueError(f"salt must be a str, a KeyScope or None, got {scope!r}")
+        return cls(salt=scope)
+
+    def seed(self) -> bytes:
+        """The chain's first hash: the hash version and every field that is set."""
+        h = hashlib.blake2b(HASH_VERSION, digest_size=DIGEST_SIZE)
+        for tag, value in ((b"salt", self.salt), (b"adapter", self.adapter),
+                           (b"generation", self.generation)):
+            if value:
+                data = value.encode()
+                h.update(b"\x00" + tag + b"\x00" + len(data).to_bytes(8, "little") + data)
+        return h.digest()
+
+
+Scope = KeyScope | str | None
+
+
+def salt_seed(salt: Scope) -> bytes:
+    """The chain's seed for a cache salt or a full ``KeyScope``."""
+    return KeyScope.of(salt).seed()
 
 
 def chain_hash(prev: bytes, token_arr: np.ndarray) -> bytes:
@@ -67,7 +117,7 @@ def chain_hash(prev: bytes, token_arr: np.ndarray) -> bytes:
     return h.digest()
 
 
-def prefix_hashes(tokens: TokenIds, chunk_size: int, salt: str | None = None) -> list[bytes]:
+def prefix_hashes(tokens: TokenIds, chunk_size: int, salt: Scope = None) -> list[bytes]:
     """Hashes of every *full* chunk of ``tokens`` (a trailing partial chunk is not included)."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
@@ -126,10 +176,13 @@ def model_id(model: str) -> str:
     return safe or "model"
 
 
-def salt_id(salt: str | None) -> str:
-    if not salt:
+def salt_id(salt: Scope) -> str:
+    """The salt's short id in a key (``-`` for none); a scope's adapter and generation are not
+    part of it (they are in the chain's seed)."""
+    value = KeyScope.of(salt).salt
+    if not value:
         return "-"
-    return hashlib.blake2b(salt.encode(), digest_size=6).hexdigest()
+    return hashlib.blake2b(value.encode(), digest_size=6).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -141,7 +194,7 @@ class KeyFactory:
     world_size: int = 1
     rank: int = 0
 
-    def key(self, chunk_hash: bytes, salt: str | None = None) -> ChunkKey:
+    def key(self, chunk_hash: bytes, salt: Scope = None) -> ChunkKey:
         return ChunkKey(
             model_id(self.model), self.layout_fp, self.world_size, self.rank, salt_id(salt),
             chunk_hash.hex(),

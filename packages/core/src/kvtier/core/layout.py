@@ -73,6 +73,9 @@ class KVLayout:
     block_size: int
     paged_layout: PagedLayout
     use_mla: bool = False
+    # The engine's name for the KV format (vLLM: "auto", "fp8_e4m3", "fp8_e5m2", ...): fp8
+    # variants share one torch dtype (uint8), so only this tells their bytes apart.
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_kv_heads", "head_size", "block_size"):
@@ -80,6 +83,8 @@ class KVLayout:
             if not isinstance(value, int) or value <= 0:
                 raise LayoutError(f"KVLayout.{field} must be a positive int, got {value!r}")
         dtype_from_name(self.dtype)
+        if not isinstance(self.cache_dtype, str) or not self.cache_dtype:
+            raise LayoutError(f"KVLayout.cache_dtype must be a non-empty str, got {self.cache_dtype!r}")
         object.__setattr__(self, "paged_layout", PagedLayout(self.paged_layout))
         if self.use_mla != (self.paged_layout is PagedLayout.MLA):
             raise LayoutError(

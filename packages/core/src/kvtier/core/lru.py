@@ -103,11 +103,17 @@ class HostObjectLRU:
         victim.release()
         return True
 
-    def close(self) -> None:
-        """Release every indexed object; later puts keep nothing."""
+    def clear(self) -> int:
+        """Release every indexed object (readers keep their own handles); returns how many."""
         with self._lock:
-            self._closed = True
             entries, self._entries = list(self._entries.values()), OrderedDict()
             self._bytes = 0
         for obj in entries:
             obj.release()
+        return len(entries)
+
+    def close(self) -> None:
+        """Release every indexed object; later puts keep nothing."""
+        with self._lock:
+            self._closed = True
+        self.clear()

@@ -18,7 +18,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from importlib.metadata import EntryPoint, entry_points
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvtier")
 
 PLATFORM_GROUP = "kvtier.platforms"
+
+# A device event (torch.cuda.Event, torch.xpu.Event, ...) or None where there is no stream.
+Marker = Any
 
 
 class Platform(ABC):
@@ -69,6 +72,30 @@ class Platform(ABC):
 
     def synchronize(self) -> None:
         """Wait for every copy this platform started (no-op on CPU)."""
+
+    def record_marker(self) -> Marker:
+        """Mark the work queued so far on the calling thread's current device stream.
+
+        A device connector orders a transfer after the work on the *calling* thread's current
+        stream. When KV computed on one thread (vLLM runs the model on a non-default stream of
+        its main thread) is saved or overwritten from another, take a marker on the computing
+        thread and pass it with the work (``CacheEngine.store(..., ready=marker)``): the other
+        thread's stream then waits for it on the device (no host wait). ``None`` on the CPU,
+        where transfers are synchronous host code.
+        """
+        if self.device_type == "cpu":
+            return None
+        module = torch.get_device_module(self.device_type)
+        event = module.Event()
+        event.record(module.current_stream(self.device))
+        return event
+
+    def wait_marker(self, marker: Marker) -> None:
+        """Order the calling thread's current stream after ``marker`` (no-op for ``None``)."""
+        if marker is None:
+            return
+        module = torch.get_device_module(self.device_type)
+        module.current_stream(self.device).wait_event(marker)
 
 
 def load_object(path: str) -> object:

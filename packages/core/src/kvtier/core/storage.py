@@ -88,6 +88,11 @@ class StorageManager(ABC):
         """Wait until queued lower-tier writes are done; False if ``timeout`` passed first."""
         return True
 
+    @abstractmethod
+    def drop_host(self) -> int:
+        """Forget every chunk the host-memory tier indexes (lower tiers keep theirs; readers
+        keep their handles); returns how many were dropped."""
+
     def close(self) -> None:
         """Stop background work and release every object this manager holds."""
 
@@ -111,6 +116,9 @@ class HostMemoryStorageManager(StorageManager):
 
     def batched_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
         return self._index.get(keys)
+
+    def drop_host(self) -> int:
+        return self._index.clear()
 
     def close(self) -> None:
         self._index.close()

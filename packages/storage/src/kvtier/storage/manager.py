@@ -141,6 +141,9 @@ class TieredStorageManager(StorageManager):
     def allocate(self, meta: MemoryObjMeta) -> MemoryObj | None:
         return self.arena.allocate_evicting(meta, self.host.evict_one)
 
+    def drop_host(self) -> int:
+        return self.host.clear()
+
     def _allocate_for_read(self, meta: MemoryObjMeta) -> MemoryObj | None:
         try:
             return self.allocate(meta)

@@ -8,7 +8,7 @@ make the load come up short.
 
 Each hold is filed under the request id and the scheduler's ``hold_id`` (a number the scheduler
 picks per lookup, the same for every rank). vLLM may ask several times for a waiting request:
-a lookup with the same ``hold_id``, tokens and salt reuses the hold (and refreshes its age).
+a lookup with the same ``hold_id``, tokens and scope (salt, adapter, generation) reuses the hold (and refreshes its age).
 A hold ends when
 
 - its load takes it (``take``; the caller releases it right after the load),
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.core.engine import CacheEngine, Hold
+from kvtier.core.keys import Scope
 
 logger = logging.getLogger("kvtier")
 
@@ -39,7 +40,7 @@ logger = logging.getLogger("kvtier")
 class _Entry:
     hold_id: int
     tokens: np.ndarray
-    salt: str | None
+    salt: Scope
     hold: Hold
     last_used: float
 
@@ -59,7 +60,7 @@ class HoldTable:
         self._expiries = 0
         self._reuses = 0
 
-    def lookup(self, req_id: str, hold_id: int, tokens: np.ndarray, salt: str | None) -> int:
+    def lookup(self, req_id: str, hold_id: int, tokens: np.ndarray, salt: Scope) -> int:
         """Hold the stored prefix of ``tokens`` for ``req_id``; returns its length in tokens."""
         self.expire()
         with self._lock:

@@ -71,8 +71,10 @@ def build_layout(
     num_kv_heads: int,
     head_size: int,
     use_mla: bool = False,
+    cache_dtype: str = "auto",
 ) -> KVLayout:
-    """A ``KVLayout`` for the tensors vLLM passed to ``register_kv_caches``."""
+    """A ``KVLayout`` for the tensors vLLM passed to ``register_kv_caches``; ``cache_dtype`` is
+    vLLM's KV cache dtype string (``auto``, ``fp8_e4m3``, ``fp8_e5m2``, ...)."""
     if not kv_caches:
         raise LayoutError("register_kv_caches got no KV tensors")
     caches = ordered_caches(kv_caches)
@@ -95,4 +97,5 @@ def build_layout(
         block_size=block_size,
         paged_layout=paged,
         use_mla=use_mla,
+        cache_dtype=cache_dtype,
     )

@@ -52,6 +52,10 @@ class LocalCPUBackend(StorageBackend):
     def remove(self, keys: Sequence[ChunkKey]) -> None:
         self._index.remove(keys)
 
+    def clear(self) -> int:
+        """Drop every entry (readers keep their handles); returns how many."""
+        return self._index.clear()
+
     def evict_one(self) -> bool:
         """Drop the least recently used entry that only this tier holds; False if there is none."""
         if not self._index.evict_one():

@@ -1,0 +1,295 @@
+"""The worker half of ``KVTierConnector`` (each worker process, next to the KV tensors).
+
+``register_kv_caches`` detects the paged layout (``layout.py``), builds the ``CacheEngine`` on
+the configured tiers, keyed by the engine's identity and engine-local rank (``identity.py``),
+and starts the lookup server. Loads are synchronous: all at once in ``start_load_kv`` before the
+forward pass, or layer by layer in ``wait_for_layer_load`` with ``use_layerwise``, from the
+request's hold, which is released right after. The hold is what makes the default
+``kv_load_failure_policy="fail"`` safe: a chunk evicted from the host tier between lookup and
+load is still loaded. The one way a load can still come up short is a hold that expired before
+its load (``scheduler.hold_ttl_s``); a load after that reads the tiers again and may miss
+chunks evicted meanwhile. Such a short load is reported through
+``get_block_ids_with_load_errors``: with ``kv_load_failure_policy="recompute"`` vLLM recomputes
+those blocks, with "fail" the request fails.
+
+Saves are asynchronous (``saver.py``): ``wait_for_save`` hands the step's saves to the saver
+thread with a device marker of the forward pass. The scheduler side keeps the blocks of every
+request that had a save until the worker reports, through ``get_finished``, that the request's
+saves are done. Before vLLM reuses the blocks of a preempted request (``handle_preemptions``)
+the saver is drained. With ``use_layerwise`` each layer is captured in ``save_kv_layer`` right
+after attention wrote it, so the saves are complete when the step ends.
+
+A step whose metadata carries a new weights generation (``reset_cache`` on the scheduler)
+first drops the host-memory tier: its chunks were computed with the old weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from kvtier.core.config import KVTierConfig
+from kvtier.core.engine import CacheEngine, RetrieveJob
+from kvtier.core.keys import KeyScope
+from kvtier.core.platform import Marker, get_platform
+from kvtier.vllm_integration.channel import LookupServer, socket_path
+from kvtier.vllm_integration.holds import HoldTable
+from kvtier.vllm_integration.identity import engine_rank, model_identity
+from kvtier.vllm_integration.layout import build_layout, layer_index, ordered_caches
+from kvtier.vllm_integration.metadata import KVTierMetadata, LoadSpec, SaveSpec, slot_mapping
+from kvtier.vllm_integration.saver import Saver
+from kvtier.vllm_integration.scheduler import hold_ttl_s
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger("kvtier")
+
+SAVE_DRAIN_TIMEOUT_S = 60.0
+
+
+class WorkerSide:
+    """Loads and saves on one worker (see the module docstring)."""
+
+    def __init__(self, config: KVTierConfig, vllm_config: VllmConfig, *, block_size: int,
+                 engine_id: str) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.chunk_size = config.chunk_size
+        self._vllm_config = vllm_config
+        self._engine_id = engine_id
+        self.engine: CacheEngine | None = None
+        self._server: LookupServer | None = None
+        self._layer_of: dict[str, int] = {}
+        self._load_jobs: list[RetrieveJob] = []
+        self._store_gens: list[Iterator[int]] = []
+        self._failed_blocks: set[int] = set()
+        self._holds: HoldTable | None = None
+        self._saver: Saver | None = None
+        self._saving_reqs: set[str] = set()  # requests that had a save (their blocks are held)
+        self._finishing: set[str] = set()
+        self._generation: str | None = None
+        self._stats_lock = threading.Lock()
+        self.stats = {
+            "load_requests": 0, "load_tokens_requested": 0, "loaded_tokens": 0,
+            "load_failed_blocks": 0, "loads_without_hold": 0, "save_jobs": 0, "saved_tokens": 0,
+            "save_errors": 0, "saves_abandoned": 0, "generation_resets": 0,
+        }
+
+    def _count(self, **kw: int) -> None:
+        with self._stats_lock:
+            for k, v in kw.items():
+                self.stats[k] += v
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        vc = self._vllm_config
+        mc = vc.model_config
+        use_mla = bool(getattr(mc, "use_mla", False))
+        layout = build_layout(
+            kv_caches, block_size=self.block_size,
+            num_kv_heads=mc.get_num_kv_heads(vc.parallel_config),
+            head_size=mc.get_head_size(), use_mla=use_mla,
+            cache_dtype=str(vc.cache_config.cache_dtype),
+        )
+        caches = ordered_caches(kv_caches)
+        first = sorted(layer_index(name) for name in kv_caches)
+        self._layer_of = {name: first.index(layer_index(name)) for name in kv_caches}
+        # The lookup socket is per worker; the key's rank collapses MLA's identical TP shards.
+        _, worker = engine_rank(vc, use_mla=False)
+        key_world, key_rank = engine_rank(vc, use_mla)
+        platform = get_platform(self.config.platform or caches[0].device.type, self.config.plugins,
+                                device_index=caches[0].device.index)
+        self.engine = CacheEngine(
+            self.config, layout, model=model_identity(vc), world_size=key_world, rank=key_rank,
+            platform=platform,
+        )
+        self.engine.register_kv_caches(caches)
+        self._holds = HoldTable(self.engine, hold_ttl_s(self.config))
+        self._server = LookupServer(socket_path(self._engine_id, worker), self._serve)
+        self._saver = Saver(self._store, self._saved)
+        logger.info("kvtier: %s layout %s, tiers %s, lookup channel %s", layout.paged_layout.value,
+                    layout.fingerprint(), self.config.tiers, self._server.path)
+
+    def _serve(self, header: dict[str, Any], tokens: np.ndarray | None) -> dict[str, Any]:
+        assert self.engine is not None and self._holds is not None and self._saver is not None
+        op = header.get("op")
+        if op == "lookup" and tokens is not None:
+            scope = KeyScope(header.get("salt"), header.get("adapter"), header.get("generation"))
+            if not self._saver.wait_related(tokens, scope, self.chunk_size,
+                                            self.config.lookup_timeout_s / 2):
+                logger.warning("kvtier: lookup answered before a save of the same prefix finished")
+            hit = self._holds.lookup(str(header["req_id"]), int(header["hold_id"]), tokens, scope)
+            return {"hit": hit}
+        if op == "stats":
+            with self._stats_lock:
+                stats = dict(self.stats)
+            stats.update(self._holds.stats())
+            stats.update({f"engine_{k}": v for k, v in self.engine.stats.as_dict().items()})
+            return {"stats": stats}
+        if op == "flush":
+            # Saves queued so far, then lower-tier writes: what a planned restart waits for.
+            timeout = float(header.get("timeout_s", SAVE_DRAIN_TIMEOUT_S))
+            ok = self._saver.drain(timeout) and self.engine.storage.flush(timeout)
+            return {"flushed": ok}
+        raise ValueError(f"unknown lookup channel request {op!r}")
+
+    def _new_generation(self, meta: KVTierMetadata) -> None:
+        """Drop host-memory chunks of older weights when the scheduler starts a generation."""
+        if meta.generation == self._generation or self.engine is None:
+            return
+        self._generation = meta.generation
+        if self._holds is not None:
+            self._holds.close()
+        dropped = self.engine.storage.drop_host()
+        self._count(generation_resets=1)
+        logger.info("kvtier: new weights generation %s: %d host-memory chunk(s) dropped",
+                    meta.generation, dropped)
+
+    # -- loads ---------------------------------------------------------------------------------
+    def _check_loaded(self, spec: LoadSpec, mask: torch.Tensor) -> None:
+        want = mask[spec.start : spec.end]
+        loaded = int(want.sum())
+        self._count(load_requests=1, load_tokens_requested=spec.end - spec.start,
+                    loaded_tokens=loaded)
+        if loaded == spec.end - spec.start:
+            return
+        missing = (~want).nonzero().squeeze(1) + spec.start
+        blocks = {spec.block_ids[int(i) // self.block_size] for i in missing}
+        logger.warning("kvtier: request %s: %d of %d tokens could not be loaded; %d block(s) "
+                       "reported failed to vLLM (its kv_load_failure_policy recomputes them or "
+                       "fails the request)", spec.req_id, spec.end - spec.start - loaded,
+                       spec.end - spec.start, len(blocks))
+        self._count(load_failed_blocks=len(blocks))
+        self._failed_blocks |= blocks
+
+    def start_load_kv(self, meta: KVTierMetadata) -> None:
+        if self.engine is None or self._holds is None:
+            return
+        self._new_generation(meta)
+        for rid, hold_id in meta.releases:
+            self._holds.release(rid, hold_id)
+        self._holds.expire()
+        for spec in meta.loads:
+            slots = torch.from_numpy(
+                slot_mapping(spec.block_ids, self.block_size, len(spec.tokens), spec.start, spec.end)
+            )
+            hold = self._holds.take(spec.req_id, spec.hold_id)
+            if hold is None:
+                # Expired before its load: read the tiers (may come up short, see above).
+                self._count(loads_without_hold=1)
+            try:
+                # The retrieval takes its own references to the held objects: the hold can go
+                # as soon as it is planned, also for a layer-wise load still to run.
+                if self.config.use_layerwise:
+                    job = self.engine.retrieve_layerwise(spec.tokens, slots, salt=spec.scope,
+                                                         hold=hold)
+                    self._check_loaded(spec, job.mask)
+                    self._load_jobs.append(job)
+                else:
+                    mask = self.engine.retrieve(spec.tokens, slots, salt=spec.scope, hold=hold)
+                    self._check_loaded(spec, mask)
+            finally:
+                if hold is not None:
+                    hold.release()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._load_jobs:
+            return
+        for job in self._load_jobs:
+            next(job.layers, None)
+        if self._layer_of.get(layer_name) == len(self._layer_of) - 1:
+            self._finish_loads()
+
+    def _finish_loads(self) -> None:
+        jobs, self._load_jobs = self._load_jobs, []
+        for job in jobs:
+            for _ in job.layers:
+                pass
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    # -- saves ---------------------------------------------------------------------------------
+    def _save_slots(self, spec: SaveSpec) -> torch.Tensor:
+        n = len(spec.tokens)
+        return torch.from_numpy(slot_mapping(spec.block_ids, self.block_size, n, spec.skip, n))
+
+    def _store(self, spec: SaveSpec, ready: Marker, keep: Any) -> int:
+        assert self.engine is not None
+        return self.engine.store(spec.tokens, self._save_slots(spec), salt=spec.scope,
+                                 ready=ready, keep=keep)
+
+    def _saved(self, tokens: int, failed: bool) -> None:
+        self._count(save_jobs=1, saved_tokens=tokens, save_errors=int(failed))
+
+    def save_kv_layer(self, layer_name: str, meta: KVTierMetadata) -> None:
+        if not self.config.use_layerwise or self.engine is None or not meta.saves:
+            return
+        if self._layer_of.get(layer_name) == 0:
+            self._store_gens = [
+                self.engine.store_layerwise(s.tokens, self._save_slots(s), salt=s.scope)
+                for s in meta.saves
+            ]
+            self._count(save_jobs=len(meta.saves))
+        for gen in self._store_gens:
+            next(gen, None)
+
+    def wait_for_save(self, meta: KVTierMetadata | None) -> None:
+        self._finish_loads()
+        if meta is None or self.engine is None or self._saver is None:
+            return
+        # The scheduler holds the blocks of every request with a save until get_finished says so.
+        self._saving_reqs.update(spec.req_id for spec in meta.saves)
+        if self.config.use_layerwise:
+            gens, self._store_gens = self._store_gens, []
+            before = self.engine.stats.stored_tokens
+            for gen in gens:
+                for _ in gen:
+                    pass
+            self._count(saved_tokens=self.engine.stats.stored_tokens - before)
+            return
+        if meta.saves:
+            # On the thread and stream of vLLM's forward pass: the saver's copies wait for it.
+            self._saver.submit(meta.saves, self.engine.platform.record_marker())
+
+    def handle_preemptions(self, meta: KVTierMetadata) -> None:
+        """A preempted request's blocks are reused by this step: finish reading them first (a
+        save still copying when the drain times out is abandoned, never committed)."""
+        if not meta.preempted or self._saver is None:
+            return
+        if not self._saver.drain(SAVE_DRAIN_TIMEOUT_S):
+            self._count(saves_abandoned=1)
+            logger.error("kvtier: saves did not finish in %.0f s before blocks were reused; "
+                         "the unfinished ones are abandoned", SAVE_DRAIN_TIMEOUT_S)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._holds is not None and finished_req_ids:
+            self._holds.release_requests(finished_req_ids)
+        self._finishing |= finished_req_ids & self._saving_reqs
+        if not self._finishing or self._saver is None:
+            return None, None
+        done = self._finishing - self._saver.pending(self._finishing)
+        self._finishing -= done
+        self._saving_reqs -= done
+        return (done or None), None
+
+    def shutdown(self) -> None:
+        if self._saver is not None:
+            self._saver.close(SAVE_DRAIN_TIMEOUT_S)
+            self._saver = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self._holds is not None:
+            self._holds.close()
+            self._holds = None
+        if self.engine is not None:
+            self.engine.storage.flush(timeout=SAVE_DRAIN_TIMEOUT_S)
+            self.engine.close()
+            self.engine = None

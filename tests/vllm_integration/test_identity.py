@@ -1,0 +1,212 @@
+"""Request identity: what a chunk key is made of on the vLLM path (``identity.py``), tested with
+real vLLM ``Request`` objects against the scheduler half of the connector, a real lookup
+channel and a real CacheEngine on the CPU platform.
+
+Every test here is a wrong-KV hazard of a key that covered only the token ids and the salt:
+two images behind the same placeholder tokens, a LoRA adapter, prompt embeddings, an fp8 format
+or a weights update would otherwise share chunks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import uuid
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("vllm", reason="vLLM is not installed (install kvtier[vllm])")
+
+from vllm import SamplingParams
+from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.request import Request
+
+from kvtier.core import CacheEngine, HostArena, HostMemoryStorageManager, KVLayout, load_config
+from kvtier.core.keys import KeyScope, salt_id
+from kvtier.core.platforms.cpu import CPUPlatform
+from kvtier.vllm_integration.channel import LookupServer, socket_path
+from kvtier.vllm_integration.connector import KVTierConnector
+from kvtier.vllm_integration.holds import HoldTable
+from kvtier.vllm_integration.identity import adapter_identity, identity_tokens
+from kvtier.vllm_integration.layout import build_layout
+from kvtier.vllm_integration.scheduler import SchedulerSide
+
+BLOCK, CHUNK = 32, 64
+TEXT = list(range(100, 100 + 4 * CHUNK))  # 256 tokens; an "image" at [64, 192)
+IMAGE = PlaceholderRange(offset=CHUNK, length=2 * CHUNK)
+
+
+def feature(identifier: str, pos: PlaceholderRange = IMAGE) -> MultiModalFeatureSpec:
+    return MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
+                                 mm_position=pos)
+
+
+def request(tokens=TEXT, *, images=(), lora=None, salt=None, embeds=None) -> Request:
+    return Request(
+        request_id=uuid.uuid4().hex, prompt_token_ids=list(tokens) if tokens is not None else None,
+        sampling_params=SamplingParams(max_tokens=4), pooling_params=None,
+        mm_features=[feature(i) for i in images], lora_request=lora, cache_salt=salt,
+        prompt_embeds=embeds,
+    )
+
+
+# -- identity tokens ---------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(offset=st.integers(0, 200), length=st.integers(1, 100),
+       a=st.text(min_size=1, max_size=12), b=st.text(min_size=1, max_size=12))
+def test_only_placeholder_positions_carry_the_item(offset, length, a, b) -> None:
+    pos = PlaceholderRange(offset=offset, length=length)
+    tokens = np.arange(300, dtype=np.int64)
+    ra = Request("a", tokens.tolist(), SamplingParams(max_tokens=1), None,
+                 mm_features=[feature(a, pos)])
+    rb = Request("b", tokens.tolist(), SamplingParams(max_tokens=1), None,
+                 mm_features=[feature(b, pos)])
+    ia, ib = identity_tokens(ra, tokens), identity_tokens(rb, tokens)
+    inside = np.zeros(len(tokens), dtype=bool)
+    inside[offset : offset + length] = True
+    assert np.array_equal(ia[~inside], tokens[~inside])  # text positions untouched
+    assert (ia[inside] >= 1 << 62).all()  # never a real token id
+    assert np.array_equal(ia, identity_tokens(ra, tokens))  # deterministic
+    assert np.array_equal(ia[inside], ib[inside]) == (a == b)
+
+
+def test_scopes_seed_different_chains_but_salt_ids_follow_the_salt() -> None:
+    scopes = [KeyScope(), KeyScope("s"), KeyScope("s", "lora-a"), KeyScope("s", "lora-b"),
+              KeyScope("s", "lora-a", "g1"), KeyScope(None, None, "g1")]
+    assert len({s.seed() for s in scopes}) == len(scopes)
+    assert KeyScope.of("s") == KeyScope("s") and KeyScope("", "", "") == KeyScope()
+    assert salt_id(KeyScope("s", "lora-a", "g1")) == salt_id("s")
+    with pytest.raises(ValueError, match="salt"):
+        KeyScope.of(123)  # type: ignore[arg-type]
+
+
+def test_adapter_identity_follows_the_adapter_files(tmp_path) -> None:
+    path = tmp_path / "adapter"
+    path.mkdir()
+    (path / "adapter_model.safetensors").write_bytes(b"weights-1")
+    lora = LoRARequest("a", 1, str(path))
+    first = adapter_identity(lora)
+    assert first == adapter_identity(LoRARequest("a", 7, str(path)))  # the int id is per engine
+    assert first != adapter_identity(LoRARequest("b", 1, str(path)))
+    (path / "adapter_model.safetensors").write_bytes(b"weights-2, rewritten in place")
+    assert adapter_identity(lora) != first
+    assert adapter_identity(None) is None
+
+
+def test_fp8_formats_have_different_fingerprints() -> None:
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(4, 2, BLOCK, 128, dtype=torch.uint8)
+              for i in range(2)}
+    fps = {fmt: build_layout(caches, block_size=BLOCK, num_kv_heads=2, head_size=64,
+                             cache_dtype=fmt).fingerprint()
+           for fmt in ("fp8_e4m3", "fp8_e5m2", "fp8")}
+    assert len(set(fps.values())) == 3
+
+
+def test_requires_piecewise_cudagraphs_only_layerwise(isolated_env) -> None:
+    assert KVTierConnector.requires_piecewise_for_cudagraph({"use_layerwise": True})
+    assert not KVTierConnector.requires_piecewise_for_cudagraph({})
+
+
+# -- the scheduler half against a real worker lookup channel -------------------------------------
+@pytest.fixture
+def served(tmp_path, monkeypatch):
+    """A CacheEngine behind a real lookup server, and a SchedulerSide asking it."""
+    monkeypatch.setenv("KVTIER_RUNTIME_DIR", str(tmp_path))
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="bfloat16",
+                      block_size=BLOCK, paged_layout="vllm_cpu")
+    config = load_config(env={}, overrides={"chunk_size": CHUNK, "tiers": ["local_cpu"]})
+    arena = HostArena.create(32 * math.prod(layout.chunk_shape(CHUNK)) * 2)
+    engine = CacheEngine(config, layout, model="m", platform=CPUPlatform(),
+                         storage=HostMemoryStorageManager(arena))
+    caches = [torch.randn(layout.expected_cache_shape(64)).to(torch.bfloat16) for _ in range(2)]
+    engine.register_kv_caches(caches)
+    holds = HoldTable(engine, 30.0)
+    engine_id = f"identity-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+    def serve(header, tokens):
+        scope = KeyScope(header.get("salt"), header.get("adapter"), header.get("generation"))
+        return {"hit": holds.lookup(header["req_id"], header["hold_id"], tokens, scope)}
+
+    server = LookupServer(socket_path(engine_id, 0), serve)
+    sched = SchedulerSide(config, block_size=BLOCK, engine_id=engine_id, num_workers=1,
+                          load_failure_policy="recompute")
+
+    def store(req: Request) -> None:
+        """Schedule the request's whole prefill; store what the step's metadata says to save,
+        as the worker would (blocks 0.. hold the prompt)."""
+        for spec in prefill(sched, req).saves:
+            n = len(spec.tokens)
+            engine.store(spec.tokens, torch.arange(n), salt=spec.scope)
+
+    yield sched, store
+    sched.shutdown()
+    server.close()
+    holds.close()
+    engine.close()
+
+
+def hit(sched: SchedulerSide, req: Request) -> int:
+    return sched.get_num_new_matched_tokens(req, 0)[0] or 0
+
+
+def prefill(sched: SchedulerSide, req: Request):
+    """One scheduler step that computes the whole prompt; returns the step's metadata."""
+    n = len(req.prompt_token_ids or ())
+    blocks = list(range(-(-n // BLOCK)))
+    sched.update_state_after_alloc(req, None, 0)  # type: ignore[arg-type]
+    out = SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData.from_request(req, (blocks,))],
+        scheduled_cached_reqs=CachedRequestData.make_empty(), num_scheduled_tokens={req.request_id: n},
+        total_num_scheduled_tokens=n, scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+        num_common_prefix_blocks=[0], finished_req_ids=set(), free_encoder_mm_hashes=[],
+    )
+    return sched.build_connector_meta(out)
+
+
+def test_two_images_behind_the_same_placeholders_never_share(served) -> None:
+    sched, store = served
+    store(request(images=["image-1"]))
+    assert hit(sched, request(images=["image-1"])) == len(TEXT) - BLOCK  # same image: full hit
+    # Same text, same placeholder tokens, another image: only the text before the image hits.
+    assert hit(sched, request(images=["image-2"])) == IMAGE.offset
+
+
+def test_lora_adapters_and_base_never_share(served, tmp_path) -> None:
+    sched, store = served
+    store(request())
+    full = len(TEXT) - BLOCK
+    assert hit(sched, request()) == full
+    assert hit(sched, request(lora=LoRARequest("a", 1, str(tmp_path / "a")))) == 0
+    store(request(lora=LoRARequest("a", 1, str(tmp_path / "a"))))
+    assert hit(sched, request(lora=LoRARequest("a", 3, str(tmp_path / "a")))) == full
+    assert hit(sched, request(lora=LoRARequest("b", 2, str(tmp_path / "b")))) == 0
+
+
+def test_reset_cache_starts_a_generation_nothing_old_is_served_in(served) -> None:
+    sched, store = served
+    store(request(salt="t"))
+    assert hit(sched, request(salt="t")) == len(TEXT) - BLOCK
+    running = request(salt="t")
+    sched.get_num_new_matched_tokens(running, 0)
+    assert sched.reset_cache() is True
+    assert hit(sched, request(salt="t")) == 0
+    # A request that started before the reset mixes weights: it is neither served nor saved.
+    assert hit(sched, running) == 0
+    assert prefill(sched, running).saves == []
+    store(request(salt="t"))
+    assert hit(sched, request(salt="t")) == len(TEXT) - BLOCK  # the new generation's own
+
+
+def test_prompt_embeddings_are_neither_looked_up_nor_saved(served) -> None:
+    sched, store = served
+    zeros = [0] * len(TEXT)
+    store(request(zeros))  # a token prompt of zeros, which embeddings' placeholders look like
+    embeds = request(zeros, embeds=torch.zeros(len(TEXT), 16))
+    assert hit(sched, embeds) == 0
+    assert prefill(sched, embeds).saves == []
