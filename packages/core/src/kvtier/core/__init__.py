@@ -16,7 +16,7 @@ from kvtier.core.errors import (
     OutOfHostMemory,
     PlatformError,
 )
-from kvtier.core.keys import ChunkKey, KeyFactory, prefix_hashes
+from kvtier.core.keys import ChunkKey, KeyFactory, KeyScope, prefix_hashes
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena, MemoryObj, MemoryObjMeta
 from kvtier.core.platform import Platform, get_platform
@@ -36,6 +36,7 @@ __all__ = [
     "KVTierConfig",
     "KVTierError",
     "KeyFactory",
+    "KeyScope",
     "LayoutError",
     "MemoryObj",
     "MemoryObjMeta",
