@@ -183,6 +183,21 @@ def prefix_lengths(prefix: bytes | memoryview) -> tuple[int, int]:
     return PREFIX.size + meta_len, payload_len
 
 
+def stored_key(buf: bytes | memoryview) -> str:
+    """The key string a stored value's header names, checked only for being a well-formed
+    header (inventory tools: what is this entry?). ``buf`` holds at least the whole header."""
+    header_len, _ = prefix_lengths(buf)
+    if len(buf) < header_len:
+        raise PayloadError(f"truncated: {len(buf)} bytes, the header needs {header_len}")
+    try:
+        key = json.loads(bytes(memoryview(buf)[PREFIX.size : header_len]))["key"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise PayloadError(f"corrupt: unreadable meta ({type(e).__name__})") from None
+    if not isinstance(key, str):
+        raise PayloadError("corrupt: the key is not a string")
+    return key
+
+
 def decode_header(
     buf: bytes | memoryview, *, key: ChunkKey, layout: KVLayout, max_tokens: int
 ) -> Header:
