@@ -17,7 +17,8 @@ redis = pytest.importorskip("redis", reason="redis-py (kvtier[redis]) is not ins
 
 pytestmark = pytest.mark.redis
 
-FAST = {"backend_options": {"redis": {"retry_interval_s": 0.2}}}
+# 1 KiB segments: each 2 KiB test chunk travels as a head and two segments
+FAST = {"backend_options": {"redis": {"retry_interval_s": 0.2, "segment_bytes": 1024}}}
 
 
 def redis_manager(make_manager, url, **kw):
@@ -33,14 +34,19 @@ def stored(m, *idx):
 
 
 def redis_key(i: int) -> str:
-    return "kvtier:" + key(i).to_string()
+    """The head's key; segment j is ``redis_key(i) + f":{j}"``."""
+    return "kvtier:{" + key(i).to_string() + "}"
+
+
+def entry_keys(i: int) -> list[str]:
+    return [redis_key(i), redis_key(i) + ":0", redis_key(i) + ":1"]
 
 
 def test_round_trip_and_namespace(make_manager, redis_clean):
     m = redis_manager(make_manager, redis_clean.url)
     stored(m, 0, 1, 2)
     client = redis.Redis.from_url(redis_clean.url)
-    assert sorted(k.decode() for k in client.keys("*")) == sorted(redis_key(i) for i in range(3))
+    assert sorted(k.decode() for k in client.keys("*")) == sorted(k for i in range(3) for k in entry_keys(i))
     assert client.ttl(redis_key(0)) == -1
     objs = m.batched_get([key(i) for i in range(4)])
     assert objs[3] is None
@@ -89,34 +95,47 @@ def test_prefetch_stops_where_the_middle_tier_misses(make_manager, redis_clean, 
 def test_ttl_is_applied(make_manager, redis_clean):
     m = redis_manager(make_manager, redis_clean.url, redis_ttl_s=100)
     stored(m, 0)
-    assert 90 <= redis.Redis.from_url(redis_clean.url).ttl(redis_key(0)) <= 100
+    client = redis.Redis.from_url(redis_clean.url)
+    assert all(90 <= client.ttl(k) <= 100 for k in entry_keys(0))
 
 
-@pytest.mark.parametrize("damage", ["byte", "truncate", "swap", "foreign"])
+DAMAGES = ["byte", "truncate", "swap", "foreign", "missing-segment", "head-checksum", "head-foreign"]
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
 def test_damaged_value_is_a_miss_and_is_deleted(make_manager, redis_clean, caplog, damage):
     m = redis_manager(make_manager, redis_clean.url)
     stored(m, 0, 1)
     client = redis.Redis.from_url(redis_clean.url)
-    v0, v1 = client.get(redis_key(0)), client.get(redis_key(1))
+    seg0, seg1 = redis_key(0) + ":1", redis_key(1) + ":1"
+    v0, v1 = client.get(seg0), client.get(seg1)
     if damage == "byte":
         b = bytearray(v0)
         b[len(b) // 2] ^= 1
-        client.set(redis_key(0), bytes(b))
+        client.set(seg0, bytes(b))
     elif damage == "truncate":
-        client.set(redis_key(0), v0[:-1])
-    elif damage == "swap":
-        client.set(redis_key(0), v1)
-        client.set(redis_key(1), v0)
+        client.set(seg0, v0[:-1])
+    elif damage == "swap":  # same lengths, other chunk's bytes: only the checksum can tell
+        client.set(seg0, v1)
+        client.set(seg1, v0)
+    elif damage == "foreign":
+        client.set(seg0, b"some other application's value")
+    elif damage == "missing-segment":
+        client.delete(seg0)
+    elif damage == "head-checksum":
+        h = bytearray(client.get(redis_key(0)))
+        h[-9] ^= 1  # the trailer's last byte (segment size and magic follow it)
+        client.set(redis_key(0), bytes(h))
     else:
-        client.set(redis_key(0), b"some other application's value")
+        client.set(redis_key(0), client.get(redis_key(1)))  # chunk 1's head under chunk 0's key
     with caplog.at_level(logging.WARNING, logger="kvtier.storage"):
         assert m.get(key(0)) is None
     assert "rejected" in caplog.text
     assert m.stats.get("redis.corrupt") == 1
-    assert client.exists(redis_key(0)) == 0
+    assert client.exists(*entry_keys(0)) == 0
     if damage == "swap":
         assert m.get(key(1)) is None
-        assert client.exists(redis_key(1)) == 0
+        assert client.exists(*entry_keys(1)) == 0
     else:
         obj = m.get(key(1))
         check_obj(obj, 1)
@@ -132,14 +151,17 @@ def test_killed_server_gives_misses_then_recovers(make_manager, redis_clean):
     assert m.contains([key(0)]) == [False]
     assert m.prefetch([key(0)]).result(10) == 0
     put_chunk(m, 1)  # the write to redis fails in the background
-    assert m.flush(10)
+    m.flush(10)  # returns (reporting the write that did not land)
+    assert m.stats.get("redis.store_skipped") == 1
     assert time.monotonic() - t0 < 8  # bounded by the 0.5 s timeouts, not hung
     assert m.stats.get("redis.errors") >= 1
     redis_clean.start()  # back, empty
     deadline = time.monotonic() + 10
     m.host.remove([key(2)])
     while time.monotonic() < deadline:
-        stored(m, 2)
+        put_chunk(m, 2)
+        m.flush(10)  # False while the tier still counts the server down
+        m.host.remove([key(2)])
         obj = m.get(key(2))
         if obj is not None:
             check_obj(obj, 2)
@@ -176,7 +198,7 @@ def test_hung_server_gives_misses_within_the_timeout(make_manager, redis_clean):
 def test_unreachable_at_start_is_only_misses(make_manager):
     m = redis_manager(make_manager, "redis://127.0.0.1:1/0")
     put_chunk(m, 0)
-    assert m.flush(10)
+    m.flush(10)
     m.host.remove([key(0)])
     assert m.get(key(0)) is None
     assert m.stats.get("redis.store_skipped") + m.stats.get("redis.errors") >= 1
@@ -242,6 +264,8 @@ def test_cluster_round_trip(make_manager, redis_cluster):
     c = redis.RedisCluster.from_url(redis_cluster.url)
     owners = {c.keyslot(redis_key(i)) // 5462 for i in range(12)}
     assert len(owners) > 1  # the chunks really are spread over several masters
+    for i in range(12):  # and each chunk's head and segments live on one of them
+        assert {c.keyslot(k) for k in entry_keys(i)} == {c.keyslot(redis_key(i))}
     objs = m.batched_get(keys)
     assert objs[12] is None
     for i in range(12):

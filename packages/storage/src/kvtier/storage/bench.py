@@ -13,9 +13,11 @@ next to a reference over the same bytes, measured in the same run and interleave
   are measured twice: from the page cache (``variant: page-cache``) and from the device, the
   files evicted from the cache with ``posix_fadvise(DONTNEED)`` first (``variant:
   from-device``), on both sides.
-- redis: the tier's pipelined ``batched_put``/``batched_get`` (codec included). Reference: raw
-  redis-py pipelined ``SET``/``GET`` of the same bytes. A private ``redis-server`` is started on
-  a free loopback port unless ``--redis-url`` is given; without one the redis rows are skipped.
+- redis: the tier's ``batched_put``/``batched_get`` (codec included) against ``redis-benchmark``
+  (the C client) moving values of the tier's segment size over as many connections, and a
+  3-shard cluster against one server: see ``kvtier.storage.bench_redis``. Private
+  ``redis-server`` processes are started on free loopback ports; without ``redis-server`` the
+  redis rows are skipped.
 
 Host arenas are touched before timing (a serving engine's arena is, after its first minutes;
 otherwise the first write to each page would be timed as a page fault on our side only).
@@ -32,9 +34,7 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,7 +54,7 @@ from kvtier.storage.backends.base import BackendContext, StorageBackend
 from kvtier.storage.backends.local_cpu import LocalCPUBackend
 from kvtier.storage.manager import TieredStorageManager
 
-TARGETS = {"local_cpu": 0.8, "local_disk": 0.8, "redis": 0.9}
+TARGETS = {"local_cpu": 0.8, "local_disk": 0.8, "redis": 0.8}
 
 
 @dataclass(frozen=True)
@@ -300,104 +300,6 @@ def bench_disk(b: _Bench, shape: Shape, disk_dir: Path) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def bench_redis(b: _Bench, shape: Shape, url: str) -> None:
-    import redis
-
-    from kvtier.storage.backends.redis import RedisBackend
-
-    arena, objs = _objects(shape)
-    tier = _backend(RedisBackend, shape, arena, tiers=["local_cpu", "redis"], redis_url=url,
-                    redis_timeout_s=60.0)
-    raw = redis.Redis.from_url(url, socket_timeout=60.0)
-    keys = KeyFactory("bench", shape.layout.fingerprint())
-    nbytes = shape.meta.nbytes * shape.batch
-
-    def k(r: int, i: int):
-        return keys.key(r.to_bytes(4, "little") + i.to_bytes(4, "little"))
-
-    def clear() -> None:
-        raw.flushall()
-
-    def raw_put(r: int) -> Callable[[], None]:
-        def run() -> None:
-            pipe = raw.pipeline(transaction=False)
-            for i, o in enumerate(objs):
-                pipe.set(f"raw:{r}:{i}", o.byte_view())
-            pipe.execute()
-        return run
-
-    def put(r: int) -> Callable[[], None]:
-        return lambda: tier.batched_put([(k(r, i), o) for i, o in enumerate(objs)])
-
-    def raw_get(r: int) -> Callable[[], None]:
-        raw_put(r)()
-
-        def run() -> None:
-            pipe = raw.pipeline(transaction=False)
-            for i in range(shape.batch):
-                pipe.get(f"raw:{r}:{i}")
-            assert all(v is not None for v in pipe.execute())
-        return run
-
-    def get(r: int) -> Callable[[], None]:
-        put(r)()
-
-        def run() -> None:
-            got = tier.batched_get([k(r, i) for i in range(shape.batch)], arena.allocate)
-            assert all(g is not None for g in got), "redis bench read missed"
-            for g in got:
-                g.release()  # type: ignore[union-attr]
-        return run
-
-    try:
-        b.compare("redis", shape, "put", nbytes, put, raw_put, clear)
-        b.compare("redis", shape, "get", nbytes, get, raw_get, clear)
-    finally:
-        raw.flushall()
-        raw.close()
-        tier.close()
-        for o in objs:
-            o.release()
-
-
-class _PrivateRedis:
-    """A throwaway redis-server on a free loopback port, no persistence."""
-
-    def __init__(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise FileNotFoundError("redis-server is not installed")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.dir = tempfile.mkdtemp(prefix="kvtier-bench-redis-")
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-             "no", "--dir", self.dir, "--proto-max-bulk-len", "1gb"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        self.close()
-        raise RuntimeError("redis-server did not start within 10 s")
-
-    def version(self) -> str:
-        out = subprocess.run([shutil.which("redis-server") or "redis-server", "--version"],
-                             capture_output=True, text=True, timeout=10)
-        return out.stdout.strip()
-
-    def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
 def _chart(rows: list[dict[str, Any]], path: Path) -> None:
     try:
         import matplotlib
@@ -437,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
                     choices=[s.name for s in SHAPES])
     ap.add_argument("--disk-dir", type=Path, default=Path(tempfile.gettempdir()),
                     help="where the disk tier and the raw reference files are written")
-    ap.add_argument("--redis-url", default=None,
-                    help="an existing server to use (it is FLUSHALL'ed!); default: start one")
+    ap.add_argument("--no-redis-cluster", action="store_true",
+                    help="skip the 3-shard Redis Cluster row")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args(argv)
     repeat = 2 if args.quick else args.repeat
@@ -446,17 +348,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         shapes = [Shape(s.name, s.layout, s.tokens, max(1, s.batch // 2)) for s in shapes]
     b = _Bench(repeat)
-    server: _PrivateRedis | None = None
+    server = cluster = None
     redis_note = None
-    url = args.redis_url
-    if "redis" in args.tiers and url is None:
-        try:
-            import redis  # noqa: F401
+    if "redis" in args.tiers:
+        from kvtier.storage import bench_redis
 
-            server = _PrivateRedis()
-            url = server.url
+        try:
+            server, cluster = bench_redis.start_servers(not args.no_redis_cluster)
             redis_note = server.version()
-        except (ImportError, FileNotFoundError, RuntimeError) as e:
+        except (FileNotFoundError, RuntimeError) as e:
             redis_note = f"skipped: {e}"
             print(f"redis rows skipped: {e}", file=sys.stderr)
     print(f"{'tier':<11}{'shape':<7}{'op':<16}{'GB/s':>9}{'ref GB/s':>11}{'ratio':>8}{'target':>8}")
@@ -466,11 +366,12 @@ def main(argv: list[str] | None = None) -> int:
                 bench_cpu(b, shape)
             if "local_disk" in args.tiers:
                 bench_disk(b, shape, args.disk_dir)
-            if "redis" in args.tiers and url is not None:
-                bench_redis(b, shape, url)
+            if server is not None:
+                bench_redis.bench_redis(b, shape, server, cluster)
     finally:
-        if server is not None:
-            server.close()
+        for s in (server, cluster):
+            if s is not None:
+                s.close()
     args.out.mkdir(parents=True, exist_ok=True)
     doc = {
         "benchmark": "storage",
@@ -486,7 +387,9 @@ def main(argv: list[str] | None = None) -> int:
         "reference": {"local_cpu": "memcpy (Tensor.copy_) of the same bytes",
                       "local_disk": "raw write+fsync / read of the same bytes; reads both from the "
                                     "page cache and from the device (cache dropped with fadvise)",
-                      "redis": "raw redis-py pipelined SET/GET of the same bytes"},
+                      "redis": "redis-benchmark SET/GET of values of the tier's segment size over "
+                               "the tier's connection count (each row's command in 'reference'); "
+                               "the cluster-3 row: the tier reading from one server"},
         "results": b.rows,
     }
     (args.out / "storage.json").write_text(json.dumps(doc, indent=2) + "\n")

@@ -1,53 +1,120 @@
-"""The Redis/Valkey tier (single server or Redis Cluster), through redis-py.
+"""The Redis/Valkey tier (single server or Redis Cluster).
 
-Keys are ``<key_prefix><full chunk key string>`` (``key_prefix`` from
-``backend_options.redis.key_prefix``, default ``"kvtier:"``); the chunk key string starts with
-the engine's namespace (model, layout fingerprint, world size, rank, salt), so engines of
-different models or layouts share a server without meeting. Values are ``codec`` payloads
-(header + checksum), written with ``SET`` (``EX redis_ttl_s`` when set) in pipelines.
+Layout: a chunk is stored as a *head* and *segments*, all under one hash tag (so in a cluster a
+chunk lives on one shard, and a stopped shard loses only its own chunks)::
+
+    <prefix>{<chunk key string>}        head: codec header, trailer, segment size (u32), b"KVRS"
+    <prefix>{<chunk key string>}:<i>    segment i: payload bytes [i * size, (i + 1) * size)
+
+The payload travels as segments of ``segment_bytes`` (``backend_options.redis``, default 2 MiB)
+because servers move values of a few MiB several times faster than one 32 MiB value. The head
+(``codec`` header and checksum trailer) is written last, once every segment is acknowledged: a
+reader that finds a head finds a whole chunk, or a miss. The key string carries the engine's
+namespace (model, layout fingerprint, world size, rank, salt), so engines of different models
+or layouts share a server without meeting.
+
+Data path (``redis_resp``): segments are read with ``recv_into`` straight into the arena object
+that will hold the chunk and written with ``sendmsg`` from it (no intermediate copy); a batch's
+segments are pipelined over ``connections`` connections per server (default 2), and in a
+cluster every shard is served in parallel. The checksum of a chunk runs on helper threads as
+soon as its last segment lands, while the others are still arriving.
+
+A read accepts a chunk only if the head passes every ``codec`` check (key, layout, dtype, shape,
+length), every segment has exactly its length, and the checksum over header and payload
+matches. Anything else (a missing, foreign, corrupt or truncated segment, a key of another type
+such as a list or a hash) is a miss for that chunk alone, counted (``redis.corrupt``), logged and
+deleted; the other chunks of the batch still hit. ``contains`` checks that the head is a string
+of a head's size (a key of another type there is a miss, and a later store replaces it).
 
 URLs: ``redis://``, ``rediss://`` (TLS) and ``unix://``; ``redis_username``/``redis_password``
-override the URL's credentials; ``redis_cluster`` uses redis-py's cluster client (pipelines are
-split per node by the client).
+override the URL's credentials; ``redis_cluster`` routes by hash slot (``CLUSTER SLOTS``).
 
-Faults: every call is bounded by ``redis_connect_timeout_s``/``redis_timeout_s`` and is not
-retried by redis-py. A connection or timeout error marks the tier down: for
-``retry_interval_s`` (``backend_options.redis``, default 1 s) every call answers a miss at once
-without touching the network; then the next call tries again, so the tier comes back by itself
-when the server does. A payload that fails its checks is a miss, counted (``redis.corrupt``),
-logged and deleted. A server out of memory (or any other error reply) skips the store with a
-warning.
+Time: a call is at most two round trips (heads, then segments; a lookup or a remove is one),
+each with one deadline: ``redis_timeout_s`` plus its bytes at ``min_throughput_mb_s`` (default
+50 MB/s). Every connect, send and receive within it waits at most the time left, so a server
+that trickles bytes cannot stretch a call. A failed or timed-out
+server is marked down for ``retry_interval_s`` (default 1 s): its keys answer misses at once
+without touching the network (other shards keep serving), then the next call tries again. A
+server out of memory (or any other error reply) skips that chunk's store with a warning.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import struct
 import threading
-import time
 import zlib
+from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvtier.core.errors import ConfigError, MissingExtraError
+from kvtier.core.errors import ConfigError
+from kvtier.core.memory import MemoryObjMeta
 from kvtier.storage import codec
 from kvtier.storage._log import warn_throttled
 from kvtier.storage.backends.base import BackendContext, StorageBackend
+from kvtier.storage.backends.redis_nodes import Job, Nodes
+from kvtier.storage.backends.redis_resp import (
+    Connection,
+    Deadline,
+    RespError,
+    command,
+    parse_url,
+    set_command,
+)
 
 if TYPE_CHECKING:
     from kvtier.core.keys import ChunkKey
-    from kvtier.core.memory import MemoryObj, MemoryObjMeta
+    from kvtier.core.memory import MemoryObj
 
 logger = logging.getLogger("kvtier.storage")
 
-_OPTIONS = {"key_prefix", "retry_interval_s"}
+HEAD = struct.Struct("<I4s")  # after the trailer: segment size, magic
+HEAD_MAGIC = b"KVRS"
+_WINDOW_BYTES = 8 << 20  # segment bytes asked for, not yet read, per connection
+_MIN_SEGMENT, _MAX_SEGMENT = 1 << 10, 512 << 20
+_UNREACHABLE = "its server failed or refused the read"
+_DEFAULTS: dict[str, Any] = {"key_prefix": "kvtier:", "retry_interval_s": 1.0,
+                             "segment_bytes": 2 << 20, "connections": 2, "min_throughput_mb_s": 50.0}
 
 
-def _import_redis() -> Any:
-    try:
-        import redis
-    except ImportError:
-        raise MissingExtraError("the redis storage backend (redis-py)", "redis") from None
-    return redis
+def _options(opts: dict[str, Any]) -> dict[str, Any]:
+    unknown = set(opts) - set(_DEFAULTS)
+    if unknown:
+        raise ConfigError("backend_options.redis", sorted(unknown),
+                          f"unknown redis option(s); known: {sorted(_DEFAULTS)}")
+    out = {**_DEFAULTS, **opts}
+    checks: dict[str, tuple[type, Callable[[Any], bool], str]] = {
+        "key_prefix": (str, lambda v: "{" not in v and "}" not in v, "a string without '{' or '}'"),
+        "retry_interval_s": (float, lambda v: 0 <= v < math.inf, "a number of seconds >= 0"),
+        "segment_bytes": (int, lambda v: _MIN_SEGMENT <= v <= _MAX_SEGMENT, "an integer in [1 KiB, 512 MiB]"),
+        "connections": (int, lambda v: 1 <= v <= 64, "an integer in [1, 64]"),
+        "min_throughput_mb_s": (float, lambda v: 0 < v < math.inf, "a positive number of MB/s"),
+    }
+    for name, (kind, ok, what) in checks.items():
+        v = out[name]
+        good = isinstance(v, kind | int) if kind is float else isinstance(v, kind)
+        if isinstance(v, bool) or not good or not ok(v):
+            raise ConfigError(f"backend_options.redis.{name}", v, f"must be {what}")
+    return out
+
+
+@dataclass
+class _Read:
+    """One chunk being read: its object, where each segment lands, its checksum."""
+
+    index: int
+    head: codec.Header
+    trailer: bytes
+    obj: MemoryObj
+    segment_bytes: int
+    segments: int
+    cs: codec.Checksum
+    pending: int
+    failed: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class RedisBackend(StorageBackend):
@@ -57,249 +124,300 @@ class RedisBackend(StorageBackend):
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
-        self._redis = _import_redis()
         cfg = ctx.config
         if not cfg.redis_url:
             raise ConfigError("redis_url", cfg.redis_url, "the redis tier is enabled but has no URL")
-        unknown = set(ctx.options) - _OPTIONS
-        if unknown:
-            raise ConfigError(
-                "backend_options", dict(ctx.options),
-                f"unknown redis option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}",
-            )
         if cfg.redis_cluster and cfg.redis_url.startswith("unix://"):
             raise ConfigError("redis_url", cfg.redis_url, "a Redis Cluster is reached over TCP, not unix://")
-        self.url = cfg.redis_url
-        self.prefix = str(ctx.options.get("key_prefix", "kvtier:"))
-        self.retry_interval_s = float(ctx.options.get("retry_interval_s", 1.0))
-        if self.retry_interval_s < 0:
-            raise ConfigError("backend_options", dict(ctx.options), "redis retry_interval_s must be >= 0")
+        opts = _options(dict(ctx.options))
+        self.prefix = str(opts["key_prefix"]).encode()
+        self.segment_bytes = int(opts["segment_bytes"])
+        self.retry_interval_s = float(opts["retry_interval_s"])
+        self.bytes_per_s = float(opts["min_throughput_mb_s"]) * 1e6
+        self.timeout_s = cfg.redis_timeout_s
         self.ttl = cfg.redis_ttl_s or None
         self.max_tokens = cfg.chunk_size
-        self._lock = threading.Lock()
-        self._client: Any = None
-        self._down_until = 0.0
-        self._down = False
-        self._closed = False
+        full = MemoryObjMeta(ctx.layout.chunk_shape(cfg.chunk_size), ctx.layout.torch_dtype, cfg.chunk_size)
+        self._max_segments = max(1, -(-full.nbytes // self.segment_bytes))
+        self.nodes = Nodes(parse_url(cfg.redis_url, cfg.redis_username, cfg.redis_password),
+                           cluster=cfg.redis_cluster, connect_timeout_s=cfg.redis_connect_timeout_s,
+                           retry_interval_s=self.retry_interval_s, connections=int(opts["connections"]),
+                           on_error=lambda: self.ctx.stats.add(f"{self.name}.errors"))
 
-    # -- connection ----------------------------------------------------------------------------
-    def _client_kwargs(self, retries: int) -> dict[str, Any]:
-        cfg = self.ctx.config
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
+    # -- keys and routing ----------------------------------------------------------------------
+    def _head_key(self, key: ChunkKey) -> bytes:
+        return self.prefix + b"{" + key.to_string().encode() + b"}"
 
-        kw: dict[str, Any] = {
-            "socket_connect_timeout": cfg.redis_connect_timeout_s,
-            "socket_timeout": cfg.redis_timeout_s,
-            "retry": Retry(NoBackoff(), retries),
-        }
-        if cfg.redis_username is not None:
-            kw["username"] = cfg.redis_username
-        if cfg.redis_password is not None:
-            kw["password"] = cfg.redis_password
-        return kw
+    @staticmethod
+    def _segment_keys(head_key: bytes, n: int) -> list[bytes]:
+        return [head_key + b":%d" % i for i in range(n)]
 
-    def _connect(self) -> Any:
-        if self.ctx.config.redis_cluster:
-            # The cluster client reads the slot map from the URL's node when it is built; one
-            # retry lets it follow a slot that moved.
-            return self._redis.RedisCluster.from_url(self.url, **self._client_kwargs(1))
-        # One attempt per call: a dead server must become a miss within one timeout, not
-        # within retries x timeout.
-        return self._redis.Redis.from_url(self.url, **self._client_kwargs(0))
+    def _deadline(self, nbytes: int = 0) -> Deadline:
+        return Deadline(self.timeout_s + nbytes / self.bytes_per_s)
 
-    def _get_client(self) -> Any | None:
-        """The client, or None while the tier is marked down (or after close)."""
-        with self._lock:
-            if self._closed or time.monotonic() < self._down_until:
-                return None
-            if self._client is None:
-                try:
-                    self._client = self._connect()
-                except Exception as e:
-                    self._mark_down_locked(e)
-                    return None
-            return self._client
+    def _by_node(self, heads: Sequence[bytes], deadline: Deadline) -> dict[str, list[int]]:
+        """Indices of ``heads`` grouped by the server that holds them (unroutable ones left out)."""
+        route = self.nodes.router(deadline)
+        groups: dict[str, list[int]] = defaultdict(list)
+        if route is not None:
+            for i, h in enumerate(heads):
+                addr = route(h)
+                if addr is not None:
+                    groups[addr].append(i)
+        return groups
 
-    def _mark_down_locked(self, err: BaseException) -> None:
-        self._down_until = time.monotonic() + self.retry_interval_s
-        if not self._down:
-            self._down = True
-            logger.warning(
-                "kvtier redis tier %s is unreachable (%s: %s); answering misses, retrying every %.1fs",
-                self._safe_url(), type(err).__name__, err, self.retry_interval_s,
-            )
+    def _lanes(self, address: str, items: list[Any]) -> list[tuple[str, list[Any]]]:
+        """``items`` of one server dealt round-robin over its connections."""
+        n = min(self.nodes.connections, len(items))
+        return [(address, items[i::n]) for i in range(n)]
 
-    def _failed(self, what: str, err: BaseException) -> None:
-        redis = self._redis
-        self.ctx.stats.add(f"{self.name}.errors")
-        if isinstance(err, redis.ConnectionError | redis.TimeoutError | OSError):
-            with self._lock:
-                self._mark_down_locked(err)
-        else:
-            warn_throttled(f"redis-{what}", "kvtier redis tier: %s failed: %s", what, err)
+    def _replies(self, groups: dict[str, list[int]], packed: Callable[[int], bytes],
+                 deadline: Deadline) -> dict[int, object]:
+        """Send one small command per index, pipelined per server; each index's reply (or the
+        exception its server's job ended with)."""
+        def job(idxs: list[int]) -> Callable[[Connection, Deadline], list[object]]:
+            def run(conn: Connection, dl: Deadline) -> list[object]:
+                conn.send([b"".join(packed(i) for i in idxs)], dl)
+                return [conn.read_reply(dl) for _ in idxs]
+            return run
 
-    def _ok(self) -> None:
-        if self._down:
-            with self._lock:
-                if self._down:
-                    self._down = False
-                    logger.warning("kvtier redis tier %s is reachable again", self._safe_url())
+        jobs: list[Job[list[object]]] = [(a, job(idxs)) for a, idxs in groups.items()]
+        out: dict[int, object] = {}
+        for (_, idxs), result in zip(groups.items(), self.nodes.run(jobs, deadline), strict=True):
+            for n, i in enumerate(idxs):
+                reply = out[i] = result if isinstance(result, BaseException) else result[n]
+                if isinstance(reply, RespError) and reply.kind in ("MOVED", "ASK"):
+                    self.nodes.topology_changed()
+        return out
 
-    def _safe_url(self) -> str:
-        head, sep, tail = self.url.rpartition("@")
-        return f"{head.split('://')[0]}://***@{tail}" if sep else self.url
-
-    def _key(self, key: ChunkKey) -> str:
-        return self.prefix + key.to_string()
-
-    def _pipeline(self, client: Any) -> Any:
-        return client.pipeline(transaction=False)
-
-    # -- interface -----------------------------------------------------------------------------
+    # -- lookups -------------------------------------------------------------------------------
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        client = self._get_client()
-        if client is None or not keys:
-            return [False] * len(keys)
-        try:
-            pipe = self._pipeline(client)
-            for k in keys:
-                pipe.exists(self._key(k))
-            found = [bool(n) for n in pipe.execute()]
-        except Exception as e:
-            self._failed("exists", e)
-            return [False] * len(keys)
-        self._ok()
-        return found
+        heads = [self._head_key(k) for k in keys]
+        dl = self._deadline()
+        replies = self._replies(self._by_node(heads, dl), lambda i: command(b"STRLEN", heads[i]), dl)
+        least = HEAD.size + codec.PREFIX.size + codec.TRAILER.size
+        return [isinstance(r, int) and r > least for r in (replies.get(i) for i in range(len(keys)))]
 
+    # -- writes --------------------------------------------------------------------------------
     def batched_put(self, items: Sequence[tuple[ChunkKey, MemoryObj]]) -> None:
-        client = self._get_client()
-        if client is None or not items:
-            if items:
-                self.ctx.stats.add(f"{self.name}.store_skipped", len(items))
+        if not items:
             return
+        dl = self._deadline(sum(obj.meta.nbytes for _, obj in items))
+        heads = [self._head_key(k) for k, _ in items]
+        groups = self._by_node(heads, dl)
+        headers = [codec.encode_header(k, obj.meta, self.ctx.layout) for k, obj in items]
+        sums = [codec.Checksum(zlib.crc32(h)) for h in headers]
         try:
-            if self.ctx.config.redis_cluster:
-                replies = self._put_pipelined(client, items)
-            else:
-                replies = self._put_streamed(client, items)
-        except Exception as e:
-            self._failed("set", e)
-            self.ctx.stats.add(f"{self.name}.store_skipped", len(items))
-            return
-        self._ok()
-        failed = [r for r in replies if isinstance(r, Exception)]
-        if failed:
-            self.ctx.stats.add(f"{self.name}.store_skipped", len(failed))
-            warn_throttled("redis-set", "kvtier redis tier: %d chunk(s) not stored: %s", len(failed), failed[0])
-        self.ctx.stats.add(f"{self.name}.stored", len(items) - len(failed))
-
-    def _put_pipelined(self, client: Any, items: Sequence[tuple[ChunkKey, MemoryObj]]) -> list[Any]:
-        """Cluster path: redis-py's cluster pipeline routes each SET to its node (one copy of
-        each value is made to join header, payload and trailer)."""
-        pipe = self._pipeline(client)
-        for key, obj in items:
-            payload = obj.byte_view()
-            header, tail = codec.encode(key, obj.meta, self.ctx.layout, payload)
-            pipe.set(self._key(key), b"".join((header, payload, tail)), ex=self.ttl)
-        return pipe.execute(raise_on_error=False)
-
-    def _put_streamed(self, client: Any, items: Sequence[tuple[ChunkKey, MemoryObj]]) -> list[Any]:
-        """Single-server path: pipelined SETs written as RESP on one pooled connection, each
-        payload sent straight from host memory (no copy) while its checksum is computed on a
-        helper thread; the trailer follows once both are done."""
-        ex = [b"EX", str(self.ttl).encode()] if self.ttl else []
-        ex_resp = b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in ex)
-        pool = client.connection_pool
-        conn = pool.get_connection()
-        pending: list[codec.Checksum] = []
-        try:
-            for key, obj in items:
-                payload = obj.byte_view()
-                header = codec.encode_header(key, obj.meta, self.ctx.layout)
-                cs = codec.Checksum(zlib.crc32(header))
-                pending.append(cs)
-                cs.add(payload)
-                k = self._key(key).encode()
-                size = len(header) + payload.nbytes + codec.TRAILER.size
-                head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 + len(ex), len(k), k, size)
-                conn.send_packed_command([head + header, payload])
-                conn.send_packed_command([codec.TRAILER.pack(cs.value()) + b"\r\n" + ex_resp])
-            replies: list[Any] = []
-            for _ in items:
-                try:
-                    replies.append(conn.read_response())
-                except self._redis.ResponseError as e:
-                    replies.append(e)
-            return replies
-        except BaseException:
-            conn.disconnect()
-            raise
+            for cs, (_, obj) in zip(sums, items, strict=True):
+                cs.add(obj.byte_view())  # hashed on helper threads while the segments are sent
+            failed = self._put_segments(items, heads, groups, dl)
+            ok: dict[int, bytes] = {}
+            for i in range(len(items)):
+                if i not in failed:  # the head goes last: a reader that finds it finds the segments
+                    body = headers[i] + codec.TRAILER.pack(sums[i].value()) + HEAD.pack(self.segment_bytes, HEAD_MAGIC)
+                    cmd_head, cmd_tail = set_command(heads[i], len(body), self.ttl)
+                    ok[i] = cmd_head + body + cmd_tail
+            head_groups = {a: [i for i in idxs if i in ok] for a, idxs in groups.items()}
+            replies = self._replies({a: g for a, g in head_groups.items() if g}, ok.__getitem__,
+                                    self._deadline())
         finally:
-            for cs in pending:  # the caller's buffers must not be read after we return
+            for cs in sums:  # the caller's buffers must not be read after we return
                 cs.wait()
-            pool.release(conn)
+        stored = [i for i in ok if replies.get(i) == "OK"]
+        errors = [replies.get(i) for i in ok if replies.get(i) != "OK"] + list(failed.values())
+        if errors:
+            self.ctx.stats.add(f"{self.name}.store_skipped", len(items) - len(stored))
+            warn_throttled("redis-set", "kvtier redis tier: %d chunk(s) not stored: %s",
+                           len(items) - len(stored), errors[0])
+        self.ctx.stats.add(f"{self.name}.stored", len(stored))
 
+    def _put_segments(self, items: Sequence[tuple[ChunkKey, MemoryObj]], heads: list[bytes],
+                      groups: dict[str, list[int]], dl: Deadline) -> dict[int, object]:
+        """SET every segment, pipelined over each server's connections; the chunks that failed
+        (index: why). Unroutable chunks fail too."""
+        failed: dict[int, object] = {i: "no server owns its slot" for i in range(len(items))}
+        jobs: list[Job[list[object]]] = []
+        lanes: list[list[tuple[int, bytes, memoryview]]] = []
+        for address, idxs in groups.items():
+            segs = []
+            for i in idxs:
+                failed.pop(i)
+                view = items[i][1].byte_view()
+                n = max(1, -(-view.nbytes // self.segment_bytes))
+                for s, k in enumerate(self._segment_keys(heads[i], n)):
+                    segs.append((i, k, view[s * self.segment_bytes : (s + 1) * self.segment_bytes]))
+            for addr, lane in self._lanes(address, segs):
+                lanes.append(lane)
+                jobs.append((addr, self._set_job(lane)))
+        for lane, result in zip(lanes, self.nodes.run(jobs, dl), strict=True):
+            for n, (i, _, _) in enumerate(lane):
+                r = result if isinstance(result, BaseException) else result[n]
+                if r != "OK":
+                    failed.setdefault(i, r)
+        return failed
+
+    def _set_job(self, lane: list[tuple[int, bytes, memoryview]]) -> Callable[[Connection, Deadline], list[object]]:
+        def run(conn: Connection, dl: Deadline) -> list[object]:
+            parts: list[bytes | memoryview] = []
+            for _, k, view in lane:
+                head, tail = set_command(k, view.nbytes, self.ttl)
+                parts += [head, view, tail]
+            conn.send(parts, dl)
+            return [conn.read_reply(dl) for _ in lane]
+        return run
+
+    # -- reads ---------------------------------------------------------------------------------
     def batched_get(
         self,
         keys: Sequence[ChunkKey],
         allocate: Callable[[MemoryObjMeta], MemoryObj | None],
     ) -> list[MemoryObj | None]:
         out: list[MemoryObj | None] = [None] * len(keys)
-        client = self._get_client()
-        if client is None or not keys:
+        if not keys:
             return out
+        dl = self._deadline()
+        heads = [self._head_key(k) for k in keys]
+        groups = self._by_node(heads, dl)
+        replies = self._replies(groups, lambda i: command(b"GET", heads[i]), dl)
+        bad: dict[int, str] = {}
+        reads: list[_Read] = []
+        for i, key in enumerate(keys):
+            r = self._open(i, key, replies.get(i), allocate, bad)
+            if r is not None:
+                reads.append(r)
         try:
-            pipe = self._pipeline(client)
-            for k in keys:
-                pipe.get(self._key(k))
-            blobs = pipe.execute()
-        except Exception as e:
-            self._failed("get", e)
-            return out
-        self._ok()
-        bad: list[ChunkKey] = []
-        for i, (key, blob) in enumerate(zip(keys, blobs, strict=True)):
-            if blob is None:
-                continue
-            try:
-                out[i] = self._decode_into(key, blob, allocate)
-            except codec.PayloadError as e:
-                self.ctx.stats.add(f"{self.name}.corrupt")
-                logger.warning("kvtier redis tier: value of %s rejected (%s); deleted", key.to_string(), e.reason)
-                bad.append(key)
+            # the segments are a second round trip with its own deadline: a server that failed
+            # the first is marked down by now and costs nothing here
+            self._get_segments(reads, heads, groups, self._deadline(sum(r.head.payload_len for r in reads)))
+            for r in reads:
+                r.cs.wait()
+                if r.failed is None:
+                    try:
+                        codec.check_trailer(r.cs.value(), r.trailer)
+                    except codec.PayloadError as e:
+                        r.failed = e.reason
+                if r.failed is None:
+                    out[r.index] = r.obj
+                else:
+                    bad[r.index] = r.failed
+                    r.obj.release()
+        except BaseException:
+            for r in reads:
+                r.cs.wait()
+                if out[r.index] is None:
+                    r.obj.release()
+            raise
         if bad:
-            self.remove(bad)
+            self._reject(keys, bad)
         return out
 
-    def _decode_into(
-        self, key: ChunkKey, blob: bytes, allocate: Callable[[MemoryObjMeta], MemoryObj | None]
-    ) -> MemoryObj | None:
-        """A new host object holding ``blob``'s payload; the checksum runs while it is copied."""
-        obj = codec.decode_into_object(blob, key=key, layout=self.ctx.layout,
-                                       max_tokens=self.max_tokens, allocate=allocate)
+    def _open(self, i: int, key: ChunkKey, reply: object,
+              allocate: Callable[[MemoryObjMeta], MemoryObj | None], bad: dict[int, str]) -> _Read | None:
+        """Check chunk ``i``'s head and allocate its object; None for a miss (``bad`` says why
+        when the entry must go)."""
+        if isinstance(reply, RespError):
+            if reply.kind == "WRONGTYPE":  # another type at our key: bad entry (other errors are
+                bad[i] = f"head: {reply}"  # the server's state: CLUSTERDOWN, LOADING, MOVED...)
+            return None
+        if reply is None or isinstance(reply, BaseException):  # a miss, or its server failed
+            return None
+        try:
+            head, trailer, seg = self._parse_head(key, reply)
+        except codec.PayloadError as e:
+            bad[i] = e.reason
+            return None
+        obj = allocate(head.meta)
         if obj is None:
             self.ctx.stats.add(f"{self.name}.no_host_memory")
-        return obj
+            return None
+        n = max(1, -(-head.payload_len // seg))
+        return _Read(i, head, trailer, obj, seg, n, codec.Checksum(head.crc_of_header), n)
+
+    def _parse_head(self, key: ChunkKey, blob: object) -> tuple[codec.Header, bytes, int]:
+        if not isinstance(blob, bytes) or len(blob) < HEAD.size:
+            raise codec.PayloadError("foreign: not a kvtier head")
+        seg, magic = HEAD.unpack_from(blob, len(blob) - HEAD.size)
+        if magic != HEAD_MAGIC or not _MIN_SEGMENT <= seg <= _MAX_SEGMENT:
+            raise codec.PayloadError("foreign: not a kvtier head")
+        header_len, _ = codec.prefix_lengths(blob)
+        if len(blob) != header_len + codec.TRAILER.size + HEAD.size:
+            raise codec.PayloadError(f"truncated: head of {len(blob)} bytes")
+        head = codec.decode_header(blob[:header_len], key=key, layout=self.ctx.layout,
+                                   max_tokens=self.max_tokens)
+        return head, blob[header_len : header_len + codec.TRAILER.size], seg
+
+    def _get_segments(self, reads: list[_Read], heads: list[bytes], groups: dict[str, list[int]],
+                      dl: Deadline) -> None:
+        """Read every segment of ``reads`` straight into its object; mark the chunks that fail."""
+        by_index = {r.index: r for r in reads}
+        jobs: list[Job[None]] = []
+        lanes: list[list[tuple[_Read, bytes, memoryview]]] = []
+        for address, idxs in groups.items():
+            segs = []
+            for i in idxs:
+                r = by_index.get(i)
+                if r is None:
+                    continue
+                view = r.obj.byte_view()
+                for s, k in enumerate(self._segment_keys(heads[i], r.segments)):
+                    segs.append((r, k, view[s * r.segment_bytes : (s + 1) * r.segment_bytes]))
+            for addr, lane in self._lanes(address, segs):
+                lanes.append(lane)
+                jobs.append((addr, self._get_job(lane)))
+        for lane, result in zip(lanes, self.nodes.run(jobs, dl), strict=True):
+            if isinstance(result, BaseException):
+                for r, _, _ in lane:
+                    r.failed = r.failed or _UNREACHABLE
+
+    def _get_job(self, lane: list[tuple[_Read, bytes, memoryview]]) -> Callable[[Connection, Deadline], None]:
+        cmds = [command(b"GET", k) for _, k, _ in lane]
+        window = max(1, _WINDOW_BYTES // max(1, lane[0][2].nbytes))
+
+        def run(conn: Connection, dl: Deadline) -> None:
+            # A few segments in flight, not the whole lane: a server asked for many large values
+            # at once copies them all into its output buffers first (measured slower).
+            conn.send([b"".join(cmds[:window])], dl)
+            for n, (r, _, view) in enumerate(lane):
+                if n + window < len(cmds):
+                    conn.send([cmds[n + window]], dl)
+                got = conn.read_into(view, dl)
+                if got != view.nbytes:
+                    state = isinstance(got, RespError) and got.kind != "WRONGTYPE"
+                    with r.lock:
+                        r.failed = r.failed or (_UNREACHABLE if state else _segment_problem(got, view.nbytes))
+                    if state and got.kind in ("MOVED", "ASK"):  # type: ignore[union-attr]
+                        self.nodes.topology_changed()
+                with r.lock:
+                    r.pending -= 1
+                    last = r.pending == 0 and r.failed is None
+                if last:  # checksum this chunk on helper threads while the rest arrive
+                    r.cs.add(r.obj.byte_view())
+        return run
+
+    def _reject(self, keys: Sequence[ChunkKey], bad: dict[int, str]) -> None:
+        gone = [keys[i] for i, why in bad.items() if why != _UNREACHABLE]
+        for i, why in bad.items():
+            if why != _UNREACHABLE:
+                self.ctx.stats.add(f"{self.name}.corrupt")
+                logger.warning("kvtier redis tier: value of %s rejected (%s); deleted", keys[i].to_string(), why)
+        if gone:
+            self.remove(gone)
 
     def remove(self, keys: Sequence[ChunkKey]) -> None:
-        client = self._get_client()
-        if client is None or not keys:
+        if not keys:
             return
-        try:
-            pipe = self._pipeline(client)
-            for k in keys:
-                pipe.delete(self._key(k))
-            pipe.execute()
-        except Exception as e:
-            self._failed("delete", e)
+        heads = [self._head_key(k) for k in keys]
+        dl = self._deadline()
+        self._replies(self._by_node(heads, dl),
+                      lambda i: command(b"DEL", heads[i], *self._segment_keys(heads[i], self._max_segments)), dl)
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.close()
-            except Exception as e:
-                logger.debug("kvtier redis tier: close failed: %s", e)
+        self.nodes.close()
+
+
+def _segment_problem(got: int | RespError | None, want: int) -> str:
+    if got is None:
+        return "a segment is missing"
+    if isinstance(got, RespError):
+        return f"segment: {got}"
+    return f"truncated: a segment of {got} bytes, expected {want}"

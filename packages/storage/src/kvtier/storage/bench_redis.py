@@ -1,0 +1,252 @@
+"""The Redis rows of ``kvtier bench storage``.
+
+- ``op: write`` / ``read``: the tier's ``batched_put`` / ``batched_get`` of a batch of chunks
+  (codec, checksums and the copy into the host arena included) against ``redis-benchmark`` (the
+  C client shipped with the server) running ``SET`` / ``GET`` of values of the tier's segment
+  size over the tier's connection count, unpipelined (``-P 1``). Each round runs the reference
+  then the tier, on the same private server; the row is the median of the rounds. The exact
+  command is in the row's ``reference``.
+- ``variant: cluster-3``: the tier reading the same batch from a Redis Cluster of three masters
+  on loopback, against the tier reading it from one server in the same rounds (target: > 1).
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvtier.core.keys import KeyFactory
+from kvtier.storage.backends.redis import RedisBackend
+from kvtier.storage.backends.redis_resp import Connection, Deadline, Endpoint, command
+
+if TYPE_CHECKING:
+    from kvtier.storage.bench import Shape, _Bench
+
+TARGET = 0.8  # of redis-benchmark
+READ_GBPS_TARGET = 2.0  # 8B-shaped reads: what beats recomputing the prefill on a GPU
+CLUSTER_TARGET = 1.0  # of one server
+
+
+def _free_port() -> int:
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + 10000 <= 65535:
+            return port
+    raise RuntimeError("no free port")
+
+
+class PrivateRedis:
+    """Throwaway redis-server processes on free loopback ports, no persistence: one server, or
+    ``masters`` joined into a cluster."""
+
+    def __init__(self, masters: int = 0) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise FileNotFoundError("redis-server is not installed")
+        self.dir = tempfile.mkdtemp(prefix="kvtier-bench-redis-")
+        self.ports = [_free_port() for _ in range(max(1, masters))]
+        self.procs: list[subprocess.Popen[bytes]] = []
+        try:
+            for i, port in enumerate(self.ports):
+                args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                        "--appendonly", "no", "--dir", self.dir, "--proto-max-bulk-len", "1gb"]
+                if masters:
+                    args += ["--cluster-enabled", "yes", "--cluster-config-file",
+                             str(Path(self.dir) / f"nodes-{i}.conf")]
+                self.procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL,
+                                                   stderr=subprocess.DEVNULL))
+            for port in self.ports:
+                self._wait(port)
+            if masters:
+                self._join()
+        except BaseException:
+            self.close()
+            raise
+        self.port = self.ports[0]
+        self.url = f"redis://127.0.0.1:{self.port}" + ("" if masters else "/0")
+
+    @staticmethod
+    def _wait(port: int) -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                Connection(Endpoint("127.0.0.1", port), 0.5, Deadline(1)).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server on port {port} did not start within 10 s")
+
+    def _join(self) -> None:
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise FileNotFoundError("redis-cli is not installed")
+        subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
+                        "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=60)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if all(b"cluster_state:ok" in self.call(p, "CLUSTER", "INFO") for p in self.ports):  # type: ignore[operator]
+                return
+            time.sleep(0.1)
+        raise RuntimeError("the bench cluster did not become ok within 30 s")
+
+    @staticmethod
+    def call(port: int, *args: Any) -> object:
+        conn = Connection(Endpoint("127.0.0.1", port), 1, Deadline(60))
+        try:
+            return conn.call(args, Deadline(60))
+        finally:
+            conn.close()
+
+    def flush(self) -> None:
+        for p in self.ports:
+            self.call(p, "FLUSHALL")
+
+    def version(self) -> str:
+        out = subprocess.run([shutil.which("redis-server") or "redis-server", "--version"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip()
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def redis_benchmark(port: int, op: str, size: int, conns: int, total: int) -> tuple[float, str]:
+    """GB/s of ``redis-benchmark`` running ``op`` (set/get) on values of ``size`` bytes over
+    ``conns`` connections, about ``total`` bytes in all; and the command line."""
+    binary = shutil.which("redis-benchmark")
+    if binary is None:
+        raise FileNotFoundError("redis-benchmark is not installed")
+    if op == "get":  # the key redis-benchmark reads when not given -r
+        conn = Connection(Endpoint("127.0.0.1", port), 1, Deadline(60))
+        try:
+            conn.send([command("SET", "key:__rand_int__", b"x" * size)], Deadline(60))
+            conn.read_reply(Deadline(60))
+        finally:
+            conn.close()
+    n = max(4 * conns, total // size)
+    cmd = ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-t", op, "-d", str(size),
+           "-n", str(n), "-c", str(conns), "-P", "1", "--csv"]
+    out = subprocess.run([binary, *cmd[1:]], capture_output=True, text=True, timeout=300, check=True)
+    rows = [line.split(",") for line in out.stdout.splitlines() if line.startswith(f'"{op.upper()}"')]
+    if not rows:
+        raise RuntimeError(f"redis-benchmark printed no {op} row: {out.stdout[-500:]}")
+    rps = float(rows[-1][1].strip('"'))
+    return rps * size / 1e9, " ".join(cmd)
+
+
+def _rate_row(b: _Bench, shape: Shape, op: str, ours: list[float], ref: list[float], target: float,
+              reference: str, **extra: Any) -> None:
+    g, rg = statistics.median(ours), statistics.median(ref)
+    row = {"tier": "redis", "shape": shape.name, "op": op, "chunk_bytes": shape.meta.nbytes,
+           "batch": shape.batch, "gbps": round(g, 3), "reference": reference,
+           "reference_gbps": round(rg, 3), "ratio": round(g / rg, 3), "target": target,
+           "gbps_spread": [round(min(ours), 3), round(max(ours), 3)],
+           "reference_gbps_spread": [round(min(ref), 3), round(max(ref), 3)], **extra}
+    b.rows.append(row)
+    label = f"{op} {extra['variant']}" if "variant" in extra else op
+    print(f"{'redis':<11}{shape.name:<7}{label:<16}{g:>9.2f}{rg:>11.2f}{g / rg:>8.2f}{target:>8.2f}",
+          flush=True)
+
+
+def _tier(shape: Shape, arena: Any, url: str, cluster: bool = False) -> RedisBackend:
+    from kvtier.storage.bench import _backend
+
+    tier = _backend(RedisBackend, shape, arena, tiers=["local_cpu", "redis"], redis_url=url,
+                    redis_cluster=cluster, redis_timeout_s=60.0)
+    assert isinstance(tier, RedisBackend)
+    return tier
+
+
+def bench_redis(b: _Bench, shape: Shape, server: PrivateRedis, cluster: PrivateRedis | None) -> None:
+    from kvtier.storage.bench import _objects
+
+    arena, objs = _objects(shape)
+    tier = _tier(shape, arena, server.url)
+    keys = KeyFactory("bench", shape.layout.fingerprint())
+    nbytes = shape.meta.nbytes * shape.batch
+    seg, conns = tier.segment_bytes, tier.nodes.connections
+    extra = {"segment_bytes": seg, "connections": conns}
+
+    def items(r: int) -> list[Any]:
+        return [(keys.key(r.to_bytes(4, "little") + i.to_bytes(4, "little")), o) for i, o in enumerate(objs)]
+
+    def read(t: RedisBackend, r: int) -> float:
+        ks = [k for k, _ in items(r)]
+        t0 = time.perf_counter()
+        got = t.batched_get(ks, arena.allocate)
+        dt = time.perf_counter() - t0
+        assert all(g is not None for g in got), "redis bench read missed"
+        for g in got:
+            g.release()  # type: ignore[union-attr]
+        return nbytes / dt / 1e9
+
+    def write(t: RedisBackend, r: int) -> float:
+        t0 = time.perf_counter()
+        t.batched_put(items(r))
+        return nbytes / (time.perf_counter() - t0) / 1e9
+
+    try:
+        for op in ("write", "read"):
+            ours, ref = [], []
+            cmd = ""
+            for r in range(b.repeat + 1):  # round 0 warms up
+                rg, cmd = redis_benchmark(server.port, "set" if op == "write" else "get", seg, conns, nbytes)
+                server.flush()
+                if op == "read":
+                    tier.batched_put(items(r))
+                g = write(tier, r) if op == "write" else read(tier, r)
+                server.flush()
+                if r:
+                    ours.append(g)
+                    ref.append(rg)
+            target = TARGET
+            _rate_row(b, shape, op, ours, ref, target, cmd, **extra,
+                      **({"target_gbps": READ_GBPS_TARGET} if op == "read" and shape.name == "8b" else {}))
+        if cluster is not None:
+            ctier = _tier(shape, arena, cluster.url, cluster=True)
+            try:
+                ours, ref = [], []
+                for r in range(b.repeat + 1):
+                    tier.batched_put(items(r))
+                    ctier.batched_put(items(r))
+                    one, three = read(tier, r), read(ctier, r)
+                    server.flush()
+                    cluster.flush()
+                    if r:
+                        ours.append(three)
+                        ref.append(one)
+                _rate_row(b, shape, "read", ours, ref, CLUSTER_TARGET,
+                          "this tier reading the same batch from one redis-server", variant="cluster-3",
+                          **extra)
+            finally:
+                ctier.close()
+    finally:
+        tier.close()
+        for o in objs:
+            o.release()
+
+
+def start_servers(with_cluster: bool) -> tuple[PrivateRedis, PrivateRedis | None]:
+    server = PrivateRedis()
+    cluster = None
+    if with_cluster:
+        try:
+            cluster = PrivateRedis(masters=3)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            print(f"redis cluster row skipped: {e}", flush=True)
+    return server, cluster
+
+
+__all__ = ["PrivateRedis", "bench_redis", "redis_benchmark", "start_servers"]

@@ -1,0 +1,267 @@
+"""The Redis tier against hostile links and entries: a trickling link, a cluster with a stopped
+master, keys of another type at kvtier keys; its options and its routing."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from storage_helpers import CHUNK, LAYOUT, NAMESPACE, chunk_value, config, key, meta, put_chunk
+from test_redis import FAST, entry_keys, redis_key, redis_manager, stored
+
+from fixtures.redis_server import RedisCluster
+from kvtier.core.errors import ConfigError
+from kvtier.core.memory import HostArena
+from kvtier.storage.backends.base import BackendContext
+from kvtier.storage.backends.redis import RedisBackend
+from kvtier.storage.backends.redis_cluster import key_slot
+
+redis = pytest.importorskip("redis", reason="redis-py (kvtier[redis]) is not installed")
+
+pytestmark = pytest.mark.redis
+
+
+class TrickleProxy:
+    """A loopback TCP proxy to ``port``: requests pass at once, replies trickle one byte every
+    ``every_s``. Every thread stops (bounded) on ``close``."""
+
+    def __init__(self, port: int, every_s: float = 0.02) -> None:
+        self.upstream = port
+        self.every_s = every_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.1)
+        self.port = self.listener.getsockname()[1]
+        self._stop = threading.Event()
+        self._socks: list[socket.socket] = []
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _spawn(self, fn, *args) -> None:
+        t = threading.Thread(target=fn, args=args, daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.upstream), timeout=5)
+            for s in (client, server):
+                s.settimeout(0.1)
+            self._socks += [client, server]
+            self._spawn(self._pump, client, server, 0.0)
+            self._spawn(self._pump, server, client, self.every_s)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, every_s: float) -> None:
+        pending = b""
+        while not self._stop.is_set():
+            try:
+                if not pending:
+                    pending = src.recv(1 << 16)
+                    if not pending:
+                        return
+                if every_s:
+                    dst.sendall(pending[:1])
+                    pending = pending[1:]
+                    time.sleep(every_s)
+                else:
+                    dst.sendall(pending)
+                    pending = b""
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        for s in [self.listener, *self._socks]:
+            s.close()
+        for t in self._threads:
+            t.join(5)
+
+
+def test_a_trickling_link_is_bounded_by_the_call_deadline(make_manager, redis_clean):
+    """Replies that trickle one byte every 20 ms: each call still ends within its 1 s deadline
+    (per-read socket timeouts let a lookup take 6.5 s and a retrieve more than 45 s)."""
+    stored(redis_manager(make_manager, redis_clean.url), *range(4))
+    keys = [key(i) for i in range(4)]
+    proxy = TrickleProxy(redis_clean.port)
+    try:
+        m = redis_manager(make_manager, f"redis://127.0.0.1:{proxy.port}/0", redis_timeout_s=1.0,
+                          backend_options={"redis": {"retry_interval_s": 0.0, "segment_bytes": 1024}})
+        for call in (lambda: m.batched_get(keys), lambda: m.contains(keys * 8),
+                     lambda: m.prefetch(keys).result(30)):
+            t0 = time.monotonic()
+            call()
+            assert time.monotonic() - t0 < 2.5
+        t0 = time.monotonic()
+        assert m.batched_get(keys) == [None] * 4  # a head alone needs ~6 s at this rate
+        assert time.monotonic() - t0 < 2.5
+        for i in range(4, 8):  # writes too
+            put_chunk(m, i)
+        t0 = time.monotonic()
+        m.flush(30)
+        assert time.monotonic() - t0 < 2 * 2.5
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize("where", ["head", "segment"])
+@pytest.mark.parametrize("kind", ["list", "hash"])
+def test_a_key_of_another_type_is_a_miss_for_that_chunk_alone(make_manager, redis_clean, caplog,
+                                                              where, kind):
+    m = redis_manager(make_manager, redis_clean.url)
+    stored(m, 0, 1, 2)
+    client = redis.Redis.from_url(redis_clean.url)
+    bad = redis_key(1) if where == "head" else redis_key(1) + ":1"
+    client.delete(bad)
+    if kind == "list":
+        client.rpush(bad, b"x", b"y")
+    else:
+        client.hset(bad, "f", "v")
+    if where == "head":  # a lookup does not count it
+        assert m.contains([key(0), key(1), key(2)]) == [True, False, True]
+    with caplog.at_level(logging.WARNING, logger="kvtier.storage"):
+        objs = m.batched_get([key(0), key(1), key(2)])
+    assert objs[1] is None
+    for i in (0, 2):
+        assert objs[i] is not None and objs[i].tensor.equal(chunk_value(i))
+        objs[i].release()
+    assert "WRONGTYPE" in caplog.text
+    assert m.stats.get("redis.corrupt") == 1
+    assert client.exists(*entry_keys(1)) == 0  # removed
+    m.host.remove([key(0), key(2)])
+    stored(m, 1)  # and stored again
+    obj = m.get(key(1))
+    assert obj is not None and obj.tensor.equal(chunk_value(1))
+    obj.release()
+
+
+def test_a_wrong_type_head_is_replaced_by_the_next_store(make_manager, redis_clean):
+    m = redis_manager(make_manager, redis_clean.url)
+    client = redis.Redis.from_url(redis_clean.url)
+    client.rpush(redis_key(3), b"x")
+    stored(m, 3)
+    obj = m.get(key(3))
+    assert obj is not None and obj.tensor.equal(chunk_value(3))
+    obj.release()
+
+
+@pytest.fixture
+def private_cluster(tmp_path):
+    try:
+        cluster = RedisCluster(tmp_path / "cluster", extra_args=["--cluster-require-full-coverage", "no"])
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize("how", ["killed", "paused"])
+def test_a_cluster_with_a_stopped_master_answers_within_the_timeout(make_manager, private_cluster, how):
+    stored(redis_manager(make_manager, private_cluster.url, redis_cluster=True, redis_timeout_s=5.0),
+           *range(12))
+    m = redis_manager(make_manager, private_cluster.url, redis_cluster=True, redis_timeout_s=1.0)
+    keys = [key(i) for i in range(12)]
+    victim = private_cluster.nodes[1]
+    c = redis.RedisCluster.from_url(private_cluster.url)
+    lost = {i for i in range(12) if c.get_node_from_key(redis_key(i)).port == victim.port}
+    c.close()
+    assert 0 < len(lost) < 12
+    victim.stop() if how == "killed" else victim.pause()
+    try:
+        for _ in range(2):  # the first call finds the node dead, the second knows it
+            t0 = time.monotonic()
+            objs = m.batched_get(keys)
+            assert time.monotonic() - t0 < 2.5
+            for i, obj in enumerate(objs):
+                if i in lost:
+                    assert obj is None
+                else:
+                    assert obj is not None and obj.tensor.equal(chunk_value(i))
+                    obj.release()
+            t0 = time.monotonic()
+            assert m.contains(keys) == [i not in lost for i in range(12)]
+            assert time.monotonic() - t0 < 2.5
+            m.host.remove(keys)
+    finally:
+        victim.resume()
+
+
+# -- options, routing, layout ---------------------------------------------------------------------
+@pytest.mark.parametrize("opts, field", [
+    ({"segment_bytes": 10}, "backend_options.redis.segment_bytes"),
+    ({"segment_bytes": True}, "backend_options.redis.segment_bytes"),
+    ({"connections": 0}, "backend_options.redis.connections"),
+    ({"min_throughput_mb_s": float("nan")}, "backend_options.redis.min_throughput_mb_s"),
+    ({"retry_interval_s": float("inf")}, "backend_options.redis.retry_interval_s"),
+    ({"key_prefix": "a{b}"}, "backend_options.redis.key_prefix"),
+    ({"nope": 1}, "backend_options.redis"),
+])
+def test_bad_options_name_the_option(opts, field):
+    with pytest.raises(ConfigError) as e:
+        _backend({"redis_url": "redis://127.0.0.1:1/0"}, opts)
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:99999/0", "redis://127.0.0.1:6379/x", "redis://:6379"])
+def test_a_bad_url_is_a_config_error(url):
+    with pytest.raises(ConfigError) as e:
+        _backend({"redis_url": url}, {})
+    assert e.value.field == "redis_url"
+
+
+@given(st.binary(max_size=40) | st.text(alphabet="ab{}:", max_size=12).map(str.encode))
+def test_key_slot_matches_the_servers_rule(k):
+    assert key_slot(k) == redis.crc.key_slot(k)
+
+
+def _backend(cfg: dict, opts: dict, arena: HostArena | None = None) -> RedisBackend:
+    c = config(Path(tempfile.gettempdir()), tiers=["local_cpu", "redis"], **cfg)
+    return RedisBackend(BackendContext(config=c, layout=LAYOUT, namespace=NAMESPACE,
+                                       arena=arena or HostArena.create(1 << 16), options=opts))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seg=st.integers(1024, 5000), tokens=st.lists(st.integers(1, CHUNK), min_size=1, max_size=4),
+       conns=st.integers(1, 3))
+def test_any_segment_size_round_trips(redis_clean, seg, tokens, conns):
+    """Chunks of any length split at any segment size over any number of connections come back
+    byte for byte."""
+    redis_clean.flush()
+    arena = HostArena.create(1 << 20)
+    tier = _backend({"redis_url": redis_clean.url}, {"segment_bytes": seg, "connections": conns}, arena)
+    try:
+        objs = []
+        for i, n in enumerate(tokens):
+            obj = arena.allocate(meta(n))
+            obj.tensor.copy_(chunk_value(i, n))
+            objs.append(obj)
+        tier.batched_put([(key(i), o) for i, o in enumerate(objs)])
+        for o in objs:
+            o.release()
+        got = tier.batched_get([key(i) for i in range(len(tokens))], arena.allocate)
+        for i, (g, n) in enumerate(zip(got, tokens, strict=True)):
+            assert g is not None and g.tensor.equal(chunk_value(i, n))
+            g.release()
+    finally:
+        tier.close()
+    assert arena.used_bytes == 0
+
+
+def test_fast_options_are_valid():
+    _backend({"redis_url": "redis://127.0.0.1:1/0"}, FAST["backend_options"]["redis"])
