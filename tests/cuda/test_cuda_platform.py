@@ -44,10 +44,13 @@ def test_probe_respects_an_empty_cuda_visible_devices(monkeypatch):
     assert probe() is None
 
 
-def test_platform_class_attributes():
+def test_cuda_outranks_the_cpu_and_xpu_platforms_and_names_its_device():
+    from kvtier.core.platforms.cpu import CPUPlatform
     from kvtier.cuda.platform import CUDAPlatform
 
-    assert (CUDAPlatform.name, CUDAPlatform.device_type, CUDAPlatform.priority) == ("cuda", "cuda", 100)
+    assert CUDAPlatform.priority > CPUPlatform.priority
+    xpu = pytest.importorskip("kvtier.xpu.platform", reason="kvtier-xpu is not installed")
+    assert CUDAPlatform.priority > xpu.XPUPlatform.priority
     assert CUDAPlatform().has_pinned_memory
     assert CUDAPlatform(1).device == torch.device("cuda", 1)
 

@@ -167,3 +167,52 @@ def test_interleaved_store_and_load_follow_the_caller_and_restore_its_stream(set
     assert all(torch.equal(a, b) for a, b in zip(to_store.bytes(), expected.bytes(), strict=True))
     for a, b in zip(snapshot, ref.kv_caches, strict=True):
         assert torch.equal(as_bytes(a), as_bytes(b))
+
+
+def test_a_store_made_while_another_thread_issues_follows_its_own_threads_stream(device, arena):
+    """Thread A issues a long load (one-row staging slots: hundreds of pieces); meanwhile thread B
+    writes the KV on its own stream after ~50 ms of GPU work and stores it, so A's thread most
+    likely issues B's store (calls from several threads are issued by one of them). The store
+    must wait for B's stream, not the issuing thread's. (The load's slots are disjoint from the
+    store's; B overwrites the whole cache, so only the stored objects are compared.)"""
+    layout = make_layout(PagedLayout.FLASH_NHD, torch.bfloat16)
+    caches = make_caches(layout, device, seed=90)
+    conn = CUDAPagedConnector(caches, layout, staging_slots=2, staging_slot_bytes=1)
+    slots = random_slots(SHAPE.blocks * SHAPE.block, LENGTHS * 2, seed=91, holes="none")
+    load_slots, store_slots = slots[: len(LENGTHS)], slots[len(LENGTHS) :]
+    _warm_up(conn, layout, arena, load_slots)
+    fresh, objs = Objects(arena, layout, LENGTHS, 92), Objects(arena, layout, LENGTHS, 93)
+    new_values = [torch.randn_like(c, dtype=torch.float32).to(c.dtype) for c in caches]
+    torch.cuda.synchronize()
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def load() -> None:
+        try:
+            with torch.cuda.stream(torch.cuda.Stream(device)):
+                started.set()
+                conn.load(fresh.transfers(load_slots))
+        except BaseException as e:
+            errors.append(e)
+
+    def store() -> None:
+        try:
+            with torch.cuda.stream(torch.cuda.Stream(device)):
+                torch.cuda._sleep(SLEEP_CYCLES)  # the "forward pass" is still running...
+                for c, v in zip(caches, new_values, strict=True):
+                    c.copy_(v)  # ...and writes the KV last
+                conn.store(objs.transfers(store_slots))
+        except BaseException as e:
+            errors.append(e)
+
+    a = threading.Thread(target=load)
+    a.start()
+    assert started.wait(30)
+    b = threading.Thread(target=store)
+    b.start()
+    a.join(120)
+    b.join(120)
+    assert not a.is_alive() and not b.is_alive() and not errors, errors
+    expected = Objects(arena, layout, LENGTHS, 94)
+    TorchPagedConnector([v.clone() for v in new_values], layout).store(expected.transfers(store_slots))
+    assert all(torch.equal(x, y) for x, y in zip(objs.bytes(), expected.bytes(), strict=True))

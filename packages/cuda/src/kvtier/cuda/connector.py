@@ -59,11 +59,10 @@ class PendingTransfer:
     the copies are done (the host objects may then be read, written or released) and, for a
     load, also orders the caller's current stream after it; it is idempotent."""
 
-    __slots__ = ("_done", "_keep", "_load_device")
+    __slots__ = ("_done", "_load_device")
 
-    def __init__(self, done: Any, keep: list[torch.Tensor], load_device: torch.device | None) -> None:
+    def __init__(self, done: Any, load_device: torch.device | None) -> None:
         self._done = done  # an event; None when nothing was issued or all has run
-        self._keep = keep  # device tensors the issued work reads; freed after the wait
         self._load_device = load_device
 
     def done(self) -> bool:
@@ -77,7 +76,6 @@ class PendingTransfer:
             self._done.wait_on(raw_current_stream(self._load_device))
         self._done.synchronize()
         self._done = None
-        self._keep = []
 
 
 class CUDAPagedConnector(DeviceConnector):
@@ -127,14 +125,14 @@ class CUDAPagedConnector(DeviceConnector):
         (done,) = self._issuer.issue(
             [self._calls.steps(self._store_lane, transfers, store=True, caller_stream=self._caller_stream())]
         )
-        return PendingTransfer(done, [], None)
+        return PendingTransfer(done, None)
 
     def load_async(self, transfers: Sequence[Transfer]) -> PendingTransfer:
         """Issue a whole-chunk load and return at once; ``wait()`` before attention reads it."""
         (done,) = self._issuer.issue(
             [self._calls.steps(self._load_lane, transfers, store=False, caller_stream=self._caller_stream())]
         )
-        return PendingTransfer(done, [], self.device)
+        return PendingTransfer(done, self.device)
 
     def store_and_load_async(
         self, stores: Sequence[Transfer], loads: Sequence[Transfer]
@@ -148,7 +146,7 @@ class CUDAPagedConnector(DeviceConnector):
             self._calls.steps(self._store_lane, stores, store=True, interleaved=True, caller_stream=caller),
             self._calls.steps(self._load_lane, loads, store=False, interleaved=True, caller_stream=caller),
         ])
-        return PendingTransfer(done_s, [], None), PendingTransfer(done_l, [], self.device)
+        return PendingTransfer(done_s, None), PendingTransfer(done_l, self.device)
 
     # -- layer by layer ------------------------------------------------------------------------
     def _batch(self, lane: Lane, transfers: Sequence[Transfer], rows_of: Any, *, store: bool,
@@ -170,12 +168,12 @@ class CUDAPagedConnector(DeviceConnector):
     def store_layer(self, layer: int, transfers: Sequence[Transfer]) -> None:
         self._check_layer(layer)
         rows = functools.partial(layer_rows, layer=layer, shape=self._shape)
-        PendingTransfer(self._batch(self._store_lane, transfers, rows, store=True), [], None).wait()
+        PendingTransfer(self._batch(self._store_lane, transfers, rows, store=True), None).wait()
 
     def load_layer(self, layer: int, transfers: Sequence[Transfer]) -> None:
         self._check_layer(layer)
         rows = functools.partial(layer_rows, layer=layer, shape=self._shape)
-        PendingTransfer(self._batch(self._load_lane, transfers, rows, store=False), [], self.device).wait()
+        PendingTransfer(self._batch(self._load_lane, transfers, rows, store=False), self.device).wait()
 
     def store_layerwise(self, transfers: Sequence[Transfer]) -> Iterator[int]:
         """Yield each layer once its gather is ordered before the engine's next write to it.

@@ -103,14 +103,12 @@ class _Direct:
     array is built once, and a launch sets the changing values and makes one driver call,
     skipping Triton's Python ``__call__``, argument parsing and launch metadata."""
 
-    __slots__ = ("block_x", "drv", "function", "params", "shared", "sizes", "value_addrs", "values")
+    __slots__ = ("block_x", "drv", "function", "params", "shared", "values")
 
     def __init__(self, drv: Any, function: int, block_x: int, shared: int, types: list[type]) -> None:
         self.drv, self.function, self.block_x, self.shared = drv, function, block_x, shared
         self.values = [t() for t in types]
-        self.value_addrs = [ctypes.addressof(v) for v in self.values]
-        self.sizes = [ctypes.sizeof(v) for v in self.values]
-        array = (ctypes.c_void_p * len(types))(*self.value_addrs)
+        array = (ctypes.c_void_p * len(types))(*[ctypes.addressof(v) for v in self.values])
         self.params = (array, ctypes.addressof(array))  # the array stays alive with its address
 
     def __call__(self, grid: tuple[int, int, int], stream: int, runtime: tuple[int, ...]) -> None:
