@@ -41,8 +41,6 @@ server out of memory (or any other error reply) skips that chunk's store with a 
 from __future__ import annotations
 
 import logging
-import math
-import struct
 import threading
 import zlib
 from collections import defaultdict
@@ -55,6 +53,14 @@ from kvtier.core.memory import MemoryObjMeta
 from kvtier.storage import codec
 from kvtier.storage._log import warn_throttled
 from kvtier.storage.backends.base import BackendContext, StorageBackend
+from kvtier.storage.backends.redis_format import (
+    MIN_HEAD,
+    encode_head,
+    head_key,
+    options,
+    parse_head,
+    segment_keys,
+)
 from kvtier.storage.backends.redis_nodes import Job, Nodes
 from kvtier.storage.backends.redis_resp import (
     Connection,
@@ -71,34 +77,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvtier.storage")
 
-HEAD = struct.Struct("<I4s")  # after the trailer: segment size, magic
-HEAD_MAGIC = b"KVRS"
 _WINDOW_BYTES = 8 << 20  # segment bytes asked for, not yet read, per connection
-_MIN_SEGMENT, _MAX_SEGMENT = 1 << 10, 512 << 20
 _UNREACHABLE = "its server failed or refused the read"
-_DEFAULTS: dict[str, Any] = {"key_prefix": "kvtier:", "retry_interval_s": 1.0,
-                             "segment_bytes": 2 << 20, "connections": 2, "min_throughput_mb_s": 50.0}
-
-
-def _options(opts: dict[str, Any]) -> dict[str, Any]:
-    unknown = set(opts) - set(_DEFAULTS)
-    if unknown:
-        raise ConfigError("backend_options.redis", sorted(unknown),
-                          f"unknown redis option(s); known: {sorted(_DEFAULTS)}")
-    out = {**_DEFAULTS, **opts}
-    checks: dict[str, tuple[type, Callable[[Any], bool], str]] = {
-        "key_prefix": (str, lambda v: "{" not in v and "}" not in v, "a string without '{' or '}'"),
-        "retry_interval_s": (float, lambda v: 0 <= v < math.inf, "a number of seconds >= 0"),
-        "segment_bytes": (int, lambda v: _MIN_SEGMENT <= v <= _MAX_SEGMENT, "an integer in [1 KiB, 512 MiB]"),
-        "connections": (int, lambda v: 1 <= v <= 64, "an integer in [1, 64]"),
-        "min_throughput_mb_s": (float, lambda v: 0 < v < math.inf, "a positive number of MB/s"),
-    }
-    for name, (kind, ok, what) in checks.items():
-        v = out[name]
-        good = isinstance(v, kind | int) if kind is float else isinstance(v, kind)
-        if isinstance(v, bool) or not good or not ok(v):
-            raise ConfigError(f"backend_options.redis.{name}", v, f"must be {what}")
-    return out
 
 
 @dataclass
@@ -129,7 +109,7 @@ class RedisBackend(StorageBackend):
             raise ConfigError("redis_url", cfg.redis_url, "the redis tier is enabled but has no URL")
         if cfg.redis_cluster and cfg.redis_url.startswith("unix://"):
             raise ConfigError("redis_url", cfg.redis_url, "a Redis Cluster is reached over TCP, not unix://")
-        opts = _options(dict(ctx.options))
+        opts = options(dict(ctx.options))
         self.prefix = str(opts["key_prefix"]).encode()
         self.segment_bytes = int(opts["segment_bytes"])
         self.retry_interval_s = float(opts["retry_interval_s"])
@@ -145,13 +125,6 @@ class RedisBackend(StorageBackend):
                            on_error=lambda: self.ctx.stats.add(f"{self.name}.errors"))
 
     # -- keys and routing ----------------------------------------------------------------------
-    def _head_key(self, key: ChunkKey) -> bytes:
-        return self.prefix + b"{" + key.to_string().encode() + b"}"
-
-    @staticmethod
-    def _segment_keys(head_key: bytes, n: int) -> list[bytes]:
-        return [head_key + b":%d" % i for i in range(n)]
-
     def _deadline(self, nbytes: int = 0) -> Deadline:
         return Deadline(self.timeout_s + nbytes / self.bytes_per_s)
 
@@ -192,18 +165,17 @@ class RedisBackend(StorageBackend):
 
     # -- lookups -------------------------------------------------------------------------------
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        heads = [self._head_key(k) for k in keys]
+        heads = [head_key(self.prefix, k) for k in keys]
         dl = self._deadline()
         replies = self._replies(self._by_node(heads, dl), lambda i: command(b"STRLEN", heads[i]), dl)
-        least = HEAD.size + codec.PREFIX.size + codec.TRAILER.size
-        return [isinstance(r, int) and r > least for r in (replies.get(i) for i in range(len(keys)))]
+        return [isinstance(r, int) and r > MIN_HEAD for r in (replies.get(i) for i in range(len(keys)))]
 
     # -- writes --------------------------------------------------------------------------------
     def batched_put(self, items: Sequence[tuple[ChunkKey, MemoryObj]]) -> None:
         if not items:
             return
         dl = self._deadline(sum(obj.meta.nbytes for _, obj in items))
-        heads = [self._head_key(k) for k, _ in items]
+        heads = [head_key(self.prefix, k) for k, _ in items]
         groups = self._by_node(heads, dl)
         headers = [codec.encode_header(k, obj.meta, self.ctx.layout) for k, obj in items]
         sums = [codec.Checksum(zlib.crc32(h)) for h in headers]
@@ -214,7 +186,7 @@ class RedisBackend(StorageBackend):
             ok: dict[int, bytes] = {}
             for i in range(len(items)):
                 if i not in failed:  # the head goes last: a reader that finds it finds the segments
-                    body = headers[i] + codec.TRAILER.pack(sums[i].value()) + HEAD.pack(self.segment_bytes, HEAD_MAGIC)
+                    body = encode_head(headers[i], sums[i].value(), self.segment_bytes)
                     cmd_head, cmd_tail = set_command(heads[i], len(body), self.ttl)
                     ok[i] = cmd_head + body + cmd_tail
             head_groups = {a: [i for i in idxs if i in ok] for a, idxs in groups.items()}
@@ -244,7 +216,7 @@ class RedisBackend(StorageBackend):
                 failed.pop(i)
                 view = items[i][1].byte_view()
                 n = max(1, -(-view.nbytes // self.segment_bytes))
-                for s, k in enumerate(self._segment_keys(heads[i], n)):
+                for s, k in enumerate(segment_keys(heads[i], n)):
                     segs.append((i, k, view[s * self.segment_bytes : (s + 1) * self.segment_bytes]))
             for addr, lane in self._lanes(address, segs):
                 lanes.append(lane)
@@ -276,7 +248,7 @@ class RedisBackend(StorageBackend):
         if not keys:
             return out
         dl = self._deadline()
-        heads = [self._head_key(k) for k in keys]
+        heads = [head_key(self.prefix, k) for k in keys]
         groups = self._by_node(heads, dl)
         replies = self._replies(groups, lambda i: command(b"GET", heads[i]), dl)
         bad: dict[int, str] = {}
@@ -322,7 +294,7 @@ class RedisBackend(StorageBackend):
         if reply is None or isinstance(reply, BaseException):  # a miss, or its server failed
             return None
         try:
-            head, trailer, seg = self._parse_head(key, reply)
+            head, trailer, seg = parse_head(reply, key=key, layout=self.ctx.layout, max_tokens=self.max_tokens)
         except codec.PayloadError as e:
             bad[i] = e.reason
             return None
@@ -332,19 +304,6 @@ class RedisBackend(StorageBackend):
             return None
         n = max(1, -(-head.payload_len // seg))
         return _Read(i, head, trailer, obj, seg, n, codec.Checksum(head.crc_of_header), n)
-
-    def _parse_head(self, key: ChunkKey, blob: object) -> tuple[codec.Header, bytes, int]:
-        if not isinstance(blob, bytes) or len(blob) < HEAD.size:
-            raise codec.PayloadError("foreign: not a kvtier head")
-        seg, magic = HEAD.unpack_from(blob, len(blob) - HEAD.size)
-        if magic != HEAD_MAGIC or not _MIN_SEGMENT <= seg <= _MAX_SEGMENT:
-            raise codec.PayloadError("foreign: not a kvtier head")
-        header_len, _ = codec.prefix_lengths(blob)
-        if len(blob) != header_len + codec.TRAILER.size + HEAD.size:
-            raise codec.PayloadError(f"truncated: head of {len(blob)} bytes")
-        head = codec.decode_header(blob[:header_len], key=key, layout=self.ctx.layout,
-                                   max_tokens=self.max_tokens)
-        return head, blob[header_len : header_len + codec.TRAILER.size], seg
 
     def _get_segments(self, reads: list[_Read], heads: list[bytes], groups: dict[str, list[int]],
                       dl: Deadline) -> None:
@@ -359,7 +318,7 @@ class RedisBackend(StorageBackend):
                 if r is None:
                     continue
                 view = r.obj.byte_view()
-                for s, k in enumerate(self._segment_keys(heads[i], r.segments)):
+                for s, k in enumerate(segment_keys(heads[i], r.segments)):
                     segs.append((r, k, view[s * r.segment_bytes : (s + 1) * r.segment_bytes]))
             for addr, lane in self._lanes(address, segs):
                 lanes.append(lane)
@@ -406,10 +365,10 @@ class RedisBackend(StorageBackend):
     def remove(self, keys: Sequence[ChunkKey]) -> None:
         if not keys:
             return
-        heads = [self._head_key(k) for k in keys]
+        heads = [head_key(self.prefix, k) for k in keys]
         dl = self._deadline()
         self._replies(self._by_node(heads, dl),
-                      lambda i: command(b"DEL", heads[i], *self._segment_keys(heads[i], self._max_segments)), dl)
+                      lambda i: command(b"DEL", heads[i], *segment_keys(heads[i], self._max_segments)), dl)
 
     def close(self) -> None:
         self.nodes.close()
