@@ -45,8 +45,10 @@ SUBJECTS = [
     # every batch layer by layer through the one-layer buffer
     Subject("xpu-layer-staging", "xpu", {"max_staging_bytes": 0}),
     Subject("xpu-unstaged", "xpu", {"staging_buffer": False}),
-    Subject("cuda-dma", "cuda", layouts=ALL_LAYOUTS - {PagedLayout.VLLM_CPU}),
-    Subject("cuda-zerocopy", "cuda", {"staging_buffer": False},
+    Subject("cuda", "cuda", layouts=ALL_LAYOUTS - {PagedLayout.VLLM_CPU}),
+    # no staging ring kept between calls; a one-row ring forces many pieces and ring reuse
+    Subject("cuda-unstaged-small-ring", "cuda",
+            {"staging_buffer": False, "staging_slots": 2, "staging_slot_bytes": 1},
             layouts=ALL_LAYOUTS - {PagedLayout.VLLM_CPU}),
 ]
 

@@ -160,9 +160,11 @@ def test_round_trip_into_other_slots(subject, platform, device, arena, paged):
             assert torch.equal(as_bytes(rows[d.cpu()]), as_bytes(original[layer][s.cpu()]))
 
 
-@pytest.mark.parametrize("dtype", ["float16", "float32", "float8_e4m3fn"])
-def test_every_kv_dtype_moves_bit_exact(subject, platform, device, arena, dtype):
-    layout = make_layout(PagedLayout.FLASH_NHD, dtype)
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float8_e4m3fn", "float8_e5m2"])
+@LAYOUTS
+def test_every_kv_dtype_moves_bit_exact(subject, platform, device, arena, paged, dtype):
+    supported(subject, paged)
+    layout = make_layout(paged, dtype)
     conn = connect(platform, subject, layout, device, seed=11)
     slots = random_slots(SHAPE.lengths, seed=12, holes=True, device=device)
     objs = Objects(arena, layout, lengths_of(slots), seed=13)
@@ -368,6 +370,20 @@ def test_a_bad_slot_is_an_index_error_and_writes_nothing_outside_the_call(subjec
     snap = fresh.snapshot()
     conn.store(fresh.transfers(good))
     assert same_bytes(fresh.snapshot(), expected_objects(layout, [c.cpu() for c in conn.kv_caches], snap, good))
+
+
+@pytest.mark.parametrize("layer", [-1, SHAPE.layers])
+@pytest.mark.parametrize("op", ["store_layer", "load_layer"])
+def test_a_layer_out_of_range_is_an_index_error(subject, platform, device, arena, op, layer):
+    layout = make_layout(PagedLayout.FLASH_NHD)
+    conn = connect(platform, subject, layout, device, seed=42)
+    objs = Objects(arena, layout, SHAPE.lengths, seed=43)
+    slots = random_slots(SHAPE.lengths, seed=44, holes=False, device=device)
+    caches_before, before = [c.cpu().clone() for c in conn.kv_caches], objs.snapshot()
+    with pytest.raises(IndexError, match="layer"):
+        getattr(conn, op)(layer, objs.transfers(slots))
+    assert same_bytes(conn.kv_caches, caches_before)
+    assert same_bytes(objs.snapshot(), before)
 
 
 def test_an_object_of_another_layout_is_a_layout_error(subject, platform, device, arena):

@@ -15,7 +15,7 @@ runs the same checks against every platform):
   early waits for the copies it issued (the objects may then be released); layers it has not
   yielded may or may not have moved.
 - **Bad input** raises and never writes outside the cache or the call's objects: a slot below
-  -1 or past the cache is an ``IndexError``; an object whose shape or dtype is not the layout's
+  -1 or past the cache, or a layer outside ``[0, num_layers)``, is an ``IndexError``; an object whose shape or dtype is not the layout's
   chunk a ``LayoutError``; a transfer whose slot count is not its object's token count a
   ``ValueError`` (``Transfer`` itself). Other transfers of the failed call may have moved (a
   connector may start copying before it has checked the whole call); the connector stays
@@ -36,10 +36,10 @@ runs the same checks against every platform):
   them and other platforms have none, so code written against ``DeviceConnector`` must not.
 - **Options** (``Platform.create_connector(kv_caches, layout, **options)``) mean the same on
   every platform. ``staging_buffer`` (bool, default True; config ``device_staging_buffer``) is
-  accepted by every platform: True lets the connector keep device memory between calls to batch
-  transfers through (XPU: per-direction staging buffers; CUDA: its DMA staging ring), False
-  keeps none (XPU: each chunk moves through a temporary; CUDA: kernels read and write pinned host
-  memory in place); on the CPU platform the cache is host memory and it changes nothing. Other
+  accepted by every platform: True lets the connector keep device staging memory between calls
+  (XPU: per-direction staging buffers; CUDA: its per-direction DMA staging rings), False keeps
+  none between calls (XPU: each chunk moves through a temporary; CUDA: the ring is released
+  after each call); on the CPU platform the cache is host memory and it changes nothing. Other
   options are the platform's own (documented on its ``create_connector``). An unknown option, or
   a value of the wrong type, is a ``TypeError`` naming it; a value out of range a ``ValueError``.
   ``check_options`` does these checks for a platform.
@@ -125,6 +125,12 @@ class DeviceConnector(ABC):
     @property
     def device(self) -> torch.device:
         return self.kv_caches[0].device
+
+    def check_layer(self, layer: int) -> None:
+        """``store_layer``/``load_layer`` take a layer in ``[0, num_layers)``; else ``IndexError``
+        (a negative index must not wrap around to the last layer)."""
+        if not 0 <= layer < self.layout.num_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.layout.num_layers})")
 
     @abstractmethod
     def store(self, transfers: Sequence[Transfer]) -> None:
@@ -279,9 +285,11 @@ class TorchPagedConnector(DeviceConnector):
 
     # -- the four moves --------------------------------------------------------------------------
     def store_layer(self, layer: int, transfers: Sequence[Transfer]) -> None:
+        self.check_layer(layer)
         self._store_layer(layer, [(t, self._rows(t)) for t in transfers])
 
     def load_layer(self, layer: int, transfers: Sequence[Transfer]) -> None:
+        self.check_layer(layer)
         self._load_layer(layer, [(t, self._rows(t)) for t in transfers])
 
     def _store_layer(self, layer: int, prepared: Sequence[tuple[Transfer, Rows]]) -> None:

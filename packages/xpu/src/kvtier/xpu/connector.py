@@ -334,9 +334,11 @@ class XPUPagedConnector(TorchPagedConnector):
         return self._run_load(transfers, range(self.layout.num_layers), layerwise=True)
 
     def store_layer(self, layer: int, transfers: Sequence[Transfer]) -> None:
+        self.check_layer(layer)
         for _ in self._run_store(transfers, (layer,), layerwise=False):
             pass
 
     def load_layer(self, layer: int, transfers: Sequence[Transfer]) -> None:
+        self.check_layer(layer)
         for _ in self._run_load(transfers, (layer,), layerwise=False):
             pass
