@@ -136,10 +136,17 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(torch.uint8).cpu()
 
 
-def token_rows(layout: KVLayout, cache: torch.Tensor) -> torch.Tensor:
-    """Every slot's KV of one layer, ``[slots, 2, h*d]`` (MLA ``[slots, latent]``), on the host,
-    read by tensor views alone (the layouts as ``PagedLayout`` documents them); a copy."""
-    c = cache.detach().cpu().clone()
+def token_rows(layout: KVLayout, cache: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+    """Every slot's KV of one layer (or only ``slots``'), ``[slots, 2, h*d]`` (MLA
+    ``[slots, latent]``), read by tensor views alone (the layouts as ``PagedLayout`` documents
+    them); a copy on the host."""
+    rows = _rows_view(layout, cache.detach())
+    if slots is not None:
+        rows = rows[slots.to(rows.device)]
+    return rows.cpu().clone()
+
+
+def _rows_view(layout: KVLayout, c: torch.Tensor) -> torch.Tensor:
     n, b, h, d = SHAPE.blocks, layout.block_size, layout.num_kv_heads, layout.head_size
     if layout.paged_layout is PagedLayout.FLASH_NHD:  # [2, n, b, h, d]
         return c.permute(1, 2, 0, 3, 4).reshape(n * b, 2, h * d)
