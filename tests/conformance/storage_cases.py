@@ -138,6 +138,9 @@ class Medium:
     def write(self, name: str, value: bytes) -> None:
         raise NotImplementedError
 
+    def delete(self, name: str) -> None:
+        raise NotImplementedError
+
 
 class DiskMedium(Medium):
     def __init__(self, root: Path) -> None:
@@ -153,6 +156,9 @@ class DiskMedium(Medium):
 
     def write(self, name: str, value: bytes) -> None:
         Path(name).write_bytes(value)
+
+    def delete(self, name: str) -> None:
+        Path(name).unlink()
 
 
 class RedisMedium(Medium):
@@ -172,6 +178,9 @@ class RedisMedium(Medium):
     def write(self, name: str, value: bytes) -> None:
         self.client.set(name, value)
 
+    def delete(self, name: str) -> None:
+        self.client.delete(name)
+
 
 class DictMedium(Medium):
     def __init__(self, store: dict[str, bytes]) -> None:
@@ -185,6 +194,9 @@ class DictMedium(Medium):
 
     def write(self, name: str, value: bytes) -> None:
         self.store[name] = value
+
+    def delete(self, name: str) -> None:
+        del self.store[name]
 
 
 def flip(value: bytes, at: int) -> bytes:

@@ -265,6 +265,19 @@ def test_a_damaged_value_is_a_miss_and_is_dropped(tier: Tier, damage: str,
     release(objs)
 
 
+def test_a_chunk_that_lost_part_of_its_values_is_a_miss(tier: Tier) -> None:
+    """Entries vanish underneath a tier (another engine's eviction, a TTL, a cleaner): a chunk
+    stored as several values with one gone, or a file gone, is a miss, never a short read."""
+    medium = lower_only(tier)
+    tier.put(1)
+    names = stored_names(medium, tier, 0)
+    medium.delete(names[-1])
+    assert tier.get(0) == [None]
+    objs = tier.get(1)
+    assert_chunk(objs[0], 1)
+    release(objs)
+
+
 def test_a_value_moved_to_another_key_is_a_miss(tier: Tier) -> None:
     """A value copied under another key's name (a swap, a stale rename) is foreign."""
     medium = lower_only(tier)
