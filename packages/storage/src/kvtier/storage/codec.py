@@ -12,7 +12,8 @@
 XXH3 hashes the payload at memory speed (about 24 GB/s a core here, against 4.4 for CRC-32),
 so checking a value read from the page cache costs a fraction of reading it. Segment hashes are
 independent, so ``Checksum`` computes them on helper threads in parallel (one
-chunk's check is not bound to one core) and while the payload is written, sent, read or copied;
+chunk's check is not bound to one core) and while the payload is written, sent, read or copied,
+or (``add_now``) on a reading thread right after each segment lands, while it is in cache;
 the checksum trails the payload so a writer never waits for it before sending. A
 decoder accepts a payload only if *every* field agrees with what the reader asked for: the full
 key string (so a value swapped between keys, or written by another model, layout or rank, is
@@ -26,6 +27,7 @@ could also write well-formed wrong KV).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -79,12 +81,19 @@ class Header:
         return self.header_len + self.payload_len + TRAILER.size
 
 
+@functools.lru_cache(maxsize=64)
+def _fingerprint(layout: KVLayout) -> str:
+    """``layout.fingerprint()``, computed once per layout (it serialises every field: a tenth of
+    a 2 MiB chunk's read time when done per chunk)."""
+    return layout.fingerprint()
+
+
 def encode_header(key: ChunkKey, meta: MemoryObjMeta, layout: KVLayout, *, align: int = 0) -> bytes:
     """The header (prefix + meta) of the chunk ``meta`` stored under ``key``."""
     body = json.dumps(
         {
             "key": key.to_string(),
-            "layout": layout.fingerprint(),
+            "layout": _fingerprint(layout),
             "dtype": dtype_name(meta.dtype),
             "shape": list(meta.shape),
             "tokens": meta.num_tokens,
@@ -142,26 +151,39 @@ class Checksum:
 
     def __init__(self, header_crc: int) -> None:
         self._start = header_crc
-        self._parts: list[Future[int]] = []
+        self._parts: list[Future[int] | int] = []
         self._tail = False
 
-    def add(self, data: memoryview | bytes) -> None:
+    def _segments(self, data: memoryview | bytes) -> list[memoryview]:
         view = memoryview(data).cast("B")
         if self._tail:
             raise ValueError("payload pieces after a partial segment")
-        for start in range(0, view.nbytes, SEGMENT):
-            seg = view[start : start + SEGMENT]
-            self._tail = seg.nbytes < SEGMENT
+        segs = [view[start : start + SEGMENT] for start in range(0, view.nbytes, SEGMENT)]
+        if segs:
+            self._tail = segs[-1].nbytes < SEGMENT
+        return segs
+
+    def add(self, data: memoryview | bytes) -> None:
+        for seg in self._segments(data):
             self._parts.append(_pool().submit(xxhash.xxh3_64_intdigest, seg))
 
+    def add_now(self, data: memoryview | bytes) -> None:
+        """Like ``add``, but hashed on the calling thread before it returns: for bytes that
+        just landed in this core's cache (a reader hashing each segment as it reads it), which
+        a helper thread would read again from memory."""
+        for seg in self._segments(data):
+            self._parts.append(xxhash.xxh3_64_intdigest(seg))
+
     def wait(self) -> None:
-        for fut in self._parts:
-            fut.exception()
+        for part in self._parts:
+            if not isinstance(part, int):
+                part.exception()
 
     def value(self) -> int:
         crc = self._start
-        for fut in self._parts:
-            crc = zlib.crc32(SEGMENT_DIGEST.pack(fut.result()), crc)
+        for part in self._parts:
+            digest = part if isinstance(part, int) else part.result()
+            crc = zlib.crc32(SEGMENT_DIGEST.pack(digest), crc)
         return crc
 
 
@@ -223,8 +245,8 @@ def decode_header(
     want = key.to_string()
     if stored_key != want:
         raise PayloadError(f"foreign: stored under {str(stored_key)[:200]!r}, asked for {want!r}")
-    if fp != layout.fingerprint():
-        raise PayloadError(f"stale: layout {fp!r}, expected {layout.fingerprint()!r}")
+    if fp != _fingerprint(layout):
+        raise PayloadError(f"stale: layout {fp!r}, expected {_fingerprint(layout)!r}")
     if dtype != layout.dtype:
         raise PayloadError(f"stale: dtype {dtype!r}, expected {layout.dtype!r}")
     if not isinstance(tokens, int) or isinstance(tokens, bool) or not 0 < tokens <= max_tokens:

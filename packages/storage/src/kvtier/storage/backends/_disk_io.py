@@ -146,32 +146,30 @@ def round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
-# Reads go in pieces so the checksum of one overlaps the read of the next (a multiple of the
-# codec's checksum segment).
-READ_PIECE = 2 * codec.SEGMENT
-
-
 def read_checksummed(fd: int, view: memoryview, offset: int, cs: codec.Checksum) -> None:
-    """Read ``view.nbytes`` bytes at ``offset`` into ``view``, each piece hashed into ``cs`` as
-    soon as it is in. Raises ``PayloadError`` if the file is short."""
-    try:
-        for start in range(0, view.nbytes, READ_PIECE):
-            seg = view[start : start + READ_PIECE]
-            if read_into(fd, seg, offset + start) != seg.nbytes:
-                raise codec.PayloadError("truncated: file ended inside the payload")
-            cs.add(seg)
-    finally:
-        # never hand the buffer back (or fail) while a helper thread still reads it
-        cs.wait()
+    """Read ``view.nbytes`` bytes at ``offset`` into ``view``, one checksum segment at a time,
+    each hashed into ``cs`` on this thread right after it is read, while it is still in this
+    core's cache (hashing on helper threads afterwards reads every byte from memory a second
+    time, and their hand-offs cost more than the hash). Raises ``PayloadError`` if the file is
+    short."""
+    for start in range(0, view.nbytes, codec.SEGMENT):
+        seg = view[start : start + codec.SEGMENT]
+        if read_into(fd, seg, offset + start) != seg.nbytes:
+            raise codec.PayloadError("truncated: file ended inside the payload")
+        cs.add_now(seg)
+
+
+_HEAD_GUESS = 4096
 
 
 def read_header(fd: int, size: int, *, key: ChunkKey, layout: KVLayout, max_tokens: int) -> codec.Header:
     """Check the header of the open chunk file ``fd`` of ``size`` bytes against ``key``; the
     file's length must be exactly what the header says. Raises ``PayloadError``."""
-    prefix = os.pread(fd, codec.PREFIX.size, 0)
-    header_len, payload_len = codec.prefix_lengths(prefix)
+    head = os.pread(fd, _HEAD_GUESS, 0)  # a header is a few hundred bytes: one read, mostly
+    header_len, payload_len = codec.prefix_lengths(head)
     if size != header_len + payload_len + codec.TRAILER.size:
         raise codec.PayloadError(f"truncated: file of {size} bytes, header says "
                                  f"{header_len + payload_len + codec.TRAILER.size}")
-    head = os.pread(fd, header_len, 0)
-    return codec.decode_header(head, key=key, layout=layout, max_tokens=max_tokens)
+    if header_len > len(head):
+        head = os.pread(fd, header_len, 0)
+    return codec.decode_header(head[:header_len], key=key, layout=layout, max_tokens=max_tokens)
