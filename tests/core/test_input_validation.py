@@ -98,3 +98,12 @@ def test_minus_one_and_the_last_slot_are_valid(engine):
     assert engine.store(tokens, slots) == CHUNK
     mask = engine.retrieve(tokens, torch.full((CHUNK,), -1))
     assert not mask.any()
+
+
+@pytest.mark.parametrize("salt", [123, b"bytes", 1.5, ["a"]])
+def test_a_salt_that_is_not_text_is_a_value_error(engine, salt):
+    tokens = list(range(CHUNK))
+    with pytest.raises(ValueError, match="salt"):
+        engine.lookup(tokens, salt=salt)
+    with pytest.raises(ValueError, match="salt"):
+        engine.store(tokens, torch.arange(CHUNK), salt=salt)
