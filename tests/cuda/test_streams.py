@@ -216,3 +216,28 @@ def test_a_store_made_while_another_thread_issues_follows_its_own_threads_stream
     expected = Objects(arena, layout, LENGTHS, 94)
     TorchPagedConnector([v.clone() for v in new_values], layout).store(expected.transfers(store_slots))
     assert all(torch.equal(x, y) for x, y in zip(objs.bytes(), expected.bytes(), strict=True))
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+def test_without_a_staging_buffer_no_staging_ring_outlives_a_call(device, arena, layerwise):
+    """``staging_buffer=False`` (config ``device_staging_buffer``): after each call the device
+    memory in use is back to what it was, but for the small table buffers (one 64 MiB ring per
+    direction would otherwise stay)."""
+    layout = make_layout(PagedLayout.FLASH_NHD, torch.bfloat16)
+    caches = make_caches(layout, device, seed=95)
+    slots = random_slots(SHAPE.blocks * SHAPE.block, LENGTHS, seed=96, holes="none")
+    objs = Objects(arena, layout, LENGTHS, 97)
+    ring_bytes = 2 * (32 << 20)
+    for keep in (True, False):
+        conn = CUDAPagedConnector(caches, layout, staging_buffer=keep)
+        before = torch.cuda.memory_allocated(device)
+        if layerwise:
+            assert list(conn.store_layerwise(objs.transfers(slots))) == list(range(layout.num_layers))
+            assert list(conn.load_layerwise(objs.transfers(slots))) == list(range(layout.num_layers))
+        else:
+            conn.store(objs.transfers(slots))
+            conn.load(objs.transfers(slots))
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated(device) - before
+        assert (held >= 2 * ring_bytes) if keep else (held < ring_bytes), (keep, held)
+        del conn

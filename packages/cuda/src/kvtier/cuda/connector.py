@@ -161,6 +161,13 @@ class CUDAPagedConnector(DeviceConnector):
                 layer_events=layer_events,
             ))
 
+    def _call_done(self, lane: Lane) -> None:
+        """A layer-by-layer call ended: with ``staging_buffer=False`` its staging ring goes
+        (whole-chunk calls release theirs once issued, see ``WholeCalls``)."""
+        if not self.options.staging_buffer:
+            with lane.lock:
+                lane.ring.release()
+
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.layout.num_layers:
             raise IndexError(f"layer {layer} out of range [0, {self.layout.num_layers})")
@@ -169,11 +176,13 @@ class CUDAPagedConnector(DeviceConnector):
         self._check_layer(layer)
         rows = functools.partial(layer_rows, layer=layer, shape=self._shape)
         PendingTransfer(self._batch(self._store_lane, transfers, rows, store=True), None).wait()
+        self._call_done(self._store_lane)
 
     def load_layer(self, layer: int, transfers: Sequence[Transfer]) -> None:
         self._check_layer(layer)
         rows = functools.partial(layer_rows, layer=layer, shape=self._shape)
         PendingTransfer(self._batch(self._load_lane, transfers, rows, store=False), self.device).wait()
+        self._call_done(self._load_lane)
 
     def store_layerwise(self, transfers: Sequence[Transfer]) -> Iterator[int]:
         """Yield each layer once its gather is ordered before the engine's next write to it.
@@ -202,6 +211,7 @@ class CUDAPagedConnector(DeviceConnector):
             if last is not None:
                 last.synchronize()
             lane.synchronize()
+            self._call_done(lane)
 
     def load_layerwise(self, transfers: Sequence[Transfer]) -> Iterator[int]:
         """Issue every layer at once; yield layer ``i`` once the current stream waits for it."""
@@ -224,6 +234,7 @@ class CUDAPagedConnector(DeviceConnector):
             if done is not None:
                 done.synchronize()
             lane.synchronize()
+            self._call_done(lane)
 
     def synchronize(self) -> None:
         """Wait for every copy this connector started, in both directions."""

@@ -17,9 +17,10 @@ class CUDAOptions:
     """What a user may choose about a CUDA connector.
 
     - ``staging_buffer`` (config ``device_staging_buffer``; the meaning every platform shares):
-      True keeps the device staging ring allocated between calls; False releases it once each
-      call is issued, so the connector holds no device memory between calls (each call
-      allocates its ring again, through torch's caching allocator).
+      True keeps the device staging rings allocated between calls; False releases a ring once
+      each call is issued (a layer-by-layer call: once it ends), so the connector holds no
+      staging memory between calls, only its small table buffers (each call allocates its ring
+      again, through torch's caching allocator).
     - ``staging_slots`` (>= 2, double buffering) and ``staging_slot_bytes`` (> 0): the staging
       ring of each direction. The two rings cost ``2 * staging_slots * staging_slot_bytes`` of
       device memory; a slot grows to fit one row when a row is larger.
