@@ -99,7 +99,8 @@ class KVTierConfig:
     redis_password: str | None = _doc("Redis password.", default=None)
     redis_ttl_s: int = _doc("Expire Redis entries after this many seconds; 0 = never.", default=0)
     redis_connect_timeout_s: float = _doc("Redis connect timeout (s).", default=1.0)
-    redis_timeout_s: float = _doc("Redis per-operation timeout (s).", default=2.0)
+    redis_timeout_s: float = _doc("Deadline of each Redis round trip (at most two a call), plus its bytes at "
+                                  "min_throughput_mb_s (s).", default=2.0)
     write_queue_size: int = _doc(
         "Pending writes to lower tiers; when full a lower-tier copy is dropped (counted).", default=256
     )
