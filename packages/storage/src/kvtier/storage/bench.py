@@ -341,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the disk tier and the raw reference files are written")
     ap.add_argument("--no-redis-cluster", action="store_true",
                     help="skip the 3-shard Redis Cluster row")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the rows of the tiers not run from <out>/storage.json (listed in "
+                         "its 'merged_tiers': they come from an earlier run)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args(argv)
     repeat = 2 if args.quick else args.repeat
@@ -392,6 +395,13 @@ def main(argv: list[str] | None = None) -> int:
                                "the cluster-3 row: the tier reading from one server"},
         "results": b.rows,
     }
+    old_path = args.out / "storage.json"
+    if args.merge and old_path.exists():
+        old = json.loads(old_path.read_text())
+        kept: list[dict[str, Any]] = [r for r in old.get("results", []) if r.get("tier") not in args.tiers]
+        b.rows = kept + b.rows
+        doc["results"] = b.rows
+        doc["merged_tiers"] = sorted({r["tier"] for r in kept})
     (args.out / "storage.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {args.out / 'storage.json'}")
     if b.rows:
