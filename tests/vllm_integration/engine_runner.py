@@ -17,6 +17,10 @@ literally that. The spec:
   every layer's K projection rows through ``llm.apply_model``, as a weight update would);
   ``{"op": "corrupt", "prompt": [...], "salt": ...}`` (in-process only) -> overwrite every stored
   chunk of the prompt with zeros through the storage manager's public API.
+- ``"tp": 2`` runs tensor parallelism 2 (worker processes; threads bound one core per rank);
+  ``{"op": "stats", "rank": r}`` and ``{"op": "flush", "rank": r}`` address one rank;
+  ``{"op": "corrupt_rank", "rank": r, "prompt": [...], "salt": ...}`` zeroes rank ``r``'s stored
+  chunks of the prompt inside that worker (``collective_rpc``).
 - ``"lora": {"name", "id", "path"}`` on a generate sends it with that LoRA adapter (the spec
   needs ``"enable_lora": true``).
 - ``"evict_after_lookup": true`` on a generate (in-process only): once the scheduler has looked
@@ -54,6 +58,15 @@ def _corrupt(prompt: list[int], salt: str | None) -> int:
             engine.storage.put(span.key, obj)
         n += 1
     return n
+
+
+def _corrupt_in_worker(worker, rank: int, prompt: list[int], salt: str | None) -> int:
+    """Runs in each worker: the one whose engine-local rank is ``rank`` zeroes its chunks."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    if get_tp_group().rank_in_group != rank:
+        return 0
+    return _corrupt(prompt, salt)
 
 
 def _perturb_k(llm, seed: int) -> int:
@@ -125,6 +138,12 @@ def main(spec_path: str, out_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocess") else "0"
+    tp = int(spec.get("tp", 1))
+    if tp > 1:
+        # One core per rank on a 2-core machine; callables reach the workers pickled.
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
+        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -141,6 +160,8 @@ def main(spec_path: str, out_path: str) -> None:
         }
         if spec.get("load_failure_policy"):
             kwargs["kv_transfer_config"]["kv_load_failure_policy"] = spec["load_failure_policy"]
+    if tp > 1:
+        kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
     if spec.get("enable_lora"):
         kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=2)
     llm = LLM(
@@ -182,9 +203,12 @@ def main(spec_path: str, out_path: str) -> None:
             if evicting:
                 results[-1]["evict"] = evict
         elif op == "stats":
-            results.append(query_worker_stats(engine_id))
+            results.append(query_worker_stats(engine_id, step.get("rank", 0)))
         elif op == "flush":
-            results.append(flush_worker(engine_id))
+            results.append(flush_worker(engine_id, step.get("rank", 0)))
+        elif op == "corrupt_rank":
+            args = (step["rank"], step["prompt"], step.get("salt"))
+            results.append(sum(llm.collective_rpc(_corrupt_in_worker, args=args)))
         elif op in ("reset_prefix_cache", "reset_connector"):
             # A finished request whose saves were pending keeps its blocks until the engine's
             # next step reports the saves done; the offline LLM steps only inside generate().

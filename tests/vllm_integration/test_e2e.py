@@ -4,6 +4,14 @@ Every engine runs in its own process (``run_engine``); hits are counted by the w
 connector's counters (``loaded_tokens``), never inferred from timings. Block size 32, chunk
 256: a 700-token prompt stores chunks [0,256) [256,512) and the block-aligned tail [512,672);
 a repeat loads 672 tokens (the most that leaves the last token to recompute).
+
+Each comparison changes one factor: the reference runs in the same mode (in-process or
+multiprocess, prefix caching off) with only kvtier switched off. Tokens must be equal. Cold
+requests and full hits have exactly the reference's logprobs. A partial hit computes its suffix
+in another shape than one full prefill; on CPUs without batch-invariant kernels that moves the
+logprobs a little, exactly as vLLM's own prefix cache does. Its logprobs must stay within a
+tolerance measured in the same run from vLLM's prefix cache on the same prompts
+(``partial_tolerance``), far below what the negative control (zeroed KV) moves them.
 """
 
 from __future__ import annotations
@@ -20,6 +28,28 @@ SHARED = DOC[:400] + [RNG.randrange(3, 3000) for _ in range(200)]  # shares 400 
 OTHER = [RNG.randrange(3, 3000) for _ in range(500)]
 FULL_HIT = (len(DOC) - 1) // 32 * 32  # 672
 PARTIAL_HIT = 256  # SHARED matches DOC's first chunk only (it diverges inside the second)
+
+
+TOLERANCE_FLOOR = 5e-3  # where the prefix cache moves nothing, a partial hit may still move a bit
+
+
+def logprob_gap(a: dict, b: dict) -> float:
+    """Largest difference between two runs' per-token logprobs."""
+    return max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True)), default=0.0)
+
+
+def assert_partial_hit_close(result: dict, reference: dict, tolerance: float) -> None:
+    assert result["tokens"] == reference["tokens"]
+    assert logprob_gap(result, reference) <= tolerance
+
+
+def prefix_cache_tolerance(run_engine, reference_shared: dict, **mode) -> float:
+    """Twice the largest logprob move of vLLM's own prefix cache on the partial-hit prompt (it
+    reuses DOC's blocks for SHARED), in the given mode, no kvtier; at least the floor."""
+    out = run_engine({"kvtier": None, "prefix_caching": True, **mode,
+                      "steps": [gen(DOC), gen(SHARED)]})
+    assert out[1]["tokens"] == reference_shared["tokens"]
+    return max(2 * logprob_gap(out[1], reference_shared), TOLERANCE_FLOOR)
 
 
 def gen(prompt: list[int], salt: str | None = None) -> dict:
@@ -42,12 +72,18 @@ def reference(run_engine) -> dict[str, dict]:
     return dict(zip(("doc", "shared", "other"), out, strict=True))
 
 
+@pytest.fixture(scope="session")
+def partial_tolerance(run_engine, reference) -> float:
+    return prefix_cache_tolerance(run_engine, reference["shared"])
+
+
 def kvtier_config(tmp_path, **extra) -> dict:
     return {"local_disk_path": str(tmp_path / "disk"), "local_cpu_size_gb": 0.25, **extra}
 
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
-def test_outputs_match_and_hits_are_used(run_engine, reference, layerwise) -> None:
+def test_outputs_match_and_hits_are_used(run_engine, reference, partial_tolerance,
+                                        layerwise) -> None:
     """vLLM's default kv_load_failure_policy ("fail"), a small host tier only. Between the full
     hit's lookup and its load, other chunks are put until the tier is full (as other requests'
     saves would): without the lookup's hold they evict every chunk of the prompt and the load
@@ -74,12 +110,13 @@ def test_outputs_match_and_hits_are_used(run_engine, reference, layerwise) -> No
     results = out[0::2]
     for r in results[:2] + results[3:6]:
         assert r == reference["doc"]  # tokens and logprobs, exactly
-    assert results[2] == reference["shared"]
+    assert_partial_hit_close(results[2], reference["shared"], partial_tolerance)
     assert results[6] == reference["other"]
     assert loaded_after_each(out) == [0, FULL_HIT, PARTIAL_HIT, 0, FULL_HIT, 0, 0,
                                       (len(OTHER) - 1) // 32 * 32]
-    # The loaded KV is what the model attended to: zeros in the cache change the answer.
-    assert corrupted["logprobs"] != reference["other"]["logprobs"]
+    # The loaded KV is what the model attended to: zeros in the cache change the answer, by
+    # far more than the partial-hit tolerance.
+    assert logprob_gap(corrupted, reference["other"]) > 10 * partial_tolerance
     stats = out[-1]
     assert stats["load_failed_blocks"] == 0 and stats["save_errors"] == 0
     assert stats["loads_without_hold"] == 0
@@ -87,17 +124,21 @@ def test_outputs_match_and_hits_are_used(run_engine, reference, layerwise) -> No
 
 
 @pytest.mark.slow
-def test_multiprocess_scheduler_sees_worker_host_memory(run_engine, reference) -> None:
+def test_multiprocess_scheduler_sees_worker_host_memory(run_engine) -> None:
     """Default vLLM mode (scheduler and worker in different processes), host-memory tier only:
     the scheduler's lookup must reach the worker's memory through the lookup channel. The
     first repeat comes as soon as a one-token request returned (its save runs after the step;
-    the worker's lookup waits for an in-flight save of the same prefix)."""
+    the worker's lookup waits for an in-flight save of the same prefix). The reference and the
+    tolerance are measured in multiprocess mode too (vLLM binds threads differently there)."""
+    ref = run_engine({"kvtier": None, "multiprocess": True, "steps": [gen(DOC), gen(SHARED)]})
+    tolerance = prefix_cache_tolerance(run_engine, ref[1], multiprocess=True)
     first = {**gen(DOC), "max_tokens": 1}
     steps = [first, STATS, first, STATS, gen(DOC), STATS, gen(SHARED), STATS]
     out = run_engine({"kvtier": {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.25},
                       "multiprocess": True, "steps": steps})
-    one_token = {k: v[:1] for k, v in reference["doc"].items()}
-    assert out[0::2] == [one_token, one_token, reference["doc"], reference["shared"]]
+    one_token = {k: v[:1] for k, v in ref[0].items()}
+    assert out[0:6:2] == [one_token, one_token, ref[0]]
+    assert_partial_hit_close(out[6], ref[1], tolerance)
     assert loaded_after_each(out) == [0, FULL_HIT, FULL_HIT, PARTIAL_HIT]
     assert out[-1]["holds"] == out[-1]["held_objects"] == 0
 

@@ -1,0 +1,39 @@
+"""Tensor parallelism 2 through real vLLM on CPU (two worker processes, one core each).
+
+Keys use the engine-local rank, each rank stores and loads its own shard, and the scheduler
+counts a hit only where both ranks hold it. The reference runs vLLM without kvtier in the same
+TP mode. A restarted engine hits the disk tier on both ranks; zeroing one rank's chunks
+changes the output (both ranks' loaded KV is what attention reads).
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_e2e import DOC, FULL_HIT, gen
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def stats(rank: int) -> dict:
+    return {"op": "stats", "rank": rank}
+
+
+def test_tp2_cold_warm_and_restart_equal_vllm(run_engine, tmp_path) -> None:
+    ref = run_engine({"kvtier": None, "tp": 2, "steps": [gen(DOC)]})[0]
+    config = {"local_cpu_size_gb": 0.25, "local_disk_path": str(tmp_path / "disk")}
+    first = run_engine({"kvtier": config, "tp": 2, "steps": [
+        gen(DOC), gen(DOC), stats(0), stats(1),
+        {"op": "flush", "rank": 0}, {"op": "flush", "rank": 1},
+    ]})
+    assert first[:2] == [ref, ref]
+    assert [first[2]["loaded_tokens"], first[3]["loaded_tokens"]] == [FULL_HIT, FULL_HIT]
+    assert first[4:] == [True, True]
+    second = run_engine({"kvtier": config, "tp": 2, "steps": [
+        gen(DOC), stats(0), stats(1),
+        {"op": "corrupt_rank", "rank": 1, "prompt": DOC}, gen(DOC), stats(1),
+    ]})
+    assert second[0] == ref  # restart: from disk, on both ranks
+    assert [second[1]["loaded_tokens"], second[2]["loaded_tokens"]] == [FULL_HIT, FULL_HIT]
+    assert second[3] > 0  # rank 1's chunks zeroed
+    assert second[5]["loaded_tokens"] == 2 * FULL_HIT
+    assert second[4]["logprobs"] != ref["logprobs"]  # rank 1's KV is what attention read
