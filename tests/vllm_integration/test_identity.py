@@ -99,13 +99,31 @@ def test_adapter_identity_follows_the_adapter_files(tmp_path) -> None:
     assert adapter_identity(None) is None
 
 
-def test_fp8_formats_have_different_fingerprints() -> None:
-    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(4, 2, BLOCK, 128, dtype=torch.uint8)
-              for i in range(2)}
-    fps = {fmt: build_layout(caches, block_size=BLOCK, num_kv_heads=2, head_size=64,
-                             cache_dtype=fmt).fingerprint()
-           for fmt in ("fp8_e4m3", "fp8_e5m2", "fp8")}
-    assert len(set(fps.values())) == 3
+def test_an_engine_restarted_with_another_fp8_format_misses(tmp_path) -> None:
+    """fp8_e4m3 and fp8_e5m2 caches are both uint8 tensors: only vLLM's cache dtype string tells
+    their bytes apart. Saved under one, a restart under the other must miss, not load them."""
+    caches = {f"model.layers.{i}.self_attn.attn":
+              torch.randint(0, 255, (8, 2, BLOCK, 128), dtype=torch.uint8) for i in range(2)}
+    config = load_config(env={}, overrides={
+        "chunk_size": CHUNK, "tiers": ["local_cpu", "local_disk"], "local_cpu_size_gb": 0.01,
+        "local_disk_path": str(tmp_path / "disk")})
+    tokens = np.arange(2 * CHUNK, dtype=np.int64)
+
+    def engine(fmt: str) -> CacheEngine:
+        layout = build_layout(caches, block_size=BLOCK, num_kv_heads=2, head_size=64,
+                              cache_dtype=fmt)
+        eng = CacheEngine(config, layout, model="m", platform=CPUPlatform())
+        eng.register_kv_caches(list(caches.values()))
+        return eng
+
+    first = engine("fp8_e4m3")
+    first.store(tokens, torch.arange(len(tokens)))
+    assert first.storage.flush(10)
+    first.close()
+    for fmt, hit in (("fp8_e5m2", 0), ("fp8", 0), ("fp8_e4m3", len(tokens))):
+        restarted = engine(fmt)
+        assert restarted.lookup(tokens) == hit, fmt
+        restarted.close()
 
 
 def test_requires_piecewise_cudagraphs_only_layerwise(isolated_env) -> None:
