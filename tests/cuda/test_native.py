@@ -18,10 +18,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.core.connector import Transfer
+from conftest import SHAPE as TEST_SHAPE
+from conftest import assert_store_then_load_like, make_caches, make_layout, random_slots
+from kvtier.core.connector import TorchPagedConnector, Transfer
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena, MemoryObjMeta
 from kvtier.cuda import _native
+from kvtier.cuda.connector import CUDAPagedConnector
 from kvtier.cuda.geometry import CallShape
 from kvtier.cuda.kernels import RUN_WORDS
 from kvtier.cuda.memory import StagingRing, TableBuffer
@@ -221,3 +224,21 @@ def test_a_build_is_reused_by_the_next_process(tmp_path, native):  # type: ignor
                          check=True).stdout.strip()
     assert out == str(path) and path.stat().st_mtime_ns == mtime
     assert _native._import(path).plan_group is not None
+
+
+def test_a_connector_whose_planner_cannot_be_built_plans_in_python_byte_for_byte(
+    monkeypatch, tmp_path, device, arena
+):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    _native.load.cache_clear()
+    try:
+        layout = make_layout(PagedLayout.FLASH_NHD, torch.bfloat16)
+        caches = make_caches(layout, device, seed=70)
+        conn = CUDAPagedConnector(caches, layout)  # native_planner=True, but no build
+        ref = TorchPagedConnector([c.clone() for c in caches], layout)
+        lengths = [TEST_SHAPE.chunk] * 3
+        slots = random_slots(TEST_SHAPE.blocks * TEST_SHAPE.block, lengths, seed=71, holes="none")
+        assert_store_then_load_like(conn, ref, arena, layout, lengths, slots, slots, 72)
+    finally:
+        _native.load.cache_clear()
