@@ -15,8 +15,8 @@ runs the same checks against every platform):
   early waits for the copies it issued (the objects may then be released); layers it has not
   yielded may or may not have moved.
 - **Bad input** raises and never writes outside the cache or the call's objects: a slot below
-  -1 or past the cache, or a layer outside ``[0, num_layers)``, is an ``IndexError``; an object whose shape or dtype is not the layout's
-  chunk a ``LayoutError``; a transfer whose slot count is not its object's token count a
+  -1 or past the cache, or a layer outside ``[0, num_layers)``, is an ``IndexError``; an object
+  whose shape or dtype is not the layout's chunk a ``LayoutError``; a transfer whose slot count is not its object's token count a
   ``ValueError`` (``Transfer`` itself). Other transfers of the failed call may have moved (a
   connector may start copying before it has checked the whole call); the connector stays
   usable. A paged layout the connector cannot move, or KV tensors that do not match the
@@ -45,8 +45,7 @@ runs the same checks against every platform):
   ``check_options`` does these checks for a platform.
 
 ``TorchPagedConnector`` is the torch-generic reference (``index_select``/``index_copy_``); it is
-the CPU platform's connector, the XPU platform builds on it, and the CUDA kernels are tested
-against it.
+the CPU platform's connector and the XPU platform builds on it.
 """
 
 from __future__ import annotations
