@@ -45,7 +45,8 @@ runs the same checks against every platform):
   ``check_options`` does these checks for a platform.
 
 ``TorchPagedConnector`` is the torch-generic reference (``index_select``/``index_copy_``); it is
-the CPU platform's connector and the XPU platform builds on it.
+the CPU platform's connector, the XPU platform builds on it, and tests/cuda compares the CUDA
+kernels with it.
 """
 
 from __future__ import annotations
