@@ -9,6 +9,8 @@ password, and the password inside a Redis URL, never appear in an error or in ``
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import math
 import os
@@ -47,7 +49,7 @@ def shown(name: str, value: Any) -> Any:
     """``value`` as an error or ``repr`` may show it: secrets masked."""
     if value is None:
         return None
-    if "password" in name or "secret" in name:
+    if "password" in name or "secret" in name or name == "encryption_key":
         return _MASK
     if "url" in name and isinstance(value, str):
         return mask_url(value)
@@ -112,9 +114,19 @@ class KVTierConfig:
     )
     save_decode_cache: bool = _doc("Also store chunks filled by generated tokens.", default=False)
     use_layerwise: bool = _doc("Load/store layer by layer, overlapping with the forward pass.", default=False)
+    load_async: bool = _doc("vLLM: load a hit on a worker thread while other requests run (the request waits in WAITING_FOR_REMOTE_KVS); False loads before the forward pass. Layer-wise loads are always synchronous.", default=True)
     device_staging_buffer: bool = _doc(
         "XPU: gather a layer into a device buffer, then one copy to host (layer-wise); CUDA: False moves KV by kernels reading/writing pinned host memory (zerocopy) instead of staging slots + copy engines.",
         default=True,
+    )
+    encryption_key: str | None = _doc(
+        "Seal every payload written to disk with AES-256-GCM, under a key per cache salt "
+        "derived from this one: 32 bytes as 64 hex digits or base64. Empty = off. A tier that "
+        "cannot seal (redis, today) is refused while it is set. Needs kvtier[encryption].",
+        default=None,
+    )
+    encryption_key_file: str | None = _doc(
+        "A file holding encryption_key (its first line); keep it mode 0600.", default=None
     )
     lookup_timeout_s: float = _doc("Bound on one lookup across processes/tiers (s).", default=2.0)
     log_level: str = _doc("Log level of the kvtier logger.", default="WARNING")
@@ -129,6 +141,15 @@ class KVTierConfig:
     def __repr__(self) -> str:
         body = ", ".join(f"{f.name}={shown(f.name, getattr(self, f.name))!r}" for f in fields(self))
         return f"KVTierConfig({body})"
+
+    def encryption_key_bytes(self) -> bytes | None:
+        """The 32-byte encryption key (from ``encryption_key`` or its file); None when off."""
+        if self.encryption_key:
+            return _parse_key("encryption_key", self.encryption_key)
+        if self.encryption_key_file:
+            return _parse_key("encryption_key_file", _read_key_file(self.encryption_key_file),
+                              shown_as=self.encryption_key_file)
+        return None
 
     def disk_path(self) -> Path:
         return Path(self.local_disk_path or os.path.join(default_cache_dir(), "disk")).expanduser()
@@ -160,6 +181,28 @@ def _check_redis_url(url: str) -> None:
     db = parts.path.lstrip("/")
     if db and not db.isdigit():
         raise _error("redis_url", url, f"database {db!r} is not a number (redis://host:port/DB)")
+
+
+def _read_key_file(path: str) -> str:
+    try:
+        with open(os.path.expanduser(path)) as f:
+            return f.readline().strip()
+    except OSError as e:
+        raise ConfigError("encryption_key_file", path, f"cannot be read: {e.strerror}") from None
+
+
+def _parse_key(name: str, text: str, shown_as: str | None = None) -> bytes:
+    """A 32-byte key from 64 hex digits or base64; ``ConfigError`` (never showing the text)."""
+    text = text.strip()
+    try:
+        key = bytes.fromhex(text) if len(text) == 64 else base64.b64decode(text, validate=True)
+    except (ValueError, binascii.Error):
+        key = b""
+    if len(key) != 32:
+        raise ConfigError(name, shown_as if shown_as is not None else _MASK,
+                          "must be 32 bytes written as 64 hex digits or base64 (e.g. the output "
+                          "of `openssl rand -hex 32`)")
+    return key
 
 
 def _check_backend_options(options: dict[str, Any]) -> None:
@@ -199,6 +242,10 @@ def _validated(cfg: KVTierConfig) -> KVTierConfig:
         raise ConfigError("redis_url", cfg.redis_url, "the redis tier is enabled but has no URL")
     if cfg.redis_url:
         _check_redis_url(cfg.redis_url)
+    if cfg.encryption_key and cfg.encryption_key_file:
+        raise _error("encryption_key_file", cfg.encryption_key_file,
+                     "give the key or a key file, not both (encryption_key is set too)")
+    cfg.encryption_key_bytes()  # a bad key, or an unreadable key file, fails here
     _check_backend_options(cfg.backend_options)
     return cfg
 

@@ -12,7 +12,9 @@ next to a reference over the same bytes, measured in the same run and interleave
   ``write`` + ``fsync`` of the same bytes, and raw ``read`` into a preallocated buffer. Reads
   are measured twice: from the page cache (``variant: page-cache``) and from the device, the
   files evicted from the cache with ``posix_fadvise(DONTNEED)`` first (``variant:
-  from-device``), on both sides.
+  from-device``), on both sides. With ``cryptography`` installed, put and page-cache get are
+  measured again with ``encryption_key`` set (``variant: sealed``, ``page-cache sealed``): the
+  cost of encryption at rest against the same raw I/O.
 - redis: the tier's ``batched_put``/``batched_get`` (codec included) against ``redis-benchmark``
   (the C client) moving values of the tier's segment size over as many connections, and a
   3-shard cluster against one server: see ``kvtier.storage.bench_redis``. Private
@@ -30,6 +32,7 @@ rounds.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -182,7 +185,14 @@ def bench_cpu(b: _Bench, shape: Shape) -> None:
 def _backend(cls: type[StorageBackend], shape: Shape, arena: HostArena, **cfg: Any) -> StorageBackend:
     config = load_config(overrides={"chunk_size": shape.tokens, **cfg}, env={})
     ns = KeyFactory("bench", shape.layout.fingerprint()).key(b"").namespace()
-    return cls(BackendContext(config=config, layout=shape.layout, namespace=ns, arena=arena))
+    key = config.encryption_key_bytes()
+    sealer = None
+    if key is not None:
+        from kvtier.storage.sealing import Sealer
+
+        sealer = Sealer(key)
+    return cls(BackendContext(config=config, layout=shape.layout, namespace=ns, arena=arena,
+                              sealer=sealer))
 
 
 def _objects(shape: Shape) -> tuple[HostArena, list[MemoryObj]]:
@@ -233,15 +243,18 @@ def _drop_cache(directory: Path) -> None:
                 os.close(fd)
 
 
-def bench_disk(b: _Bench, shape: Shape, disk_dir: Path) -> None:
+def bench_disk(b: _Bench, shape: Shape, disk_dir: Path, *, sealed: bool = False) -> None:
+    """The disk tier against raw file I/O; ``sealed``: with ``encryption_key`` (AES-256-GCM),
+    rows with variant ``sealed`` (put, page-cache get)."""
     from kvtier.storage.backends.local_disk import LocalDiskBackend
 
     arena, objs = _objects(shape)
     root = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=disk_dir))
     raw_dir = root / "raw"
     raw_dir.mkdir()
+    extra = {"encryption_key": os.urandom(32).hex()} if sealed else {}
     disk = _backend(LocalDiskBackend, shape, arena, local_disk_path=str(root / "tier"),
-                    local_disk_size_gb=64.0)
+                    local_disk_size_gb=64.0, **extra)
     assert isinstance(disk, LocalDiskBackend)
     keys = KeyFactory("bench", shape.layout.fingerprint())
     nbytes = shape.meta.nbytes * shape.batch
@@ -289,6 +302,11 @@ def bench_disk(b: _Bench, shape: Shape, disk_dir: Path) -> None:
         return run
 
     try:
+        if sealed:
+            b.compare("local_disk", shape, "put", nbytes, put, raw_put, clear, variant="sealed")
+            b.compare("local_disk", shape, "get", nbytes, get, raw_get, clear,
+                      variant="page-cache sealed")
+            return
         b.compare("local_disk", shape, "put", nbytes, put, raw_put, clear)
         b.compare("local_disk", shape, "get", nbytes, get, raw_get, clear, variant="page-cache")
         cold = True
@@ -369,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
                 bench_cpu(b, shape)
             if "local_disk" in args.tiers:
                 bench_disk(b, shape, args.disk_dir)
+                if importlib.util.find_spec("cryptography") is not None:
+                    bench_disk(b, shape, args.disk_dir, sealed=True)
             if server is not None:
                 bench_redis.bench_redis(b, shape, server, cluster)
     finally:

@@ -2,10 +2,13 @@
 
 ::
 
-    prefix   "<4sHHIQ": magic b"KVTC", format version, flags (0), meta_len, payload_len
-    meta     meta_len bytes: UTF-8 JSON {"key", "layout", "dtype", "shape", "tokens"},
-             padded with spaces so the payload starts at a multiple of ``align`` when asked
-    payload  payload_len bytes: the chunk's tensor bytes ([2, layers, tokens, hidden] or MLA)
+    prefix   "<4sHHIQ": magic b"KVTC", format version, flags, meta_len, payload_len
+    meta     meta_len bytes: UTF-8 JSON {"key", "layout", "dtype", "shape", "tokens"} (and
+             "nonce" when sealed), padded with spaces so the payload starts at a multiple of
+             ``align`` when asked
+    payload  payload_len bytes: the chunk's tensor bytes ([2, layers, tokens, hidden] or MLA);
+             with flag ``SEALED`` (``encryption_key``) the AES-256-GCM ciphertext of those bytes
+             and its 16-byte tag, the header being the authenticated data (``sealing``)
     trailer  "<I": the checksum: CRC-32 over prefix, meta and then the little-endian XXH3-64 of
              each 512 KiB segment of the payload (the last one may be shorter)
 
@@ -43,10 +46,12 @@ import xxhash
 
 from kvtier.core.layout import dtype_name
 from kvtier.core.memory import MemoryObj, MemoryObjMeta
+from kvtier.storage.sealing import NONCE_BYTES, TAG_BYTES, SealError
 
 if TYPE_CHECKING:
     from kvtier.core.keys import ChunkKey
     from kvtier.core.layout import KVLayout
+    from kvtier.storage.sealing import Sealer
 
 MAGIC = b"KVTC"
 FORMAT_VERSION = 2  # 2: payload segments hashed with XXH3-64 (1: CRC-32)
@@ -56,6 +61,8 @@ SEGMENT_DIGEST = struct.Struct("<Q")
 # A meta section is a few hundred bytes; a larger one is not ours. Alignment padding is
 # bounded by the largest alignment we write (one page for O_DIRECT).
 MAX_META = 64 * 1024
+# flags
+SEALED = 0x1
 
 
 class PayloadError(ValueError):
@@ -75,6 +82,9 @@ class Header:
     header_len: int
     payload_len: int
     crc_of_header: int
+    sealed: bool = False
+    nonce: bytes = b""
+    raw: bytes = b""  # the header's bytes (a sealed payload's authenticated data)
 
     @property
     def total_len(self) -> int:
@@ -88,24 +98,51 @@ def _fingerprint(layout: KVLayout) -> str:
     return layout.fingerprint()
 
 
-def encode_header(key: ChunkKey, meta: MemoryObjMeta, layout: KVLayout, *, align: int = 0) -> bytes:
-    """The header (prefix + meta) of the chunk ``meta`` stored under ``key``."""
-    body = json.dumps(
-        {
-            "key": key.to_string(),
-            "layout": _fingerprint(layout),
-            "dtype": dtype_name(meta.dtype),
-            "shape": list(meta.shape),
-            "tokens": meta.num_tokens,
-        },
-        separators=(",", ":"),
-    ).encode()
+def encode_header(
+    key: ChunkKey, meta: MemoryObjMeta, layout: KVLayout, *, align: int = 0, nonce: bytes | None = None
+) -> bytes:
+    """The header (prefix + meta) of the chunk ``meta`` stored under ``key``; with ``nonce``, the
+    header of a sealed payload (see ``seal``)."""
+    fields: dict[str, object] = {
+        "key": key.to_string(),
+        "layout": _fingerprint(layout),
+        "dtype": dtype_name(meta.dtype),
+        "shape": list(meta.shape),
+        "tokens": meta.num_tokens,
+    }
+    flags, payload_len = 0, meta.nbytes
+    if nonce is not None:
+        fields["nonce"] = nonce.hex()
+        flags, payload_len = SEALED, meta.nbytes + TAG_BYTES
+    body = json.dumps(fields, separators=(",", ":")).encode()
     if align > 1:
         pad = -(PREFIX.size + len(body)) % align
         body += b" " * pad
     if len(body) > MAX_META:
         raise ValueError(f"chunk header of {len(body)} bytes is too large")
-    return PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(body), meta.nbytes) + body
+    return PREFIX.pack(MAGIC, FORMAT_VERSION, flags, len(body), payload_len) + body
+
+
+def seal(
+    key: ChunkKey, meta: MemoryObjMeta, layout: KVLayout, payload: memoryview, sealer: Sealer,
+    *, align: int = 0,
+) -> tuple[bytes, bytes]:
+    """``(header, sealed payload)`` of ``payload`` under ``key``, sealed with the key of the
+    chunk's salt; store header + sealed payload + the trailer of both."""
+    if payload.nbytes != meta.nbytes:
+        raise ValueError(f"payload has {payload.nbytes} bytes, its meta says {meta.nbytes}")
+    nonce = sealer.new_nonce()
+    header = encode_header(key, meta, layout, align=align, nonce=nonce)
+    return header, sealer.seal(key.salt_id, nonce, header, payload)
+
+
+def unseal(header: Header, sealed: memoryview | bytes, key: ChunkKey, sealer: Sealer) -> bytes:
+    """The plaintext payload of a sealed value whose ``header`` was checked (``decode_header``
+    with the sealer); ``PayloadError`` if its tag fails."""
+    try:
+        return sealer.open(key.salt_id, header.nonce, header.raw, sealed)
+    except SealError as e:
+        raise PayloadError(str(e)) from None
 
 
 def trailer(header: bytes, payload: memoryview | bytes) -> bytes:
@@ -198,7 +235,7 @@ def prefix_lengths(prefix: bytes | memoryview) -> tuple[int, int]:
         raise PayloadError("foreign: bad magic")
     if version != FORMAT_VERSION:
         raise PayloadError(f"stale: format version {version}, this kvtier reads {FORMAT_VERSION}")
-    if flags != 0:
+    if flags & ~SEALED:
         raise PayloadError(f"unknown flags {flags:#x}")
     if meta_len > MAX_META:
         raise PayloadError(f"corrupt: meta length {meta_len}")
@@ -221,15 +258,23 @@ def stored_key(buf: bytes | memoryview) -> str:
 
 
 def decode_header(
-    buf: bytes | memoryview, *, key: ChunkKey, layout: KVLayout, max_tokens: int
+    buf: bytes | memoryview, *, key: ChunkKey, layout: KVLayout, max_tokens: int,
+    sealer: Sealer | None = None,
 ) -> Header:
     """Check the header at the start of ``buf`` against what the reader asked for.
 
     ``buf`` must hold at least the whole header (``prefix_lengths(...)[0]`` bytes). The payload
-    itself is not looked at: call ``verify`` once it has been read.
+    itself is not looked at: call ``verify`` once it has been read. With ``sealer`` (encryption
+    on) only sealed values are accepted, without it only plain ones: a plain value planted in an
+    encrypted tier, or a sealed one read without the key, is a ``PayloadError``.
     """
 
     header_len, payload_len = prefix_lengths(buf)
+    sealed = bool(PREFIX.unpack_from(buf)[2] & SEALED)
+    if sealed and sealer is None:
+        raise PayloadError("sealed: encrypted, and this reader has no encryption_key")
+    if not sealed and sealer is not None:
+        raise PayloadError("unsealed: encryption_key is set, plain values are refused")
     if len(buf) < header_len:
         raise PayloadError(f"truncated: {len(buf)} bytes, the header needs {header_len}")
     view = memoryview(buf)
@@ -254,9 +299,19 @@ def decode_header(
     if shape != layout.chunk_shape(tokens):
         raise PayloadError(f"corrupt: shape {shape}, expected {layout.chunk_shape(tokens)}")
     meta = MemoryObjMeta(shape, layout.torch_dtype, tokens)
-    if payload_len != meta.nbytes:
-        raise PayloadError(f"corrupt: payload length {payload_len}, shape needs {meta.nbytes}")
-    return Header(want, meta, header_len, payload_len, zlib.crc32(view[:header_len]))
+    need = meta.nbytes + (TAG_BYTES if sealed else 0)
+    if payload_len != need:
+        raise PayloadError(f"corrupt: payload length {payload_len}, shape needs {need}")
+    nonce = b""
+    if sealed:
+        try:
+            nonce = bytes.fromhex(fields["nonce"])
+        except (KeyError, TypeError, ValueError):
+            nonce = b""
+        if len(nonce) != NONCE_BYTES:
+            raise PayloadError("corrupt: sealed value without a valid nonce")
+    raw = bytes(view[:header_len])
+    return Header(want, meta, header_len, payload_len, zlib.crc32(raw), sealed, nonce, raw)
 
 
 def check_trailer(crc: int, trailer_bytes: bytes | memoryview) -> None:
@@ -281,11 +336,16 @@ def verify(header: Header, payload: memoryview | bytes, trailer_bytes: bytes | m
 
 
 def decode(
-    blob: bytes | memoryview, *, key: ChunkKey, layout: KVLayout, max_tokens: int
+    blob: bytes | memoryview, *, key: ChunkKey, layout: KVLayout, max_tokens: int,
+    sealer: Sealer | None = None,
 ) -> tuple[Header, memoryview]:
-    """Check a whole stored value; return its header and a view of its payload (no copy)."""
-    header, payload, tail = split(blob, key=key, layout=layout, max_tokens=max_tokens)
+    """Check a whole stored value; return its header and a view of its payload (no copy; a
+    sealed payload is opened into new bytes)."""
+    header, payload, tail = split(blob, key=key, layout=layout, max_tokens=max_tokens, sealer=sealer)
     verify(header, payload, tail)
+    if header.sealed:
+        assert sealer is not None  # decode_header refuses a sealed value without one
+        return header, memoryview(unseal(header, payload, key, sealer))
     return header, payload
 
 
@@ -296,12 +356,23 @@ def decode_into_object(
     layout: KVLayout,
     max_tokens: int,
     allocate: Callable[[MemoryObjMeta], MemoryObj | None],
+    sealer: Sealer | None = None,
 ) -> MemoryObj | None:
-    """A new host object holding ``blob``'s payload, checksummed while it is copied.
+    """A new host object holding ``blob``'s payload, checksummed while it is copied (a sealed
+    payload: checksummed, then opened, then copied).
 
     Raises ``PayloadError`` for a bad value (nothing is kept); None when host memory is full.
     """
-    header, payload, tail = split(blob, key=key, layout=layout, max_tokens=max_tokens)
+    header, payload, tail = split(blob, key=key, layout=layout, max_tokens=max_tokens, sealer=sealer)
+    if header.sealed:
+        assert sealer is not None  # decode_header refuses a sealed value without one
+        verify(header, payload, tail)
+        payload = memoryview(unseal(header, payload, key, sealer))
+        obj = allocate(header.meta)
+        if obj is not None:
+            np.copyto(np.frombuffer(obj.byte_view(), dtype=np.uint8),
+                      np.frombuffer(payload, dtype=np.uint8))
+        return obj
     obj = allocate(header.meta)
     if obj is None:
         return None
@@ -319,11 +390,13 @@ def decode_into_object(
 
 
 def split(
-    blob: bytes | memoryview, *, key: ChunkKey, layout: KVLayout, max_tokens: int
+    blob: bytes | memoryview, *, key: ChunkKey, layout: KVLayout, max_tokens: int,
+    sealer: Sealer | None = None,
 ) -> tuple[Header, memoryview, memoryview]:
     """Check a whole stored value's header and length; return ``(header, payload, trailer)``
-    views. The checksum is *not* checked: pass them to ``verify``."""
-    header = decode_header(blob, key=key, layout=layout, max_tokens=max_tokens)
+    views. The checksum is *not* checked: pass them to ``verify`` (and a sealed payload to
+    ``unseal``)."""
+    header = decode_header(blob, key=key, layout=layout, max_tokens=max_tokens, sealer=sealer)
     view = memoryview(blob)
     if view.nbytes != header.total_len:
         raise PayloadError(f"truncated: {view.nbytes} bytes, expected {header.total_len}")

@@ -41,6 +41,7 @@ from kvtier.core.storage import StorageManager
 from kvtier.storage._log import warn_throttled
 from kvtier.storage.backends.base import BackendContext, StorageBackend
 from kvtier.storage.backends.local_cpu import LocalCPUBackend
+from kvtier.storage.sealing import Sealer
 from kvtier.storage.stats import StorageStats
 
 if TYPE_CHECKING:
@@ -415,13 +416,21 @@ def build_tiers(
             "tiers", config.tiers,
             f"must start with {HOST_TIER!r}: every chunk passes through host memory",
         )
+    key = config.encryption_key_bytes()
+    sealer = Sealer(key) if key is not None else None
     built: list[StorageBackend] = []
     try:
         for name in config.tiers:
             cls = load_backend_class(name, config.plugins)
+            if sealer is not None and not (cls.keeps_host_objects or cls.seals_payloads):
+                raise ConfigError(
+                    "encryption_key", "***",
+                    f"the {name!r} tier cannot seal its payloads yet: payloads would leave the "
+                    f"process unencrypted; remove {name!r} from tiers or unset the key",
+                )
             ctx = BackendContext(
                 config=config, layout=layout, namespace=namespace, arena=arena, stats=stats,
-                options=dict(config.backend_options.get(name, {})),
+                options=dict(config.backend_options.get(name, {})), sealer=sealer,
             )
             built.append(cls(ctx))
     except BaseException:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from kvtier.core.keys import ChunkKey
     from kvtier.core.layout import KVLayout
     from kvtier.core.memory import MemoryObj, MemoryObjMeta
+    from kvtier.storage.sealing import Sealer
 
 
 class DirectIO:
@@ -76,7 +77,7 @@ class DirectIO:
 
     def read(
         self, fd: int, size: int, *, key: ChunkKey, layout: KVLayout, max_tokens: int,
-        allocate: Callable[[MemoryObjMeta], MemoryObj | None],
+        allocate: Callable[[MemoryObjMeta], MemoryObj | None], sealer: Sealer | None = None,
     ) -> MemoryObj | None:
         """The chunk in the O_DIRECT file ``fd`` of ``size`` bytes (the caller bounds ``size``).
         Raises ``PayloadError`` for a bad file; None when host memory is full."""
@@ -90,4 +91,4 @@ class DirectIO:
         if done != size:
             raise codec.PayloadError(f"truncated: read {done} of {size} bytes")
         return codec.decode_into_object(buf[:size], key=key, layout=layout, max_tokens=max_tokens,
-                                        allocate=allocate)
+                                        allocate=allocate, sealer=sealer)

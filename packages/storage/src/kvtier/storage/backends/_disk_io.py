@@ -23,6 +23,7 @@ from kvtier.storage import codec
 if TYPE_CHECKING:
     from kvtier.core.keys import ChunkKey
     from kvtier.core.layout import KVLayout
+    from kvtier.storage.sealing import Sealer
 
 PAGE = 4096
 FILE_MODE = 0o600
@@ -162,7 +163,9 @@ def read_checksummed(fd: int, view: memoryview, offset: int, cs: codec.Checksum)
 _HEAD_GUESS = 4096
 
 
-def read_header(fd: int, size: int, *, key: ChunkKey, layout: KVLayout, max_tokens: int) -> codec.Header:
+def read_header(
+    fd: int, size: int, *, key: ChunkKey, layout: KVLayout, max_tokens: int, sealer: Sealer | None = None
+) -> codec.Header:
     """Check the header of the open chunk file ``fd`` of ``size`` bytes against ``key``; the
     file's length must be exactly what the header says. Raises ``PayloadError``."""
     head = os.pread(fd, _HEAD_GUESS, 0)  # a header is a few hundred bytes: one read, mostly
@@ -172,4 +175,5 @@ def read_header(fd: int, size: int, *, key: ChunkKey, layout: KVLayout, max_toke
                                  f"{header_len + payload_len + codec.TRAILER.size}")
     if header_len > len(head):
         head = os.pread(fd, header_len, 0)
-    return codec.decode_header(head[:header_len], key=key, layout=layout, max_tokens=max_tokens)
+    return codec.decode_header(head[:header_len], key=key, layout=layout, max_tokens=max_tokens,
+                               sealer=sealer)

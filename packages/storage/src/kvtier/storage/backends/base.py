@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from kvtier.core.keys import ChunkKey
     from kvtier.core.layout import KVLayout
     from kvtier.core.memory import HostArena, MemoryObj, MemoryObjMeta
+    from kvtier.storage.sealing import Sealer
 
 
 @dataclass
@@ -39,7 +40,10 @@ class BackendContext:
 
     ``namespace`` is the engine's key namespace (``ChunkKey.namespace()`` without the hash): a
     backend keeps its entries under it so engines of different models/layouts never meet.
-    ``options`` is ``config.backend_options.get(<tier name>, {})``.
+    ``options`` is ``config.backend_options.get(<tier name>, {})``. ``sealer`` is set when
+    ``encryption_key`` is: a tier that keeps serialized copies passes it to the codec (``seal``,
+    ``decode_header``/``decode_into_object``/``split`` with ``sealer=``) and declares
+    ``seals_payloads``.
     """
 
     config: KVTierConfig
@@ -48,6 +52,7 @@ class BackendContext:
     arena: HostArena
     stats: StorageStats = field(default_factory=StorageStats)
     options: Mapping[str, Any] = field(default_factory=dict)
+    sealer: Sealer | None = None
 
 
 class StorageBackend(ABC):
@@ -58,6 +63,9 @@ class StorageBackend(ABC):
     #: True for the host-memory tier: it keeps the very objects it is given and is written
     #: synchronously; every other tier holds serialized copies and is written in the background.
     keeps_host_objects: ClassVar[bool] = False
+    #: True for a tier that seals its payloads when ``ctx.sealer`` is set; with
+    #: ``encryption_key`` configured, a lower tier without it is a config error.
+    seals_payloads: ClassVar[bool] = False
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx

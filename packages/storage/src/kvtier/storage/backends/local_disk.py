@@ -119,6 +119,7 @@ class LocalDiskBackend(StorageBackend):
     """One file per chunk under a byte budget. See the module docstring."""
 
     name = "local_disk"
+    seals_payloads = True
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
@@ -282,7 +283,8 @@ class LocalDiskBackend(StorageBackend):
             self.ctx.stats.add(f"{self.name}.errors")
             return False
         try:
-            read_header(fd, st.st_size, key=key, layout=self.ctx.layout, max_tokens=self.max_tokens)
+            read_header(fd, st.st_size, key=key, layout=self.ctx.layout, max_tokens=self.max_tokens,
+                        sealer=self.ctx.sealer)
         except codec.PayloadError as e:
             self._reject(name, e)
             return False
@@ -310,7 +312,11 @@ class LocalDiskBackend(StorageBackend):
         if self._check(key, name):
             return True
         payload = obj.byte_view()
-        header = codec.encode_header(key, obj.meta, self.ctx.layout)
+        if self.ctx.sealer is not None:
+            header, sealed = codec.seal(key, obj.meta, self.ctx.layout, payload, self.ctx.sealer)
+            payload = memoryview(sealed)
+        else:
+            header = codec.encode_header(key, obj.meta, self.ctx.layout)
         size = len(header) + payload.nbytes + codec.TRAILER.size
         if size > self.budget:
             self.ctx.stats.add(f"{self.name}.store_skipped")
@@ -444,7 +450,8 @@ class LocalDiskBackend(StorageBackend):
                 raise codec.PayloadError(f"corrupt: file of {st.st_size} bytes is larger than any chunk")
             if self._direct is not None:
                 obj = self._direct.read(fd, st.st_size, key=key, layout=self.ctx.layout,
-                                        max_tokens=self.max_tokens, allocate=allocate)
+                                        max_tokens=self.max_tokens, allocate=allocate,
+                                        sealer=self.ctx.sealer)
             else:
                 obj = self._read_buffered(fd, st.st_size, key, allocate)
         except codec.PayloadError as e:
@@ -461,7 +468,10 @@ class LocalDiskBackend(StorageBackend):
         self, fd: int, size: int, key: ChunkKey, allocate: Callable[[MemoryObjMeta], MemoryObj | None]
     ) -> MemoryObj | None:
         """Raises ``PayloadError`` for a bad file; None when host memory is full."""
-        header = read_header(fd, size, key=key, layout=self.ctx.layout, max_tokens=self.max_tokens)
+        header = read_header(fd, size, key=key, layout=self.ctx.layout, max_tokens=self.max_tokens,
+                             sealer=self.ctx.sealer)
+        if header.sealed:
+            return self._read_sealed(fd, header, key, allocate)
         obj = allocate(header.meta)
         if obj is None:
             return None
@@ -475,8 +485,27 @@ class LocalDiskBackend(StorageBackend):
             raise
         return obj
 
+    def _read_sealed(
+        self, fd: int, header: codec.Header, key: ChunkKey,
+        allocate: Callable[[MemoryObjMeta], MemoryObj | None],
+    ) -> MemoryObj | None:
+        """A sealed file: read and checksum the ciphertext, open it, copy it into a new object."""
+        assert self.ctx.sealer is not None
+        sealed = memoryview(bytearray(header.payload_len))
+        cs = codec.Checksum(header.crc_of_header)
+        read_checksummed(fd, sealed, header.header_len, cs)
+        codec.check_trailer(cs.value(), os.pread(fd, codec.TRAILER.size,
+                                                 header.header_len + header.payload_len))
+        plain = codec.unseal(header, sealed, key, self.ctx.sealer)
+        obj = allocate(header.meta)
+        if obj is not None:
+            obj.byte_view()[:] = plain
+        return obj
+
     def _reject(self, name: str, err: codec.PayloadError) -> None:
         self.ctx.stats.add(f"{self.name}.corrupt")
+        if err.reason.startswith(("sealed", "unsealed")):
+            self.ctx.stats.add(f"{self.name}.sealed_rejected")
         logger.warning("kvtier disk tier: %s rejected (%s); deleted", self.dir / name, err.reason)
         with self._lock:
             self._forget(name)

@@ -1,0 +1,80 @@
+"""Encryption at rest (opt-in, ``encryption_key``): payloads that leave the process are sealed
+with AES-256-GCM through the ``cryptography`` package (``pip install kvtier[encryption]``).
+
+Each cache salt gets its own key, derived from the master key by HKDF-SHA256 with the salt's id
+as context, so one tenant's chunks cannot be opened with another's key. Every value has a fresh
+random 96-bit nonce (in its header), and the whole header (key, layout, shape, nonce) is the
+additional authenticated data: a sealed payload moved under another key, or a header edited,
+fails its tag. A failed tag is a ``PayloadError`` (a miss, counted and removed by the tier).
+The header itself stays readable (it names the key), the payload and its length do not leak
+more than the layout already says.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from kvtier.core.errors import MissingExtraError
+
+KEY_BYTES = 32
+NONCE_BYTES = 12
+TAG_BYTES = 16
+_INFO = b"kvtier-seal-v1\x00salt\x00"
+
+
+class SealError(ValueError):
+    """A sealed payload failed its authentication tag (wrong key, or tampered)."""
+
+
+def _aead() -> Any:
+    try:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    except ImportError:
+        raise MissingExtraError("encryption at rest (the cryptography package)", "encryption") from None
+    return AESGCM
+
+
+class Sealer:
+    """Seals and opens payloads with per-salt keys derived from one 32-byte master key."""
+
+    def __init__(self, master_key: bytes) -> None:
+        if len(master_key) != KEY_BYTES:
+            raise ValueError(f"an encryption key is {KEY_BYTES} bytes, got {len(master_key)}")
+        self._aesgcm = _aead()
+        self._master = bytes(master_key)
+        self._keys: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return "Sealer(***)"
+
+    def _cipher(self, salt_id: str) -> Any:
+        with self._lock:
+            cipher = self._keys.get(salt_id)
+            if cipher is None:
+                from cryptography.hazmat.primitives import hashes
+                from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+                key = HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None,
+                           info=_INFO + salt_id.encode()).derive(self._master)
+                cipher = self._keys[salt_id] = self._aesgcm(key)
+            return cipher
+
+    @staticmethod
+    def new_nonce() -> bytes:
+        return os.urandom(NONCE_BYTES)
+
+    def seal(self, salt_id: str, nonce: bytes, aad: bytes, payload: memoryview | bytes) -> bytes:
+        """``payload`` encrypted, followed by its 16-byte tag."""
+        return self._cipher(salt_id).encrypt(nonce, payload, aad)  # type: ignore[no-any-return]
+
+    def open(self, salt_id: str, nonce: bytes, aad: bytes, sealed: memoryview | bytes) -> bytes:
+        """The plaintext of ``sealed`` (ciphertext + tag); ``SealError`` if the tag fails."""
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            return self._cipher(salt_id).decrypt(nonce, sealed, aad)  # type: ignore[no-any-return]
+        except InvalidTag:
+            raise SealError("sealed: authentication failed (another key, or tampered)") from None
