@@ -14,7 +14,7 @@ import errno
 import os
 import secrets
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +23,7 @@ from kvtier.storage import codec
 if TYPE_CHECKING:
     from kvtier.core.keys import ChunkKey
     from kvtier.core.layout import KVLayout
+    from kvtier.core.memory import MemoryObj, MemoryObjMeta
     from kvtier.storage.sealing import Sealer
 
 PAGE = 4096
@@ -177,3 +178,36 @@ def read_header(
         head = os.pread(fd, header_len, 0)
     return codec.decode_header(head[:header_len], key=key, layout=layout, max_tokens=max_tokens,
                                sealer=sealer)
+
+
+def read_chunk(
+    fd: int, size: int, *, key: ChunkKey, layout: KVLayout, max_tokens: int,
+    allocate: Callable[[MemoryObjMeta], MemoryObj | None], sealer: Sealer | None = None,
+) -> MemoryObj | None:
+    """The chunk in the open file ``fd`` of ``size`` bytes (bounded by the caller), read into a
+    new host object and checked. Raises ``PayloadError`` for a bad file; None when host memory
+    is full."""
+    header = read_header(fd, size, key=key, layout=layout, max_tokens=max_tokens, sealer=sealer)
+    trailer_at = header.header_len + header.payload_len
+    if header.sealed:
+        assert sealer is not None  # read_header refuses a sealed file without one
+        sealed = memoryview(bytearray(header.payload_len))
+        cs = codec.Checksum(header.crc_of_header)
+        read_checksummed(fd, sealed, header.header_len, cs)
+        codec.check_trailer(cs.value(), os.pread(fd, codec.TRAILER.size, trailer_at))
+        plain = codec.unseal(header, sealed, key, sealer)
+        obj = allocate(header.meta)
+        if obj is not None:
+            obj.byte_view()[:] = plain
+        return obj
+    obj = allocate(header.meta)
+    if obj is None:
+        return None
+    try:
+        cs = codec.Checksum(header.crc_of_header)
+        read_checksummed(fd, obj.byte_view(), header.header_len, cs)
+        codec.check_trailer(cs.value(), os.pread(fd, codec.TRAILER.size, trailer_at))
+    except BaseException:
+        obj.release()
+        raise
+    return obj

@@ -42,10 +42,8 @@ import hashlib
 import logging
 import os
 import stat
-import threading
 import time
 import zlib
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -54,13 +52,14 @@ from kvtier.core.errors import ConfigError
 from kvtier.storage import codec
 from kvtier.storage._log import warn_throttled
 from kvtier.storage.backends._disk_direct import DirectIO
+from kvtier.storage.backends._disk_index import DiskIndex
 from kvtier.storage.backends._disk_io import (
     NotRegular,
     create_temp,
     kind_of,
     make_private_dirs,
     open_regular,
-    read_checksummed,
+    read_chunk,
     read_header,
     remove_entry,
     write_all,
@@ -81,14 +80,6 @@ NAMESPACE_FILE = "NAMESPACE"
 _STALE_TMP_S = 300.0
 # After ENOSPC the budget is capped at what the tier held then, for this long.
 _FS_FULL_CAP_S = 60.0
-
-# (inode, size, mtime) of a file whose header (or whole content) was checked.
-_Ident = tuple[int, int, int]
-
-
-def _ident(st: os.stat_result) -> _Ident:
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
-
 
 def namespace_dir(root: Path, namespace: str) -> Path:
     """The directory of one namespace under the tier's root."""
@@ -145,14 +136,7 @@ class LocalDiskBackend(StorageBackend):
         # The largest file a chunk of this layout can make: nothing larger is read.
         self.max_file = (codec.PREFIX.size + codec.MAX_META + ctx.layout.chunk_nbytes(self.max_tokens)
                          + codec.TRAILER.size)
-        self._lock = threading.Lock()
-        self._index: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, oldest first
-        self._checked: dict[str, _Ident] = {}  # files whose header or content was checked
-        self._reading: dict[str, int] = {}
-        self._used = 0
-        self._reserved = 0
-        self._fs_cap = 0
-        self._fs_cap_until = 0.0
+        self._index = DiskIndex(self.budget, _FS_FULL_CAP_S)
         self._rebuild_index()
 
     # -- index ---------------------------------------------------------------------------------
@@ -173,16 +157,15 @@ class LocalDiskBackend(StorageBackend):
                 elif entry.name.endswith(TMP_SUFFIX) and now - st.st_mtime > _STALE_TMP_S:
                     remove_entry(self.dir / entry.name)
         found.sort()
-        for _, name, size in found:
-            self._index[name] = size
-            self._used += size
+        self._index.load([(name, size) for _, name, size in found])
         if found:
-            logger.info("kvtier disk tier %s: %d chunk file(s), %d bytes", self.dir, len(found), self._used)
-        self._evict_to(0)
+            logger.info("kvtier disk tier %s: %d chunk file(s), %d bytes", self.dir, len(found),
+                        self._index.used)
+        self._evict(self._index.evict_to_budget())
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return self._index.used
 
     def __len__(self) -> int:
         return len(self._index)
@@ -202,51 +185,17 @@ class LocalDiskBackend(StorageBackend):
         except OSError as e:
             warn_throttled("disk-unlink", "kvtier disk tier: cannot delete %s: %s", name, e)
 
-    def _forget(self, name: str) -> None:
-        """Drop ``name`` from the index (caller holds the lock)."""
-        self._checked.pop(name, None)
-        size = self._index.pop(name, None)
-        if size is not None:
-            self._used -= size
-
-    def _record(self, name: str, st: os.stat_result) -> None:
-        """Index ``name`` as the checked file ``st``, most recent (caller holds the lock)."""
-        self._forget(name)
-        self._index[name] = st.st_size
-        self._used += st.st_size
-        self._checked[name] = _ident(st)
-
-    def _limit(self) -> int:
-        if time.monotonic() < self._fs_cap_until:
-            return min(self.budget, self._fs_cap)
-        return self.budget
-
-    def _evict_to(self, incoming: int) -> bool:
-        """Evict LRU files until ``incoming`` more bytes fit the budget (caller holds the lock
-        or is the constructor); False if files being read are all that is left."""
-        limit = self._limit()
-        victims: list[str] = []
-        skipped = 0
-        while self._used + self._reserved + incoming > limit and skipped < len(self._index):
-            name = next(iter(self._index))
-            if self._reading.get(name):
-                self._index.move_to_end(name)
-                skipped += 1
-                continue
-            self._forget(name)
-            victims.append(name)
+    def _evict(self, victims: list[str]) -> None:
         for name in victims:
             self._unlink(name)
         self.ctx.stats.add(f"{self.name}.evicted", len(victims))
-        return self._used + self._reserved + incoming <= limit
 
     def _bad_entry(self, name: str, kind: str) -> None:
         """Something not a chunk file sits at a chunk path: a miss; remove it (or bypass it)."""
         self.ctx.stats.add(f"{self.name}.corrupt")
         warn_throttled("disk-bad-entry", "kvtier disk tier: %s is a %s, not a chunk file; "
                        "treated as a miss and removed", self.dir / name, kind)
-        with self._lock:
-            self._forget(name)
+        self._index.forget(name)
         self._unlink(name)
 
     def _check(self, key: ChunkKey, name: str) -> bool:
@@ -255,8 +204,7 @@ class LocalDiskBackend(StorageBackend):
         try:
             st = os.lstat(path)
         except FileNotFoundError:
-            with self._lock:
-                self._forget(name)
+            self._index.forget(name)
             return False
         except OSError as e:
             warn_throttled("disk-stat", "kvtier disk tier: cannot stat %s: %s", path, e)
@@ -265,15 +213,12 @@ class LocalDiskBackend(StorageBackend):
         if not stat.S_ISREG(st.st_mode):
             self._bad_entry(name, kind_of(st.st_mode))
             return False
-        with self._lock:
-            if self._checked.get(name) == _ident(st):
-                self._index.move_to_end(name)
-                return True
+        if self._index.trusted(name, st):
+            return True
         try:
             fd, st = open_regular(path)
         except FileNotFoundError:
-            with self._lock:
-                self._forget(name)
+            self._index.forget(name)
             return False
         except NotRegular as e:
             self._bad_entry(name, e.kind)
@@ -294,8 +239,7 @@ class LocalDiskBackend(StorageBackend):
             return False
         finally:
             os.close(fd)
-        with self._lock:
-            self._record(name, st)
+        self._index.record(name, st)
         return True
 
     # -- interface -----------------------------------------------------------------------------
@@ -323,13 +267,13 @@ class LocalDiskBackend(StorageBackend):
             warn_throttled("disk-budget", "kvtier disk tier: a %d-byte chunk exceeds the budget "
                            "local_disk_size_gb=%s; not stored", size, self.ctx.config.local_disk_size_gb)
             return False
-        with self._lock:
-            if not self._evict_to(size):
-                self.ctx.stats.add(f"{self.name}.store_skipped")
-                warn_throttled("disk-full-budget", "kvtier disk tier: budget full of chunks being "
-                               "read; chunk not stored")
-                return False
-            self._reserved += size
+        reserved, victims = self._index.reserve(size)
+        self._evict(victims)
+        if not reserved:
+            self.ctx.stats.add(f"{self.name}.store_skipped")
+            warn_throttled("disk-full-budget", "kvtier disk tier: budget full of chunks being "
+                           "read; chunk not stored")
+            return False
         st: os.stat_result | None = None
         try:
             try:
@@ -346,10 +290,9 @@ class LocalDiskBackend(StorageBackend):
                 "disk full (nothing left to evict)" if full else e, self.dir,
             )
         finally:
-            with self._lock:
-                self._reserved -= size
-                if st is not None:
-                    self._record(name, st)
+            self._index.unreserve(size)
+            if st is not None:
+                self._index.record(name, st)
         if st is None:
             return False
         self.ctx.stats.add(f"{self.name}.stored")
@@ -358,17 +301,13 @@ class LocalDiskBackend(StorageBackend):
     def _make_room(self, size: int) -> bool:
         """The file system is full below the budget: cap the budget at what the tier holds now
         and evict until ``size`` more bytes fit; whether any room was made."""
-        with self._lock:
-            self._fs_cap = self._used
-            self._fs_cap_until = time.monotonic() + _FS_FULL_CAP_S
-            before = self._used
-            self._evict_to(0)
-            freed = before - self._used
-        if freed:
+        cap, victims = self._index.cap_at_used()
+        self._evict(victims)
+        if victims:
             warn_throttled("disk-enospc", "kvtier disk tier: file system full below the budget; "
-                           "evicted %d bytes and capped the budget at %d bytes for %.0f s",
-                           freed, self._fs_cap, _FS_FULL_CAP_S)
-        return freed > 0
+                           "evicted %d file(s) and capped the budget at %d bytes for %.0f s",
+                           len(victims), cap, _FS_FULL_CAP_S)
+        return bool(victims)
 
     def _write_file(self, name: str, header: bytes, payload: memoryview) -> os.stat_result:
         """Write the chunk file ``name`` atomically; the new file's ``fstat``."""
@@ -413,14 +352,12 @@ class LocalDiskBackend(StorageBackend):
         self, key: ChunkKey, allocate: Callable[[MemoryObjMeta], MemoryObj | None]
     ) -> MemoryObj | None:
         name = self.file_name(key)
-        with self._lock:
-            self._reading[name] = self._reading.get(name, 0) + 1
+        self._index.begin_read(name)
         try:
             try:
                 fd, st = open_regular(self.dir / name, os.O_DIRECT if self.o_direct else 0)
             except FileNotFoundError:
-                with self._lock:
-                    self._forget(name)
+                self._index.forget(name)
                 return None
             except NotRegular as e:
                 self._bad_entry(name, e.kind)
@@ -434,12 +371,7 @@ class LocalDiskBackend(StorageBackend):
             self.ctx.stats.add(f"{self.name}.errors")
             return None
         finally:
-            with self._lock:
-                left = self._reading[name] - 1
-                if left:
-                    self._reading[name] = left
-                else:
-                    del self._reading[name]
+            self._index.end_read(name)
 
     def _read(
         self, fd: int, st: os.stat_result, key: ChunkKey, name: str,
@@ -453,53 +385,15 @@ class LocalDiskBackend(StorageBackend):
                                         max_tokens=self.max_tokens, allocate=allocate,
                                         sealer=self.ctx.sealer)
             else:
-                obj = self._read_buffered(fd, st.st_size, key, allocate)
+                obj = read_chunk(fd, st.st_size, key=key, layout=self.ctx.layout,
+                                 max_tokens=self.max_tokens, allocate=allocate, sealer=self.ctx.sealer)
         except codec.PayloadError as e:
             self._reject(name, e)
             return None
         if obj is None:
             self.ctx.stats.add(f"{self.name}.no_host_memory")
             return None
-        with self._lock:
-            self._record(name, st)
-        return obj
-
-    def _read_buffered(
-        self, fd: int, size: int, key: ChunkKey, allocate: Callable[[MemoryObjMeta], MemoryObj | None]
-    ) -> MemoryObj | None:
-        """Raises ``PayloadError`` for a bad file; None when host memory is full."""
-        header = read_header(fd, size, key=key, layout=self.ctx.layout, max_tokens=self.max_tokens,
-                             sealer=self.ctx.sealer)
-        if header.sealed:
-            return self._read_sealed(fd, header, key, allocate)
-        obj = allocate(header.meta)
-        if obj is None:
-            return None
-        try:
-            cs = codec.Checksum(header.crc_of_header)
-            read_checksummed(fd, obj.byte_view(), header.header_len, cs)
-            tail = os.pread(fd, codec.TRAILER.size, header.header_len + header.payload_len)
-            codec.check_trailer(cs.value(), tail)
-        except BaseException:
-            obj.release()
-            raise
-        return obj
-
-    def _read_sealed(
-        self, fd: int, header: codec.Header, key: ChunkKey,
-        allocate: Callable[[MemoryObjMeta], MemoryObj | None],
-    ) -> MemoryObj | None:
-        """A sealed file: read and checksum the ciphertext, open it, copy it into a new object."""
-        assert self.ctx.sealer is not None
-        sealed = memoryview(bytearray(header.payload_len))
-        cs = codec.Checksum(header.crc_of_header)
-        read_checksummed(fd, sealed, header.header_len, cs)
-        codec.check_trailer(cs.value(), os.pread(fd, codec.TRAILER.size,
-                                                 header.header_len + header.payload_len))
-        plain = codec.unseal(header, sealed, key, self.ctx.sealer)
-        obj = allocate(header.meta)
-        if obj is not None:
-            obj.byte_view()[:] = plain
+        self._index.record(name, st)
         return obj
 
     def _reject(self, name: str, err: codec.PayloadError) -> None:
@@ -507,13 +401,11 @@ class LocalDiskBackend(StorageBackend):
         if err.reason.startswith(("sealed", "unsealed")):
             self.ctx.stats.add(f"{self.name}.sealed_rejected")
         logger.warning("kvtier disk tier: %s rejected (%s); deleted", self.dir / name, err.reason)
-        with self._lock:
-            self._forget(name)
+        self._index.forget(name)
         self._unlink(name)
 
     def remove(self, keys: Sequence[ChunkKey]) -> None:
         for key in keys:
             name = self.file_name(key)
-            with self._lock:
-                self._forget(name)
+            self._index.forget(name)
             self._unlink(name)
