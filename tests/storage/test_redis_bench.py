@@ -23,6 +23,7 @@ def test_redis_rows(tmp_path):
                                                                  ("redis", "small", "read")}
     for r in plain:
         assert r["reference"].startswith("redis-benchmark -h 127.0.0.1 -p ")
+        assert " -r " in r["reference"]
         assert f"-d {r['segment_bytes']} " in r["reference"] and f"-c {r['connections']} " in r["reference"]
         assert r["gbps"] > 0 and r["reference_gbps"] > 0
         assert r["ratio"] == pytest.approx(r["gbps"] / r["reference_gbps"], rel=0.01)

@@ -3,7 +3,9 @@
 - ``op: write`` / ``read``: the tier's ``batched_put`` / ``batched_get`` of a batch of chunks
   (codec, checksums and the copy into the host arena included) against ``redis-benchmark`` (the
   C client shipped with the server) running ``SET`` / ``GET`` of values of the tier's segment
-  size over the tier's connection count, unpipelined (``-P 1``). Each round runs the reference
+  size over the tier's connection count, unpipelined (``-P 1``), over as many distinct keys as
+  the batch has segments (``-r``: one key read over and over is served from the server CPU's
+  cache, which no batch of chunks is). Each round runs the reference
   then the tier, on the same private server; the row is the median of the rounds (with the
   spread of both sides). The exact command is in the row's ``reference``. Writes overwrite the
   batch's values each round, as redis-benchmark's ``SET`` overwrites its key: both measure
@@ -126,22 +128,29 @@ class PrivateRedis:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def redis_benchmark(port: int, op: str, size: int, conns: int, total: int) -> tuple[float, str]:
+def redis_benchmark(port: int, op: str, size: int, conns: int, total: int,
+                    keyspace: int = 0) -> tuple[float, str]:
     """GB/s of ``redis-benchmark`` running ``op`` (set/get) on values of ``size`` bytes over
-    ``conns`` connections, about ``total`` bytes in all; and the command line."""
+    ``conns`` connections, about ``total`` bytes in all; and the command line. ``keyspace``: the
+    number of distinct keys (``-r``; 0: one key, which the server then serves from the CPU's
+    cache)."""
     binary = shutil.which("redis-benchmark")
     if binary is None:
         raise FileNotFoundError("redis-benchmark is not installed")
-    if op == "get":  # the key redis-benchmark reads when not given -r
+    if op == "get":  # the keys redis-benchmark reads: key:__rand_int__, or key:<12 digits> with -r
+        names = [b"key:%012d" % i for i in range(keyspace)] if keyspace else [b"key:__rand_int__"]
         conn = Connection(Endpoint("127.0.0.1", port), 1, Deadline(60))
         try:
-            conn.send([command("SET", "key:__rand_int__", b"x" * size)], Deadline(60))
-            conn.read_reply(Deadline(60))
+            value = b"x" * size
+            for name in names:
+                conn.send([command("SET", name, value)], Deadline(60))
+                conn.read_reply(Deadline(60))
         finally:
             conn.close()
-    n = max(4 * conns, total // size)
+    n = max(256, 4 * conns, total // size)  # at least 256 values: a short run is mostly set-up
     cmd = ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-t", op, "-d", str(size),
-           "-n", str(n), "-c", str(conns), "-P", "1", "--csv"]
+           "-n", str(n), "-c", str(conns), "-P", "1", *(["-r", str(keyspace)] if keyspace else []),
+           "--csv"]
     out = subprocess.run([binary, *cmd[1:]], capture_output=True, text=True, timeout=300, check=True)
     rows = [line.split(",") for line in out.stdout.splitlines() if line.startswith(f'"{op.upper()}"')]
     if not rows:
@@ -212,6 +221,7 @@ def bench_redis(b: _Bench, shape: Shape, server: PrivateRedis, cluster: PrivateR
     batch = _Batch(shape)
     tier = _tier(shape, batch.arena, server.url)
     seg, conns = tier.segment_bytes, tier.nodes.connections
+    keyspace = shape.batch * -(-shape.meta.nbytes // seg)  # as many distinct values as the tier's
     extra = {"segment_bytes": seg, "connections": conns}
     try:
         for op in ("write", "read"):
@@ -221,7 +231,7 @@ def bench_redis(b: _Bench, shape: Shape, server: PrivateRedis, cluster: PrivateR
                 tier.batched_put(batch.items(0))
             for r in range(b.repeat + 1):  # round 0 warms up
                 rg, cmd = redis_benchmark(server.port, "set" if op == "write" else "get", seg, conns,
-                                          batch.nbytes)
+                                          batch.nbytes, keyspace)
                 if op == "read":
                     tier.batched_put(batch.items(r))
                 g = batch.write(tier, 0) if op == "write" else batch.read(tier, r)

@@ -6,8 +6,8 @@ chunk lives on one shard, and a stopped shard loses only its own chunks)::
     <prefix>{<chunk key string>}        head: codec header, trailer, segment size (u32), b"KVRS"
     <prefix>{<chunk key string>}:<i>    segment i: payload bytes [i * size, (i + 1) * size)
 
-The payload travels as segments of ``segment_bytes`` (``backend_options.redis``, default 2 MiB)
-because servers move values of a few MiB several times faster than one 32 MiB value. The head
+The payload travels as segments of ``segment_bytes`` (``backend_options.redis``, default 1 MiB)
+because servers move values of a MiB or two several times faster than one 32 MiB value. The head
 (``codec`` header and checksum trailer) is written last, once every segment is acknowledged: a
 reader that finds a head finds a whole chunk, or a miss. The key string carries the engine's
 namespace (model, layout fingerprint, world size, rank, salt), so engines of different models
@@ -77,7 +77,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvtier.storage")
 
-_WINDOW_BYTES = 8 << 20  # segment bytes asked for, not yet read, per connection
+_IN_FLIGHT = 2  # segments asked for and not yet read, per connection
 _UNREACHABLE = "its server failed or refused the read"
 
 
@@ -89,6 +89,7 @@ class _Read:
     head: codec.Header
     trailer: bytes
     obj: MemoryObj
+    view: memoryview
     segment_bytes: int
     segments: int
     cs: codec.Checksum
@@ -179,10 +180,11 @@ class RedisBackend(StorageBackend):
         groups = self._by_node(heads, dl)
         headers = [codec.encode_header(k, obj.meta, self.ctx.layout) for k, obj in items]
         sums = [codec.Checksum(zlib.crc32(h)) for h in headers]
+        views = [obj.byte_view() for _, obj in items]
         try:
-            for cs, (_, obj) in zip(sums, items, strict=True):
-                cs.add(obj.byte_view())  # hashed on helper threads while the segments are sent
-            failed = self._put_segments(items, heads, groups, dl)
+            for cs, view in zip(sums, views, strict=True):
+                cs.add(view)  # hashed on helper threads while the segments are sent
+            failed = self._put_segments(views, heads, groups, dl)
             ok: dict[int, bytes] = {}
             for i in range(len(items)):
                 if i not in failed:  # the head goes last: a reader that finds it finds the segments
@@ -203,18 +205,18 @@ class RedisBackend(StorageBackend):
                            len(items) - len(stored), errors[0])
         self.ctx.stats.add(f"{self.name}.stored", len(stored))
 
-    def _put_segments(self, items: Sequence[tuple[ChunkKey, MemoryObj]], heads: list[bytes],
+    def _put_segments(self, views: list[memoryview], heads: list[bytes],
                       groups: dict[str, list[int]], dl: Deadline) -> dict[int, object]:
         """SET every segment, pipelined over each server's connections; the chunks that failed
         (index: why). Unroutable chunks fail too."""
-        failed: dict[int, object] = {i: "no server owns its slot" for i in range(len(items))}
+        failed: dict[int, object] = {i: "no server owns its slot" for i in range(len(views))}
         jobs: list[Job[list[object]]] = []
         lanes: list[list[tuple[int, bytes, memoryview]]] = []
         for address, idxs in groups.items():
             segs = []
             for i in idxs:
                 failed.pop(i)
-                view = items[i][1].byte_view()
+                view = views[i]
                 n = max(1, -(-view.nbytes // self.segment_bytes))
                 for s, k in enumerate(segment_keys(heads[i], n)):
                     segs.append((i, k, view[s * self.segment_bytes : (s + 1) * self.segment_bytes]))
@@ -303,7 +305,7 @@ class RedisBackend(StorageBackend):
             self.ctx.stats.add(f"{self.name}.no_host_memory")
             return None
         n = max(1, -(-head.payload_len // seg))
-        return _Read(i, head, trailer, obj, seg, n, codec.Checksum(head.crc_of_header), n)
+        return _Read(i, head, trailer, obj, obj.byte_view(), seg, n, codec.Checksum(head.crc_of_header), n)
 
     def _get_segments(self, reads: list[_Read], heads: list[bytes], groups: dict[str, list[int]],
                       dl: Deadline) -> None:
@@ -317,7 +319,7 @@ class RedisBackend(StorageBackend):
                 r = by_index.get(i)
                 if r is None:
                     continue
-                view = r.obj.byte_view()
+                view = r.view
                 for s, k in enumerate(segment_keys(heads[i], r.segments)):
                     segs.append((r, k, view[s * r.segment_bytes : (s + 1) * r.segment_bytes]))
             for addr, lane in self._lanes(address, segs):
@@ -330,11 +332,12 @@ class RedisBackend(StorageBackend):
 
     def _get_job(self, lane: list[tuple[_Read, bytes, memoryview]]) -> Callable[[Connection, Deadline], None]:
         cmds = [command(b"GET", k) for _, k, _ in lane]
-        window = max(1, _WINDOW_BYTES // max(1, lane[0][2].nbytes))
+        window = _IN_FLIGHT
 
         def run(conn: Connection, dl: Deadline) -> None:
-            # A few segments in flight, not the whole lane: a server asked for many large values
-            # at once copies them all into its output buffers first (measured slower).
+            # Two segments in flight, not the whole lane: a server asked for many large values
+            # at once copies them all into its output buffers first, out of its cache (measured
+            # slower: docs/storage-redis.md).
             conn.send([b"".join(cmds[:window])], dl)
             for n, (r, _, view) in enumerate(lane):
                 if n + window < len(cmds):
@@ -350,7 +353,7 @@ class RedisBackend(StorageBackend):
                     r.pending -= 1
                     last = r.pending == 0 and r.failed is None
                 if last:  # checksum this chunk on helper threads while the rest arrive
-                    r.cs.add(r.obj.byte_view())
+                    r.cs.add(r.view)
         return run
 
     def _reject(self, keys: Sequence[ChunkKey], bad: dict[int, str]) -> None:

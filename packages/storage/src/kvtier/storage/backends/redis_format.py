@@ -19,7 +19,7 @@ MAGIC = b"KVRS"
 MIN_SEGMENT, MAX_SEGMENT = 1 << 10, 512 << 20
 MIN_HEAD = codec.PREFIX.size + codec.TRAILER.size + TAIL.size
 DEFAULTS: dict[str, Any] = {"key_prefix": "kvtier:", "retry_interval_s": 1.0,
-                            "segment_bytes": 2 << 20, "connections": 2, "min_throughput_mb_s": 50.0}
+                            "segment_bytes": 1 << 20, "connections": 2, "min_throughput_mb_s": 50.0}
 
 
 def head_key(prefix: bytes, key: ChunkKey) -> bytes:
