@@ -144,3 +144,39 @@ def test_a_tier_that_cannot_seal_is_a_config_error(tmp_path):
     arena = HostArena.create(1 << 20)
     with pytest.raises(ConfigError, match="cannot seal"):
         create_storage_manager(config=cfg, arena=arena, layout=LAYOUT, namespace=NAMESPACE)
+
+
+@pytest.mark.parametrize("tokens", [256, 200, 3])
+def test_sealed_files_of_many_segments_read_back(tmp_path, tokens):
+    """Ciphertext spanning several checksum segments, with the tag in its own segment (256) or
+    sharing the last one (200, 3), is read, checked and decrypted in place."""
+    import torch
+
+    from kvtier.core.layout import KVLayout
+    from kvtier.core.memory import MemoryObjMeta
+    from kvtier.storage.backends._disk_io import read_chunk
+
+    layout = KVLayout(num_layers=2, num_kv_heads=8, head_size=128, dtype="float16", block_size=1,
+                      paged_layout="flash_nhd")
+    m = MemoryObjMeta(layout.chunk_shape(tokens), layout.torch_dtype, tokens)
+    arena = HostArena.create(4 * m.nbytes + (1 << 16))
+    src = arena.allocate(m)
+    src.tensor.copy_(torch.randn(m.shape, generator=torch.Generator().manual_seed(tokens)).half())
+    sealer = Sealer(bytes.fromhex(KEY_A))
+    k = KeyFactory("m", layout.fingerprint()).key(b"\x02" * 16, "s")
+    header, sealed = codec.seal(k, m, layout, src.byte_view(), sealer)
+    path = tmp_path / "c.kvc"
+    path.write_bytes(header + sealed + codec.trailer(header, sealed))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        obj = read_chunk(fd, path.stat().st_size, key=k, layout=layout, max_tokens=256,
+                         allocate=arena.allocate, sealer=sealer)
+        assert obj is not None and torch.equal(obj.tensor, src.tensor)
+        obj.release()
+        with pytest.raises(codec.PayloadError, match="authentication"):
+            read_chunk(fd, path.stat().st_size, key=k, layout=layout, max_tokens=256,
+                       allocate=arena.allocate, sealer=Sealer(bytes.fromhex(KEY_B)))
+    finally:
+        os.close(fd)
+    src.release()
+    assert arena.used_bytes == 0

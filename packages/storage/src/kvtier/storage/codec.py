@@ -136,6 +136,15 @@ def seal(
     return header, sealer.seal(key.salt_id, nonce, header, payload)
 
 
+def unseal_in_place(header: Header, data: memoryview, tag: bytes, key: ChunkKey, sealer: Sealer) -> None:
+    """Decrypt a sealed value's ciphertext ``data`` in place (``tag``: its last 16 bytes);
+    ``PayloadError`` if the tag fails (``data`` then holds garbage)."""
+    try:
+        sealer.open_in_place(key.salt_id, header.nonce, header.raw, data, tag)
+    except SealError as e:
+        raise PayloadError(str(e)) from None
+
+
 def unseal(header: Header, sealed: memoryview | bytes, key: ChunkKey, sealer: Sealer) -> bytes:
     """The plaintext payload of a sealed value whose ``header`` was checked (``decode_header``
     with the sealer); ``PayloadError`` if its tag fails."""

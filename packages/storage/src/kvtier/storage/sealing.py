@@ -45,22 +45,32 @@ class Sealer:
         self._aesgcm = _aead()
         self._master = bytes(master_key)
         self._keys: dict[str, Any] = {}
+        self._subkeys: dict[str, bytes] = {}
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return "Sealer(***)"
 
-    def _cipher(self, salt_id: str) -> Any:
+    def _subkey(self, salt_id: str) -> bytes:
         with self._lock:
-            cipher = self._keys.get(salt_id)
-            if cipher is None:
+            key = self._subkeys.get(salt_id)
+            if key is None:
                 from cryptography.hazmat.primitives import hashes
                 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
                 key = HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None,
                            info=_INFO + salt_id.encode()).derive(self._master)
-                cipher = self._keys[salt_id] = self._aesgcm(key)
-            return cipher
+                self._subkeys[salt_id] = key
+            return key
+
+    def _cipher(self, salt_id: str) -> Any:
+        with self._lock:
+            cipher = self._keys.get(salt_id)
+        if cipher is None:
+            cipher = self._aesgcm(self._subkey(salt_id))
+            with self._lock:
+                self._keys[salt_id] = cipher
+        return cipher
 
     @staticmethod
     def new_nonce() -> bytes:
@@ -69,6 +79,28 @@ class Sealer:
     def seal(self, salt_id: str, nonce: bytes, aad: bytes, payload: memoryview | bytes) -> bytes:
         """``payload`` encrypted, followed by its 16-byte tag."""
         return self._cipher(salt_id).encrypt(nonce, payload, aad)  # type: ignore[no-any-return]
+
+    def open_in_place(self, salt_id: str, nonce: bytes, aad: bytes, data: memoryview, tag: bytes,
+                      piece: int = 1 << 20) -> None:
+        """Decrypt ``data`` (the ciphertext) in place, a piece at a time, then check ``tag``;
+        ``SealError`` if it fails (``data`` then holds garbage: the caller drops it)."""
+        from cryptography.exceptions import InvalidTag
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+        dec = Cipher(algorithms.AES(self._subkey(salt_id)), modes.GCM(nonce, tag)).decryptor()
+        dec.authenticate_additional_data(aad)
+        n = data.nbytes
+        last = (n - 1) // piece * piece if n else 0  # the last piece goes through a small
+        # buffer: update_into wants 15 bytes of slack after what it writes
+        for start in range(0, last, piece):
+            dec.update_into(data[start : start + piece], data[start : start + piece + 15])
+        tail = bytearray(n - last + 15)
+        done = dec.update_into(data[last:], tail)
+        data[last:] = tail[:done]
+        try:
+            dec.finalize()
+        except InvalidTag:
+            raise SealError("sealed: authentication failed (another key, or tampered)") from None
 
     def open(self, salt_id: str, nonce: bytes, aad: bytes, sealed: memoryview | bytes) -> bytes:
         """The plaintext of ``sealed`` (ciphertext + tag); ``SealError`` if the tag fails."""

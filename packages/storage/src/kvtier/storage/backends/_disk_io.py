@@ -180,33 +180,52 @@ def read_header(
                                sealer=sealer)
 
 
+def _read_sealed(fd: int, dst: memoryview, header: codec.Header) -> bytes:
+    """Read a sealed file's ciphertext into ``dst`` (each checksum segment hashed as it lands,
+    like ``read_checksummed``; the segments run over ciphertext + tag) and return its tag."""
+    n = dst.nbytes
+    total = header.payload_len  # n + the tag
+    cs = codec.Checksum(header.crc_of_header)
+    tag = b""
+    for start in range(0, total, codec.SEGMENT):
+        end = min(start + codec.SEGMENT, total)
+        head = dst[min(start, n) : min(end, n)]
+        if read_into(fd, head, header.header_len + start) != head.nbytes:
+            raise codec.PayloadError("truncated: file ended inside the payload")
+        if end <= n:
+            cs.add_now(head)
+            continue
+        tag_at = max(start, n)
+        part = os.pread(fd, end - tag_at, header.header_len + tag_at)
+        tag += part
+        cs.add_now(bytes(head) + part)
+    if len(tag) != total - n:
+        raise codec.PayloadError("truncated: file ended inside the tag")
+    codec.check_trailer(cs.value(), os.pread(fd, codec.TRAILER.size, header.header_len + total))
+    return tag
+
+
 def read_chunk(
     fd: int, size: int, *, key: ChunkKey, layout: KVLayout, max_tokens: int,
     allocate: Callable[[MemoryObjMeta], MemoryObj | None], sealer: Sealer | None = None,
 ) -> MemoryObj | None:
     """The chunk in the open file ``fd`` of ``size`` bytes (bounded by the caller), read into a
-    new host object and checked. Raises ``PayloadError`` for a bad file; None when host memory
-    is full."""
+    new host object and checked (a sealed one read as ciphertext, checked, then decrypted in
+    place). Raises ``PayloadError`` for a bad file; None when host memory is full."""
     header = read_header(fd, size, key=key, layout=layout, max_tokens=max_tokens, sealer=sealer)
-    trailer_at = header.header_len + header.payload_len
-    if header.sealed:
-        assert sealer is not None  # read_header refuses a sealed file without one
-        sealed = memoryview(bytearray(header.payload_len))
-        cs = codec.Checksum(header.crc_of_header)
-        read_checksummed(fd, sealed, header.header_len, cs)
-        codec.check_trailer(cs.value(), os.pread(fd, codec.TRAILER.size, trailer_at))
-        plain = codec.unseal(header, sealed, key, sealer)
-        obj = allocate(header.meta)
-        if obj is not None:
-            obj.byte_view()[:] = plain
-        return obj
     obj = allocate(header.meta)
     if obj is None:
         return None
     try:
-        cs = codec.Checksum(header.crc_of_header)
-        read_checksummed(fd, obj.byte_view(), header.header_len, cs)
-        codec.check_trailer(cs.value(), os.pread(fd, codec.TRAILER.size, trailer_at))
+        if header.sealed:
+            assert sealer is not None  # read_header refuses a sealed file without one
+            tag = _read_sealed(fd, obj.byte_view(), header)
+            codec.unseal_in_place(header, obj.byte_view(), tag, key, sealer)
+        else:
+            cs = codec.Checksum(header.crc_of_header)
+            read_checksummed(fd, obj.byte_view(), header.header_len, cs)
+            codec.check_trailer(cs.value(), os.pread(fd, codec.TRAILER.size,
+                                                     header.header_len + header.payload_len))
     except BaseException:
         obj.release()
         raise
