@@ -183,3 +183,21 @@ def test_bad_arguments_are_refused(capsys):
     assert "redis_url" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         kvtier(["ls", "--salt", "a", "--salt-id", "b", "--disk", "."])
+
+
+def test_redis_cluster_stats_and_clear_every_shard(tmp_path, capsys, redis_cluster):
+    redis_cluster.flush()
+    e = engine(tmp_path, tiers=["local_cpu", "redis"], redis_url=redis_cluster.url,
+               redis_cluster=True)
+    try:
+        fill(e)
+        rc, result = run(capsys, "stats", "--redis", redis_cluster.url, "--cluster", "--json")
+        assert rc == 0
+        check_stats(result)
+        rc, result = run(capsys, "clear", "--redis", redis_cluster.url, "--cluster", "--salt",
+                         "tenant-a", "--json")
+        assert rc == 0 and result[0]["matched"] >= PER_PROMPT
+        assert lower_hits(e, "tenant-a") == 0
+        assert lower_hits(e, "tenant-b") == PER_PROMPT
+    finally:
+        e.close()
