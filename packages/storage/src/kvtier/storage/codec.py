@@ -4,8 +4,8 @@
 
     prefix   "<4sHHIQ": magic b"KVTC", format version, flags, meta_len, payload_len
     meta     meta_len bytes: UTF-8 JSON {"key", "layout", "dtype", "shape", "tokens"} (and
-             "nonce" when sealed), padded with spaces so the payload starts at a multiple of
-             ``align`` when asked
+             "nonce", "kcv" when sealed), padded with spaces so the payload starts at a
+             multiple of ``align`` when asked
     payload  payload_len bytes: the chunk's tensor bytes ([2, layers, tokens, hidden] or MLA);
              with flag ``SEALED`` (``encryption_key``) the AES-256-GCM ciphertext of those bytes
              and its 16-byte tag, the header being the authenticated data (``sealing``)
@@ -99,10 +99,11 @@ def _fingerprint(layout: KVLayout) -> str:
 
 
 def encode_header(
-    key: ChunkKey, meta: MemoryObjMeta, layout: KVLayout, *, align: int = 0, nonce: bytes | None = None
+    key: ChunkKey, meta: MemoryObjMeta, layout: KVLayout, *, align: int = 0, nonce: bytes | None = None,
+    key_check: str | None = None,
 ) -> bytes:
-    """The header (prefix + meta) of the chunk ``meta`` stored under ``key``; with ``nonce``, the
-    header of a sealed payload (see ``seal``)."""
+    """The header (prefix + meta) of the chunk ``meta`` stored under ``key``; with ``nonce`` and
+    ``key_check``, the header of a sealed payload (see ``seal``)."""
     fields: dict[str, object] = {
         "key": key.to_string(),
         "layout": _fingerprint(layout),
@@ -113,6 +114,7 @@ def encode_header(
     flags, payload_len = 0, meta.nbytes
     if nonce is not None:
         fields["nonce"] = nonce.hex()
+        fields["kcv"] = key_check or ""
         flags, payload_len = SEALED, meta.nbytes + TAG_BYTES
     body = json.dumps(fields, separators=(",", ":")).encode()
     if align > 1:
@@ -132,7 +134,8 @@ def seal(
     if payload.nbytes != meta.nbytes:
         raise ValueError(f"payload has {payload.nbytes} bytes, its meta says {meta.nbytes}")
     nonce = sealer.new_nonce()
-    header = encode_header(key, meta, layout, align=align, nonce=nonce)
+    header = encode_header(key, meta, layout, align=align, nonce=nonce,
+                           key_check=sealer.key_check(key.salt_id, nonce))
     return header, sealer.seal(key.salt_id, nonce, header, payload)
 
 
@@ -319,6 +322,9 @@ def decode_header(
             nonce = b""
         if len(nonce) != NONCE_BYTES:
             raise PayloadError("corrupt: sealed value without a valid nonce")
+        assert sealer is not None
+        if fields.get("kcv") != sealer.key_check(key.salt_id, nonce):
+            raise PayloadError("sealed: encrypted under another key (key check)")
     raw = bytes(view[:header_len])
     return Header(want, meta, header_len, payload_len, zlib.crc32(raw), sealed, nonce, raw)
 

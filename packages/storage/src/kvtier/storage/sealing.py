@@ -6,12 +6,17 @@ as context, so one tenant's chunks cannot be opened with another's key. Every va
 random 96-bit nonce (in its header), and the whole header (key, layout, shape, nonce) is the
 additional authenticated data: a sealed payload moved under another key, or a header edited,
 fails its tag. A failed tag is a ``PayloadError`` (a miss, counted and removed by the tier).
+The header also carries a key check (an HMAC of the nonce under a second key derived for the
+salt), so a lookup tells a chunk sealed under another key from one it can open without reading
+the payload.
 The header itself stays readable (it names the key), the payload and its length do not leak
 more than the layout already says.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import threading
 from typing import Any
@@ -51,17 +56,28 @@ class Sealer:
     def __repr__(self) -> str:
         return "Sealer(***)"
 
-    def _subkey(self, salt_id: str) -> bytes:
+    def _derived(self, salt_id: str) -> bytes:
+        """The salt's 64 derived bytes: its AES key, then its key-check key."""
         with self._lock:
             key = self._subkeys.get(salt_id)
             if key is None:
                 from cryptography.hazmat.primitives import hashes
                 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-                key = HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None,
+                key = HKDF(algorithm=hashes.SHA256(), length=2 * KEY_BYTES, salt=None,
                            info=_INFO + salt_id.encode()).derive(self._master)
                 self._subkeys[salt_id] = key
             return key
+
+    def _subkey(self, salt_id: str) -> bytes:
+        return self._derived(salt_id)[:KEY_BYTES]
+
+    def key_check(self, salt_id: str, nonce: bytes) -> str:
+        """A short value in a sealed header that says, without touching the payload, whether
+        this sealer's key for the salt sealed it (so a lookup does not count a chunk sealed
+        under another key as a hit)."""
+        mac = hmac.new(self._derived(salt_id)[KEY_BYTES:], b"kvtier-kcv\x00" + nonce, hashlib.sha256)
+        return mac.hexdigest()[:16]
 
     def _cipher(self, salt_id: str) -> Any:
         with self._lock:
