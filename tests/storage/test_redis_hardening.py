@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from storage_helpers import CHUNK, LAYOUT, NAMESPACE, chunk_value, config, key, meta, put_chunk
 from test_redis import FAST, entry_keys, redis_key, redis_manager, stored
 
-from fixtures.redis_server import RedisCluster
+from fixtures.redis_server import RedisCluster, RedisServer
 from kvtier.core.errors import ConfigError
 from kvtier.core.memory import HostArena
 from kvtier.storage.backends.base import BackendContext
@@ -156,6 +156,22 @@ def test_a_wrong_type_head_is_replaced_by_the_next_store(make_manager, redis_cle
     obj = m.get(key(3))
     assert obj is not None and obj.tensor.equal(chunk_value(3))
     obj.release()
+
+
+def test_a_server_out_of_memory_skips_the_store_and_leaves_nothing(make_manager, tmp_path):
+    server = RedisServer(tmp_path / "oom", extra_args=["--maxmemory", "1", "--maxmemory-policy", "noeviction"])
+    server.start()
+    try:
+        m = redis_manager(make_manager, server.url)
+        for i in range(3):
+            put_chunk(m, i)
+        m.flush(10)
+        assert m.stats.get("redis.store_skipped") == 3 and m.stats.get("redis.stored") == 0
+        assert server.command("DBSIZE") == 0
+        m.host.remove([key(i) for i in range(3)])
+        assert m.batched_get([key(i) for i in range(3)]) == [None] * 3
+    finally:
+        server.stop()
 
 
 @pytest.fixture

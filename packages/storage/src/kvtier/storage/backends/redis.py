@@ -8,16 +8,18 @@ chunk lives on one shard, and a stopped shard loses only its own chunks)::
 
 The payload travels as segments of ``segment_bytes`` (``backend_options.redis``, default 1 MiB)
 because servers move values of a MiB or two several times faster than one 32 MiB value. The head
-(``codec`` header and checksum trailer) is written last, once every segment is acknowledged: a
-reader that finds a head finds a whole chunk, or a miss. The key string carries the engine's
-namespace (model, layout fingerprint, world size, rank, salt), so engines of different models
-or layouts share a server without meeting.
+(``codec`` header and checksum trailer) is written after the segments on the same connection
+(the server applies one connection's commands in order): a reader that finds a head finds a
+whole chunk, or a miss. The key string carries the engine's namespace (model, layout
+fingerprint, world size, rank, salt), so engines of different models or layouts share a server
+without meeting.
 
 Data path (``redis_resp``): segments are read with ``recv_into`` straight into the arena object
 that will hold the chunk and written with ``sendmsg`` from it (no intermediate copy); a batch's
 segments are pipelined over ``connections`` connections per server (default 2), and in a
-cluster every shard is served in parallel. The checksum of a chunk runs on helper threads as
-soon as its last segment lands, while the others are still arriving.
+cluster every shard is served in parallel, two segments in flight per connection. The checksum
+of a chunk runs on helper threads as soon as its last segment lands, while the others are still
+arriving.
 
 A read accepts a chunk only if the head passes every ``codec`` check (key, layout, dtype, shape,
 length), every segment has exactly its length, and the checksum over header and payload
@@ -29,13 +31,13 @@ of a head's size (a key of another type there is a miss, and a later store repla
 URLs: ``redis://``, ``rediss://`` (TLS) and ``unix://``; ``redis_username``/``redis_password``
 override the URL's credentials; ``redis_cluster`` routes by hash slot (``CLUSTER SLOTS``).
 
-Time: a call is at most two round trips (heads, then segments; a lookup or a remove is one),
+Time: a call is at most two round trips (a read: heads, then segments; anything else: one),
 each with one deadline: ``redis_timeout_s`` plus its bytes at ``min_throughput_mb_s`` (default
 50 MB/s). Every connect, send and receive within it waits at most the time left, so a server
-that trickles bytes cannot stretch a call. A failed or timed-out
-server is marked down for ``retry_interval_s`` (default 1 s): its keys answer misses at once
-without touching the network (other shards keep serving), then the next call tries again. A
-server out of memory (or any other error reply) skips that chunk's store with a warning.
+that trickles bytes cannot stretch a call. A failed or timed-out server is marked down for
+``retry_interval_s`` (default 1 s): its keys answer misses at once without touching the network
+(other shards keep serving), then the next call tries again. A server out of memory (or any
+other error reply) skips that chunk's store with a warning, and what did land of it is removed.
 """
 
 from __future__ import annotations
@@ -181,71 +183,70 @@ class RedisBackend(StorageBackend):
         headers = [codec.encode_header(k, obj.meta, self.ctx.layout) for k, obj in items]
         sums = [codec.Checksum(zlib.crc32(h)) for h in headers]
         views = [obj.byte_view() for _, obj in items]
+        failed: dict[int, object] = {i: "no server owns its slot" for i in range(len(items))}
         try:
             for cs, view in zip(sums, views, strict=True):
                 cs.add(view)  # hashed on helper threads while the segments are sent
-            failed = self._put_segments(views, heads, groups, dl)
-            ok: dict[int, bytes] = {}
-            for i in range(len(items)):
-                if i not in failed:  # the head goes last: a reader that finds it finds the segments
-                    body = encode_head(headers[i], sums[i].value(), self.segment_bytes)
-                    cmd_head, cmd_tail = set_command(heads[i], len(body), self.ttl)
-                    ok[i] = cmd_head + body + cmd_tail
-            head_groups = {a: [i for i in idxs if i in ok] for a, idxs in groups.items()}
-            replies = self._replies({a: g for a, g in head_groups.items() if g}, ok.__getitem__,
-                                    self._deadline())
+            jobs: list[Job[list[object]]] = []
+            lanes: list[list[int]] = []
+            for address, idxs in groups.items():
+                for i in idxs:
+                    failed.pop(i)
+                for addr, lane in self._lanes(address, idxs):  # whole chunks per connection
+                    lanes.append(lane)
+                    jobs.append((addr, self._put_job(lane, views, heads, headers, sums)))
+            for lane, result in zip(lanes, self.nodes.run(jobs, dl), strict=True):
+                for n, i in enumerate(lane):
+                    why = result if isinstance(result, BaseException) else result[n]
+                    if why is not None:
+                        failed[i] = why
         finally:
             for cs in sums:  # the caller's buffers must not be read after we return
                 cs.wait()
-        stored = [i for i in ok if replies.get(i) == "OK"]
-        errors = [replies.get(i) for i in ok if replies.get(i) != "OK"] + list(failed.values())
-        if errors:
-            self.ctx.stats.add(f"{self.name}.store_skipped", len(items) - len(stored))
+        if failed:
+            self.ctx.stats.add(f"{self.name}.store_skipped", len(failed))
             warn_throttled("redis-set", "kvtier redis tier: %d chunk(s) not stored: %s",
-                           len(items) - len(stored), errors[0])
-        self.ctx.stats.add(f"{self.name}.stored", len(stored))
+                           len(failed), next(iter(failed.values())))
+            # a head may have landed after a refused segment: take such chunks back
+            self.remove([items[i][0] for i, why in failed.items() if isinstance(why, RespError)])
+        self.ctx.stats.add(f"{self.name}.stored", len(items) - len(failed))
 
-    def _put_segments(self, views: list[memoryview], heads: list[bytes],
-                      groups: dict[str, list[int]], dl: Deadline) -> dict[int, object]:
-        """SET every segment, pipelined over each server's connections; the chunks that failed
-        (index: why). Unroutable chunks fail too."""
-        failed: dict[int, object] = {i: "no server owns its slot" for i in range(len(views))}
-        jobs: list[Job[list[object]]] = []
-        lanes: list[list[tuple[int, bytes, memoryview]]] = []
-        for address, idxs in groups.items():
-            segs = []
-            for i in idxs:
-                failed.pop(i)
-                view = views[i]
-                n = max(1, -(-view.nbytes // self.segment_bytes))
-                for s, k in enumerate(segment_keys(heads[i], n)):
-                    segs.append((i, k, view[s * self.segment_bytes : (s + 1) * self.segment_bytes]))
-            for addr, lane in self._lanes(address, segs):
-                lanes.append(lane)
-                jobs.append((addr, self._set_job(lane)))
-        for lane, result in zip(lanes, self.nodes.run(jobs, dl), strict=True):
-            for n, (i, _, _) in enumerate(lane):
-                r = result if isinstance(result, BaseException) else result[n]
-                if r != "OK":
-                    failed.setdefault(i, r)
-        return failed
+    def _put_job(self, chunks: list[int], views: list[memoryview], heads: list[bytes],
+                 headers: list[bytes], sums: list[codec.Checksum]) -> Callable[[Connection, Deadline], list[object]]:
+        """SET each chunk's segments, then its head, on one connection (the server applies one
+        connection's commands in order, so a head is never there before its segments); for each
+        chunk, None or the first reply that was not OK."""
+        seg = self.segment_bytes
+        plan: list[tuple[int, list[bytes | memoryview] | None]] = []  # None: the chunk's head
+        for i in chunks:
+            n = max(1, -(-views[i].nbytes // seg))
+            for s, k in enumerate(segment_keys(heads[i], n)):
+                view = views[i][s * seg : (s + 1) * seg]
+                cmd_head, cmd_tail = set_command(k, view.nbytes, self.ttl)
+                plan.append((i, [cmd_head, view, cmd_tail]))
+            plan.append((i, None))
 
-    def _set_job(self, lane: list[tuple[int, bytes, memoryview]]) -> Callable[[Connection, Deadline], list[object]]:
-        cmds: list[list[bytes | memoryview]] = []
-        for _, k, view in lane:
-            head, tail = set_command(k, view.nbytes, self.ttl)
-            cmds.append([head, view, tail])
+        def parts(entry: tuple[int, list[bytes | memoryview] | None]) -> list[bytes | memoryview]:
+            i, cmd = entry
+            if cmd is not None:
+                return cmd
+            body = encode_head(headers[i], sums[i].value(), seg)  # waits for the checksum
+            cmd_head, cmd_tail = set_command(heads[i], len(body), self.ttl)
+            return [cmd_head + body + cmd_tail]
 
         def run(conn: Connection, dl: Deadline) -> list[object]:
-            # two segments in flight, as for reads: a whole lane at once lands in the server's
+            # two commands in flight, as for reads: a whole lane at once lands in the server's
             # query buffers first (measured slower: docs/storage-redis.md)
-            conn.send([p for c in cmds[:_IN_FLIGHT] for p in c], dl)
-            replies = []
-            for n in range(len(cmds)):
-                if n + _IN_FLIGHT < len(cmds):
-                    conn.send(cmds[n + _IN_FLIGHT], dl)
-                replies.append(conn.read_reply(dl))
-            return replies
+            bad: dict[int, object] = {}
+            sent = 0
+            for n, (i, _) in enumerate(plan):
+                while sent < min(len(plan), n + _IN_FLIGHT):
+                    conn.send(parts(plan[sent]), dl)
+                    sent += 1
+                reply = conn.read_reply(dl)
+                if reply != "OK":
+                    bad.setdefault(i, reply)
+            return [bad.get(i) for i in chunks]
         return run
 
     # -- reads ---------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ A connection whose call failed part-way is in an unknown state: callers close it
 
 from __future__ import annotations
 
+import select
 import socket
 import ssl
 import threading
@@ -159,9 +160,15 @@ class Connection:
             except BaseException:
                 sock.close()
                 raise
+        # Non-blocking from here on: each recv/send is tried at once and only waits (poll, for
+        # the time left of the call) when it would block; a socket timeout would cost an ioctl
+        # per call and a poll before every recv.
+        sock.setblocking(False)
         self.sock = sock
         self.address = ep.address
         self._vectored = ep.tls is None
+        self._poller = select.poll()
+        self._poller.register(sock, select.POLLIN)
         self._buf = bytearray(_READ_CHUNK)
         self._view = memoryview(self._buf)
         self._start = self._end = 0
@@ -183,19 +190,43 @@ class Connection:
             self.close()
             raise
 
+    # -- waiting -------------------------------------------------------------------------------
+    def _wait(self, write: bool, deadline: Deadline) -> None:
+        """Block until the socket can be written (or read), or the call's deadline passes."""
+        self._poller.modify(self.sock, select.POLLOUT if write else select.POLLIN)
+        if not self._poller.poll(deadline.left() * 1000 + 1):
+            deadline.left()  # raises once the time is up
+            raise TimeoutError(f"{self.address}: no progress before the call's deadline")
+
+    def _recv_into(self, out: memoryview, deadline: Deadline) -> int:
+        while True:
+            deadline.left()
+            try:
+                n = self.sock.recv_into(out)
+            except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError) as e:
+                self._wait(isinstance(e, ssl.SSLWantWriteError), deadline)  # TLS may need to write
+                continue
+            if not n:
+                raise ConnectionResetError(f"{self.address}: connection closed by the server")
+            return n
+
+    def _send_some(self, views: list[memoryview], deadline: Deadline) -> int:
+        while True:
+            deadline.left()
+            try:
+                if self._vectored:
+                    return self.sock.sendmsg(views[:512])
+                return self.sock.send(views[0])
+            except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError) as e:
+                self._wait(not isinstance(e, ssl.SSLWantReadError), deadline)  # TLS may need to read
+
     # -- sending -------------------------------------------------------------------------------
     def send(self, parts: Sequence[bytes | memoryview], deadline: Deadline) -> None:
         """Send ``parts`` in order, without joining them (``sendmsg``; TLS: one at a time)."""
-        if not self._vectored:
-            for p in parts:
-                self.sock.settimeout(deadline.left())
-                self.sock.sendall(p)
-            return
         views = [memoryview(p).cast("B") for p in parts if len(p)]
         i = 0
         while i < len(views):
-            self.sock.settimeout(deadline.left())
-            sent = self.sock.sendmsg(views[i : i + 512])
+            sent = self._send_some(views[i:], deadline)
             while sent and i < len(views):
                 n = views[i].nbytes
                 if sent >= n:
@@ -215,11 +246,7 @@ class Connection:
             n = self._end - self._start
             self._buf[:n] = self._buf[self._start : self._end]
             self._start, self._end = 0, n
-        self.sock.settimeout(deadline.left())
-        n = self.sock.recv_into(self._view[self._end :])
-        if not n:
-            raise ConnectionResetError(f"{self.address}: connection closed by the server")
-        self._end += n
+        self._end += self._recv_into(self._view[self._end :], deadline)
 
     def _line(self, deadline: Deadline) -> bytes:
         while True:
@@ -236,11 +263,7 @@ class Connection:
         out[:got] = self._view[self._start : self._start + got]
         self._start += got
         while got < out.nbytes:
-            self.sock.settimeout(deadline.left())
-            n = self.sock.recv_into(out[got:])
-            if not n:
-                raise ConnectionResetError(f"{self.address}: connection closed by the server")
-            got += n
+            got += self._recv_into(out[got:], deadline)
 
     def _crlf(self, deadline: Deadline) -> None:
         while self._end - self._start < 2:
