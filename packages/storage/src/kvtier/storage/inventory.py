@@ -9,9 +9,10 @@ it; anything else is listed as unreadable (``key`` None), and only a clear of ev
 it.
 
 Works on a stopped or running deployment: it only reads headers and deletes entries. A running
-engine sees a deleted chunk as a miss at its next lookup (the disk tier checks a file's identity
-on every lookup; Redis keeps no copy elsewhere). Nothing here follows a symlink or opens a
-non-regular file.
+engine's disk tier sees a deleted chunk as a miss at its next lookup (it checks a file's identity
+on every lookup), its Redis tier at once; copies already in that engine's host memory are out of
+reach of this tool and stay until evicted (or the engine's cache is reset). Nothing here follows
+a symlink or opens a non-regular file.
 """
 
 from __future__ import annotations
