@@ -281,3 +281,41 @@ def test_any_segment_size_round_trips(redis_clean, seg, tokens, conns):
 
 def test_fast_options_are_valid():
     _backend({"redis_url": "redis://127.0.0.1:1/0"}, FAST["backend_options"]["redis"])
+
+
+def test_segments_checksummed_as_they_land_round_trip_and_catch_damage(redis_clean):
+    """Segments of whole checksum pieces (512 KiB) are hashed one by one as they land: a 4 MiB
+    chunk in eight segments comes back byte for byte, and one flipped byte is a miss."""
+    from kvtier.core.keys import KeyFactory
+    from kvtier.core.layout import KVLayout
+
+    layout = KVLayout(num_layers=4, num_kv_heads=8, head_size=128, dtype="float16", block_size=16,
+                      paged_layout="flash_nhd")
+    keys = KeyFactory("big-model", layout.fingerprint())
+    c = config(Path(tempfile.gettempdir()), tiers=["local_cpu", "redis"], redis_url=redis_clean.url,
+               chunk_size=256)
+    arena = HostArena.create(16 << 20)
+    tier = RedisBackend(BackendContext(config=c, layout=layout, namespace=keys.key(b"").namespace(),
+                                       arena=arena, options={"segment_bytes": 512 << 10}))
+    try:
+        redis_clean.flush()
+        from kvtier.core.memory import MemoryObjMeta
+
+        m = MemoryObjMeta(layout.chunk_shape(256), layout.torch_dtype, 256)
+        obj = arena.allocate(m)
+        obj.byte_view()[:] = bytes(range(256)) * (m.nbytes // 256)
+        k = keys.key(b"big")
+        tier.batched_put([(k, obj)])
+        (got,) = tier.batched_get([k], arena.allocate)
+        assert got is not None and got.byte_view() == obj.byte_view()
+        got.release()
+        seg = "kvtier:{" + k.to_string() + "}:5"
+        value = bytearray(redis.Redis.from_url(redis_clean.url).get(seg))
+        value[1000] ^= 1
+        redis.Redis.from_url(redis_clean.url).set(seg, bytes(value))
+        assert tier.batched_get([k], arena.allocate) == [None]
+        assert tier.ctx.stats.get("redis.corrupt") == 1
+        obj.release()
+    finally:
+        tier.close()
+    assert arena.used_bytes == 0

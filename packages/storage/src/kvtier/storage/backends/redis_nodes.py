@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
 from kvtier.storage.backends.redis_cluster import SlotMap, key_slot
@@ -105,7 +105,10 @@ class Nodes:
                 futures.append(pool.submit(self._run_one, job, deadline))
             except RuntimeError:  # closed meanwhile: the job answers NodeDown at once
                 futures.append(job)
-        first = self._run_one(jobs[0], deadline)
+        try:
+            first = self._run_one(jobs[0], deadline)
+        finally:  # even if a job raised: no job may still be running once this returns
+            wait([f for f in futures if isinstance(f, Future)])
         return [first, *(f.result() if isinstance(f, Future) else self._run_one(f, deadline)
                          for f in futures)]
 
