@@ -319,3 +319,28 @@ def test_segments_checksummed_as_they_land_round_trip_and_catch_damage(redis_cle
     finally:
         tier.close()
     assert arena.used_bytes == 0
+
+
+def test_writes_follow_a_slot_that_moved(make_manager, private_cluster):
+    """A slot moved to another master (as a resharding does): the write that meets MOVED is
+    skipped, the slot map is read again, and the next write lands on the new owner."""
+    m = redis_manager(make_manager, private_cluster.url, redis_cluster=True, redis_timeout_s=5.0)
+    stored(m, 0)  # the tier has read the slot map
+    slot = key_slot(redis_key(7).encode())
+    c = redis.RedisCluster.from_url(private_cluster.url)
+    owner = c.get_node_from_key(redis_key(7)).port
+    c.close()
+    target = next(n for n in private_cluster.nodes if n.port != owner)
+    target_id = target.command("CLUSTER", "MYID")
+    for n in private_cluster.nodes:  # an empty slot: ownership moves without migrating keys
+        n.command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+    put_chunk(m, 7)
+    m.flush(10)
+    assert m.stats.get("redis.store_skipped") == 1
+    m.host.remove([key(7)])
+    stored(m, 7)
+    m.host.remove([key(7)])
+    obj = m.get(key(7))
+    assert obj is not None and obj.tensor.equal(chunk_value(7))
+    obj.release()
+    assert target.command("EXISTS", redis_key(7)) == 1

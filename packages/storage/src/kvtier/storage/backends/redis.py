@@ -203,6 +203,8 @@ class RedisBackend(StorageBackend):
         finally:
             for cs in sums:  # the caller's buffers must not be read after we return
                 cs.wait()
+        if any(isinstance(why, RespError) and why.kind in ("MOVED", "ASK") for why in failed.values()):
+            self.nodes.topology_changed()  # slots moved: read the map again before the next call
         if failed:
             self.ctx.stats.add(f"{self.name}.store_skipped", len(failed))
             warn_throttled("redis-set", "kvtier redis tier: %d chunk(s) not stored: %s",
