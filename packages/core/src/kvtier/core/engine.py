@@ -97,10 +97,13 @@ class Hold:
     request goes away.
     """
 
-    def __init__(self, spans: list[ChunkSpan], objs: list[MemoryObj], digest: bytes) -> None:
+    def __init__(self, spans: list[ChunkSpan], objs: list[MemoryObj], digest: bytes,
+                 sources: list[str] | None = None) -> None:
         self.spans = spans
         self.objs = objs
         self.digest = digest
+        # The tier each held chunk was found in (``CacheEngine.chunk_sources``), for metrics.
+        self.sources: list[str] = list(sources) if sources is not None else []
         self._lock = threading.Lock()
         self._released = False
 
@@ -169,6 +172,8 @@ class CacheEngine:
         self.storage = storage
         self.connector: DeviceConnector | None = None
         self.stats = EngineStats()
+        self._hit_tokens_by_tier: dict[str, int] = {}
+        self._tier_lock = threading.Lock()
 
     # -- setup ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
@@ -268,10 +273,49 @@ class CacheEngine:
     def hold(self, tokens: TokenIds, salt: Scope = None) -> Hold:
         """Look ``tokens`` up and keep the hit prefix's objects in host memory (see ``Hold``)."""
         arr = token_bytes(tokens)
-        spans, objs = self._fetch_prefix(self.hit_spans(arr, salt))
-        hold = Hold(spans, objs, _prefix_digest(arr[: spans[-1].end if spans else 0], salt))
+        hits = self.hit_spans(arr, salt)
+        sources = self.chunk_sources([s.key for s in hits])
+        spans, objs = self._fetch_prefix(hits)
+        hold = Hold(spans, objs, _prefix_digest(arr[: spans[-1].end if spans else 0], salt),
+                    sources=sources[: len(spans)])
         self.stats.add(lookups=1, lookup_hit_tokens=hold.num_tokens)
+        self._count_tier_hits(spans, hold.sources)
         return hold
+
+    def chunk_sources(self, keys: Sequence[ChunkKey]) -> list[str]:
+        """The tier name holding each of ``keys`` (all stored), host memory first; for metrics
+        and vLLM's hit sources. Only the host tier and all lower tiers but the last are asked
+        (in-memory indexes for host memory and disk): a key none of them holds is labelled with
+        the last tier. A chunk that moves between tiers meanwhile may be labelled either way."""
+        host = getattr(self.storage, "host", None)
+        lower = list(getattr(self.storage, "lower", ()))
+        if host is None:
+            return ["local_cpu"] * len(keys)
+        out = [str(host.name) if h else "" for h in host.contains(keys)] if keys else []
+        rest = [i for i, name in enumerate(out) if not name]
+        for tier in lower[:-1]:
+            if not rest:
+                break
+            found = tier.contains([keys[i] for i in rest])
+            for i, f in zip(rest, found, strict=True):
+                if f:
+                    out[i] = str(tier.name)
+            rest = [i for i in rest if not out[i]]
+        last = str(lower[-1].name) if lower else "unknown"
+        for i in rest:
+            out[i] = last
+        return out
+
+    def _count_tier_hits(self, spans: Sequence[ChunkSpan], sources: Sequence[str]) -> None:
+        with self._tier_lock:
+            for span, tier in zip(spans, sources, strict=True):
+                self._hit_tokens_by_tier[tier] = (self._hit_tokens_by_tier.get(tier, 0)
+                                                  + span.num_tokens)
+
+    def hit_tokens_by_tier(self) -> dict[str, int]:
+        """Tokens found by ``hold`` so far, by the tier that held each chunk."""
+        with self._tier_lock:
+            return dict(self._hit_tokens_by_tier)
 
     def _slots(self, slot_mapping: torch.Tensor | Sequence[int], n_tokens: int) -> torch.Tensor:
         """``slot_mapping`` as a long tensor, checked: integers, one per token, each -1 or a slot

@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -116,6 +117,16 @@ class HoldTable:
             logger.warning("kvtier: %d lookup hold(s) expired unused after %.0f s (requests %s)",
                            len(gone), self.ttl_s, ", ".join(old[:5]))
         return len(gone)
+
+    def sources(self, req_id: str) -> list[list[Any]]:
+        """``[[start, end, tier], ...]``: where each chunk of ``req_id``'s hold was found
+        (``Hold.sources``), for vLLM's hit-source metrics; empty without a hold."""
+        with self._lock:
+            e = self._entries.get(req_id)
+            if e is None:
+                return []
+            return [[sp.start, sp.end, tier]
+                    for sp, tier in zip(e.hold.spans, e.hold.sources, strict=False)]
 
     def stats(self) -> dict[str, int]:
         """``holds`` and ``held_objects`` now; ``hold_expiries`` and ``hold_reuses`` so far."""

@@ -1,0 +1,101 @@
+"""A ``CacheEngine`` used on its own: its counters through ``kvtier.core.metrics.EngineCollector``
+(a ``prometheus_client`` collector), and the tier each held chunk came from (``Hold.sources``),
+over the real tiered manager with a real disk directory.
+
+The exposition is scraped with ``prometheus_client.generate_latest`` and parsed back with its
+text parser, as a Prometheus server would read it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.core import CacheEngine, KVLayout, load_config
+from kvtier.core.metrics import METRICS, EngineCollector
+from kvtier.core.platforms.cpu import CPUPlatform
+
+prometheus_client = pytest.importorskip("prometheus_client")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+pytest.importorskip("kvtier.storage")
+
+BLOCK, CHUNK, NUM_BLOCKS = 16, 64, 24
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="bfloat16", block_size=BLOCK,
+                  paged_layout="flash_nhd")
+TOKENS = list(range(1000, 1000 + 3 * CHUNK + 5))  # three full chunks (the tail is not saved)
+
+
+def engine(tmp_path) -> CacheEngine:
+    config = load_config(env={}, overrides={
+        "chunk_size": CHUNK, "local_cpu_size_gb": 0.01, "tiers": ["local_cpu", "local_disk"],
+        "local_disk_path": str(tmp_path / "disk")})
+    e = CacheEngine(config, LAYOUT, model="test/model", platform=CPUPlatform())
+    g = torch.Generator().manual_seed(0)
+    shape = LAYOUT.expected_cache_shape(NUM_BLOCKS)
+    e.register_kv_caches([torch.randn(shape, generator=g).to(torch.bfloat16)
+                          for _ in range(LAYOUT.num_layers)])
+    return e
+
+
+def scrape(e: CacheEngine) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(EngineCollector(e, model="m"))
+    text = prometheus_client.generate_latest(registry).decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.endswith("_created"):
+                continue
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_collector_and_sources_host_then_disk(tmp_path) -> None:
+    slots = torch.arange(len(TOKENS))
+    a = engine(tmp_path)
+    try:
+        assert a.store(TOKENS, slots) == 3 * CHUNK
+        assert a.storage.flush(30)
+        with a.hold(TOKENS) as hold:
+            assert hold.num_tokens == 3 * CHUNK
+            assert hold.sources == ["local_cpu"] * 3
+        got = scrape(a)
+    finally:
+        a.close()
+    per_token = LAYOUT.bytes_per_token()
+    assert got[("kvtier_saved_tokens_total", (("model", "m"),))] == 3 * CHUNK
+    assert got[("kvtier_saved_bytes_total", (("model", "m"),))] == 3 * CHUNK * per_token
+    assert got[("kvtier_lookups_total", (("model", "m"),))] == 1
+    assert got[("kvtier_lookup_hit_tokens_total", (("model", "m"), ("tier", "local_cpu")))] \
+        == 3 * CHUNK
+    assert got[("kvtier_tier_stored_chunks_total", (("model", "m"), ("tier", "local_disk")))] == 3
+    assert got[("kvtier_tier_used_bytes", (("model", "m"), ("tier", "local_disk")))] > 0
+    assert got[("kvtier_host_arena_used_bytes", (("model", "m"),))] > 0
+    # Every exported name is one of METRICS, with the kvtier_ prefix; labels are bounded.
+    names = {n.removeprefix("kvtier_").removesuffix("_total") for n, _ in got}
+    assert names <= set(METRICS)
+    assert {k for _, labels in got for k, _ in labels} <= {"model", "tier"}
+
+    # A new engine on the same directory: the chunks come from disk; one is damaged.
+    b = engine(tmp_path)
+    try:
+        disk = b.storage.lower[0]
+        third = b.full_spans(TOKENS)[2].key
+        path = disk.path_of(third)
+        data = bytearray(path.read_bytes())
+        data[-8:] = bytes(b ^ 0xFF for b in data[-8:])
+        path.write_bytes(bytes(data))
+        with b.hold(TOKENS) as hold:
+            assert hold.num_tokens == 2 * CHUNK  # the damaged chunk is a miss, never served
+            assert hold.sources == ["local_disk"] * 2
+        with b.hold(TOKENS) as hold:  # now written back into host memory
+            assert hold.sources == ["local_cpu"] * 2
+        got = scrape(b)
+    finally:
+        b.close()
+    tier = lambda t: (("model", "m"), ("tier", t))  # noqa: E731
+    assert got[("kvtier_lookup_hit_tokens_total", tier("local_disk"))] == 2 * CHUNK
+    assert got[("kvtier_lookup_hit_tokens_total", tier("local_cpu"))] == 2 * CHUNK
+    assert got[("kvtier_hit_chunks_total", tier("local_disk"))] == 2
+    assert got[("kvtier_corrupt_payloads_total", tier("local_disk"))] == 1
