@@ -284,9 +284,10 @@ class CacheEngine:
 
     def chunk_sources(self, keys: Sequence[ChunkKey]) -> list[str]:
         """The tier name holding each of ``keys`` (all stored), host memory first; for metrics
-        and vLLM's hit sources. Only the host tier and all lower tiers but the last are asked
-        (in-memory indexes for host memory and disk): a key none of them holds is labelled with
-        the last tier. A chunk that moves between tiers meanwhile may be labelled either way."""
+        and vLLM's hit sources. The host tier's index is asked first; lower tiers but the last
+        only with more than one lower tier (disk: a stat per chunk not in host memory); a key
+        none of them holds is labelled with the last tier. A chunk that moves between tiers
+        meanwhile may be labelled either way (metrics only; what is loaded is the held data)."""
         host = getattr(self.storage, "host", None)
         lower = list(getattr(self.storage, "lower", ()))
         if host is None:
