@@ -21,6 +21,10 @@ literally that. The spec:
   ``{"op": "stats", "rank": r}`` and ``{"op": "flush", "rank": r}`` address one rank;
   ``{"op": "corrupt_rank", "rank": r, "prompt": [...], "salt": ...}`` zeroes rank ``r``'s stored
   chunks of the prompt inside that worker (``collective_rpc``).
+- ``"log_stats": true`` turns vLLM's stats on (``disable_log_stats=False``);
+  ``{"op": "metrics", "prefixes": [...]}`` -> ``llm.get_metrics()`` rows whose name starts with
+  one of the prefixes (default ``vllm:kvtier_``) as ``{name, labels, value}`` (histograms:
+  ``count``, ``sum``).
 - ``"lora": {"name", "id", "path"}`` on a generate sends it with that LoRA adapter (the spec
   needs ``"enable_lora": true``).
 - ``"evict_after_lookup": true`` on a generate (in-process only): once the scheduler has looked
@@ -134,6 +138,25 @@ def _evict_after_lookup(llm) -> Iterator[dict]:
         scheduler_connector.update_state_after_alloc = original
 
 
+def _metrics(llm, prefixes) -> list[dict]:
+    """``llm.get_metrics()`` (needs ``"log_stats": true``): counters, gauges and histograms
+    whose name starts with one of ``prefixes``, as ``{name, labels, value}`` (histograms:
+    ``count`` and ``sum`` instead of ``value``)."""
+    out = []
+    for m in llm.get_metrics():
+        if not m.name.startswith(tuple(prefixes)):
+            continue
+        row = {"name": m.name, "labels": dict(m.labels)}
+        if hasattr(m, "value"):
+            row["value"] = m.value
+        elif hasattr(m, "count"):
+            row.update(count=m.count, sum=m.sum)
+        else:
+            continue
+        out.append(row)
+    return out
+
+
 def main(spec_path: str, out_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
@@ -167,7 +190,7 @@ def main(spec_path: str, out_path: str) -> None:
     llm = LLM(
         model=spec["model"], enforce_eager=True, block_size=32, kv_cache_memory_bytes=64 << 20,
         max_model_len=4096, enable_prefix_caching=bool(spec.get("prefix_caching")),
-        dtype="bfloat16", seed=0, **kwargs,
+        dtype="bfloat16", seed=0, disable_log_stats=not spec.get("log_stats"), **kwargs,
     )
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, logprobs=0)
     results: list = []
@@ -218,6 +241,8 @@ def main(spec_path: str, out_path: str) -> None:
             results.append(_perturb_k(llm, step["seed"]))
         elif op == "corrupt":
             results.append(_corrupt(step["prompt"], step.get("salt")))
+        elif op == "metrics":
+            results.append(_metrics(llm, step.get("prefixes", ("vllm:kvtier_",))))
         else:
             raise ValueError(f"unknown step {op!r}")
     with open(out_path, "w") as f:

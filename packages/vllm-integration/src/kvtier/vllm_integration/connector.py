@@ -16,6 +16,7 @@ weight-update paths) starts a new weights generation.
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -25,12 +26,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.core.config import KVTierConfig, load_config
 from kvtier.core.engine import CacheEngine
 from kvtier.core.errors import ConfigError
 from kvtier.vllm_integration.metadata import KVTierMetadata
 from kvtier.vllm_integration.scheduler import SchedulerSide
+from kvtier.vllm_integration.stats import KVTierPromMetrics, KVTierStats
 from kvtier.vllm_integration.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -43,6 +52,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("kvtier")
+
+# kvtier tier name -> vLLM's hit source (other tiers, e.g. Redis: EXTERNAL_UNSPECIFIED).
+HIT_SOURCES = {"local_cpu": CacheHitSource.HOST, "local_disk": CacheHitSource.DISK}
 
 
 class KVTierConnector(KVConnectorBase_V1):
@@ -107,6 +119,40 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def reset_cache(self) -> bool | None:
         return self.scheduler_side.reset_cache()
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """The loaded tokens by tier: host memory, disk, and Redis (vLLM 0.32 has no "remote"
+        source: it counts as ``external_unspecified``)."""
+        out: dict[CacheHitSource, int] = {}
+        for tier, n in self.scheduler_side.hit_sources(request, num_external_tokens).items():
+            src = HIT_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            out[src] = out.get(src, 0) + n
+        return out
+
+    # -- metrics (both sides; see stats.py) -------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is not None:
+            return self._worker.get_kv_connector_stats()
+        if self._scheduler is not None:
+            return self._scheduler.get_kv_connector_stats()
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        # A copy: vLLM's log accumulator aggregates into it, the payload also feeds Prometheus.
+        return KVTierStats(data=copy.deepcopy(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- worker side ------------------------------------------------------------------------------
     @property

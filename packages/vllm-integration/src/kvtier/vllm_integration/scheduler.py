@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -36,6 +36,7 @@ from kvtier.vllm_integration.identity import (
     identity_tokens,
 )
 from kvtier.vllm_integration.metadata import KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.vllm_integration.stats import KVTierStats, StatsTracker
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -95,6 +96,10 @@ class SchedulerSide:
         self.generation: str | None = None
         # Scheduler-process counters (the worker's are served over the lookup channel).
         self.stats = {"lookups": 0, "lookup_failures": 0, "hit_tokens": 0, "uncacheable": 0}
+        # A request's last lookup: its hit (the minimum over ranks) and where each chunk was found
+        # (rank 0's hold: ``[[start, end, tier], ...]``), for ``hit_sources``.
+        self._hit_spans: dict[str, tuple[int, list[list[Any]]]] = {}
+        self.metrics = StatsTracker()
         if load_failure_policy != "recompute":
             logger.warning(
                 "kvtier: kv_load_failure_policy=%r: a load whose lookup hold expired (no load "
@@ -118,6 +123,7 @@ class SchedulerSide:
         Each rank keeps what it found as hold ``hold_id`` of ``req_id``; each holds at least the
         minimum, so the load of the reported hit reads only held chunks."""
         hit = len(tokens)
+        spans: list[list[Any]] = []
         header = {"op": "lookup", "salt": scope.salt, "adapter": scope.adapter,
                   "generation": scope.generation, "req_id": req_id, "hold_id": hold_id}
         for client in self._clients:
@@ -128,6 +134,9 @@ class SchedulerSide:
                 logger.warning("kvtier lookup failed, treating it as a miss: %s", e)
                 return 0
             hit = min(hit, int(reply["hit"]))
+            if client is self._clients[0]:
+                spans = list(reply.get("sources") or [])
+        self._hit_spans[req_id] = (hit, spans)
         return hit
 
     def get_num_new_matched_tokens(
@@ -259,12 +268,35 @@ class SchedulerSide:
         step's metadata."""
         rid = request.request_id
         state = self._reqs.pop(rid, None)
+        self._hit_spans.pop(rid, None)
         hold_id = self._hold_ids.pop(rid, None)
         if hold_id is None and state is not None:
             hold_id = state.hold_id
         if hold_id is not None:
             self._releases.append((rid, hold_id))
         return state is not None and state.had_save
+
+    def hit_sources(self, request: Request, num_external_tokens: int) -> dict[str, int]:
+        """The tokens vLLM loads for ``request`` by the tier each came from (rank 0's hold at
+        the last lookup): ``{tier name: tokens}``; tokens of no known tier under ``""``."""
+        hit, spans = self._hit_spans.get(request.request_id, (0, []))
+        # The loaded tokens end where the reported hit ends (see get_num_new_matched_tokens).
+        end = min(hit, (len(request.prompt_token_ids or ()) - 1) // self.block_size * self.block_size)
+        end -= end % self.block_size
+        start = end - num_external_tokens
+        out: dict[str, int] = {}
+        for s, e, tier in spans:
+            n = min(int(e), end) - max(int(s), start)
+            if n > 0:
+                out[str(tier)] = out.get(str(tier), 0) + n
+        rest = num_external_tokens - sum(out.values())
+        if rest > 0:
+            out[""] = rest
+        return out
+
+    def get_kv_connector_stats(self) -> KVTierStats | None:
+        """The scheduler's metrics changed since the last call (``stats.py``)."""
+        return self.metrics.delta({"lookup_failures": {"": self.stats["lookup_failures"]}})
 
     def reset_cache(self) -> bool:
         """Start a new weights generation (after a weight update): no chunk stored so far is

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ import torch
 from kvtier.core.config import KVTierConfig
 from kvtier.core.engine import CacheEngine, RetrieveJob
 from kvtier.core.keys import KeyScope
+from kvtier.core.metrics import engine_values
 from kvtier.core.platform import Marker, get_platform
 from kvtier.vllm_integration.channel import LookupServer, socket_path
 from kvtier.vllm_integration.holds import HoldTable
@@ -44,6 +46,7 @@ from kvtier.vllm_integration.layout import build_layout, layer_index, ordered_ca
 from kvtier.vllm_integration.metadata import KVTierMetadata, LoadSpec, SaveSpec, slot_mapping
 from kvtier.vllm_integration.saver import Saver
 from kvtier.vllm_integration.scheduler import hold_ttl_s
+from kvtier.vllm_integration.stats import KVTierStats, StatsTracker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -80,6 +83,24 @@ class WorkerSide:
             "load_failed_blocks": 0, "loads_without_hold": 0, "save_jobs": 0, "saved_tokens": 0,
             "save_errors": 0, "saves_abandoned": 0, "generation_resets": 0,
         }
+
+        self.metrics = StatsTracker()
+
+    # The worker's counters that are also metrics (``kvtier.core.metrics.METRICS``).
+    _METRIC_STATS = ("load_failed_blocks", "loads_without_hold", "save_errors",
+                     "saves_abandoned")
+
+    def get_kv_connector_stats(self) -> KVTierStats | None:
+        """What changed since the last call (``stats.py``); vLLM calls it after every step."""
+        if self.engine is None:
+            return None
+        values = engine_values(self.engine)
+        with self._stats_lock:
+            for name in self._METRIC_STATS:
+                values[name] = {"": self.stats[name]}
+        if self._holds is not None:
+            values["hold_expiries"] = {"": self._holds.stats()["hold_expiries"]}
+        return self.metrics.delta(values)
 
     def _count(self, **kw: int) -> None:
         with self._stats_lock:
@@ -123,8 +144,10 @@ class WorkerSide:
             if not self._saver.wait_related(tokens, scope, self.chunk_size,
                                             self.config.lookup_timeout_s / 2):
                 logger.warning("kvtier: lookup answered before a save of the same prefix finished")
+            t0 = time.perf_counter()
             hit = self._holds.lookup(str(header["req_id"]), int(header["hold_id"]), tokens, scope)
-            return {"hit": hit}
+            self.metrics.observe("lookup_seconds", time.perf_counter() - t0)
+            return {"hit": hit, "sources": self._holds.sources(str(header["req_id"]))}
         if op == "stats":
             with self._stats_lock:
                 stats = dict(self.stats)
@@ -191,7 +214,9 @@ class WorkerSide:
                     self._check_loaded(spec, job.mask)
                     self._load_jobs.append(job)
                 else:
+                    t0 = time.perf_counter()
                     mask = self.engine.retrieve(spec.tokens, slots, salt=spec.scope, hold=hold)
+                    self.metrics.observe("load_seconds", time.perf_counter() - t0)
                     self._check_loaded(spec, mask)
             finally:
                 if hold is not None:
@@ -222,8 +247,11 @@ class WorkerSide:
 
     def _store(self, spec: SaveSpec, ready: Marker, keep: Any) -> int:
         assert self.engine is not None
-        return self.engine.store(spec.tokens, self._save_slots(spec), salt=spec.scope,
-                                 ready=ready, keep=keep)
+        t0 = time.perf_counter()
+        n = self.engine.store(spec.tokens, self._save_slots(spec), salt=spec.scope,
+                              ready=ready, keep=keep)
+        self.metrics.observe("save_seconds", time.perf_counter() - t0)
+        return n
 
     def _saved(self, tokens: int, failed: bool) -> None:
         self._count(save_jobs=1, saved_tokens=tokens, save_errors=int(failed))
