@@ -26,10 +26,10 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="bfloat16", b
 TOKENS = list(range(1000, 1000 + 3 * CHUNK + 5))  # three full chunks (the tail is not saved)
 
 
-def engine(tmp_path) -> CacheEngine:
+def engine(tmp_path, **cfg) -> CacheEngine:
     config = load_config(env={}, overrides={
         "chunk_size": CHUNK, "local_cpu_size_gb": 0.01, "tiers": ["local_cpu", "local_disk"],
-        "local_disk_path": str(tmp_path / "disk")})
+        "local_disk_path": str(tmp_path / "disk"), **cfg})
     e = CacheEngine(config, LAYOUT, model="test/model", platform=CPUPlatform())
     g = torch.Generator().manual_seed(0)
     shape = LAYOUT.expected_cache_shape(NUM_BLOCKS)
@@ -99,3 +99,27 @@ def test_collector_and_sources_host_then_disk(tmp_path) -> None:
     assert got[("kvtier_lookup_hit_tokens_total", tier("local_cpu"))] == 2 * CHUNK
     assert got[("kvtier_hit_chunks_total", tier("local_disk"))] == 2
     assert got[("kvtier_corrupt_payloads_total", tier("local_disk"))] == 1
+
+
+@pytest.mark.redis
+def test_chunks_found_only_in_redis_are_labelled_redis(tmp_path, redis_clean) -> None:
+    """Three tiers; a second engine with an empty disk directory shares only Redis: its hits
+    are labelled redis (vLLM's hit sources count them as external_unspecified)."""
+    pytest.importorskip("redis", reason="redis-py (kvtier[redis]) is not installed")
+    tiers = {"tiers": ["local_cpu", "local_disk", "redis"], "redis_url": redis_clean.url}
+    a = engine(tmp_path / "a", **tiers)
+    try:
+        assert a.store(TOKENS, torch.arange(len(TOKENS))) == 3 * CHUNK
+        assert a.storage.flush(30)
+    finally:
+        a.close()
+    b = engine(tmp_path / "b", **tiers)
+    try:
+        with b.hold(TOKENS) as hold:
+            assert hold.num_tokens == 3 * CHUNK
+            assert hold.sources == ["redis"] * 3
+        assert b.hit_tokens_by_tier() == {"redis": 3 * CHUNK}
+        got = scrape(b)
+    finally:
+        b.close()
+    assert got[("kvtier_hit_chunks_total", (("model", "m"), ("tier", "redis")))] == 3
