@@ -27,7 +27,7 @@ TEST_DEPS = ("pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "redis>=5.
              "prometheus-client>=0.17")
 MEMBERS = {
     "core": "packages/core",
-    "storage": "packages/storage[redis]",
+    "storage": "packages/storage[redis,encryption]",
     "cuda": "packages/cuda",
     "xpu": "packages/xpu",
     "vllm": "packages/vllm-integration[demo]",
@@ -64,7 +64,9 @@ def _ensure_redis_server(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    _install(session, ("core", "storage", "xpu"), extra=("ruff>=0.6", "mypy>=1.10", "types-PyYAML", *TEST_DEPS))
+    """ruff, and mypy against the real vLLM, torch and Triton (not stubs of Any)."""
+    _install(session, tuple(MEMBERS), vllm=True,
+             extra=("ruff>=0.6", "mypy>=1.10", "types-PyYAML", *TEST_DEPS, *TOOL_DEPS, "triton"))
     session.run("ruff", "check", ".")
     session.run("mypy")
 

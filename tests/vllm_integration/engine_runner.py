@@ -25,6 +25,13 @@ literally that. The spec:
   ``{"op": "metrics", "prefixes": [...]}`` -> ``llm.get_metrics()`` rows whose name starts with
   one of the prefixes (default ``vllm:kvtier_``) as ``{name, labels, value}`` (histograms:
   ``count``, ``sum``).
+- ``{"op": "load_while_decoding", "first": [...], "second": [...], "delay_s": x,
+  "second_max_tokens": n}`` (in-process only): every kvtier load is delayed by ``delay_s``
+  (as a slow tier would); ``first`` (a stored prompt) is added, then ``second``; the engine is
+  stepped until both finish. Returns both results and ``second_tokens_when_first_finished``.
+- ``{"op": "abort_during_load", "prompt": [...], "delay_s": x}`` (in-process only): the
+  prompt's load is delayed, the request is aborted while it loads, the engine is stepped until
+  idle; returns ``llm.reset_prefix_cache()`` (True only if every block came back).
 - ``"lora": {"name", "id", "path"}`` on a generate sends it with that LoRA adapter (the spec
   needs ``"enable_lora": true``).
 - ``"evict_after_lookup": true`` on a generate (in-process only): once the scheduler has looked
@@ -71,6 +78,89 @@ def _corrupt_in_worker(worker, rank: int, prompt: list[int], salt: str | None) -
     if get_tp_group().rank_in_group != rank:
         return 0
     return _corrupt(prompt, salt)
+
+
+@contextlib.contextmanager
+def _delayed_loads(delay_s: float) -> Iterator[None]:
+    """Delay every load the worker makes, synchronous or not (a slow tier)."""
+    import time
+
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    engine = get_kv_transfer_group().engine
+    original = engine.retrieve
+
+    def slow(*args, **kwargs):
+        time.sleep(delay_s)
+        return original(*args, **kwargs)
+
+    engine.retrieve = slow
+    try:
+        yield
+    finally:
+        engine.retrieve = original
+
+
+def _step_until_done(llm, outputs: dict, on_output=None, limit_s: float = 120.0) -> None:
+    import time
+
+    engine = llm.llm_engine
+    deadline = time.monotonic() + limit_s
+    while engine.has_unfinished_requests():
+        if time.monotonic() > deadline:
+            raise TimeoutError("engine did not finish its requests in time")
+        for out in engine.step():
+            outputs[out.request_id] = out
+            if on_output is not None:
+                on_output(out)
+
+
+def _result(out) -> dict:
+    comp = out.outputs[0]
+    logprobs = [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs, strict=True)]
+    return {"tokens": list(comp.token_ids), "logprobs": logprobs}
+
+
+def _load_while_decoding(llm, params, step: dict) -> dict:
+    from vllm import SamplingParams
+
+    second_params = SamplingParams(max_tokens=step["second_max_tokens"], temperature=0.0,
+                                   logprobs=0, ignore_eos=True)
+    seen = {"second_before_first": None}
+    outputs: dict = {}
+
+    def on_output(out) -> None:
+        if out.request_id == "first" and out.finished:
+            second = outputs.get("second")
+            seen["second_before_first"] = len(second.outputs[0].token_ids) if second else 0
+
+    with _delayed_loads(step["delay_s"]):
+        llm.llm_engine.add_request("first", {"prompt_token_ids": step["first"]}, params)
+        llm.llm_engine.add_request("second", {"prompt_token_ids": step["second"]}, second_params)
+        _step_until_done(llm, outputs, on_output)
+    return {"first": _result(outputs["first"]), "second": _result(outputs["second"]),
+            "second_tokens_when_first_finished": seen["second_before_first"]}
+
+
+def _abort_during_load(llm, params, step: dict) -> bool:
+    import time
+
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    loader = get_kv_transfer_group().worker_side._loader
+    outputs: dict = {}
+    with _delayed_loads(step["delay_s"]):
+        llm.llm_engine.add_request("doomed", {"prompt_token_ids": step["prompt"]}, params)
+        deadline = time.monotonic() + 60
+        while loader.in_flight == 0 and time.monotonic() < deadline:
+            llm.llm_engine.step()
+        assert loader.in_flight == 1, "the load never started"
+        llm.llm_engine.abort_request(["doomed"])
+        _step_until_done(llm, outputs)
+        while loader.in_flight and time.monotonic() < deadline:
+            llm.llm_engine.step()  # the finished load is reported, its blocks freed
+        llm.llm_engine.step()
+    return bool(llm.reset_prefix_cache())
 
 
 def _perturb_k(llm, seed: int) -> int:
@@ -229,6 +319,10 @@ def main(spec_path: str, out_path: str) -> None:
             results.append(query_worker_stats(engine_id, step.get("rank", 0)))
         elif op == "flush":
             results.append(flush_worker(engine_id, step.get("rank", 0)))
+        elif op == "load_while_decoding":
+            results.append(_load_while_decoding(llm, params, step))
+        elif op == "abort_during_load":
+            results.append(_abort_during_load(llm, params, step))
         elif op == "corrupt_rank":
             args = (step["rank"], step["prompt"], step.get("salt"))
             results.append(sum(llm.collective_rpc(_corrupt_in_worker, args=args)))

@@ -16,74 +16,32 @@ tolerance measured in the same run from vLLM's prefix cache on the same prompts
 
 from __future__ import annotations
 
-import random
-
 import pytest
+from prompts import (
+    DOC,
+    FULL_HIT,
+    OTHER,
+    PARTIAL_HIT,
+    SHARED,
+    STATS,
+    assert_partial_hit_close,
+    gen,
+    loaded_after_each,
+    logprob_gap,
+    prefix_cache_tolerance,
+)
 
 pytestmark = [pytest.mark.vllm]
-
-RNG = random.Random(1234)
-DOC = [RNG.randrange(3, 3000) for _ in range(700)]
-SHARED = DOC[:400] + [RNG.randrange(3, 3000) for _ in range(200)]  # shares 400 tokens with DOC
-OTHER = [RNG.randrange(3, 3000) for _ in range(500)]
-FULL_HIT = (len(DOC) - 1) // 32 * 32  # 672
-PARTIAL_HIT = 256  # SHARED matches DOC's first chunk only (it diverges inside the second)
-
-
-TOLERANCE_FLOOR = 5e-3  # where the prefix cache moves nothing, a partial hit may still move a bit
-
-
-def logprob_gap(a: dict, b: dict) -> float:
-    """Largest difference between two runs' per-token logprobs."""
-    return max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True)), default=0.0)
-
-
-def assert_partial_hit_close(result: dict, reference: dict, tolerance: float) -> None:
-    assert result["tokens"] == reference["tokens"]
-    assert logprob_gap(result, reference) <= tolerance
-
-
-def prefix_cache_tolerance(run_engine, reference_shared: dict, **mode) -> float:
-    """Twice the largest logprob move of vLLM's own prefix cache on the partial-hit prompt (it
-    reuses DOC's blocks for SHARED), in the given mode, no kvtier; at least the floor."""
-    out = run_engine({"kvtier": None, "prefix_caching": True, **mode,
-                      "steps": [gen(DOC), gen(SHARED)]})
-    assert out[1]["tokens"] == reference_shared["tokens"]
-    return max(2 * logprob_gap(out[1], reference_shared), TOLERANCE_FLOOR)
-
-
-def gen(prompt: list[int], salt: str | None = None) -> dict:
-    return {"op": "generate", "prompt": prompt, "salt": salt}
-
-
-STATS = {"op": "stats"}
-
-
-def loaded_after_each(results: list) -> list[int]:
-    """``loaded_tokens`` added by each generate step (the runs interleave generate and stats)."""
-    counts = [r["loaded_tokens"] for r in results[1::2]]
-    return [b - a for a, b in zip([0, *counts], counts, strict=False)]
-
-
-@pytest.fixture(scope="session")
-def reference(run_engine) -> dict[str, dict]:
-    """Greedy outputs and logprobs of vLLM without kvtier (prefix caching off)."""
-    out = run_engine({"kvtier": None, "steps": [gen(DOC), gen(SHARED), gen(OTHER)]})
-    return dict(zip(("doc", "shared", "other"), out, strict=True))
-
-
-@pytest.fixture(scope="session")
-def partial_tolerance(run_engine, reference) -> float:
-    return prefix_cache_tolerance(run_engine, reference["shared"])
 
 
 def kvtier_config(tmp_path, **extra) -> dict:
     return {"local_disk_path": str(tmp_path / "disk"), "local_cpu_size_gb": 0.25, **extra}
 
 
-@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+@pytest.mark.parametrize(("layerwise", "load_async"), [(False, True), (False, False), (True, False)],
+                         ids=["whole-async", "whole-sync", "layerwise"])
 def test_outputs_match_and_hits_are_used(run_engine, reference, partial_tolerance,
-                                        layerwise) -> None:
+                                        layerwise, load_async) -> None:
     """vLLM's default kv_load_failure_policy ("fail"), a small host tier only. Between the full
     hit's lookup and its load, other chunks are put until the tier is full (as other requests'
     saves would): without the lookup's hold they evict every chunk of the prompt and the load
@@ -98,7 +56,8 @@ def test_outputs_match_and_hits_are_used(run_engine, reference, partial_toleranc
         gen(OTHER), STATS,
         {"op": "corrupt", "prompt": OTHER}, gen(OTHER), STATS,  # negative control
     ]
-    config = {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.1, "use_layerwise": layerwise}
+    config = {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.1, "use_layerwise": layerwise,
+              "load_async": load_async}
     out = run_engine({"kvtier": config, "steps": steps})
     evict = out[2].pop("evict")
     # Chunks [0,256) [256,512) and tail blocks [512,672) were stored; filling the tier evicted

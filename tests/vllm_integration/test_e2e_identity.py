@@ -8,7 +8,7 @@ logprob for logprob: every request here is either cold or a full hit.
 from __future__ import annotations
 
 import pytest
-from test_e2e import DOC, FULL_HIT, STATS, gen, loaded_after_each
+from prompts import DOC, FULL_HIT, STATS, gen, loaded_after_each
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -9,7 +9,7 @@ changes the output (both ranks' loaded KV is what attention reads).
 from __future__ import annotations
 
 import pytest
-from test_e2e import DOC, FULL_HIT, gen
+from prompts import DOC, FULL_HIT, gen
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

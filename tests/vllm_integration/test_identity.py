@@ -228,3 +228,18 @@ def test_prompt_embeddings_are_neither_looked_up_nor_saved(served) -> None:
     embeds = request(zeros, embeds=torch.zeros(len(TEXT), 16))
     assert hit(sched, embeds) == 0
     assert prefill(sched, embeds).saves == []
+
+
+def test_blocks_of_finished_requests_are_pending_until_their_saves_are_reported(served) -> None:
+    """vLLM waits for blocks a connector will free (instead of preempting) while
+    ``has_pending_block_frees``; that stays true exactly until the workers report the save."""
+    sched, _ = served
+    req = request(salt="frees")
+    assert prefill(sched, req).saves
+    assert not sched.has_pending_block_frees()
+    assert sched.request_finished(req) is True  # keep the blocks: a save is in flight
+    assert sched.has_pending_block_frees()
+    sched.saves_finished({"another-request"})
+    assert sched.has_pending_block_frees()
+    sched.saves_finished({req.request_id})
+    assert not sched.has_pending_block_frees()

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger("kvtier")
@@ -119,6 +120,12 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def reset_cache(self) -> bool | None:
         return self.scheduler_side.reset_cache()
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler_side.saves_finished(set(connector_output.finished_sending or ()))
+
+    def has_pending_block_frees(self) -> bool:
+        return self.scheduler_side.has_pending_block_frees()
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int

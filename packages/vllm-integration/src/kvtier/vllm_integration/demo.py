@@ -10,7 +10,8 @@
 4. Runs every request on vLLM without kvtier and compares the greedy answers token for token.
 
 Prints a table of time to first token, writes ``demo.json`` and ``demo.png`` (``--out``, default
-``benchmarks/results``) and exits 1 if any answer differs from the one without kvtier.
+``results/`` under the cache directory, so a run leaves the checkout as it was) and exits 1 if
+any answer differs from the one without kvtier.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ DEMO_MODEL = ModelSpec(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvtier demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", help="directory for demo.json and demo.png (default benchmarks/results)")
+    p.add_argument("--out", help="directory for demo.json and demo.png (default: CACHE_DIR/results)")
     p.add_argument("--docs", type=int, default=4, help="number of documents (default 4)")
     p.add_argument("--doc-tokens", type=int, default=3000, help="tokens per document (default 3000)")
     p.add_argument("--max-tokens", type=int, default=16, help="answer length (default 16)")
@@ -144,7 +145,7 @@ def main(argv: list[str]) -> int:
     console.print(f"warm/cold TTFT: {summary['warm_over_cold']:.3f}; answers identical to vLLM "
                   f"without kvtier: {'yes' if not mismatches else 'NO'}")
 
-    out = results_dir(args.out)
+    out = results_dir(args.out or os.path.join(args.cache_dir, "results"))
     report: dict[str, Any] = {
         "model": {"path": str(model_dir), **DEMO_MODEL.__dict__}, "docs": args.docs,
         "doc_tokens": args.doc_tokens, "machine": platform.machine(), "cpus": os.cpu_count(),

@@ -26,6 +26,9 @@ class LoadSpec:
     end: int
     scope: KeyScope
     hold_id: int | None = None  # the worker's hold from this request's lookup
+    # Load on the worker's loader thread and report it in get_finished (the request waits in
+    # WAITING_FOR_REMOTE_KVS); else before this step's forward pass.
+    load_async: bool = False
 
 
 @dataclass

@@ -108,10 +108,10 @@ def build_model(path: str | os.PathLike[str], spec: ModelSpec | None = None) -> 
         bos_token_id=0,
         eos_token_id=1,
         tie_word_embeddings=False,
-        torch_dtype="bfloat16",
+        dtype="bfloat16",
     )
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config).bfloat16()
     model.save_pretrained(str(path), safe_serialization=True)
     # Written last: a half-built directory is rebuilt on the next call.
     marker.write_text(json.dumps(asdict(spec), sort_keys=True))

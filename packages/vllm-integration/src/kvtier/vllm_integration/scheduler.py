@@ -14,6 +14,12 @@ must not compute), hold releases and saves (chunks completed by this step's forw
 Every lookup, load and save is keyed by the request's identity (``identity.py``): its scope
 (salt, LoRA adapter, weights generation) and its identity tokens (multimodal placeholders
 replaced by content-derived ids). Prompt-embedding requests are neither looked up nor saved.
+With ``load_async`` (the default; not with ``use_layerwise``) a hit is loaded while vLLM runs
+other requests: the lookup answers ``load_async=True``, vLLM parks the request in
+WAITING_FOR_REMOTE_KVS with its blocks allocated, and the load goes to the workers in the next
+step's metadata without the request being scheduled; it runs on a worker thread and is reported
+in ``get_finished``.
+
 ``reset_cache`` starts a new weights generation: chunks of the old weights are never served
 again, and requests running across the reset save nothing more (their KV mixes generations).
 """
@@ -67,6 +73,8 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     external: int = 0  # tokens to load in the request's next scheduled step
     hold_id: int | None = None  # the worker's hold those tokens are loaded from
+    computed_at_lookup: int = 0  # tokens vLLM already had (its prefix cache) at the lookup
+    load_async: bool = False  # what the last lookup answered
     saved_upto: int = 0  # tokens handed to the worker for saving
     prompt_saved: bool = False
     had_save: bool = False
@@ -93,6 +101,9 @@ class SchedulerSide:
         self._hold_ids: dict[str, int] = {}
         self._next_hold_id = 0
         self._releases: list[tuple[str, int]] = []
+        self._async_loads: list[LoadSpec] = []  # for the next step's metadata
+        self._saving: set[str] = set()  # finished requests whose blocks wait for their saves
+        self._load_async = config.load_async and not config.use_layerwise
         self.generation: str | None = None
         # Scheduler-process counters (the worker's are served over the lookup channel).
         self.stats = {"lookups": 0, "lookup_failures": 0, "hit_tokens": 0, "uncacheable": 0}
@@ -167,18 +178,32 @@ class SchedulerSide:
         hit -= hit % bs
         new = max(0, hit - num_computed_tokens)
         self.stats["hit_tokens"] += new
-        return new, False
+        state.computed_at_lookup = num_computed_tokens
+        state.load_async = self._load_async and new > 0
+        return new, state.load_async
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         state = self._state(request)
-        state.external = num_external_tokens
         hold_id = self._hold_ids.pop(request.request_id, None)
-        if num_external_tokens:
-            state.hold_id = hold_id
-        elif hold_id is not None:
-            self._releases.append((request.request_id, hold_id))
+        if not num_external_tokens:
+            state.external = 0
+            if hold_id is not None:
+                self._releases.append((request.request_id, hold_id))
+            return
+        if not state.load_async:
+            state.external, state.hold_id = num_external_tokens, hold_id
+            return
+        # Not scheduled until the load is reported: it goes out with the next step's metadata.
+        start = state.computed_at_lookup
+        end = start + num_external_tokens
+        self._async_loads.append(LoadSpec(
+            request.request_id, state.prompt, list(blocks.get_block_ids()[0]), start, end,
+            state.scope, hold_id, load_async=True,
+        ))
+        state.external = 0
+        state.saved_upto = max(state.saved_upto, end // self.chunk_size * self.chunk_size)
 
     def _save_spec(self, rid: str, state: _Request, end: int) -> SaveSpec | None:
         """The save this step's forward pass makes possible (tokens ``[0, end)`` have KV)."""
@@ -232,8 +257,9 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
         meta = KVTierMetadata(preempted=set(scheduler_output.preempted_req_ids or ()),
-                              releases=self._releases, generation=self.generation)
-        self._releases = []
+                              releases=self._releases, generation=self.generation,
+                              loads=self._async_loads)
+        self._releases, self._async_loads = [], []
         for rid in meta.preempted:
             state = self._reqs.get(rid)
             if state is not None:
@@ -274,7 +300,10 @@ class SchedulerSide:
             hold_id = state.hold_id
         if hold_id is not None:
             self._releases.append((rid, hold_id))
-        return state is not None and state.had_save
+        keep = state is not None and state.had_save
+        if keep:
+            self._saving.add(rid)
+        return keep
 
     def hit_sources(self, request: Request, num_external_tokens: int) -> dict[str, int]:
         """The tokens vLLM loads for ``request`` by the tier each came from (rank 0's hold at
@@ -297,6 +326,15 @@ class SchedulerSide:
     def get_kv_connector_stats(self) -> KVTierStats | None:
         """The scheduler's metrics changed since the last call (``stats.py``)."""
         return self.metrics.delta({"lookup_failures": {"": self.stats["lookup_failures"]}})
+
+    def saves_finished(self, req_ids: set[str]) -> None:
+        """The workers reported these requests' saves done (vLLM frees their blocks now)."""
+        self._saving -= req_ids
+
+    def has_pending_block_frees(self) -> bool:
+        """Blocks of finished requests come back once their saves are copied off the device:
+        vLLM waits for them instead of preempting a running request."""
+        return bool(self._saving)
 
     def reset_cache(self) -> bool:
         """Start a new weights generation (after a weight update): no chunk stored so far is

@@ -12,6 +12,10 @@ chunks evicted meanwhile. Such a short load is reported through
 ``get_block_ids_with_load_errors``: with ``kv_load_failure_policy="recompute"`` vLLM recomputes
 those blocks, with "fail" the request fails.
 
+Loads marked ``load_async`` go to the loader thread (``loader.py``) with a device marker of
+the forward pass and are reported through ``get_finished`` (their failed blocks through
+``get_block_ids_with_load_errors`` in the same step's output).
+
 Saves are asynchronous (``saver.py``): ``wait_for_save`` hands the step's saves to the saver
 thread with a device marker of the forward pass. The scheduler side keeps the blocks of every
 request that had a save until the worker reports, through ``get_finished``, that the request's
@@ -35,7 +39,7 @@ import numpy as np
 import torch
 
 from kvtier.core.config import KVTierConfig
-from kvtier.core.engine import CacheEngine, RetrieveJob
+from kvtier.core.engine import CacheEngine, Hold, RetrieveJob
 from kvtier.core.keys import KeyScope
 from kvtier.core.metrics import engine_values
 from kvtier.core.platform import Marker, get_platform
@@ -43,6 +47,7 @@ from kvtier.vllm_integration.channel import LookupServer, socket_path
 from kvtier.vllm_integration.holds import HoldTable
 from kvtier.vllm_integration.identity import engine_rank, model_identity
 from kvtier.vllm_integration.layout import build_layout, layer_index, ordered_caches
+from kvtier.vllm_integration.loader import Loader
 from kvtier.vllm_integration.metadata import KVTierMetadata, LoadSpec, SaveSpec, slot_mapping
 from kvtier.vllm_integration.saver import Saver
 from kvtier.vllm_integration.scheduler import hold_ttl_s
@@ -74,6 +79,7 @@ class WorkerSide:
         self._failed_blocks: set[int] = set()
         self._holds: HoldTable | None = None
         self._saver: Saver | None = None
+        self._loader: Loader | None = None
         self._saving_reqs: set[str] = set()  # requests that had a save (their blocks are held)
         self._finishing: set[str] = set()
         self._generation: str | None = None
@@ -133,6 +139,7 @@ class WorkerSide:
         self._holds = HoldTable(self.engine, hold_ttl_s(self.config))
         self._server = LookupServer(socket_path(self._engine_id, worker), self._serve)
         self._saver = Saver(self._store, self._saved)
+        self._loader = Loader(self._load, self._spec_blocks)
         logger.info("kvtier: %s layout %s, tiers %s, lookup channel %s", layout.paged_layout.value,
                     layout.fingerprint(), self.config.tiers, self._server.path)
 
@@ -174,13 +181,19 @@ class WorkerSide:
                     meta.generation, dropped)
 
     # -- loads ---------------------------------------------------------------------------------
-    def _check_loaded(self, spec: LoadSpec, mask: torch.Tensor) -> None:
+    def _spec_blocks(self, spec: LoadSpec) -> set[int]:
+        """The blocks a load was to fill."""
+        first, last = spec.start // self.block_size, -(-spec.end // self.block_size)
+        return set(spec.block_ids[first:last])
+
+    def _check_loaded(self, spec: LoadSpec, mask: torch.Tensor) -> set[int]:
+        """Count a load; return the blocks it left unfilled (reported to vLLM)."""
         want = mask[spec.start : spec.end]
         loaded = int(want.sum())
         self._count(load_requests=1, load_tokens_requested=spec.end - spec.start,
                     loaded_tokens=loaded)
         if loaded == spec.end - spec.start:
-            return
+            return set()
         missing = (~want).nonzero().squeeze(1) + spec.start
         blocks = {spec.block_ids[int(i) // self.block_size] for i in missing}
         logger.warning("kvtier: request %s: %d of %d tokens could not be loaded; %d block(s) "
@@ -188,36 +201,52 @@ class WorkerSide:
                        "fails the request)", spec.req_id, spec.end - spec.start - loaded,
                        spec.end - spec.start, len(blocks))
         self._count(load_failed_blocks=len(blocks))
-        self._failed_blocks |= blocks
+        return blocks
+
+    def _load_slots(self, spec: LoadSpec) -> torch.Tensor:
+        return torch.from_numpy(
+            slot_mapping(spec.block_ids, self.block_size, len(spec.tokens), spec.start, spec.end)
+        )
+
+    def _load(self, spec: LoadSpec, hold: Hold | None, ready: Marker) -> set[int]:
+        """One whole load on the loader thread (the caller releases the hold)."""
+        assert self.engine is not None
+        t0 = time.perf_counter()
+        mask = self.engine.retrieve(spec.tokens, self._load_slots(spec), salt=spec.scope,
+                                    hold=hold, ready=ready)
+        self.metrics.observe("load_seconds", time.perf_counter() - t0)
+        return self._check_loaded(spec, mask)
 
     def start_load_kv(self, meta: KVTierMetadata) -> None:
-        if self.engine is None or self._holds is None:
+        if self.engine is None or self._holds is None or self._loader is None:
             return
         self._new_generation(meta)
         for rid, hold_id in meta.releases:
             self._holds.release(rid, hold_id)
         self._holds.expire()
+        marker = self.engine.platform.record_marker() if meta.loads else None
         for spec in meta.loads:
-            slots = torch.from_numpy(
-                slot_mapping(spec.block_ids, self.block_size, len(spec.tokens), spec.start, spec.end)
-            )
+            slots = self._load_slots(spec)
             hold = self._holds.take(spec.req_id, spec.hold_id)
             if hold is None:
                 # Expired before its load: read the tiers (may come up short, see above).
                 self._count(loads_without_hold=1)
+            if spec.load_async:
+                self._loader.submit(spec, hold, marker)
+                continue
             try:
                 # The retrieval takes its own references to the held objects: the hold can go
                 # as soon as it is planned, also for a layer-wise load still to run.
                 if self.config.use_layerwise:
                     job = self.engine.retrieve_layerwise(spec.tokens, slots, salt=spec.scope,
                                                          hold=hold)
-                    self._check_loaded(spec, job.mask)
+                    self._failed_blocks |= self._check_loaded(spec, job.mask)
                     self._load_jobs.append(job)
                 else:
                     t0 = time.perf_counter()
                     mask = self.engine.retrieve(spec.tokens, slots, salt=spec.scope, hold=hold)
                     self.metrics.observe("load_seconds", time.perf_counter() - t0)
-                    self._check_loaded(spec, mask)
+                    self._failed_blocks |= self._check_loaded(spec, mask)
             finally:
                 if hold is not None:
                     hold.release()
@@ -297,17 +326,26 @@ class WorkerSide:
                          "the unfinished ones are abandoned", SAVE_DRAIN_TIMEOUT_S)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """``(saves done, async loads done)``; the failed blocks of the loads reported here go
+        out through ``get_block_ids_with_load_errors``, which vLLM calls right after."""
         if self._holds is not None and finished_req_ids:
             self._holds.release_requests(finished_req_ids)
+        recving: set[str] = set()
+        if self._loader is not None:
+            recving, failed = self._loader.take_finished()
+            self._failed_blocks |= failed
         self._finishing |= finished_req_ids & self._saving_reqs
         if not self._finishing or self._saver is None:
-            return None, None
+            return None, (recving or None)
         done = self._finishing - self._saver.pending(self._finishing)
         self._finishing -= done
         self._saving_reqs -= done
-        return (done or None), None
+        return (done or None), (recving or None)
 
     def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.close(SAVE_DRAIN_TIMEOUT_S)
+            self._loader = None
         if self._saver is not None:
             self._saver.close(SAVE_DRAIN_TIMEOUT_S)
             self._saver = None

@@ -97,11 +97,11 @@ class Engine:
         return int(query_worker_stats(self.engine_id)["loaded_tokens"])
 
     def run(self, tokens: list[int], max_tokens: int) -> Result:
-        from vllm import SamplingParams
+        from vllm import SamplingParams, TokensPrompt
 
         before = self.loaded_tokens()
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        out = self.llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)[0]
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
         ttft = out.metrics.first_token_latency if out.metrics is not None else float("nan")
         comp = out.outputs[0]
         return Result(ttft, list(comp.token_ids), comp.text, self.loaded_tokens() - before)
