@@ -6,7 +6,7 @@ Importing this package imports torch, numpy and yaml only: no triton, no vLLM, n
 from kvtier.core.__about__ import __version__
 from kvtier.core.config import KVTierConfig, load_config
 from kvtier.core.connector import DeviceConnector, TorchPagedConnector, Transfer
-from kvtier.core.engine import CacheEngine, ChunkSpan, Hold, RetrieveJob
+from kvtier.core.engine import CacheEngine
 from kvtier.core.errors import (
     ConfigError,
     DoubleReleaseError,
@@ -16,6 +16,7 @@ from kvtier.core.errors import (
     OutOfHostMemory,
     PlatformError,
 )
+from kvtier.core.handles import ChunkSpan, Hold, RetrieveJob
 from kvtier.core.keys import ChunkKey, KeyFactory, KeyScope, prefix_hashes
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena, MemoryObj, MemoryObjMeta

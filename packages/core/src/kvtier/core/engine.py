@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -33,6 +32,7 @@ import torch
 from kvtier.core.config import KVTierConfig
 from kvtier.core.connector import DeviceConnector, Transfer
 from kvtier.core.errors import ConfigError, KVTierError
+from kvtier.core.handles import ChunkSpan, EngineStats, Hold, RetrieveJob, prefix_digest
 from kvtier.core.keys import (
     ChunkKey,
     KeyFactory,
@@ -50,93 +50,6 @@ from kvtier.core.storage import StorageManager, create_storage_manager
 logger = logging.getLogger("kvtier")
 
 GiB = 1 << 30
-
-
-@dataclass(frozen=True)
-class ChunkSpan:
-    """Tokens ``[start, end)`` of a prompt, stored under ``key``."""
-
-    start: int
-    end: int
-    key: ChunkKey
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
-
-
-@dataclass
-class EngineStats:
-    lookups: int = 0
-    lookup_hit_tokens: int = 0
-    stored_tokens: int = 0
-    store_skipped_chunks: int = 0
-    retrieved_tokens: int = 0
-    retrieve_misses: int = 0
-    store_abandoned_chunks: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, **counts: int) -> None:
-        with self._lock:
-            for name, n in counts.items():
-                setattr(self, name, getattr(self, name) + n)
-
-    def as_dict(self) -> dict[str, int]:
-        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
-
-
-def _prefix_digest(arr: np.ndarray, salt: Scope) -> bytes:
-    return chain_hash(salt_seed(salt), arr)
-
-
-class Hold:
-    """Host objects of a looked-up prefix, kept until ``release()`` (idempotent).
-
-    ``num_tokens`` is the hit length; pass the hold to ``retrieve``/``retrieve_layerwise`` to load
-    from exactly these objects. A hold pins host memory: release it when the load is done or the
-    request goes away.
-    """
-
-    def __init__(self, spans: list[ChunkSpan], objs: list[MemoryObj], digest: bytes,
-                 sources: list[str] | None = None) -> None:
-        self.spans = spans
-        self.objs = objs
-        self.digest = digest
-        # The tier each held chunk was found in (``CacheEngine.chunk_sources``), for metrics.
-        self.sources: list[str] = list(sources) if sources is not None else []
-        self._lock = threading.Lock()
-        self._released = False
-
-    @property
-    def num_tokens(self) -> int:
-        return self.spans[-1].end if self.spans else 0
-
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    def release(self) -> None:
-        with self._lock:
-            if self._released:
-                return
-            self._released = True
-        for obj in self.objs:
-            obj.release()
-
-    def __enter__(self) -> Hold:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-@dataclass
-class RetrieveJob:
-    """A layer-wise retrieval: ``mask`` (tokens that will be loaded) is known up front; iterating
-    ``layers`` loads layer by layer (each yielded index is ready for attention)."""
-
-    mask: torch.Tensor
-    layers: Iterator[int]
 
 
 class CacheEngine:
@@ -276,7 +189,7 @@ class CacheEngine:
         hits = self.hit_spans(arr, salt)
         sources = self.chunk_sources([s.key for s in hits])
         spans, objs = self._fetch_prefix(hits)
-        hold = Hold(spans, objs, _prefix_digest(arr[: spans[-1].end if spans else 0], salt),
+        hold = Hold(spans, objs, prefix_digest(arr[: spans[-1].end if spans else 0], salt),
                     sources=sources[: len(spans)])
         self.stats.add(lookups=1, lookup_hit_tokens=hold.num_tokens)
         self._count_tier_hits(spans, hold.sources)
@@ -452,7 +365,7 @@ class CacheEngine:
         else:
             if hold.released:
                 raise KVTierError("retrieve got a hold that was already released")
-            if hold.num_tokens > len(arr) or hold.digest != _prefix_digest(arr[: hold.num_tokens], salt):
+            if hold.num_tokens > len(arr) or hold.digest != prefix_digest(arr[: hold.num_tokens], salt):
                 raise ValueError("retrieve got a hold taken for other tokens or another salt")
             pairs = [(s, o.share()) for s, o in zip(hold.spans, hold.objs, strict=True) if wanted(s)]
             spans, objs = [s for s, _ in pairs], [o for _, o in pairs]

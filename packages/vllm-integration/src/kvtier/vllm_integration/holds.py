@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.core.engine import CacheEngine, Hold
+from kvtier.core.engine import CacheEngine
+from kvtier.core.handles import Hold
 from kvtier.core.keys import Scope
 
 logger = logging.getLogger("kvtier")

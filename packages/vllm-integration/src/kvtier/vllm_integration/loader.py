@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtier.core.engine import Hold
+from kvtier.core.handles import Hold
 from kvtier.core.platform import Marker
 from kvtier.vllm_integration.metadata import LoadSpec
 

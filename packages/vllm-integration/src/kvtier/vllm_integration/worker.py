@@ -39,7 +39,8 @@ import numpy as np
 import torch
 
 from kvtier.core.config import KVTierConfig
-from kvtier.core.engine import CacheEngine, Hold, RetrieveJob
+from kvtier.core.engine import CacheEngine
+from kvtier.core.handles import Hold, RetrieveJob
 from kvtier.core.keys import KeyScope
 from kvtier.core.metrics import engine_values
 from kvtier.core.platform import Marker, get_platform

@@ -1,0 +1,102 @@
+"""What a ``CacheEngine`` hands out: chunk spans, holds on looked-up prefixes, layer-wise
+retrieval jobs, and its counters."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvtier.core.keys import ChunkKey, Scope, chain_hash, salt_seed
+from kvtier.core.memory import MemoryObj
+
+
+@dataclass(frozen=True)
+class ChunkSpan:
+    """Tokens ``[start, end)`` of a prompt, stored under ``key``."""
+
+    start: int
+    end: int
+    key: ChunkKey
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class EngineStats:
+    lookups: int = 0
+    lookup_hit_tokens: int = 0
+    stored_tokens: int = 0
+    store_skipped_chunks: int = 0
+    retrieved_tokens: int = 0
+    retrieve_misses: int = 0
+    store_abandoned_chunks: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+
+def prefix_digest(arr: np.ndarray, salt: Scope) -> bytes:
+    """The hash of a whole token prefix under a scope: what a hold was taken for."""
+    return chain_hash(salt_seed(salt), arr)
+
+
+class Hold:
+    """Host objects of a looked-up prefix, kept until ``release()`` (idempotent).
+
+    ``num_tokens`` is the hit length; pass the hold to ``retrieve``/``retrieve_layerwise`` to load
+    from exactly these objects. A hold pins host memory: release it when the load is done or the
+    request goes away.
+    """
+
+    def __init__(self, spans: list[ChunkSpan], objs: list[MemoryObj], digest: bytes,
+                 sources: list[str] | None = None) -> None:
+        self.spans = spans
+        self.objs = objs
+        self.digest = digest
+        # The tier each held chunk was found in (``CacheEngine.chunk_sources``), for metrics.
+        self.sources: list[str] = list(sources) if sources is not None else []
+        self._lock = threading.Lock()
+        self._released = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.spans[-1].end if self.spans else 0
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        for obj in self.objs:
+            obj.release()
+
+    def __enter__(self) -> Hold:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@dataclass
+class RetrieveJob:
+    """A layer-wise retrieval: ``mask`` (tokens that will be loaded) is known up front; iterating
+    ``layers`` loads layer by layer (each yielded index is ready for attention)."""
+
+    mask: torch.Tensor
+    layers: Iterator[int]
