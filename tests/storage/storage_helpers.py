@@ -60,3 +60,17 @@ def config(tmp_path, **kw: Any):
 
 
 ARENA_BYTES = 64 * meta().nbytes
+
+
+def disk_of(m: TieredStorageManager) -> Any:
+    """The manager's one lower tier (tests built with a disk tier only)."""
+    (disk,) = m.lower
+    return disk
+
+
+def stored(m: TieredStorageManager, *idx: int) -> None:
+    """Chunks ``idx`` flushed to the lower tier and gone from host memory (reads hit the disk)."""
+    for i in idx:
+        put_chunk(m, i)
+    assert m.flush(10), m.last_flush
+    m.host.remove([key(i) for i in idx])

@@ -12,21 +12,9 @@ import threading
 from pathlib import Path
 
 import pytest
-from storage_helpers import check_obj, key, put_chunk
+from storage_helpers import check_obj, disk_of, key, put_chunk, stored
 
 GiB = 1 << 30
-
-
-def disk_of(m):
-    (disk,) = m.lower
-    return disk
-
-
-def stored(m, *idx):
-    for i in idx:
-        put_chunk(m, i)
-    assert m.flush(10), m.last_flush
-    m.host.remove([key(i) for i in idx])
 
 
 def get_bounded(m, k, timeout=10.0):

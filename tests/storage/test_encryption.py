@@ -9,7 +9,17 @@ import struct
 import zlib
 
 import pytest
-from storage_helpers import LAYOUT, NAMESPACE, check_obj, chunk_value, config, key, meta, put_chunk
+from storage_helpers import (
+    LAYOUT,
+    NAMESPACE,
+    check_obj,
+    chunk_value,
+    config,
+    disk_of,
+    key,
+    meta,
+    stored,
+)
 
 pytest.importorskip("cryptography")
 
@@ -22,18 +32,6 @@ from kvtier.storage.sealing import Sealer
 
 KEY_A = "11" * 32
 KEY_B = "22" * 32
-
-
-def disk_of(m):
-    (disk,) = m.lower
-    return disk
-
-
-def stored(m, *idx):
-    for i in idx:
-        put_chunk(m, i)
-    assert m.flush(10), m.last_flush
-    m.host.remove([key(i) for i in idx])
 
 
 def test_sealed_round_trip_and_restart(make_manager):
