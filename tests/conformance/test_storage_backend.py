@@ -45,9 +45,12 @@ from kvtier.core.config import KVTierConfig
 from kvtier.core.memory import HostArena, MemoryObj
 from kvtier.storage.backends.base import BackendContext, StorageBackend
 from kvtier.storage.manager import BACKEND_GROUP, load_backend_class
+from kvtier.storage.sealing import Sealer
 from kvtier.storage.stats import StorageStats
 
-TIERS = ["local_cpu", "local_disk", "redis", "dict_tier"]
+# redis_sealed: the redis tier with encryption_key set (payloads sealed with AES-256-GCM)
+TIERS = ["local_cpu", "local_disk", "redis", "redis_sealed", "dict_tier"]
+KEY = "5a" * 32
 _media_ids = itertools.count(1)
 
 
@@ -79,8 +82,10 @@ class Tier:
         """Another instance, as the manager builds one (entry point + context)."""
         cfg = self.config.replace(**overrides) if overrides else self.config
         cls = load_backend_class(self.name, cfg.plugins)
+        key_bytes = cfg.encryption_key_bytes()
         ctx = BackendContext(config=cfg, layout=LAYOUT, namespace=namespace, arena=self.arena,
-                             stats=StorageStats(), options=dict(cfg.backend_options.get(self.name, {})))
+                             stats=StorageStats(), options=dict(cfg.backend_options.get(self.name, {})),
+                             sealer=Sealer(key_bytes) if key_bytes is not None else None)
         backend = cls(ctx)
         self.built.append(backend)
         return backend
@@ -129,6 +134,10 @@ def release(objs: list[MemoryObj | None]) -> None:
 @pytest.fixture(params=TIERS)
 def tier(request: pytest.FixtureRequest, tmp_path: Path, plugin_registered: None) -> Iterator[Tier]:
     name: str = request.param
+    sealed = name == "redis_sealed"
+    if sealed:
+        pytest.importorskip("cryptography", reason="kvtier[encryption] is not installed")
+        name = "redis"
     arena = HostArena.create(64 * meta().nbytes)
     kw: dict[str, Any] = {"tiers": ["local_cpu"] if name == "local_cpu" else ["local_cpu", name]}
     medium: Medium | None = None
@@ -140,7 +149,8 @@ def tier(request: pytest.FixtureRequest, tmp_path: Path, plugin_registered: None
         server = request.getfixturevalue("redis_clean")
         # 1 KiB segments: each 2 KiB chunk is stored as several values
         kw.update(redis_url=server.url,
-                  backend_options={"redis": {"retry_interval_s": 0.2, "segment_bytes": 1024}})
+                  backend_options={"redis": {"retry_interval_s": 0.2, "segment_bytes": 1024}},
+                  **({"encryption_key": KEY} if sealed else {}))
         medium = RedisMedium(server.url)
     elif name == "dict_tier":
         medium_id = next(_media_ids)

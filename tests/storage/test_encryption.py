@@ -136,11 +136,20 @@ def test_key_file(tmp_path):
     assert KEY_A not in repr(config(tmp_path, encryption_key=KEY_A))
 
 
-def test_a_tier_that_cannot_seal_is_a_config_error(tmp_path):
-    cfg = config(tmp_path, tiers=["local_cpu", "redis"], redis_url="redis://127.0.0.1:1/0",
-                 encryption_key=KEY_A)
+def test_a_tier_that_cannot_seal_is_a_config_error(tmp_path, monkeypatch):
+    """A third-party tier that does not declare ``seals_payloads`` (here: the base class, as
+    registered by a plugin) is refused while a key is set."""
+    from importlib.metadata import EntryPoint
+
+    from kvtier.core import platform as platform_mod
+
+    real = platform_mod.entry_points
+    plain = EntryPoint("plain_tier", "kvtier.storage.backends.base:StorageBackend", "kvtier.backends")
+    monkeypatch.setattr(platform_mod, "entry_points", lambda *, group: [
+        *real(group=group), *([plain] if group == "kvtier.backends" else [])])
+    cfg = config(tmp_path, tiers=["local_cpu", "plain_tier"], encryption_key=KEY_A)
     arena = HostArena.create(1 << 20)
-    with pytest.raises(ConfigError, match="cannot seal"):
+    with pytest.raises(ConfigError, match="'plain_tier' tier cannot seal"):
         create_storage_manager(config=cfg, arena=arena, layout=LAYOUT, namespace=NAMESPACE)
 
 

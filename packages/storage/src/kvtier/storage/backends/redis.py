@@ -28,6 +28,16 @@ such as a list or a hash) is a miss for that chunk alone, counted (``redis.corru
 deleted; the other chunks of the batch still hit. ``contains`` checks that the head is a string
 of a head's size (a key of another type there is a miss, and a later store replaces it).
 
+Encryption at rest (``encryption_key``, ``sealing``): the stored payload is the chunk's
+AES-256-GCM ciphertext and tag (``codec.seal``: the head's codec header, which names the key and
+carries the nonce, is the authenticated data), segmented and checksummed like a plain payload.
+A read lands the ciphertext in the arena object (``redis_chunk``), checks the checksum, then
+decrypts in place and checks the tag. A head that is plain, or sealed under another key (its key
+check), and a payload whose tag fails are misses, counted (``redis.corrupt`` and
+``redis.sealed_rejected``) and deleted, as is a sealed head read without a key. With a key,
+``contains`` reads and checks whole heads, so a lookup does not count a chunk it cannot open.
+Engines with different keys must not share a ``key_prefix``: each deletes what the other wrote.
+
 URLs: ``redis://``, ``rediss://`` (TLS) and ``unix://``; ``redis_username``/``redis_password``
 override the URL's credentials; ``redis_cluster`` routes by hash slot (``CLUSTER SLOTS``).
 
@@ -43,18 +53,17 @@ other error reply) skips that chunk's store with a warning, and what did land of
 from __future__ import annotations
 
 import logging
-import threading
 import zlib
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.memory import MemoryObjMeta
 from kvtier.storage import codec
 from kvtier.storage._log import warn_throttled
 from kvtier.storage.backends.base import BackendContext, StorageBackend
+from kvtier.storage.backends.redis_chunk import ChunkRead
 from kvtier.storage.backends.redis_format import (
     MIN_HEAD,
     encode_head,
@@ -72,6 +81,7 @@ from kvtier.storage.backends.redis_resp import (
     parse_url,
     set_command,
 )
+from kvtier.storage.sealing import TAG_BYTES
 
 if TYPE_CHECKING:
     from kvtier.core.keys import ChunkKey
@@ -83,27 +93,11 @@ _IN_FLIGHT = 2  # segments asked for and not yet read, per connection
 _UNREACHABLE = "its server failed or refused the read"
 
 
-@dataclass
-class _Read:
-    """One chunk being read: its object, where each segment lands, its checksum."""
-
-    index: int
-    head: codec.Header
-    trailer: bytes
-    obj: MemoryObj
-    view: memoryview
-    segment_bytes: int
-    segments: int
-    cs: codec.Checksum
-    pending: int
-    failed: str | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
 class RedisBackend(StorageBackend):
     """Chunks in Redis/Valkey. See the module docstring."""
 
     name = "redis"
+    seals_payloads: ClassVar[bool] = True
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
@@ -121,7 +115,8 @@ class RedisBackend(StorageBackend):
         self.ttl = cfg.redis_ttl_s or None
         self.max_tokens = cfg.chunk_size
         full = MemoryObjMeta(ctx.layout.chunk_shape(cfg.chunk_size), ctx.layout.torch_dtype, cfg.chunk_size)
-        self._max_segments = max(1, -(-full.nbytes // self.segment_bytes))
+        # a sealed payload is a tag longer (and may be one we cannot open, removed all the same)
+        self._max_segments = max(1, -(-(full.nbytes + TAG_BYTES) // self.segment_bytes))
         self.nodes = Nodes(parse_url(cfg.redis_url, cfg.redis_username, cfg.redis_password),
                            cluster=cfg.redis_cluster, connect_timeout_s=cfg.redis_connect_timeout_s,
                            retry_interval_s=self.retry_interval_s, connections=int(opts["connections"]),
@@ -170,8 +165,22 @@ class RedisBackend(StorageBackend):
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         heads = [head_key(self.prefix, k) for k in keys]
         dl = self._deadline()
+        if self.ctx.sealer is not None:
+            return self._contains_sealed(keys, heads, dl)
         replies = self._replies(self._by_node(heads, dl), lambda i: command(b"STRLEN", heads[i]), dl)
         return [isinstance(r, int) and r > MIN_HEAD for r in (replies.get(i) for i in range(len(keys)))]
+
+    def _contains_sealed(self, keys: Sequence[ChunkKey], heads: list[bytes], dl: Deadline) -> list[bool]:
+        """With ``encryption_key``: whole heads are read and checked (a plain head, or one sealed
+        under another key, is not a hit a lookup may count on; it is rejected as a read would)."""
+        replies = self._replies(self._by_node(heads, dl), lambda i: command(b"GET", heads[i]), dl)
+        out = [False] * len(keys)
+        bad: dict[int, str] = {}
+        for i, key in enumerate(keys):
+            out[i] = self._head(i, key, replies.get(i), bad) is not None
+        if bad:
+            self._reject(keys, bad)
+        return out
 
     # -- writes --------------------------------------------------------------------------------
     def batched_put(self, items: Sequence[tuple[ChunkKey, MemoryObj]]) -> None:
@@ -180,9 +189,8 @@ class RedisBackend(StorageBackend):
         dl = self._deadline(sum(obj.meta.nbytes for _, obj in items))
         heads = [head_key(self.prefix, k) for k, _ in items]
         groups = self._by_node(heads, dl)
-        headers = [codec.encode_header(k, obj.meta, self.ctx.layout) for k, obj in items]
+        headers, views = self._payloads(items)
         sums = [codec.Checksum(zlib.crc32(h)) for h in headers]
-        views = [obj.byte_view() for _, obj in items]
         failed: dict[int, object] = {i: "no server owns its slot" for i in range(len(items))}
         try:
             for cs, view in zip(sums, views, strict=True):
@@ -212,6 +220,20 @@ class RedisBackend(StorageBackend):
             # a head may have landed after a refused segment: take such chunks back
             self.remove([items[i][0] for i, why in failed.items() if isinstance(why, RespError)])
         self.ctx.stats.add(f"{self.name}.stored", len(items) - len(failed))
+
+    def _payloads(self, items: Sequence[tuple[ChunkKey, MemoryObj]]) -> tuple[list[bytes], list[memoryview]]:
+        """Each chunk's codec header and the payload to store: a view of its object, or (with
+        ``encryption_key``) its ciphertext and tag, a new buffer."""
+        sealer = self.ctx.sealer
+        if sealer is None:
+            return ([codec.encode_header(k, obj.meta, self.ctx.layout) for k, obj in items],
+                    [obj.byte_view() for _, obj in items])
+        headers, views = [], []
+        for k, obj in items:
+            header, sealed = codec.seal(k, obj.meta, self.ctx.layout, obj.byte_view(), sealer)
+            headers.append(header)
+            views.append(memoryview(sealed))
+        return headers, views
 
     def _put_job(self, chunks: list[int], views: list[memoryview], heads: list[bytes],
                  headers: list[bytes], sums: list[codec.Checksum]) -> Callable[[Connection, Deadline], list[object]]:
@@ -265,7 +287,7 @@ class RedisBackend(StorageBackend):
         groups = self._by_node(heads, dl)
         replies = self._replies(groups, lambda i: command(b"GET", heads[i]), dl)
         bad: dict[int, str] = {}
-        reads: list[_Read] = []
+        reads: list[ChunkRead] = []
         for i, key in enumerate(keys):
             r = self._open(i, key, replies.get(i), allocate, bad)
             if r is not None:
@@ -275,12 +297,7 @@ class RedisBackend(StorageBackend):
             # the first is marked down by now and costs nothing here
             self._get_segments(reads, heads, groups, self._deadline(sum(r.head.payload_len for r in reads)))
             for r in reads:
-                r.cs.wait()
-                if r.failed is None:
-                    try:
-                        codec.check_trailer(r.cs.value(), r.trailer)
-                    except codec.PayloadError as e:
-                        r.failed = e.reason
+                r.verify(keys[r.index], self.ctx.sealer)
                 if r.failed is None:
                     out[r.index] = r.obj
                 else:
@@ -296,10 +313,10 @@ class RedisBackend(StorageBackend):
             self._reject(keys, bad)
         return out
 
-    def _open(self, i: int, key: ChunkKey, reply: object,
-              allocate: Callable[[MemoryObjMeta], MemoryObj | None], bad: dict[int, str]) -> _Read | None:
-        """Check chunk ``i``'s head and allocate its object; None for a miss (``bad`` says why
-        when the entry must go)."""
+    def _head(self, i: int, key: ChunkKey, reply: object,
+              bad: dict[int, str]) -> tuple[codec.Header, bytes, int] | None:
+        """Chunk ``i``'s head, checked (``parse_head``); None for a miss (``bad`` says why when
+        the entry must go)."""
         if isinstance(reply, RespError):
             if reply.kind == "WRONGTYPE":  # another type at our key: bad entry (other errors are
                 bad[i] = f"head: {reply}"  # the server's state: CLUSTERDOWN, LOADING, MOVED...)
@@ -307,41 +324,48 @@ class RedisBackend(StorageBackend):
         if reply is None or isinstance(reply, BaseException):  # a miss, or its server failed
             return None
         try:
-            head, trailer, seg = parse_head(reply, key=key, layout=self.ctx.layout, max_tokens=self.max_tokens)
+            return parse_head(reply, key=key, layout=self.ctx.layout, max_tokens=self.max_tokens,
+                              sealer=self.ctx.sealer)
         except codec.PayloadError as e:
             bad[i] = e.reason
             return None
+
+    def _open(self, i: int, key: ChunkKey, reply: object,
+              allocate: Callable[[MemoryObjMeta], MemoryObj | None], bad: dict[int, str]) -> ChunkRead | None:
+        """Check chunk ``i``'s head and allocate its object; None for a miss."""
+        parsed = self._head(i, key, reply, bad)
+        if parsed is None:
+            return None
+        head, trailer, seg = parsed
         obj = allocate(head.meta)
         if obj is None:
             self.ctx.stats.add(f"{self.name}.no_host_memory")
             return None
-        n = max(1, -(-head.payload_len // seg))
-        return _Read(i, head, trailer, obj, obj.byte_view(), seg, n, codec.Checksum(head.crc_of_header), n)
+        return ChunkRead(i, head, trailer, obj, seg)
 
-    def _get_segments(self, reads: list[_Read], heads: list[bytes], groups: dict[str, list[int]],
+    def _get_segments(self, reads: list[ChunkRead], heads: list[bytes], groups: dict[str, list[int]],
                       dl: Deadline) -> None:
         """Read every segment of ``reads`` straight into its object; mark the chunks that fail."""
         by_index = {r.index: r for r in reads}
         jobs: list[Job[None]] = []
-        lanes: list[list[tuple[_Read, bytes, memoryview]]] = []
+        lanes: list[list[tuple[ChunkRead, bytes, memoryview]]] = []
         for address, idxs in groups.items():
             segs = []
             for i in idxs:
                 r = by_index.get(i)
                 if r is None:
                     continue
-                view = r.view
                 for s, k in enumerate(segment_keys(heads[i], r.segments)):
-                    segs.append((r, k, view[s * r.segment_bytes : (s + 1) * r.segment_bytes]))
+                    segs.append((r, k, r.segment_view(s)))
             for addr, lane in self._lanes(address, segs):
                 lanes.append(lane)
                 jobs.append((addr, self._get_job(lane)))
         for lane, result in zip(lanes, self.nodes.run(jobs, dl), strict=True):
             if isinstance(result, BaseException):
                 for r, _, _ in lane:
-                    r.failed = r.failed or _UNREACHABLE
+                    r.fail(_UNREACHABLE)
 
-    def _get_job(self, lane: list[tuple[_Read, bytes, memoryview]]) -> Callable[[Connection, Deadline], None]:
+    def _get_job(self, lane: list[tuple[ChunkRead, bytes, memoryview]]) -> Callable[[Connection, Deadline], None]:
         cmds = [command(b"GET", k) for _, k, _ in lane]
         window = _IN_FLIGHT
 
@@ -354,17 +378,13 @@ class RedisBackend(StorageBackend):
                 if n + window < len(cmds):
                     conn.send([cmds[n + window]], dl)
                 got = conn.read_into(view, dl)
+                problem = None
                 if got != view.nbytes:
                     state = isinstance(got, RespError) and got.kind != "WRONGTYPE"
-                    with r.lock:
-                        r.failed = r.failed or (_UNREACHABLE if state else _segment_problem(got, view.nbytes))
+                    problem = _UNREACHABLE if state else _segment_problem(got, view.nbytes)
                     if state and got.kind in ("MOVED", "ASK"):  # type: ignore[union-attr]
                         self.nodes.topology_changed()
-                with r.lock:
-                    r.pending -= 1
-                    last = r.pending == 0 and r.failed is None
-                if last:  # checksum this chunk on helper threads while the rest arrive
-                    r.cs.add(r.view)
+                r.landed(problem)  # the last one starts the chunk's checksum on helper threads
         return run
 
     def _reject(self, keys: Sequence[ChunkKey], bad: dict[int, str]) -> None:
@@ -372,6 +392,8 @@ class RedisBackend(StorageBackend):
         for i, why in bad.items():
             if why != _UNREACHABLE:
                 self.ctx.stats.add(f"{self.name}.corrupt")
+                if why.startswith(("sealed", "unsealed")):  # codec's reasons for a failed seal
+                    self.ctx.stats.add(f"{self.name}.sealed_rejected")
                 logger.warning("kvtier redis tier: value of %s rejected (%s); deleted", keys[i].to_string(), why)
         if gone:
             self.remove(gone)

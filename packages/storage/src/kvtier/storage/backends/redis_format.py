@@ -13,6 +13,7 @@ from kvtier.storage import codec
 if TYPE_CHECKING:
     from kvtier.core.keys import ChunkKey
     from kvtier.core.layout import KVLayout
+    from kvtier.storage.sealing import Sealer
 
 TAIL = struct.Struct("<I4s")  # after the codec trailer: the segment size, the magic
 MAGIC = b"KVRS"
@@ -37,9 +38,11 @@ def encode_head(header: bytes, checksum: int, segment_bytes: int) -> bytes:
     return header + codec.TRAILER.pack(checksum) + TAIL.pack(segment_bytes, MAGIC)
 
 
-def parse_head(blob: object, *, key: ChunkKey, layout: KVLayout, max_tokens: int) -> tuple[codec.Header, bytes, int]:
+def parse_head(blob: object, *, key: ChunkKey, layout: KVLayout, max_tokens: int,
+               sealer: Sealer | None = None) -> tuple[codec.Header, bytes, int]:
     """``(header, trailer, segment_bytes)`` of a head read for ``key``; ``PayloadError`` unless
-    every codec check passes."""
+    every codec check passes (with ``sealer``: a sealed head whose key check matches this key;
+    without: a plain head)."""
     if not isinstance(blob, bytes) or len(blob) < MIN_HEAD:
         raise codec.PayloadError("foreign: not a kvtier head")
     seg, magic = TAIL.unpack_from(blob, len(blob) - TAIL.size)
@@ -48,7 +51,8 @@ def parse_head(blob: object, *, key: ChunkKey, layout: KVLayout, max_tokens: int
     header_len, _ = codec.prefix_lengths(blob)
     if len(blob) != header_len + codec.TRAILER.size + TAIL.size:
         raise codec.PayloadError(f"truncated: head of {len(blob)} bytes")
-    header = codec.decode_header(blob[:header_len], key=key, layout=layout, max_tokens=max_tokens)
+    header = codec.decode_header(blob[:header_len], key=key, layout=layout, max_tokens=max_tokens,
+                                 sealer=sealer)
     return header, blob[header_len : header_len + codec.TRAILER.size], seg
 
 

@@ -1,0 +1,95 @@
+"""One chunk being read by the Redis tier: where each of its segments lands, its checksum, and,
+for a sealed chunk (``encryption_key``), its authentication tag.
+
+A plain chunk's segments land straight in the host object that will hold it. A sealed chunk's
+stored payload is its ciphertext followed by a 16-byte tag, one tag longer than the object:
+the segments that lie wholly within the ciphertext land in the object, the one or two that
+reach into the tag land in a small side buffer, whose ciphertext part is copied into the object
+once every segment is there. The checksum then runs over ciphertext and tag as they were
+stored, and only after it matches is the ciphertext decrypted in place and its tag checked.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from kvtier.storage import codec
+
+if TYPE_CHECKING:
+    from kvtier.core.keys import ChunkKey
+    from kvtier.core.memory import MemoryObj
+    from kvtier.storage.sealing import Sealer
+
+
+class ChunkRead:
+    """One chunk of a ``batched_get``: ``segment_view(s)`` is where segment ``s`` lands;
+    ``landed`` is called once per segment (from the thread that read it); ``verify`` checks the
+    whole chunk once every segment has landed (or failed). ``failed`` says why it is a miss."""
+
+    def __init__(self, index: int, head: codec.Header, trailer: bytes, obj: MemoryObj,
+                 segment_bytes: int) -> None:
+        self.index = index
+        self.head = head
+        self.trailer = trailer
+        self.obj = obj
+        self.view = obj.byte_view()
+        self.segment_bytes = segment_bytes
+        self.segments = max(1, -(-head.payload_len // segment_bytes))
+        self.cs = codec.Checksum(head.crc_of_header)
+        self.failed: str | None = None
+        self.tag = b""
+        self._pending = self.segments
+        self._lock = threading.Lock()
+        self._tail: memoryview | None = None
+        self._tail_at = 0
+        if head.sealed:
+            self._tail_at = self.view.nbytes // segment_bytes * segment_bytes
+            self._tail = memoryview(bytearray(head.payload_len - self._tail_at))
+
+    def segment_view(self, s: int) -> memoryview:
+        start = s * self.segment_bytes
+        end = start + self.segment_bytes
+        if self._tail is None or min(end, self.head.payload_len) <= self.view.nbytes:
+            return self.view[start:end]
+        return self._tail[start - self._tail_at : end - self._tail_at]
+
+    def landed(self, problem: str | None) -> None:
+        """One segment was read (``problem``: why it is unusable). After the last good one, the
+        checksum starts on helper threads while other chunks' segments still arrive."""
+        with self._lock:
+            if problem is not None and self.failed is None:
+                self.failed = problem
+            self._pending -= 1
+            last = self._pending == 0 and self.failed is None
+        if not last:
+            return
+        if self._tail is None:
+            self.cs.add(self.view)
+            return
+        n = self.view.nbytes
+        inside = n - self._tail_at
+        self.view[self._tail_at :] = self._tail[:inside]
+        self.tag = bytes(self._tail[inside:])
+        whole = n // codec.SEGMENT * codec.SEGMENT  # checksum pieces: whole segments, then the rest
+        self.cs.add(self.view[:whole])
+        self.cs.add(bytes(self.view[whole:]) + self.tag)
+
+    def fail(self, problem: str) -> None:
+        with self._lock:
+            if self.failed is None:
+                self.failed = problem
+
+    def verify(self, key: ChunkKey, sealer: Sealer | None) -> None:
+        """Wait for the checksum; check it and (sealed) decrypt in place and check the tag.
+        Sets ``failed`` on a mismatch (the object then holds garbage: release it)."""
+        self.cs.wait()
+        if self.failed is not None:
+            return
+        try:
+            codec.check_trailer(self.cs.value(), self.trailer)
+            if self.head.sealed:
+                assert sealer is not None  # parse_head refuses a sealed head without one
+                codec.unseal_in_place(self.head, self.view, self.tag, key, sealer)
+        except codec.PayloadError as e:
+            self.failed = e.reason
