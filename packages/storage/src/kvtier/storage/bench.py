@@ -36,108 +36,28 @@ import importlib.util
 import json
 import os
 import platform
-import shutil
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from kvtier.core.config import load_config
 from kvtier.core.keys import KeyFactory
-from kvtier.core.layout import KVLayout, PagedLayout
-from kvtier.core.memory import HostArena, MemoryObj, MemoryObjMeta
-from kvtier.storage.backends.base import BackendContext, StorageBackend
 from kvtier.storage.backends.local_cpu import LocalCPUBackend
+from kvtier.storage.bench_common import SHAPES, Bench, Shape, chart, make_backend, touched_arena
+from kvtier.storage.bench_disk import bench_disk
 from kvtier.storage.manager import TieredStorageManager
 
-TARGETS = {"local_cpu": 0.8, "local_disk": 0.8, "redis": 0.8}
+__all__ = ["SHAPES", "Shape", "bench_cpu", "bench_disk", "main"]
 
 
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    layout: KVLayout
-    tokens: int
-    batch: int
-
-    @property
-    def meta(self) -> MemoryObjMeta:
-        return MemoryObjMeta(self.layout.chunk_shape(self.tokens), self.layout.torch_dtype, self.tokens)
-
-
-SHAPES = [
-    Shape("8b", KVLayout(32, 8, 128, "bfloat16", 16, PagedLayout.FLASH_NHD), 256, 4),
-    Shape("small", KVLayout(16, 2, 64, "bfloat16", 16, PagedLayout.FLASH_NHD), 256, 16),
-]
-
-
-def _median_gbps(nbytes: int, times: list[float]) -> float:
-    return nbytes / statistics.median(times) / 1e9
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-class _Bench:
-    def __init__(self, repeat: int) -> None:
-        self.repeat = repeat
-        self.rows: list[dict[str, Any]] = []
-
-    def compare(
-        self, tier: str, shape: Shape, op: str, nbytes: int,
-        ours: Callable[[int], Callable[[], Any]], ref: Callable[[int], Callable[[], Any]],
-        cleanup: Callable[[], None] = lambda: None, variant: str | None = None,
-    ) -> None:
-        """``ours(round)``/``ref(round)`` prepare a round (untimed) and return the timed part."""
-        t_ours: list[float] = []
-        t_ref: list[float] = []
-        for r in range(self.repeat + 1):  # round 0 warms up
-            a = _timed(ref(r))
-            cleanup()
-            b = _timed(ours(r))
-            cleanup()
-            if r:
-                t_ref.append(a)
-                t_ours.append(b)
-        g, rg = _median_gbps(nbytes, t_ours), _median_gbps(nbytes, t_ref)
-        row = {"tier": tier, "shape": shape.name, "op": op, "chunk_bytes": shape.meta.nbytes,
-               "batch": shape.batch, "gbps": round(g, 3), "reference_gbps": round(rg, 3),
-               "ratio": round(g / rg, 3), "target": TARGETS[tier]}
-        if variant:
-            row["variant"] = variant
-        self.rows.append(row)
-        label = f"{op} {variant}" if variant else op
-        print(f"{tier:<11}{shape.name:<7}{label:<16}{g:>9.2f}{rg:>11.2f}{g / rg:>8.2f}{TARGETS[tier]:>8.2f}",
-              flush=True)
-
-
-def _arena(nbytes: int) -> HostArena:
-    arena = HostArena.create(nbytes)
-    arena.buffer.fill_(0)
-    return arena
-
-
-def _fill(obj: MemoryObj, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    obj.tensor.view(torch.int16).copy_(
-        torch.randint(-30000, 30000, obj.meta.shape, dtype=torch.int16, generator=g))
-
-
-def bench_cpu(b: _Bench, shape: Shape) -> None:
+def bench_cpu(b: Bench, shape: Shape) -> None:
     meta = shape.meta
-    arena = _arena(meta.nbytes * (2 * shape.batch + 2))
+    arena = touched_arena(meta.nbytes * (2 * shape.batch + 2))
     keys = KeyFactory("bench", shape.layout.fingerprint())
-    host = _backend(LocalCPUBackend, shape, arena, tiers=["local_cpu"])
+    host = make_backend(LocalCPUBackend, shape, arena, tiers=["local_cpu"])
     m = TieredStorageManager([host], arena=arena, stats=host.ctx.stats)
     src = [torch.empty(meta.shape, dtype=meta.dtype) for _ in range(shape.batch)]
     dst = [torch.empty(meta.shape, dtype=meta.dtype) for _ in range(shape.batch)]
@@ -182,170 +102,6 @@ def bench_cpu(b: _Bench, shape: Shape) -> None:
         m.close()
 
 
-def _backend(cls: type[StorageBackend], shape: Shape, arena: HostArena, **cfg: Any) -> StorageBackend:
-    config = load_config(overrides={"chunk_size": shape.tokens, **cfg}, env={})
-    ns = KeyFactory("bench", shape.layout.fingerprint()).key(b"").namespace()
-    key = config.encryption_key_bytes()
-    sealer = None
-    if key is not None:
-        from kvtier.storage.sealing import Sealer
-
-        sealer = Sealer(key)
-    return cls(BackendContext(config=config, layout=shape.layout, namespace=ns, arena=arena,
-                              sealer=sealer))
-
-
-def _objects(shape: Shape) -> tuple[HostArena, list[MemoryObj]]:
-    meta = shape.meta
-    arena = _arena(meta.nbytes * (2 * shape.batch + 2))
-    objs = []
-    for i in range(shape.batch):
-        obj = arena.allocate(meta)
-        assert obj is not None
-        _fill(obj, i)
-        objs.append(obj)
-    return arena, objs
-
-
-def _write_raw(path: str, view: memoryview) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        done = 0
-        while done < view.nbytes:
-            done += os.write(fd, view[done:])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _read_raw(path: str, view: memoryview) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        done = 0
-        while done < view.nbytes:
-            n = os.preadv(fd, [view[done:]], done)
-            if not n:
-                raise OSError(f"{path} is short")
-            done += n
-    finally:
-        os.close(fd)
-
-
-def _drop_cache(directory: Path) -> None:
-    """Evict a directory's (clean, fsync'ed) files from the page cache: the next read hits the
-    device."""
-    for p in directory.rglob("*"):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
-def bench_disk(b: _Bench, shape: Shape, disk_dir: Path, *, sealed: bool = False) -> None:
-    """The disk tier against raw file I/O; ``sealed``: with ``encryption_key`` (AES-256-GCM),
-    rows with variant ``sealed`` (put, page-cache get)."""
-    from kvtier.storage.backends.local_disk import LocalDiskBackend
-
-    arena, objs = _objects(shape)
-    root = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=disk_dir))
-    raw_dir = root / "raw"
-    raw_dir.mkdir()
-    extra = {"encryption_key": os.urandom(32).hex()} if sealed else {}
-    disk = _backend(LocalDiskBackend, shape, arena, local_disk_path=str(root / "tier"),
-                    local_disk_size_gb=64.0, **extra)
-    assert isinstance(disk, LocalDiskBackend)
-    keys = KeyFactory("bench", shape.layout.fingerprint())
-    nbytes = shape.meta.nbytes * shape.batch
-    sink = [np.empty(shape.meta.nbytes, dtype=np.uint8) for _ in range(shape.batch)]
-
-    def k(r: int, i: int):
-        return keys.key(r.to_bytes(4, "little") + i.to_bytes(4, "little"))
-
-    def clear() -> None:
-        disk.remove([k(r, i) for r in range(b.repeat + 1) for i in range(shape.batch)])
-        for p in raw_dir.iterdir():
-            p.unlink()
-
-    def raw_put(r: int) -> Callable[[], None]:
-        def run() -> None:
-            for i, o in enumerate(objs):
-                _write_raw(str(raw_dir / f"{i}"), o.byte_view())
-        return run
-
-    def put(r: int) -> Callable[[], None]:
-        return lambda: disk.batched_put([(k(r, i), o) for i, o in enumerate(objs)])
-
-    cold = False
-
-    def raw_get(r: int) -> Callable[[], None]:
-        raw_put(r)()
-        if cold:
-            _drop_cache(raw_dir)
-
-        def run() -> None:
-            for i, buf in enumerate(sink):
-                _read_raw(str(raw_dir / f"{i}"), buf.data)
-        return run
-
-    def get(r: int) -> Callable[[], None]:
-        put(r)()
-        if cold:
-            _drop_cache(disk.dir)
-
-        def run() -> None:
-            got = disk.batched_get([k(r, i) for i in range(shape.batch)], arena.allocate)
-            assert all(g is not None for g in got), "disk bench read missed"
-            for g in got:
-                g.release()  # type: ignore[union-attr]
-        return run
-
-    try:
-        if sealed:
-            b.compare("local_disk", shape, "put", nbytes, put, raw_put, clear, variant="sealed")
-            b.compare("local_disk", shape, "get", nbytes, get, raw_get, clear,
-                      variant="page-cache sealed")
-            return
-        b.compare("local_disk", shape, "put", nbytes, put, raw_put, clear)
-        b.compare("local_disk", shape, "get", nbytes, get, raw_get, clear, variant="page-cache")
-        cold = True
-        b.compare("local_disk", shape, "get", nbytes, get, raw_get, clear, variant="from-device")
-    finally:
-        disk.close()
-        for o in objs:
-            o.release()
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def _chart(rows: list[dict[str, Any]], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no chart")
-        return
-    labels = [f"{r['tier']}\n{r['shape']} {r['op']}" + (f"\n{r['variant']}" if "variant" in r else "")
-              for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4.5))
-    bars = ax.bar(range(len(rows)), [r["ratio"] for r in rows],
-                  color=["tab:blue" if r["ratio"] >= r["target"] else "tab:orange" for r in rows])
-    for i, r in enumerate(rows):
-        ax.hlines(r["target"], i - 0.4, i + 0.4, colors="black", linestyles="dashed")
-        ax.text(i, r["ratio"] + 0.02, f"{r['gbps']:.1f}\n/{r['reference_gbps']:.1f}", ha="center",
-                fontsize=7)
-    ax.set_xticks(range(len(rows)), labels, fontsize=7)
-    ax.set_ylabel("kvtier / reference throughput")
-    ax.set_title("kvtier storage tiers vs. reference (dashed: target; labels GB/s ours/ref)")
-    ax.set_ylim(0, max(1.2, max(r["ratio"] for r in rows) + 0.2))
-    del bars
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvtier bench storage", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -368,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [s for s in SHAPES if s.name in args.shapes]
     if args.quick:
         shapes = [Shape(s.name, s.layout, s.tokens, max(1, s.batch // 2)) for s in shapes]
-    b = _Bench(repeat)
+    b = Bench(repeat)
     server = cluster = None
     redis_note = None
     if "redis" in args.tiers:
@@ -425,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "storage.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {args.out / 'storage.json'}")
     if b.rows:
-        _chart(b.rows, args.out / "storage.png")
+        chart(b.rows, args.out / "storage.png")
     return 0
 
 

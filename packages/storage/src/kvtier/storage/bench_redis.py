@@ -24,14 +24,12 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvtier.core.keys import KeyFactory
 from kvtier.storage.backends.redis import RedisBackend
 from kvtier.storage.backends.redis_resp import Connection, Deadline, Endpoint, command
-
-if TYPE_CHECKING:
-    from kvtier.storage.bench import Shape, _Bench
+from kvtier.storage.bench_common import Bench, Shape, filled_objects, make_backend
 
 TARGET = 0.8  # of redis-benchmark
 READ_GBPS_TARGET = 2.0  # 8B-shaped reads: what beats recomputing the prefill on a GPU
@@ -159,7 +157,7 @@ def redis_benchmark(port: int, op: str, size: int, conns: int, total: int,
     return rps * size / 1e9, " ".join(cmd)
 
 
-def _rate_row(b: _Bench, shape: Shape, op: str, ours: list[float], ref: list[float], target: float,
+def _rate_row(b: Bench, shape: Shape, op: str, ours: list[float], ref: list[float], target: float,
               reference: str, **extra: Any) -> None:
     g, rg = statistics.median(ours), statistics.median(ref)
     row = {"tier": "redis", "shape": shape.name, "op": op, "chunk_bytes": shape.meta.nbytes,
@@ -174,10 +172,8 @@ def _rate_row(b: _Bench, shape: Shape, op: str, ours: list[float], ref: list[flo
 
 
 def _tier(shape: Shape, arena: Any, url: str, cluster: bool = False) -> RedisBackend:
-    from kvtier.storage.bench import _backend
-
-    tier = _backend(RedisBackend, shape, arena, tiers=["local_cpu", "redis"], redis_url=url,
-                    redis_cluster=cluster, redis_timeout_s=60.0)
+    tier = make_backend(RedisBackend, shape, arena, tiers=["local_cpu", "redis"], redis_url=url,
+                        redis_cluster=cluster, redis_timeout_s=60.0)
     assert isinstance(tier, RedisBackend)
     return tier
 
@@ -186,10 +182,8 @@ class _Batch:
     """A batch of chunks with known contents in a touched host arena, and the timed calls."""
 
     def __init__(self, shape: Shape) -> None:
-        from kvtier.storage.bench import _objects
-
         self.shape = shape
-        self.arena, self.objs = _objects(shape)
+        self.arena, self.objs = filled_objects(shape)
         self.keys = KeyFactory("bench", shape.layout.fingerprint())
         self.nbytes = shape.meta.nbytes * shape.batch
 
@@ -217,7 +211,7 @@ class _Batch:
             o.release()
 
 
-def bench_redis(b: _Bench, shape: Shape, server: PrivateRedis, cluster: PrivateRedis | None) -> None:
+def bench_redis(b: Bench, shape: Shape, server: PrivateRedis, cluster: PrivateRedis | None) -> None:
     batch = _Batch(shape)
     tier = _tier(shape, batch.arena, server.url)
     seg, conns = tier.segment_bytes, tier.nodes.connections
@@ -250,11 +244,9 @@ def bench_redis(b: _Bench, shape: Shape, server: PrivateRedis, cluster: PrivateR
         _bench_cluster(b, shape, server, cluster)
 
 
-def _bench_cluster(b: _Bench, shape: Shape, server: PrivateRedis, cluster: PrivateRedis) -> None:
+def _bench_cluster(b: Bench, shape: Shape, server: PrivateRedis, cluster: PrivateRedis) -> None:
     """The batch of a 4k-token hit read from three shards and from one server, round by round.
     (A chunk lives on one shard: a batch of a few chunks lands unevenly on three.)"""
-    from kvtier.storage.bench import Shape
-
     big = Shape(shape.name, shape.layout, shape.tokens, CLUSTER_BATCH)
     batch = _Batch(big)
     one = _tier(big, batch.arena, server.url)

@@ -8,7 +8,8 @@ Contract (on top of ``kvtier.core.storage``):
   threads drain it; ``flush(timeout)`` waits for them and says whether everything put since the
   previous flush landed in every lower tier: False when writes are still queued at the timeout
   or when any chunk did not land (a full queue, a tier that skipped it: disk full or unwritable,
-  Redis down); ``last_flush`` says what and where.
+  Redis down); ``last_flush`` says what and where. The writer is ``kvtier.storage.writer``;
+  building the tiers from the config, ``kvtier.storage.tiers``.
 - ``get``/``batched_get``/``get_non_blocking``/``prefetch`` search tiers in order. A hit in a
   lower tier is written back into the host tier on every one of these paths (counted as
   ``writeback.chunks``); host hits are not written back.
@@ -26,23 +27,20 @@ Contract (on top of ``kvtier.core.storage``):
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, TypeVar
 
 from kvtier.core.errors import ConfigError, OutOfHostMemory
-from kvtier.core.platform import load_object, plugin_entry_points
 from kvtier.core.storage import StorageManager
 from kvtier.storage._log import warn_throttled
-from kvtier.storage.backends.base import BackendContext, StorageBackend
+from kvtier.storage.backends.base import StorageBackend
 from kvtier.storage.backends.local_cpu import LocalCPUBackend
-from kvtier.storage.sealing import Sealer
 from kvtier.storage.stats import StorageStats
+from kvtier.storage.tiers import BACKEND_GROUP, HOST_TIER, build_tiers, load_backend_class
+from kvtier.storage.writer import FlushReport, LowerTierWriter
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
@@ -53,52 +51,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvtier.storage")
 T = TypeVar("T")
 
-BACKEND_GROUP = "kvtier.backends"
-HOST_TIER = "local_cpu"
 # Lower-tier reads fetch at most this many chunks per round trip when prefetching, so a long
 # prefix does not pull gigabytes into one pipeline before any of it is usable.
 _PREFETCH_BATCH = 8
-# Writers take up to this many queued chunks at once (one pipeline / one pass per tier).
-_WRITE_BATCH = 8
-_POLL_S = 0.05
 
-
-# Counters of chunks that did not land in a lower tier (``<tier>.<suffix>`` or a full name).
-_LOSS_SUFFIXES = (".store_skipped", ".write_failed", ".dropped_at_close")
-_LOSS_NAMES = ("write_queue.dropped",)
-
-
-def _is_loss(name: str) -> bool:
-    return name in _LOSS_NAMES or name.endswith(_LOSS_SUFFIXES)
-
-
-@dataclass(frozen=True)
-class FlushReport:
-    """What one ``flush`` found. ``pending``: writes still queued or in flight when it returned;
-    ``not_stored``: chunks that did not land since the previous flush, by counter name
-    (``local_disk.store_skipped``, ``redis.store_skipped``, ``write_queue.dropped``, ...).
-    True when everything landed."""
-
-    pending: int = 0
-    not_stored: dict[str, int] = field(default_factory=dict)
-
-    def __bool__(self) -> bool:
-        return self.pending == 0 and not self.not_stored
-
-
-def load_backend_class(name: str, allow: Sequence[str] | None = None) -> type[StorageBackend]:
-    """The backend class registered as ``name`` in the ``kvtier.backends`` group."""
-    eps = {ep.name: ep for ep in plugin_entry_points(BACKEND_GROUP, allow)}
-    if name not in eps:
-        hint = " (it is not in the plugins allow-list)" if allow else ""
-        raise ConfigError(
-            "tiers", name,
-            f"no storage backend named {name!r}{hint}; installed: {', '.join(sorted(eps)) or 'none'}",
-        )
-    cls = load_object(eps[name].value)
-    if not (isinstance(cls, type) and issubclass(cls, StorageBackend)):
-        raise ConfigError("tiers", name, f"backend {name!r} points at {eps[name].value!r}, not a StorageBackend")
-    return cls
+__all__ = [
+    "BACKEND_GROUP", "HOST_TIER", "FlushReport", "TieredStorageManager", "build_tiers",
+    "create_storage_manager", "load_backend_class",
+]
 
 
 class TieredStorageManager(StorageManager):
@@ -123,20 +83,13 @@ class TieredStorageManager(StorageManager):
         self.tiers: list[StorageBackend] = list(tiers)
         self._close_timeout_s = close_timeout_s
         self._closed = False
-        self._queue: queue.Queue[tuple[ChunkKey, MemoryObj]] = queue.Queue(maxsize=write_queue_size)
-        self._pending = 0
-        self._pending_cv = threading.Condition()
-        self._stop = threading.Event()
-        self._writers: list[threading.Thread] = []
-        self._flush_lock = threading.Lock()
-        self._loss_base = {n: v for n, v in stats.snapshot().items() if _is_loss(n)}
-        self.last_flush = FlushReport()
-        if self.lower:
-            for i in range(io_threads):
-                t = threading.Thread(target=self._writer, name=f"kvtier-writer-{i}", daemon=True)
-                t.start()
-                self._writers.append(t)
+        self._writer = LowerTierWriter(self.lower, stats, queue_size=write_queue_size, threads=io_threads)
         self._readers = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-reader")
+
+    @property
+    def last_flush(self) -> FlushReport:
+        """What the latest ``flush`` found (a ``FlushReport``; empty before the first)."""
+        return self._writer.last_flush
 
     # -- allocation ----------------------------------------------------------------------------
     def allocate(self, meta: MemoryObjMeta) -> MemoryObj | None:
@@ -159,82 +112,13 @@ class TieredStorageManager(StorageManager):
         self.stats.add("put.chunks")
         if not self.lower:
             return
-        mine = obj.share()
-        with self._pending_cv:
-            self._pending += 1
-        try:
-            self._queue.put_nowait((key, mine))
-        except queue.Full:
-            mine.release()
-            self._done_pending(1)
-            self.stats.add("write_queue.dropped")
-            warn_throttled(
-                "write-queue-full",
-                "kvtier: lower-tier write queue is full (write_queue_size=%d); chunks are kept in "
-                "host memory only",
-                self._queue.maxsize,
-            )
-
-    def _done_pending(self, n: int) -> None:
-        with self._pending_cv:
-            self._pending -= n
-            if self._pending == 0:
-                self._pending_cv.notify_all()
-
-    def _writer(self) -> None:
-        while not self._stop.is_set():
-            try:
-                first = self._queue.get(timeout=_POLL_S)
-            except queue.Empty:
-                continue
-            batch = [first]
-            while len(batch) < _WRITE_BATCH:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            try:
-                for tier in self.lower:
-                    if self._stop.is_set():
-                        self.stats.add(f"{tier.name}.dropped_at_close", len(batch))
-                        continue
-                    try:
-                        tier.batched_put(batch)
-                        self.stats.add(f"{tier.name}.put_calls")
-                    except Exception:
-                        self.stats.add(f"{tier.name}.errors")
-                        self.stats.add(f"{tier.name}.write_failed", len(batch))
-                        logger.exception("kvtier: tier %s failed a write; chunks skipped", tier.name)
-            finally:
-                for _, obj in batch:
-                    obj.release()
-                self._done_pending(len(batch))
+        self._writer.submit(key, obj)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait (up to ``timeout`` s) for queued lower-tier writes; True only if all of them are
         done and every chunk put since the previous flush landed in every lower tier. The
         details are in ``last_flush`` (a ``FlushReport``) and in a warning."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._flush_lock:
-            with self._pending_cv:
-                while self._pending:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        break
-                    self._pending_cv.wait(left)
-                pending = self._pending
-            now = {n: v for n, v in self.stats.snapshot().items() if _is_loss(n)}
-            lost = {n: v - self._loss_base.get(n, 0) for n, v in now.items()
-                    if v != self._loss_base.get(n, 0)}
-            self._loss_base = now
-            report = FlushReport(pending, lost)
-            self.last_flush = report
-        if pending:
-            logger.warning("kvtier: flush timed out with %d lower-tier write(s) still queued", pending)
-        if lost:
-            logger.warning("kvtier: flush: chunks not stored in a lower tier since the last flush: %s",
-                           ", ".join(f"{n}={v}" for n, v in sorted(lost.items())))
-        return bool(report)
+        return bool(self._writer.flush(timeout))
 
     # -- lookups -------------------------------------------------------------------------------
     def _tier_call(self, tier: StorageBackend, what: str, fn: Callable[[], T], default: T) -> T:
@@ -377,23 +261,7 @@ class TieredStorageManager(StorageManager):
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        deadline = time.monotonic() + self._close_timeout_s
-        for t in self._writers:
-            t.join(max(0.0, deadline - time.monotonic()))
-        dropped = 0
-        while True:
-            try:
-                _, obj = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            obj.release()
-            dropped += 1
-        if dropped:
-            self._done_pending(dropped)
-            self.stats.add("write_queue.dropped_at_close", dropped)
-            logger.warning("kvtier: close dropped %d queued lower-tier write(s); call flush() "
-                           "before close() to keep them", dropped)
+        self._writer.stop(time.monotonic() + self._close_timeout_s)
         # In-flight reads finish within their tiers' timeouts; they must not write back into a
         # host tier that is already closed.
         self._readers.shutdown(wait=True, cancel_futures=True)
@@ -402,42 +270,10 @@ class TieredStorageManager(StorageManager):
                 tier.close()
             except Exception:
                 logger.exception("kvtier: tier %s failed to close", tier.name)
-        alive = [t.name for t in self._writers if t.is_alive()]
+        alive = self._writer.busy_threads()
         if alive:
             logger.warning("kvtier: writer threads %s still busy after close; they exit after their "
                            "current write", alive)
-
-
-def build_tiers(
-    config: KVTierConfig, arena: HostArena, layout: KVLayout, namespace: str, stats: StorageStats
-) -> list[StorageBackend]:
-    if not config.tiers or config.tiers[0] != HOST_TIER:
-        raise ConfigError(
-            "tiers", config.tiers,
-            f"must start with {HOST_TIER!r}: every chunk passes through host memory",
-        )
-    key = config.encryption_key_bytes()
-    sealer = Sealer(key) if key is not None else None
-    built: list[StorageBackend] = []
-    try:
-        for name in config.tiers:
-            cls = load_backend_class(name, config.plugins)
-            if sealer is not None and not (cls.keeps_host_objects or cls.seals_payloads):
-                raise ConfigError(
-                    "encryption_key", "***",
-                    f"the {name!r} tier cannot seal its payloads yet: payloads would leave the "
-                    f"process unencrypted; remove {name!r} from tiers or unset the key",
-                )
-            ctx = BackendContext(
-                config=config, layout=layout, namespace=namespace, arena=arena, stats=stats,
-                options=dict(config.backend_options.get(name, {})), sealer=sealer,
-            )
-            built.append(cls(ctx))
-    except BaseException:
-        for tier in built:
-            tier.close()
-        raise
-    return built
 
 
 def create_storage_manager(

@@ -1,0 +1,192 @@
+"""The lower-tier writer: chunks put into host memory are copied down to every lower tier by
+background threads, through a bounded queue, and ``flush`` reports what did not land.
+
+- ``submit`` never blocks: when the queue (``write_queue_size``) is full the lower-tier copy is
+  dropped and counted (``write_queue.dropped``).
+- Each writer thread takes up to ``_WRITE_BATCH`` queued chunks and hands them to every lower
+  tier in order; a tier that raises is counted (``<tier>.errors``, ``<tier>.write_failed``) and
+  the others still get the batch.
+- ``flush`` waits for the queue to drain and compares the loss counters (``_LOSS_SUFFIXES``,
+  ``_LOSS_NAMES``) with their values at the previous flush.
+- ``close`` stops the threads; queued chunks, and tiers a dequeued batch did not reach yet, are
+  dropped and counted (``write_queue.dropped_at_close``, ``<tier>.dropped_at_close``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvtier.storage._log import warn_throttled
+
+if TYPE_CHECKING:
+    from kvtier.core.keys import ChunkKey
+    from kvtier.core.memory import MemoryObj
+    from kvtier.storage.backends.base import StorageBackend
+    from kvtier.storage.stats import StorageStats
+
+logger = logging.getLogger("kvtier.storage")
+
+# Writers take up to this many queued chunks at once (one pipeline / one pass per tier).
+_WRITE_BATCH = 8
+_POLL_S = 0.05
+
+# Counters of chunks that did not land in a lower tier (``<tier>.<suffix>`` or a full name).
+_LOSS_SUFFIXES = (".store_skipped", ".write_failed", ".dropped_at_close")
+_LOSS_NAMES = ("write_queue.dropped",)
+
+
+def _is_loss(name: str) -> bool:
+    return name in _LOSS_NAMES or name.endswith(_LOSS_SUFFIXES)
+
+
+@dataclass(frozen=True)
+class FlushReport:
+    """What one ``flush`` found. ``pending``: writes still queued or in flight when it returned;
+    ``not_stored``: chunks that did not land since the previous flush, by counter name
+    (``local_disk.store_skipped``, ``redis.store_skipped``, ``write_queue.dropped``, ...).
+    True when everything landed."""
+
+    pending: int = 0
+    not_stored: dict[str, int] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return self.pending == 0 and not self.not_stored
+
+
+class LowerTierWriter:
+    """Writes submitted chunks to ``lower`` on ``threads`` threads. See the module docstring."""
+
+    def __init__(
+        self, lower: Sequence[StorageBackend], stats: StorageStats, *, queue_size: int, threads: int
+    ) -> None:
+        self.lower = list(lower)
+        self.stats = stats
+        self._queue: queue.Queue[tuple[ChunkKey, MemoryObj]] = queue.Queue(maxsize=queue_size)
+        self._pending = 0
+        self._pending_cv = threading.Condition()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._flush_lock = threading.Lock()
+        self._loss_base = {n: v for n, v in stats.snapshot().items() if _is_loss(n)}
+        self.last_flush = FlushReport()
+        if self.lower:
+            for i in range(threads):
+                t = threading.Thread(target=self._run, name=f"kvtier-writer-{i}", daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def submit(self, key: ChunkKey, obj: MemoryObj) -> None:
+        """Queue a share of ``obj`` for the lower tiers, or drop it (counted) if the queue is full."""
+        mine = obj.share()
+        with self._pending_cv:
+            self._pending += 1
+        try:
+            self._queue.put_nowait((key, mine))
+        except queue.Full:
+            mine.release()
+            self._done_pending(1)
+            self.stats.add("write_queue.dropped")
+            warn_throttled(
+                "write-queue-full",
+                "kvtier: lower-tier write queue is full (write_queue_size=%d); chunks are kept in "
+                "host memory only",
+                self._queue.maxsize,
+            )
+
+    def _done_pending(self, n: int) -> None:
+        with self._pending_cv:
+            self._pending -= n
+            if self._pending == 0:
+                self._pending_cv.notify_all()
+
+    def _next_batch(self) -> list[tuple[ChunkKey, MemoryObj]]:
+        try:
+            first = self._queue.get(timeout=_POLL_S)
+        except queue.Empty:
+            return []
+        batch = [first]
+        while len(batch) < _WRITE_BATCH:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            batch = self._next_batch()
+            if not batch:
+                continue
+            try:
+                for tier in self.lower:
+                    self._write(tier, batch)
+            finally:
+                for _, obj in batch:
+                    obj.release()
+                self._done_pending(len(batch))
+
+    def _write(self, tier: StorageBackend, batch: list[tuple[ChunkKey, MemoryObj]]) -> None:
+        if self._stop.is_set():
+            self.stats.add(f"{tier.name}.dropped_at_close", len(batch))
+            return
+        try:
+            tier.batched_put(batch)
+            self.stats.add(f"{tier.name}.put_calls")
+        except Exception:
+            self.stats.add(f"{tier.name}.errors")
+            self.stats.add(f"{tier.name}.write_failed", len(batch))
+            logger.exception("kvtier: tier %s failed a write; chunks skipped", tier.name)
+
+    def flush(self, timeout: float | None = None) -> FlushReport:
+        """Wait (up to ``timeout`` s) for queued writes; what is still pending and what did not
+        land since the previous flush (also kept in ``last_flush`` and logged)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._flush_lock:
+            with self._pending_cv:
+                while self._pending:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    self._pending_cv.wait(left)
+                pending = self._pending
+            now = {n: v for n, v in self.stats.snapshot().items() if _is_loss(n)}
+            lost = {n: v - self._loss_base.get(n, 0) for n, v in now.items()
+                    if v != self._loss_base.get(n, 0)}
+            self._loss_base = now
+            report = FlushReport(pending, lost)
+            self.last_flush = report
+        if pending:
+            logger.warning("kvtier: flush timed out with %d lower-tier write(s) still queued", pending)
+        if lost:
+            logger.warning("kvtier: flush: chunks not stored in a lower tier since the last flush: %s",
+                           ", ".join(f"{n}={v}" for n, v in sorted(lost.items())))
+        return report
+
+    def stop(self, deadline: float) -> None:
+        """Stop the threads (waiting until the monotonic ``deadline``) and drop what is queued."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        dropped = 0
+        while True:
+            try:
+                _, obj = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            obj.release()
+            dropped += 1
+        if dropped:
+            self._done_pending(dropped)
+            self.stats.add("write_queue.dropped_at_close", dropped)
+            logger.warning("kvtier: close dropped %d queued lower-tier write(s); call flush() "
+                           "before close() to keep them", dropped)
+
+    def busy_threads(self) -> list[str]:
+        """Names of writer threads still running (after ``stop``: finishing their current write)."""
+        return [t.name for t in self._threads if t.is_alive()]
