@@ -172,6 +172,42 @@ def test_killed_server_gives_misses_then_recovers(make_manager, redis_clean):
         pytest.fail("the redis tier did not recover after the server came back")
 
 
+def test_a_restarted_server_costs_one_error_and_counts_one_reconnect(make_manager, redis_clean):
+    """A server restarted under a live tier has reset every pooled connection: the first failure
+    drops them all (one error and one down period, not one per pooled connection), the next
+    connection is counted as a reconnect, and the kvtier_redis_reconnects metric reports it."""
+    from kvtier.core.metrics import storage_values
+
+    m = redis_manager(make_manager, redis_clean.url, backend_options={"redis": {
+        "retry_interval_s": 0.3, "segment_bytes": 1024, "connections": 4}})
+    stored(m, 0, 1, 2, 3)
+    for i, obj in enumerate(m.batched_get([key(i) for i in range(4)])):  # four connections at
+        check_obj(obj, i)  # once, idle in the pool afterwards
+        obj.release()
+    assert (m.stats.get("redis.errors"), m.stats.get("redis.reconnects")) == (0, 0)
+    redis_clean.stop()
+    redis_clean.start()  # back on the same port, empty
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        put_chunk(m, 9)
+        m.flush(10)  # the first one meets a reset connection; then misses while marked down
+        m.host.remove([key(9)])
+        obj = m.get(key(9))
+        if obj is not None:
+            check_obj(obj, 9)
+            obj.release()
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the redis tier did not recover after the restart")
+    assert m.stats.get("redis.errors") == 1
+    assert m.stats.get("redis.reconnects") == 1
+    values: dict = {}
+    storage_values(m, values)
+    assert values["redis_reconnects"] == {"redis": 1}
+    assert values["tier_errors"] == {"redis": 1}
+
+
 def test_hung_server_gives_misses_within_the_timeout(make_manager, redis_clean):
     m = redis_manager(make_manager, redis_clean.url)
     stored(m, 0)

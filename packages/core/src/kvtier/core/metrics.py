@@ -61,6 +61,9 @@ METRICS: dict[str, MetricDef] = {
         COUNTER, "Sealed payloads that did not authenticate (foreign or tampered).", tiered=True),
     "tier_errors": MetricDef(
         COUNTER, "Failed tier operations (I/O errors, Redis errors), by tier.", tiered=True),
+    "redis_reconnects": MetricDef(
+        COUNTER, "Connections to a Redis server opened again after one to it failed (one per "
+        "failure: a restart, a reset link), by tier.", tiered=True),
     "write_failures": MetricDef(COUNTER, "Chunks a lower tier failed to write.", tiered=True),
     "write_queue_drops": MetricDef(
         COUNTER, "Chunks not written to lower tiers because the write queue was full or closing."),
@@ -88,7 +91,7 @@ METRICS: dict[str, MetricDef] = {
 _TIER_EVENTS = {
     "hits": "hit_chunks", "stored": "tier_stored_chunks", "evicted": "evictions",
     "corrupt": "corrupt_payloads", "sealed_rejected": "rejected_payloads",
-    "errors": "tier_errors", "write_failed": "write_failures",
+    "errors": "tier_errors", "write_failed": "write_failures", "reconnects": "redis_reconnects",
 }
 # Untiered StorageStats names -> metric.
 _EVENTS = {

@@ -8,7 +8,8 @@ from collections import Counter
 
 class StorageStats:
     """Thread-safe named counters. Names are ``<event>`` or ``<tier>.<event>``, for example
-    ``local_disk.hits``, ``redis.corrupt``, ``write_queue.dropped``, ``writeback.chunks``.
+    ``local_disk.hits``, ``redis.corrupt``, ``redis.reconnects``, ``write_queue.dropped``,
+    ``writeback.chunks``.
     """
 
     def __init__(self) -> None:

@@ -46,7 +46,9 @@ each with one deadline: ``redis_timeout_s`` plus its bytes at ``min_throughput_m
 50 MB/s). Every connect, send and receive within it waits at most the time left, so a server
 that trickles bytes cannot stretch a call. A failed or timed-out server is marked down for
 ``retry_interval_s`` (default 1 s): its keys answer misses at once without touching the network
-(other shards keep serving), then the next call tries again. A server out of memory (or any
+(other shards keep serving), then the next call tries again on a new connection (the failed
+server's pooled ones are dropped with the first failure). Failures count as ``redis.errors``,
+connections opened again after one as ``redis.reconnects`` (metric ``redis_reconnects``). A server out of memory (or any
 other error reply) skips that chunk's store with a warning, and what did land of it is removed.
 """
 
@@ -120,7 +122,8 @@ class RedisBackend(StorageBackend):
         self.nodes = Nodes(parse_url(cfg.redis_url, cfg.redis_username, cfg.redis_password),
                            cluster=cfg.redis_cluster, connect_timeout_s=cfg.redis_connect_timeout_s,
                            retry_interval_s=self.retry_interval_s, connections=int(opts["connections"]),
-                           on_error=lambda: self.ctx.stats.add(f"{self.name}.errors"))
+                           on_error=lambda: self.ctx.stats.add(f"{self.name}.errors"),
+                           on_reconnect=lambda: self.ctx.stats.add(f"{self.name}.reconnects"))
 
     # -- keys and routing ----------------------------------------------------------------------
     def _deadline(self, nbytes: int = 0) -> Deadline:

@@ -4,7 +4,10 @@ are down, and running one job per (server, connection) in parallel within one de
 A single server is a cluster of one node that owns every slot. In cluster mode the slot map is
 read with ``CLUSTER SLOTS`` at the first call and again after a ``MOVED``/``ASK`` reply or a
 failed node; a node that fails (refused, reset, timed out) is marked down for
-``retry_interval_s``: its keys answer misses at once while the other nodes keep serving.
+``retry_interval_s``: its keys answer misses at once while the other nodes keep serving. Its idle
+connections are closed with it (a restarted server has reset them all: reusing them one by one
+would cost a failure and a down period each), so the next call opens a new one; the first new
+connection after a failure is a reconnect (``on_reconnect``, counted as ``redis.reconnects``).
 """
 
 from __future__ import annotations
@@ -33,13 +36,16 @@ class Nodes:
     """See the module docstring. Thread-safe."""
 
     def __init__(self, seed: Endpoint, *, cluster: bool, connect_timeout_s: float,
-                 retry_interval_s: float, connections: int, on_error: Callable[[], None]) -> None:
+                 retry_interval_s: float, connections: int, on_error: Callable[[], None],
+                 on_reconnect: Callable[[], None] | None = None) -> None:
         self.seed = seed
         self.cluster = cluster
         self.connect_timeout_s = connect_timeout_s
         self.retry_interval_s = retry_interval_s
         self.connections = connections
         self._on_error = on_error
+        self._on_reconnect = on_reconnect
+        self._lost: set[str] = set()  # servers with a failed connection not yet opened again
         self._lock = threading.Lock()
         self._pools: dict[str, Pool] = {}
         self._down_until: dict[str, float] = {}
@@ -152,14 +158,27 @@ class Nodes:
                 if self.cluster:
                     host, _, port = address.rpartition(":")
                     ep = self.seed.at(host, int(port))
-                pool = self._pools[address] = Pool(ep, self.connect_timeout_s, 2 * self.connections)
+                pool = self._pools[address] = Pool(ep, self.connect_timeout_s, 2 * self.connections,
+                                                   on_connect=lambda: self._connected(address))
             return pool
 
     # -- health --------------------------------------------------------------------------------
     def _failed(self, address: str, err: BaseException) -> None:
         self._on_error()
+        with self._lock:
+            self._lost.add(address)
+            pool = self._pools.get(address)
+        if pool is not None:
+            pool.discard_idle()
         self._mark_down(address, err)
         self.topology_changed()
+
+    def _connected(self, address: str) -> None:
+        with self._lock:
+            again = address in self._lost
+            self._lost.discard(address)
+        if again and self._on_reconnect is not None:
+            self._on_reconnect()
 
     def _mark_down(self, address: str, err: BaseException) -> None:
         with self._lock:

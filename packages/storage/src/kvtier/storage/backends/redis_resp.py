@@ -21,7 +21,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -350,12 +350,15 @@ class Connection:
 
 class Pool:
     """Idle connections to one server, reused across calls; a connection that failed is closed,
-    never returned. ``abort_all`` wakes every call blocked on this server (used by ``close``)."""
+    never returned. ``close`` wakes every call blocked on this server. ``on_connect`` is called
+    after each new connection is established (``Nodes`` counts reconnects with it)."""
 
-    def __init__(self, ep: Endpoint, connect_timeout_s: float, max_idle: int) -> None:
+    def __init__(self, ep: Endpoint, connect_timeout_s: float, max_idle: int,
+                 on_connect: Callable[[], None] | None = None) -> None:
         self.ep = ep
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle
+        self._on_connect = on_connect
         self._lock = threading.Lock()
         self._idle: list[Connection] = []
         self._busy: set[Connection] = set()
@@ -368,6 +371,8 @@ class Pool:
             conn = self._idle.pop() if self._idle else None
         if conn is None:
             conn = Connection(self.ep, self.connect_timeout_s, deadline)
+            if self._on_connect is not None:
+                self._on_connect()
         with self._lock:
             self._busy.add(conn)
         return conn
@@ -380,6 +385,14 @@ class Pool:
                 self._idle.append(conn)
         if not keep:
             conn.close()
+
+    def discard_idle(self) -> None:
+        """Close the idle connections: after one to this server failed (a restart, a reset
+        link), they were opened before it and would each fail their next call too."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for c in idle:
+            c.close()
 
     def close(self) -> None:
         with self._lock:
