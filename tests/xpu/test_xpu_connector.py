@@ -13,10 +13,13 @@ import pytest
 import torch
 from xpu_helpers import (
     SIZES_3,
+    bits,
     chunk_slots,
     make_arena,
     make_caches,
     make_obj,
+    obj_token,
+    token_value,
     transfers_for,
 )
 
@@ -41,48 +44,48 @@ def sizes_of(slots: Sequence[Sequence[int]]) -> list[int]:
 
 
 @pytest.mark.parametrize("op", ["store", "store_layerwise", "load", "load_layerwise"])
-def test_staging_moves_all_chunks_in_one_op_per_layer(
-    layout: KVLayout, device: torch.device, op: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("staging", sorted(STAGINGS))
+def test_each_staging_mode_moves_the_batch_and_keeps_the_documented_buffer(
+    layout: KVLayout, device: torch.device, op: str, staging: str
 ) -> None:
-    """With staging, one gather (store) or one scatter (load) per layer covers every chunk,
-    through a buffer of the documented size; without it, one per chunk per layer, no buffer."""
+    """Every staging mode moves a ragged batch with -1 holes (an all -1 chunk included) byte for
+    byte, a layer-wise op yields every layer in order, and afterwards ``staging_nbytes`` is the
+    size the module docstring gives: whole loads stage every live chunk's object; stores and
+    layer-wise loads one layer of the batch's tokens (stores only the valid ones); off, none.
+    How many device ops a layer costs is a speed question: ``kvtier bench xpu`` measures it."""
     slots = chunk_slots(SIZES, seed=7, holes=True)
     live = [s for s in slots if any(x >= 0 for x in s)]
     valid_tokens = sum(1 for s in slots for x in s if x >= 0)
     all_tokens = sum(len(s) for s in live)
     layer_bytes = layout.chunk_nbytes(1) // layout.num_layers
-    expect_bytes = {  # (staging) -> staging_nbytes after the op
+    storing = op.startswith("store")
+    expect_bytes = {
         "whole": layout.chunk_nbytes(all_tokens) if op == "load"
-        else layer_bytes * (valid_tokens if op.startswith("store") else all_tokens),
-        "layer": layer_bytes * (valid_tokens if op.startswith("store") else all_tokens),
+        else layer_bytes * (valid_tokens if storing else all_tokens),
+        "layer": layer_bytes * (valid_tokens if storing else all_tokens),
         "off": 0,
-    }
-    for staging in STAGINGS:
-        caches = make_caches(layout, device)
-        arena = make_arena(device)
-        objs = [make_obj(arena, layout, n, seed=i) for i, n in enumerate(sizes_of(slots))]
-        conn = make_conn(caches, layout, staging)
-        count = {"gather": 0, "_gather_into": 0, "scatter": 0}
-        for name in count:
-            real = getattr(conn, name)
+    }[staging]
+    caches = make_caches(layout, device)
+    arena = make_arena(device)
+    objs = [make_obj(arena, layout, n, seed=i) for i, n in enumerate(sizes_of(slots))]
+    conn = make_conn(caches, layout, staging)
+    assert conn.staging_nbytes == 0
 
-            def spy(*a: object, _real=real, _name=name, _count=count) -> object:
-                _count[_name] += 1
-                return _real(*a)
+    result = getattr(conn, op)(transfers_for(objs, slots, device))
+    if op.endswith("layerwise"):
+        assert list(result) == list(range(layout.num_layers))
 
-            monkeypatch.setattr(conn, name, spy)
-        transfers = transfers_for(objs, slots, device)
-        result = getattr(conn, op)(transfers)
-        if op.endswith("layerwise"):
-            assert list(result) == list(range(layout.num_layers))
-        per_layer = 1 if staging != "off" else len(live)
-        # (_gather_into may itself go through gather: count the outer call)
-        moves = count["scatter"] if op.startswith("load") else count["_gather_into"] or count["gather"]
-        assert moves == layout.num_layers * per_layer, (staging, count)
-        assert conn.staging_nbytes == expect_bytes[staging], staging
-        for o in objs:
-            o.release()
-        assert arena.used_bytes == 0
+    for obj, chunk in zip(objs, slots, strict=True):
+        for i, slot in enumerate(chunk):
+            if slot < 0:
+                continue
+            for layer in range(layout.num_layers):
+                assert torch.equal(bits(obj_token(obj, layout, layer, i)),
+                                   bits(token_value(caches[layer], layout, slot))), (slot, layer)
+    assert conn.staging_nbytes == expect_bytes
+    for o in objs:
+        o.release()
+    assert arena.used_bytes == 0
 
 
 def test_stream_api_on_cpu_is_synchronous_and_unknown_devices_are_refused() -> None:

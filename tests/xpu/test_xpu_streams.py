@@ -4,7 +4,8 @@ bytes instead of passing by luck. On CPU every copy is synchronous, so they skip
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from xpu_helpers import (
 
 from kvtier.core import KVLayout, MemoryObj, Transfer
 from kvtier.xpu import XPUPagedConnector
+from kvtier.xpu.streams import Stream
 
 
 @pytest.fixture
@@ -46,15 +48,18 @@ def _busy(device: torch.device) -> None:
 
 
 def _slow_transfers(conn: XPUPagedConnector, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every per-layer step first keeps the transfer stream busy."""
-    for name in ("_store_planned", "_load_planned"):
-        real: Callable[..., None] = getattr(conn, name)
+    """Whatever the connector issues on one of its transfer streams first waits behind a long
+    kernel on that stream (through the public ``conn.streams``): a missing wait then reads or
+    frees bytes before the transfer ran."""
+    real_use = conn.streams.use
 
-        def slow(*a: object, _real: Callable[..., None] = real) -> None:
+    @contextlib.contextmanager
+    def slow_use(stream: Stream) -> Iterator[None]:
+        with real_use(stream):
             _busy(conn.device)
-            _real(*a)
+            yield
 
-        monkeypatch.setattr(conn, name, slow)
+    monkeypatch.setattr(conn.streams, "use", slow_use)
 
 
 def _setup(layout: KVLayout, device: torch.device, staging: str, seed: int
