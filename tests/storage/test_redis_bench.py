@@ -3,6 +3,7 @@ issue asks for (each against redis-benchmark, measured in the same run). Speed i
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 
@@ -29,3 +30,9 @@ def test_redis_rows(tmp_path):
         assert r["ratio"] == pytest.approx(r["gbps"] / r["reference_gbps"], rel=0.01)
     (cluster,) = [r for r in rows if r.get("variant") == "cluster-3"]
     assert cluster["op"] == "read" and cluster["batch"] == 16 and cluster["target"] == 1.0
+    if importlib.util.find_spec("cryptography") is not None:
+        sealed = [r for r in rows if r.get("variant") == "sealed"]
+        assert sorted(r["op"] for r in sealed) == ["read", "write"]
+        for r in sealed:
+            assert r["reference"] == "this tier without encryption_key, same rounds"
+            assert r["target"] is None and r["gbps"] > 0 and r["reference_gbps"] > 0

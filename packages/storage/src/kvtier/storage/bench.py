@@ -17,7 +17,8 @@ next to a reference over the same bytes, measured in the same run and interleave
   cost of encryption at rest against the same raw I/O.
 - redis: the tier's ``batched_put``/``batched_get`` (codec included) against ``redis-benchmark``
   (the C client) moving values of the tier's segment size over as many connections, and a
-  3-shard cluster against one server: see ``kvtier.storage.bench_redis``. Private
+  3-shard cluster against one server, and with ``encryption_key`` against without (``variant:
+  sealed``): see ``kvtier.storage.bench_redis``. Private
   ``redis-server`` processes are started on free loopback ports; without ``redis-server`` the
   redis rows are skipped.
 

@@ -138,9 +138,10 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
               for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4.5))
     bars = ax.bar(range(len(rows)), [r["ratio"] for r in rows],
-                  color=["tab:blue" if r["ratio"] >= r["target"] else "tab:orange" for r in rows])
+                  color=["tab:blue" if r["ratio"] >= (r["target"] or 0) else "tab:orange" for r in rows])
     for i, r in enumerate(rows):
-        ax.hlines(r["target"], i - 0.4, i + 0.4, colors="black", linestyles="dashed")
+        if r["target"] is not None:  # a cost measurement (sealed vs plain) has no target
+            ax.hlines(r["target"], i - 0.4, i + 0.4, colors="black", linestyles="dashed")
         ax.text(i, r["ratio"] + 0.02, f"{r['gbps']:.1f}\n/{r['reference_gbps']:.1f}", ha="center",
                 fontsize=7)
     ax.set_xticks(range(len(rows)), labels, fontsize=7)

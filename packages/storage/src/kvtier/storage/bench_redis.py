@@ -13,10 +13,15 @@
 - ``variant: cluster-3``: the tier reading the chunks of a 4k-token hit (16) from a Redis Cluster
   of three masters on loopback, against the tier reading them from one server in the same rounds
   (target: > 1).
+- ``variant: sealed`` (with ``cryptography`` installed): the tier with ``encryption_key`` set
+  (AES-256-GCM) writing and reading the batch, against the same tier without a key in the same
+  rounds: the cost of encryption at rest (no target).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import shutil
 import socket
 import statistics
@@ -157,7 +162,7 @@ def redis_benchmark(port: int, op: str, size: int, conns: int, total: int,
     return rps * size / 1e9, " ".join(cmd)
 
 
-def _rate_row(b: Bench, shape: Shape, op: str, ours: list[float], ref: list[float], target: float,
+def _rate_row(b: Bench, shape: Shape, op: str, ours: list[float], ref: list[float], target: float | None,
               reference: str, **extra: Any) -> None:
     g, rg = statistics.median(ours), statistics.median(ref)
     row = {"tier": "redis", "shape": shape.name, "op": op, "chunk_bytes": shape.meta.nbytes,
@@ -167,13 +172,14 @@ def _rate_row(b: Bench, shape: Shape, op: str, ours: list[float], ref: list[floa
            "reference_gbps_spread": [round(min(ref), 3), round(max(ref), 3)], **extra}
     b.rows.append(row)
     label = f"{op} {extra['variant']}" if "variant" in extra else op
-    print(f"{'redis':<11}{shape.name:<7}{label:<16}{g:>9.2f}{rg:>11.2f}{g / rg:>8.2f}{target:>8.2f}",
+    shown = "-" if target is None else f"{target:.2f}"
+    print(f"{'redis':<11}{shape.name:<7}{label:<16}{g:>9.2f}{rg:>11.2f}{g / rg:>8.2f}{shown:>8}",
           flush=True)
 
 
-def _tier(shape: Shape, arena: Any, url: str, cluster: bool = False) -> RedisBackend:
+def _tier(shape: Shape, arena: Any, url: str, cluster: bool = False, **cfg: Any) -> RedisBackend:
     tier = make_backend(RedisBackend, shape, arena, tiers=["local_cpu", "redis"], redis_url=url,
-                        redis_cluster=cluster, redis_timeout_s=60.0)
+                        redis_cluster=cluster, redis_timeout_s=60.0, **cfg)
     assert isinstance(tier, RedisBackend)
     return tier
 
@@ -242,6 +248,34 @@ def bench_redis(b: Bench, shape: Shape, server: PrivateRedis, cluster: PrivateRe
         batch.close()
     if cluster is not None:
         _bench_cluster(b, shape, server, cluster)
+    if importlib.util.find_spec("cryptography") is not None:
+        _bench_sealed(b, shape, server)
+
+
+def _bench_sealed(b: Bench, shape: Shape, server: PrivateRedis) -> None:
+    """The batch written and read with ``encryption_key`` set and without, round by round."""
+    batch = _Batch(shape)
+    plain = _tier(shape, batch.arena, server.url)
+    sealed = _tier(shape, batch.arena, server.url, encryption_key=os.urandom(32).hex())
+    try:
+        rates: dict[tuple[str, bool], list[float]] = {(op, s): [] for op in ("write", "read")
+                                                      for s in (False, True)}
+        for r in range(b.repeat + 1):
+            for is_sealed, t in ((False, plain), (True, sealed)):
+                w = batch.write(t, r)
+                g = batch.read(t, r)
+                server.flush()
+                if r:
+                    rates[("write", is_sealed)].append(w)
+                    rates[("read", is_sealed)].append(g)
+        for op in ("write", "read"):
+            _rate_row(b, shape, op, rates[(op, True)], rates[(op, False)], None,
+                      "this tier without encryption_key, same rounds", variant="sealed",
+                      segment_bytes=plain.segment_bytes, connections=plain.nodes.connections)
+    finally:
+        plain.close()
+        sealed.close()
+        batch.close()
 
 
 def _bench_cluster(b: Bench, shape: Shape, server: PrivateRedis, cluster: PrivateRedis) -> None:
