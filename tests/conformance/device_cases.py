@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from fixtures.paged_shape import CacheShape, layout_for
 from kvtier.core.connector import DeviceConnector, Transfer
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena, MemoryObj, MemoryObjMeta
@@ -54,12 +55,7 @@ SUBJECTS = [
 
 
 @dataclass(frozen=True)
-class Shape:
-    layers: int
-    heads: int
-    head: int
-    block: int
-    blocks: int
+class Shape(CacheShape):
     lengths: tuple[int, ...]  # a ragged batch: the last chunk is partial
 
 
@@ -96,16 +92,7 @@ def make_platform(subject: Subject, device: torch.device) -> Platform:
 
 
 def make_layout(paged: PagedLayout, dtype: str = "bfloat16") -> KVLayout:
-    mla = paged is PagedLayout.MLA
-    return KVLayout(
-        num_layers=SHAPE.layers,
-        num_kv_heads=1 if mla else SHAPE.heads,
-        head_size=SHAPE.heads * SHAPE.head if mla else SHAPE.head,
-        dtype=dtype,
-        block_size=SHAPE.block,
-        paged_layout=paged,
-        use_mla=mla,
-    )
+    return layout_for(SHAPE, paged, dtype)
 
 
 def random_bytes(shape: Sequence[int], dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:

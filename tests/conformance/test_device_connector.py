@@ -9,8 +9,7 @@ Every check compares bytes against an oracle that reads the paged tensors throug
 from __future__ import annotations
 
 import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -36,6 +35,7 @@ from device_cases import (
     token_rows,
 )
 
+from fixtures.threads import run_concurrently
 from kvtier.core.connector import DeviceConnector, Transfer
 from kvtier.core.errors import LayoutError
 from kvtier.core.layout import KVLayout, PagedLayout
@@ -289,7 +289,6 @@ def test_one_store_and_one_load_from_two_threads_move_exact_bytes(
     want_loaded = [w[loaded] for w in want_rows]
     rounds = rounds_for(subject)
     bad: dict[str, list[int]] = {"store": [], "load": []}
-    errors: list[BaseException] = []
 
     def saver() -> None:
         for r in range(rounds):
@@ -308,22 +307,7 @@ def test_one_store_and_one_load_from_two_threads_move_exact_bytes(
             if not same_bytes(got, want_loaded):
                 bad["load"].append(r)
 
-    def guarded(fn: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                fn()
-            except BaseException as e:  # reported by the main thread
-                errors.append(e)
-        return run
-
-    threads = [threading.Thread(target=guarded(f)) for f in (saver, forward)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not any(t.is_alive() for t in threads), "a transfer hung"
-    if errors:
-        raise errors[0]
+    run_concurrently([saver, forward], timeout_s=300)
     assert bad == {"store": [], "load": []}, f"rounds with wrong bytes out of {rounds}"
 
 

@@ -11,9 +11,9 @@ least recently used entries no reader holds.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint
@@ -40,13 +40,14 @@ from storage_cases import (
     other_key,
 )
 
+from fixtures.threads import run_concurrently
 from kvtier.core import platform as platform_mod
 from kvtier.core.config import KVTierConfig
 from kvtier.core.memory import HostArena, MemoryObj
 from kvtier.storage.backends.base import BackendContext, StorageBackend
-from kvtier.storage.manager import BACKEND_GROUP, load_backend_class
 from kvtier.storage.sealing import Sealer
 from kvtier.storage.stats import StorageStats
+from kvtier.storage.tiers import BACKEND_GROUP, load_backend_class
 
 # redis_sealed: the redis tier with encryption_key set (payloads sealed with AES-256-GCM)
 TIERS = ["local_cpu", "local_disk", "redis", "redis_sealed", "dict_tier"]
@@ -225,27 +226,16 @@ def test_a_readers_object_is_its_own(tier: Tier) -> None:
 
 def test_puts_and_gets_from_several_threads(tier: Tier) -> None:
     """The manager writes from several threads while others read: each key's bytes stay its own."""
-    errors: list[BaseException] = []
 
     def worker(base: int) -> None:
-        try:
-            for r in range(5):
-                i = base * 100 + r
-                tier.put(i)
-                objs = tier.get(i)
-                assert_chunk(objs[0], i)
-                release(objs)
-        except BaseException as e:  # reported by the main thread
-            errors.append(e)
+        for r in range(5):
+            i = base * 100 + r
+            tier.put(i)
+            objs = tier.get(i)
+            assert_chunk(objs[0], i)
+            release(objs)
 
-    threads = [threading.Thread(target=worker, args=(b,)) for b in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads), "a tier call hung"
-    if errors:
-        raise errors[0]
+    run_concurrently([functools.partial(worker, b) for b in range(4)], timeout_s=60)
 
 
 # -- never wrong KV ---------------------------------------------------------------------------

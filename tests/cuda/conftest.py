@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from fixtures.paged_shape import CacheShape, layout_for
 from kvtier.core.connector import DeviceConnector, Transfer
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena, MemoryObjMeta
@@ -28,12 +29,7 @@ OPTION_SETS = {
 
 
 @dataclass(frozen=True)
-class Shape:
-    layers: int
-    heads: int
-    head: int
-    block: int
-    blocks: int
+class Shape(CacheShape):
     chunk: int
 
 
@@ -65,16 +61,7 @@ def reference_layout(layout: KVLayout) -> KVLayout:
 
 
 def make_layout(paged: PagedLayout, dtype: torch.dtype, shape: Shape = SHAPE) -> KVLayout:
-    mla = paged is PagedLayout.MLA
-    return KVLayout(
-        num_layers=shape.layers,
-        num_kv_heads=1 if mla else shape.heads,
-        head_size=shape.heads * shape.head if mla else shape.head,
-        dtype=str(dtype).removeprefix("torch."),
-        block_size=shape.block,
-        paged_layout=paged,
-        use_mla=mla,
-    )
+    return layout_for(shape, paged, str(dtype).removeprefix("torch."))
 
 
 def random_bytes_like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
