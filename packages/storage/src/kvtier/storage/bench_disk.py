@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.core.keys import KeyFactory
+from kvtier.core.keys import ChunkKey, KeyFactory
 from kvtier.storage.bench_common import Bench, Shape, filled_objects, make_backend
 
 
@@ -52,76 +52,88 @@ def _drop_cache(directory: Path) -> None:
                 os.close(fd)
 
 
-def bench_disk(b: Bench, shape: Shape, disk_dir: Path, *, sealed: bool = False) -> None:
-    """The disk tier against raw file I/O; ``sealed``: with ``encryption_key`` (AES-256-GCM),
-    rows with variant ``sealed`` (put, page-cache get)."""
-    from kvtier.storage.backends.local_disk import LocalDiskBackend
+class _DiskRounds:
+    """One shape's batch on the disk tier and as raw files side by side; each method prepares a
+    round (untimed) and returns its timed part, as ``Bench.compare`` expects."""
 
-    arena, objs = filled_objects(shape)
-    root = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=disk_dir))
-    raw_dir = root / "raw"
-    raw_dir.mkdir()
-    extra = {"encryption_key": os.urandom(32).hex()} if sealed else {}
-    disk = make_backend(LocalDiskBackend, shape, arena, local_disk_path=str(root / "tier"),
-                    local_disk_size_gb=64.0, **extra)
-    assert isinstance(disk, LocalDiskBackend)
-    keys = KeyFactory("bench", shape.layout.fingerprint())
-    nbytes = shape.meta.nbytes * shape.batch
-    sink = [np.empty(shape.meta.nbytes, dtype=np.uint8) for _ in range(shape.batch)]
+    def __init__(self, b: Bench, shape: Shape, disk_dir: Path, sealed: bool) -> None:
+        from kvtier.storage.backends.local_disk import LocalDiskBackend
 
-    def k(r: int, i: int):
-        return keys.key(r.to_bytes(4, "little") + i.to_bytes(4, "little"))
+        self.repeat, self.batch = b.repeat, shape.batch
+        self.arena, self.objs = filled_objects(shape)
+        self.root = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=disk_dir))
+        self.raw_dir = self.root / "raw"
+        self.raw_dir.mkdir()
+        extra = {"encryption_key": os.urandom(32).hex()} if sealed else {}
+        disk = make_backend(LocalDiskBackend, shape, self.arena,
+                            local_disk_path=str(self.root / "tier"), local_disk_size_gb=64.0,
+                            **extra)
+        assert isinstance(disk, LocalDiskBackend)
+        self.disk = disk
+        self.keys = KeyFactory("bench", shape.layout.fingerprint())
+        self.sink = [np.empty(shape.meta.nbytes, dtype=np.uint8) for _ in range(shape.batch)]
+        self.cold = False  # reads from the device: files evicted from the page cache first
 
-    def clear() -> None:
-        disk.remove([k(r, i) for r in range(b.repeat + 1) for i in range(shape.batch)])
-        for p in raw_dir.iterdir():
+    def key(self, r: int, i: int) -> ChunkKey:
+        return self.keys.key(r.to_bytes(4, "little") + i.to_bytes(4, "little"))
+
+    def clear(self) -> None:
+        self.disk.remove([self.key(r, i) for r in range(self.repeat + 1) for i in range(self.batch)])
+        for p in self.raw_dir.iterdir():
             p.unlink()
 
-    def raw_put(r: int) -> Callable[[], None]:
+    def raw_put(self, r: int) -> Callable[[], None]:
         def run() -> None:
-            for i, o in enumerate(objs):
-                _write_raw(str(raw_dir / f"{i}"), o.byte_view())
+            for i, o in enumerate(self.objs):
+                _write_raw(str(self.raw_dir / f"{i}"), o.byte_view())
         return run
 
-    def put(r: int) -> Callable[[], None]:
-        return lambda: disk.batched_put([(k(r, i), o) for i, o in enumerate(objs)])
+    def put(self, r: int) -> Callable[[], None]:
+        return lambda: self.disk.batched_put([(self.key(r, i), o) for i, o in enumerate(self.objs)])
 
-    cold = False
-
-    def raw_get(r: int) -> Callable[[], None]:
-        raw_put(r)()
-        if cold:
-            _drop_cache(raw_dir)
+    def raw_get(self, r: int) -> Callable[[], None]:
+        self.raw_put(r)()
+        if self.cold:
+            _drop_cache(self.raw_dir)
 
         def run() -> None:
-            for i, buf in enumerate(sink):
-                _read_raw(str(raw_dir / f"{i}"), buf.data)
+            for i, buf in enumerate(self.sink):
+                _read_raw(str(self.raw_dir / f"{i}"), buf.data)
         return run
 
-    def get(r: int) -> Callable[[], None]:
-        put(r)()
-        if cold:
-            _drop_cache(disk.dir)
+    def get(self, r: int) -> Callable[[], None]:
+        self.put(r)()
+        if self.cold:
+            _drop_cache(self.disk.dir)
 
         def run() -> None:
-            got = disk.batched_get([k(r, i) for i in range(shape.batch)], arena.allocate)
+            got = self.disk.batched_get([self.key(r, i) for i in range(self.batch)], self.arena.allocate)
             assert all(g is not None for g in got), "disk bench read missed"
             for g in got:
                 g.release()  # type: ignore[union-attr]
         return run
 
+    def close(self) -> None:
+        self.disk.close()
+        for o in self.objs:
+            o.release()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def bench_disk(b: Bench, shape: Shape, disk_dir: Path, *, sealed: bool = False) -> None:
+    """The disk tier against raw file I/O; ``sealed``: with ``encryption_key`` (AES-256-GCM),
+    rows with variant ``sealed`` (put, page-cache get)."""
+    d = _DiskRounds(b, shape, disk_dir, sealed)
+    nbytes = shape.meta.nbytes * shape.batch
     try:
         if sealed:
-            b.compare("local_disk", shape, "put", nbytes, put, raw_put, clear, variant="sealed")
-            b.compare("local_disk", shape, "get", nbytes, get, raw_get, clear,
+            b.compare("local_disk", shape, "put", nbytes, d.put, d.raw_put, d.clear, variant="sealed")
+            b.compare("local_disk", shape, "get", nbytes, d.get, d.raw_get, d.clear,
                       variant="page-cache sealed")
             return
-        b.compare("local_disk", shape, "put", nbytes, put, raw_put, clear)
-        b.compare("local_disk", shape, "get", nbytes, get, raw_get, clear, variant="page-cache")
-        cold = True
-        b.compare("local_disk", shape, "get", nbytes, get, raw_get, clear, variant="from-device")
+        b.compare("local_disk", shape, "put", nbytes, d.put, d.raw_put, d.clear)
+        b.compare("local_disk", shape, "get", nbytes, d.get, d.raw_get, d.clear, variant="page-cache")
+        d.cold = True
+        b.compare("local_disk", shape, "get", nbytes, d.get, d.raw_get, d.clear, variant="from-device")
     finally:
-        disk.close()
-        for o in objs:
-            o.release()
-        shutil.rmtree(root, ignore_errors=True)
+        d.close()
