@@ -13,6 +13,7 @@ from importlib.metadata import entry_points
 _EXTRA_HINT = {
     "demo": "vllm",
     "bench.e2e": "vllm",
+    "bench.serve": "vllm",
     "bench.storage": "redis",
     "bench.transfer": "cuda",
 }

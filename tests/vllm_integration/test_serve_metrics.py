@@ -1,0 +1,134 @@
+"""kvtier's metrics in a real ``vllm serve``'s ``/metrics``, scraped over HTTP.
+
+One OpenAI server (vLLM CPU, default multiprocess mode: front end + EngineCore) with
+KVTierConnector on host memory + disk and vLLM's own prefix cache off, so a repeated prompt is
+kvtier's hit. The same prompt goes twice through ``/v1/completions``; ``/metrics`` is parsed with
+``prometheus_client``'s parser and every number is checked against what the test made happen
+(one full hit: ``FULL_HIT`` tokens), never against a timing. The server's process group is
+killed at the end, whatever happens.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+# Block size 32: a 700-token prompt's repeat loads 672 tokens (the last one is always recomputed).
+PROMPT = [random.Random(2468).randrange(3, 3000) for _ in range(700)]
+FULL_HIT = (len(PROMPT) - 1) // 32 * 32
+REQUEST_TIMEOUT_S = 180.0
+METRICS_WAIT_S = 60.0
+
+
+def scrape(server) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(server.metrics())
+            for s in family.samples}
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return sum(v for (n, lab), v in samples.items()
+               if n == name and all(dict(lab).get(k) == x for k, x in labels.items()))
+
+
+def wait_for(server, name: str, at_least: float, **labels: str) -> dict:
+    """Scrape until ``name`` reaches ``at_least`` (stats reach the front end a step after the
+    output), at most ``METRICS_WAIT_S``; returns the last scrape either way."""
+    deadline = time.monotonic() + METRICS_WAIT_S
+    while True:
+        samples = scrape(server)
+        if value(samples, name, **labels) >= at_least or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.5)
+
+
+def complete(server, prompt: list[int]) -> dict:
+    out = server.post("/v1/completions", {"model": "bench", "prompt": prompt, "max_tokens": 4,
+                                          "temperature": 0.0}, timeout_s=REQUEST_TIMEOUT_S)
+    return out["choices"][0]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_serve_metrics_carry_kvtier_series(vllm_model_dir: Path, tmp_path: Path) -> None:
+    from kvtier.vllm_integration.serve_launcher import ServeConfig, VLLMServer, server_args
+
+    cfg = ServeConfig(model=str(vllm_model_dir), kv_cache_bytes=64 << 20, max_model_len=2048,
+                      max_num_seqs=4)
+    kvtier = {"tiers": ["local_cpu", "local_disk"], "local_disk_path": str(tmp_path / "disk"),
+              "local_cpu_size_gb": 0.25}
+    args = [*server_args("kvtier_eager", cfg, kvtier=kvtier,
+                         engine_id=f"kvtier-serve-test-{os.getpid()}"),
+            "--no-enable-prefix-caching"]  # the repeat must be kvtier's hit, not vLLM's
+    server = VLLMServer(str(vllm_model_dir), args, tmp_path / "server.log",
+                        env={"KVTIER_RUNTIME_DIR": str(tmp_path)}, start_timeout_s=480)
+    with server:
+        pgid = server.process.proc.pid
+        first = complete(server, PROMPT)
+        # The repeat is sent once the first request's KV is stored (saved_tokens counts it).
+        cold = wait_for(server, "vllm:kvtier_saved_tokens_total", FULL_HIT)
+        assert value(cold, "vllm:kvtier_saved_tokens_total") >= FULL_HIT
+        assert value(cold, "vllm:kvtier_lookup_hit_tokens_total") == 0
+        second = complete(server, PROMPT)
+        warm = wait_for(server, "vllm:kvtier_loaded_tokens_total", FULL_HIT)
+
+    assert second["text"] == first["text"]  # the hit gives what the cold run computed
+    assert value(warm, "vllm:kvtier_lookup_hit_tokens_total", tier="local_cpu") == FULL_HIT
+    assert value(warm, "vllm:kvtier_loaded_tokens_total") == FULL_HIT
+    assert value(warm, "vllm:kvtier_loaded_bytes_total") > 0
+    assert value(warm, "vllm:kvtier_saved_bytes_total") > 0
+    assert value(warm, "vllm:kvtier_lookups_total") >= 2
+    assert value(warm, "vllm:kvtier_load_failed_blocks_total") == 0
+    assert value(warm, "vllm:kvtier_load_seconds_count") == 1
+    # vLLM's own counters see the same hit as external and split it by source.
+    assert value(warm, "vllm:external_prefix_cache_hits_total") == FULL_HIT
+    assert value(warm, "vllm:prompt_tokens_cached_by_source_total", source="host") == FULL_HIT
+    assert value(warm, "vllm:prefix_cache_hits_total") == 0
+    # Bounded labels only: vLLM's model name and engine index, and the tier.
+    kvtier_labels = {k for (n, lab) in warm if n.startswith("vllm:kvtier_") for k, _ in lab}
+    assert kvtier_labels <= {"model_name", "engine", "tier", "le"}
+    # The whole process group (front end, EngineCore) is gone once its children are reaped.
+    assert group_gone(pgid, within_s=15.0)
+
+
+def group_gone(pgid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_scrape_deltas_and_histogram_quantiles() -> None:
+    """What ``kvtier bench serve`` reads from two scrapes: counter deltas with label filters and
+    quantiles of the observations between them, interpolated inside a bucket."""
+    pytest.importorskip("prometheus_client")
+    from kvtier.vllm_integration.bench_serve_plot import Scrape
+
+    def page(hits: int, buckets: dict[str, int]) -> str:
+        lines = ["# TYPE t counter", f't_total{{tier="local_cpu"}} {hits}',
+                 't_total{tier="local_disk"} 5', "# TYPE h histogram"]
+        lines += [f'h_bucket{{le="{le}"}} {n}' for le, n in buckets.items()]
+        top = list(buckets.values())[-1]
+        lines += [f"h_count {top}", "h_sum 1.0"]
+        return "\n".join(lines) + "\n"
+
+    before = Scrape.parse(page(10, {"0.001": 4, "0.01": 4, "0.1": 4, "+Inf": 4}))
+    # 100 new observations: 50 at or under 1 ms, 40 in (1, 10] ms, 10 in (10, 100] ms.
+    after = Scrape.parse(page(25, {"0.001": 54, "0.01": 94, "0.1": 104, "+Inf": 104}))
+    assert after.delta(before, "t_total") == 15
+    assert after.delta(before, "t_total", tier="local_disk") == 0
+    assert after.quantile(before, "h", 0.5) == pytest.approx(0.001)
+    assert after.quantile(before, "h", 0.7) == pytest.approx(0.001 + 0.009 * 20 / 40)
+    assert after.quantile(before, "h", 0.99) == pytest.approx(0.01 + 0.09 * 9 / 10)
+    assert after.quantile(after, "h", 0.5) is None  # nothing observed in between
+    assert after.quantile(before, "missing", 0.5) is None
