@@ -10,7 +10,8 @@ environment that has both).
 
 - Workload A: more distinct prefixes than vLLM's KV cache holds (their KV is
   ``--a-cache-ratio`` times ``--kv-cache-mib`` or more), each used ``--per-prefix`` times;
-- workload B: a working set that fits in vLLM's KV cache.
+- workload B: a working set that fits in vLLM's KV cache (B's server gets a cache that holds
+  its prefixes and the largest concurrency's requests at once, ``--b-kv-cache-mib``).
 
 Every run uses its own seed (the same in every mode), so no run finds another's prefixes.
 ``hit_rate`` and the kvtier series come from the server's ``/metrics``, as the difference of two
@@ -25,6 +26,8 @@ import json
 import os
 import platform
 import shutil
+import signal
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -63,6 +66,7 @@ class Workload:
     prefix_len: int
     suffix_len: int
     output_len: int
+    kv_cache_bytes: int = 0  # vLLM's KV cache for this workload's server
 
     @property
     def num_prompts(self) -> int:
@@ -78,6 +82,7 @@ class Workload:
                 "--prefix-repetition-output-len", str(self.output_len),
                 "--num-prompts", str(self.num_prompts), "--max-concurrency", str(concurrency),
                 "--seed", str(seed), "--ignore-eos", "--temperature", "0", "--disable-tqdm",
+                "--save-detailed",
                 "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
                 "--save-result", "--result-dir", str(result.parent),
                 "--result-filename", result.name]
@@ -104,6 +109,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--per-prefix", type=int, default=3, help="requests per prefix (default 3)")
     p.add_argument("--b-prefixes", type=int, default=2, help="workload B's prefixes (default 2)")
     p.add_argument("--b-per-prefix", type=int, default=12)
+    p.add_argument("--b-kv-cache-mib", type=float,
+                   help="workload B's vLLM KV cache, MiB (default: its prefixes plus the largest "
+                        "concurrency's requests, +10%%)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows of workloads not run now from an existing serve.json")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: short prompts, few requests, concurrency 1 and 4")
     p.add_argument("--lmcache-python",
@@ -123,21 +133,34 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def workloads(args: argparse.Namespace, cache_tokens: int) -> list[Workload]:
-    a_prefixes = -(-int(args.a_cache_ratio * cache_tokens) // args.prefix_len)
+def workloads(args: argparse.Namespace, per_token: int, max_conc: int) -> list[Workload]:
+    a_bytes = int(args.kv_cache_mib * (1 << 20))
+    a_prefixes = -(-int(args.a_cache_ratio * a_bytes // per_token) // args.prefix_len)
+    longest = args.prefix_len + args.suffix_len + args.output_len
+    b_tokens = args.b_prefixes * args.prefix_len + max_conc * longest
+    b_bytes = (int(args.b_kv_cache_mib * (1 << 20)) if args.b_kv_cache_mib
+               else -(-int(b_tokens * per_token * 1.1) // (1 << 20)) << 20)
     out = {"A": Workload("A", a_prefixes, args.per_prefix, args.prefix_len, args.suffix_len,
-                         args.output_len),
+                         args.output_len, a_bytes),
            "B": Workload("B", args.b_prefixes, args.b_per_prefix, args.prefix_len,
-                         args.suffix_len, args.output_len)}
+                         args.suffix_len, args.output_len, b_bytes)}
     chosen = [w.strip() for w in args.workloads.split(",") if w.strip()]
     bad = set(chosen) - set(out)
     if bad:
         raise SystemExit(f"kvtier bench serve: --workloads: unknown {sorted(bad)}; known A, B")
-    b = out["B"]
-    if b.num_prefixes * b.prefix_len + b.suffix_len * b.num_prompts > cache_tokens:
-        print(f"note: workload B's prefixes and suffixes ({b.num_prefixes} x {b.prefix_len} + "
-              f"{b.num_prompts} x {b.suffix_len} tokens) exceed vLLM's cache ({cache_tokens})")
     return [out[w] for w in chosen]
+
+
+def serve_config(model: str, w: Workload, per_token: int, max_conc: int) -> ServeConfig:
+    tokens = w.kv_cache_bytes // per_token
+    longest = w.prefix_len + w.suffix_len + w.output_len
+    # vLLM keeps one block back (the null block) and refuses a max_model_len the rest cannot hold.
+    max_len = min(tokens - 64, 4096) // 32 * 32
+    if longest > max_len:
+        raise SystemExit(f"kvtier bench serve: a request ({longest} tokens) does not fit in "
+                         f"workload {w.name}'s vLLM KV cache ({tokens} tokens): raise its size")
+    return ServeConfig(model=model, kv_cache_bytes=w.kv_cache_bytes, max_model_len=max_len,
+                       max_num_seqs=max_conc)
 
 
 def row(mode: str, w: Workload, concurrency: int, res: dict[str, Any], before: Scrape,
@@ -209,6 +232,8 @@ def targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def main(argv: list[str]) -> int:
     args = _parse(argv)
     require_extras()
+    # A SIGTERM unwinds like Ctrl-C, so every server's process group is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from rich.console import Console
     from rich.progress import Progress
 
@@ -227,18 +252,9 @@ def main(argv: list[str]) -> int:
     with console.status("building the benchmark model (once)"):
         model = str(build_model(cache_dir / "model", BENCH_MODEL))
     per_token = kv_bytes_per_token(BENCH_MODEL)
-    kv_bytes = int(args.kv_cache_mib * (1 << 20))
-    cache_tokens = kv_bytes // per_token
-    loads = workloads(args, cache_tokens)
-    longest = args.prefix_len + args.suffix_len + args.output_len
-    # vLLM keeps one block back (the null block) and refuses a max_model_len the rest cannot hold.
-    max_len = min(cache_tokens - 64, 4096) // 32 * 32
-    if longest > max_len:
-        console.print(f"kvtier bench serve: a request ({longest} tokens) does not fit in vLLM's "
-                      f"KV cache ({cache_tokens} tokens): raise --kv-cache-mib")
-        return 2
-    cfg = ServeConfig(model=model, kv_cache_bytes=kv_bytes, max_model_len=max_len,
-                      max_num_seqs=max(concurrencies))
+    max_conc = max(concurrencies)
+    loads = workloads(args, per_token, max_conc)
+    configs = {w.name: serve_config(model, w, per_token, max_conc) for w in loads}
     logs = Path(tempfile.mkdtemp(prefix="kvtier-bench-serve-", dir=cache_dir))
     console.print(f"logs and per-run results: {logs}")
     results: list[dict[str, Any]] = []
@@ -247,27 +263,39 @@ def main(argv: list[str]) -> int:
         with Progress(console=console) as progress, BenchClient(logs / "client.log") as client:
             task = progress.add_task("vllm bench serve", total=len(runs))
             for mode in modes:
-                mine = [(w, c) for m, w, c in runs if m == mode]
-                try:
-                    results += _run_mode(mode, mine, cfg, args, logs, client, progress, task)
-                except (ServerError, OSError) as e:
-                    skipped[mode] = f"{type(e).__name__}: {str(e)[:1500]}"
-                    console.print(f"[red]{mode} failed[/red]: {str(e)[-1500:]}")
-                    progress.advance(task, len(mine))
+                # One server per KV-cache size (workloads of the same size share it).
+                for size in dict.fromkeys(w.kv_cache_bytes for w in loads):
+                    mine = [(w, c) for m, w, c in runs if m == mode and w.kv_cache_bytes == size]
+                    cfg = configs[mine[0][0].name]
+                    try:
+                        results += _run_mode(mode, mine, cfg, args, logs, client, progress, task)
+                    except (ServerError, OSError) as e:
+                        skipped[mode] = f"{type(e).__name__}: {str(e)[:1500]}"
+                        console.print(f"[red]{mode} failed[/red]: {str(e)[-1500:]}")
+                        progress.advance(task, len(mine))
     finally:
         shutil.rmtree(logs / "disk", ignore_errors=True)
+    out = results_dir(args.out)
+    described = {w.name: {**asdict(w), "num_prompts": w.num_prompts,
+                          "kv_cache_tokens": w.kv_cache_bytes // per_token,
+                          "prefix_kv_over_cache": w.num_prefixes * w.prefix_len * per_token
+                          / w.kv_cache_bytes} for w in loads}
+    if args.merge and (out / "serve.json").exists():
+        # Whole workloads only: every ratio still compares rows of one invocation.
+        old = json.loads((out / "serve.json").read_text())
+        results = [r for r in old["results"] if r["workload"] not in described] + results
+        described = {**{k: v for k, v in old["workloads"].items() if k not in described},
+                     **described}
+        skipped = {**old.get("skipped", {}), **skipped}
     add_ratios(results)
     report = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cpus, {_cpu_flags()}",
         "model": {**asdict(BENCH_MODEL), "dtype": "bfloat16", "kv_bytes_per_token": per_token},
-        "vllm_kv_cache_bytes": kv_bytes, "vllm_kv_cache_tokens": cache_tokens,
-        "workloads": {w.name: {**asdict(w), "num_prompts": w.num_prompts,
-                               "prefix_kv_over_cache": w.num_prefixes * w.prefix_len
-                               / cache_tokens} for w in loads},
+        "workloads": described,
         "client": "vllm bench serve (vLLM's own client; one process for all runs)",
+        "kvtier_source": _source_revision(),
         "skipped": skipped, "results": results, "targets": targets(results),
     }
-    out = results_dir(args.out)
     (out / "serve.json").write_text(json.dumps(report, indent=2))
     if results:
         chart(results, out / "serve.png", f"kvtier bench serve: vLLM CPU, {report['machine']}")
@@ -293,12 +321,12 @@ def _run_mode(mode: str, runs: list[tuple[Workload, int]], cfg: ServeConfig,
         progress.update(task, description=f"{mode}: starting vllm serve")
         server = stack.enter_context(VLLMServer(
             cfg.model, server_args(mode, cfg, kvtier=kvtier, lmcache_port=port),
-            logs / f"server-{mode}.log", python=python, start_timeout_s=args.start_timeout_s))
+            logs / f"server-{mode}-{runs[0][0].name}.log", python=python, start_timeout_s=args.start_timeout_s))
         # One unrecorded run first (its own prefixes): a new server's first requests pay
         # one-time set-up that would otherwise land in the first recorded run.
         progress.update(task, description=f"{mode}: warm-up")
         warm = Workload("warm-up", 2, 2, runs[0][0].prefix_len, runs[0][0].suffix_len, 2)
-        client.run(warm.argv(server.url, cfg.model, 2, WARMUP_SEED, logs / f"{mode}-warm-up.json"),
+        client.run(warm.argv(server.url, cfg.model, 2, WARMUP_SEED, logs / f"{mode}-{runs[0][0].name}-warm-up.json"),
                    args.run_timeout_s)
         for w, c in runs:
             progress.update(task, description=f"{mode} workload {w.name} c={c}")
@@ -311,6 +339,18 @@ def _run_mode(mode: str, runs: list[tuple[Workload, int]], cfg: ServeConfig,
             out.append(row(mode, w, c, json.loads(result.read_text()), before, after))
             progress.advance(task)
     return out
+
+
+def _source_revision() -> str | None:
+    """The checkout's commit (``+dirty`` with uncommitted changes) when kvtier runs from one."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty=+dirty"],
+                             cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
 
 
 def _cpu_flags() -> str:
