@@ -15,19 +15,25 @@ literally that. The spec:
   ``{"op": "reset_connector"}`` (``llm.reset_prefix_cache(reset_connector=True)``, what a weight
   update is followed by); ``{"op": "perturb_k", "seed": n}`` (in-process only: add noise to
   every layer's K projection rows through ``llm.apply_model``, as a weight update would);
-  ``{"op": "corrupt", "prompt": [...], "salt": ...}`` (in-process only) -> overwrite every stored
-  chunk of the prompt with zeros through the storage manager's public API.
+  ``{"op": "corrupt", "prompt": [...], "salt": ...}`` (in-process only) -> once the worker's
+  saves have landed, overwrite every stored chunk of the prompt with zeros through the storage
+  manager's public API.
 - ``"tp": 2`` runs tensor parallelism 2 (worker processes; threads bound one core per rank);
   ``{"op": "stats", "rank": r}`` and ``{"op": "flush", "rank": r}`` address one rank;
   ``{"op": "corrupt_rank", "rank": r, "prompt": [...], "salt": ...}`` zeroes rank ``r``'s stored
   chunks of the prompt inside that worker (``collective_rpc``).
+- ``"kv_events_port": p`` turns vLLM's KV events on (its ZMQ publisher connects to a
+  subscriber bound on 127.0.0.1:p) and receives them as a router would; ``{"op": "kv_events"}`` -> the events received since
+  the last such step (once none arrived for a second), as ``{type, block_hashes,
+  parent_block_hash, token_ids, medium, ownership}``.
 - ``"log_stats": true`` turns vLLM's stats on (``disable_log_stats=False``);
   ``{"op": "metrics", "prefixes": [...]}`` -> ``llm.get_metrics()`` rows whose name starts with
   one of the prefixes (default ``vllm:kvtier_``) as ``{name, labels, value}`` (histograms:
-  ``count``, ``sum``).
+  ``count``, ``sum``, ``buckets``).
 - ``{"op": "load_while_decoding", "first": [...], "second": [...], "delay_s": x,
-  "second_max_tokens": n}`` (in-process only): every kvtier load is delayed by ``delay_s``
-  (as a slow tier would); ``first`` (a stored prompt) is added, then ``second``; the engine is
+  "second_max_tokens": n, "delay": "retrieve"|"hold"}`` (in-process only): every kvtier load
+  (or, with ``"delay": "hold"``, every probe's lookup) is delayed by ``delay_s`` (as a slow tier
+  would); ``first`` (a stored prompt) is added, then ``second``; the engine is
   stepped until both finish. Returns both results and ``second_tokens_when_first_finished``.
 - ``{"op": "abort_during_load", "prompt": [...], "delay_s": x}`` (in-process only): the
   prompt's load is delayed, the request is aborted while it loads, the engine is stepped until
@@ -81,24 +87,25 @@ def _corrupt_in_worker(worker, rank: int, prompt: list[int], salt: str | None) -
 
 
 @contextlib.contextmanager
-def _delayed_loads(delay_s: float) -> Iterator[None]:
-    """Delay every load the worker makes, synchronous or not (a slow tier)."""
+def _delayed_loads(delay_s: float, what: str = "retrieve") -> Iterator[None]:
+    """Delay every load the worker makes, synchronous or not (``what="retrieve"``), or every
+    lookup its probes make (``what="hold"``): a slow tier."""
     import time
 
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     engine = get_kv_transfer_group().engine
-    original = engine.retrieve
+    original = getattr(engine, what)
 
     def slow(*args, **kwargs):
         time.sleep(delay_s)
         return original(*args, **kwargs)
 
-    engine.retrieve = slow
+    setattr(engine, what, slow)
     try:
         yield
     finally:
-        engine.retrieve = original
+        setattr(engine, what, original)
 
 
 def _step_until_done(llm, outputs: dict, on_output=None, limit_s: float = 120.0) -> None:
@@ -134,7 +141,7 @@ def _load_while_decoding(llm, params, step: dict) -> dict:
             second = outputs.get("second")
             seen["second_before_first"] = len(second.outputs[0].token_ids) if second else 0
 
-    with _delayed_loads(step["delay_s"]):
+    with _delayed_loads(step["delay_s"], step.get("delay", "retrieve")):
         llm.llm_engine.add_request("first", {"prompt_token_ids": step["first"]}, params)
         llm.llm_engine.add_request("second", {"prompt_token_ids": step["second"]}, second_params)
         _step_until_done(llm, outputs, on_output)
@@ -228,6 +235,63 @@ def _evict_after_lookup(llm) -> Iterator[dict]:
         scheduler_connector.update_state_after_alloc = original
 
 
+class _EventListener:
+    """A router's view: a ZMQ subscriber to vLLM's KV-event publisher, decoding each batch."""
+
+    def __init__(self, endpoint: str) -> None:
+        import threading
+
+        import zmq
+
+        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        # The subscriber binds (loopback only) and vLLM's publisher connects: an endpoint with a
+        # host makes vLLM connect; binding it on "*" would listen on every interface.
+        self._sock.bind(endpoint)
+        self._events: list[dict] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        while True:
+            _topic, _seq, payload = self._sock.recv_multipart()
+            batch = decoder.decode(payload)
+            with self._lock:
+                for event in batch.events:
+                    row = {"type": type(event).__name__}
+                    for name in ("block_hashes", "parent_block_hash", "token_ids", "medium",
+                                 "ownership"):
+                        value = getattr(event, name, None)
+                        if isinstance(value, bytes):
+                            value = value.hex()
+                        elif isinstance(value, list):
+                            value = [v.hex() if isinstance(v, bytes) else v for v in value]
+                        row[name] = value
+                    self._events.append(row)
+
+    def take(self, quiet_s: float = 1.0, limit_s: float = 20.0) -> list[dict]:
+        """Events received so far, once none arrived for ``quiet_s`` (at most ``limit_s``)."""
+        import time
+
+        deadline = time.monotonic() + limit_s
+        seen = -1
+        while time.monotonic() < deadline:
+            with self._lock:
+                n = len(self._events)
+            if n == seen and n:
+                break
+            seen = n
+            time.sleep(quiet_s)
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+
 def _metrics(llm, prefixes) -> list[dict]:
     """``llm.get_metrics()`` (needs ``"log_stats": true``): counters, gauges and histograms
     whose name starts with one of ``prefixes``, as ``{name, labels, value}`` (histograms:
@@ -240,7 +304,7 @@ def _metrics(llm, prefixes) -> list[dict]:
         if hasattr(m, "value"):
             row["value"] = m.value
         elif hasattr(m, "count"):
-            row.update(count=m.count, sum=m.sum)
+            row.update(count=m.count, sum=m.sum, buckets=dict(getattr(m, "buckets", {})))
         else:
             continue
         out.append(row)
@@ -277,6 +341,14 @@ def main(spec_path: str, out_path: str) -> None:
         kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
     if spec.get("enable_lora"):
         kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=2)
+    listener = None
+    if spec.get("kv_events_port"):
+        from vllm.config import KVEventsConfig
+
+        port = spec["kv_events_port"]
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}")
+        listener = _EventListener(f"tcp://127.0.0.1:{port}")
     llm = LLM(
         model=spec["model"], enforce_eager=True, block_size=32, kv_cache_memory_bytes=64 << 20,
         max_model_len=4096, enable_prefix_caching=bool(spec.get("prefix_caching")),
@@ -324,6 +396,7 @@ def main(spec_path: str, out_path: str) -> None:
         elif op == "abort_during_load":
             results.append(_abort_during_load(llm, params, step))
         elif op == "corrupt_rank":
+            flush_worker(engine_id, step["rank"])  # the prompt's saves land first
             args = (step["rank"], step["prompt"], step.get("salt"))
             results.append(sum(llm.collective_rpc(_corrupt_in_worker, args=args)))
         elif op in ("reset_prefix_cache", "reset_connector"):
@@ -334,9 +407,14 @@ def main(spec_path: str, out_path: str) -> None:
         elif op == "perturb_k":
             results.append(_perturb_k(llm, step["seed"]))
         elif op == "corrupt":
+            # The prompt's saves land first: one still copying would overwrite the zeros.
+            flush_worker(engine_id, 0)
             results.append(_corrupt(step["prompt"], step.get("salt")))
         elif op == "metrics":
             results.append(_metrics(llm, step.get("prefixes", ("vllm:kvtier_",))))
+        elif op == "kv_events":
+            assert listener is not None, "the spec needs kv_events_port"
+            results.append(listener.take())
         else:
             raise ValueError(f"unknown step {op!r}")
     with open(out_path, "w") as f:

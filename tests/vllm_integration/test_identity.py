@@ -1,6 +1,6 @@
 """Request identity: what a chunk key is made of on the vLLM path (``identity.py``), tested with
-real vLLM ``Request`` objects against the scheduler half of the connector, a real lookup
-channel and a real CacheEngine on the CPU platform.
+real vLLM ``Request`` objects against the scheduler half of the connector and real worker parts
+(a CacheEngine on the CPU platform, holds, the scheduler's index; ``sched_harness.py``).
 
 Every test here is a wrong-KV hazard of a key that covered only the token ids and the salt:
 two images behind the same placeholder tokens, a LoRA adapter, prompt embeddings, an fp8 format
@@ -9,8 +9,6 @@ or a weights update would otherwise share chunks.
 
 from __future__ import annotations
 
-import math
-import os
 import uuid
 
 import numpy as np
@@ -21,21 +19,19 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm", reason="vLLM is not installed (install kvtier[vllm])")
 
+from sched_harness import Harness
 from vllm import SamplingParams
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
-from kvtier.core import CacheEngine, HostArena, HostMemoryStorageManager, KVLayout, load_config
+from kvtier.core import CacheEngine, load_config
 from kvtier.core.keys import KeyScope, salt_id
 from kvtier.core.platforms.cpu import CPUPlatform
-from kvtier.vllm_integration.channel import LookupServer, socket_path
 from kvtier.vllm_integration.connector import KVTierConnector
-from kvtier.vllm_integration.holds import HoldTable
 from kvtier.vllm_integration.identity import adapter_identity, identity_tokens
 from kvtier.vllm_integration.layout import build_layout
-from kvtier.vllm_integration.scheduler import SchedulerSide
 
 BLOCK, CHUNK = 32, 64
 TEXT = list(range(100, 100 + 4 * CHUNK))  # 256 tokens; an "image" at [64, 192)
@@ -131,115 +127,69 @@ def test_requires_piecewise_cudagraphs_only_layerwise(isolated_env) -> None:
     assert not KVTierConnector.requires_piecewise_for_cudagraph({})
 
 
-# -- the scheduler half against a real worker lookup channel -------------------------------------
+# -- the scheduler half against real worker parts (sched_harness.py) ---------------------------
 @pytest.fixture
-def served(tmp_path, monkeypatch):
-    """A CacheEngine behind a real lookup server, and a SchedulerSide asking it."""
-    monkeypatch.setenv("KVTIER_RUNTIME_DIR", str(tmp_path))
-    layout = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="bfloat16",
-                      block_size=BLOCK, paged_layout="vllm_cpu")
-    config = load_config(env={}, overrides={"chunk_size": CHUNK, "tiers": ["local_cpu"]})
-    arena = HostArena.create(32 * math.prod(layout.chunk_shape(CHUNK)) * 2)
-    engine = CacheEngine(config, layout, model="m", platform=CPUPlatform(),
-                         storage=HostMemoryStorageManager(arena))
-    caches = [torch.randn(layout.expected_cache_shape(64)).to(torch.bfloat16) for _ in range(2)]
-    engine.register_kv_caches(caches)
-    holds = HoldTable(engine, 30.0)
-    engine_id = f"identity-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-
-    def serve(header, tokens):
-        scope = KeyScope(header.get("salt"), header.get("adapter"), header.get("generation"))
-        return {"hit": holds.lookup(header["req_id"], header["hold_id"], tokens, scope)}
-
-    server = LookupServer(socket_path(engine_id, 0), serve)
-    sched = SchedulerSide(config, block_size=BLOCK, engine_id=engine_id, num_workers=1,
-                          load_failure_policy="recompute")
-
-    def store(req: Request) -> None:
-        """Schedule the request's whole prefill; store what the step's metadata says to save,
-        as the worker would (blocks 0.. hold the prompt)."""
-        for spec in prefill(sched, req).saves:
-            n = len(spec.tokens)
-            engine.store(spec.tokens, torch.arange(n), salt=spec.scope)
-
-    yield sched, store
-    sched.shutdown()
-    server.close()
-    holds.close()
-    engine.close()
-
-
-def hit(sched: SchedulerSide, req: Request) -> int:
-    return sched.get_num_new_matched_tokens(req, 0)[0] or 0
-
-
-def prefill(sched: SchedulerSide, req: Request):
-    """One scheduler step that computes the whole prompt; returns the step's metadata."""
-    n = len(req.prompt_token_ids or ())
-    blocks = list(range(-(-n // BLOCK)))
-    sched.update_state_after_alloc(req, None, 0)  # type: ignore[arg-type]
-    out = SchedulerOutput(
-        scheduled_new_reqs=[NewRequestData.from_request(req, (blocks,))],
-        scheduled_cached_reqs=CachedRequestData.make_empty(), num_scheduled_tokens={req.request_id: n},
-        total_num_scheduled_tokens=n, scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
-        num_common_prefix_blocks=[0], finished_req_ids=set(), free_encoder_mm_hashes=[],
-    )
-    return sched.build_connector_meta(out)
+def served():
+    """A SchedulerSide over a real CacheEngine, its holds and its reports to the scheduler."""
+    harness = Harness.create()
+    yield harness
+    harness.close()
 
 
 def test_two_images_behind_the_same_placeholders_never_share(served) -> None:
-    sched, store = served
-    store(request(images=["image-1"]))
-    assert hit(sched, request(images=["image-1"])) == len(TEXT) - BLOCK  # same image: full hit
+    h = served
+    h.store(request(images=["image-1"]))
+    assert h.hit(request(images=["image-1"])) == len(TEXT) - BLOCK  # same image: full hit
     # Same text, same placeholder tokens, another image: only the text before the image hits.
-    assert hit(sched, request(images=["image-2"])) == IMAGE.offset
+    assert h.hit(request(images=["image-2"])) == IMAGE.offset
 
 
 def test_lora_adapters_and_base_never_share(served, tmp_path) -> None:
-    sched, store = served
-    store(request())
+    h = served
+    h.store(request())
     full = len(TEXT) - BLOCK
-    assert hit(sched, request()) == full
-    assert hit(sched, request(lora=LoRARequest("a", 1, str(tmp_path / "a")))) == 0
-    store(request(lora=LoRARequest("a", 1, str(tmp_path / "a"))))
-    assert hit(sched, request(lora=LoRARequest("a", 3, str(tmp_path / "a")))) == full
-    assert hit(sched, request(lora=LoRARequest("b", 2, str(tmp_path / "b")))) == 0
+    assert h.hit(request()) == full
+    assert h.hit(request(lora=LoRARequest("a", 1, str(tmp_path / "a")))) == 0
+    h.store(request(lora=LoRARequest("a", 1, str(tmp_path / "a"))))
+    assert h.hit(request(lora=LoRARequest("a", 3, str(tmp_path / "a")))) == full
+    assert h.hit(request(lora=LoRARequest("b", 2, str(tmp_path / "b")))) == 0
 
 
 def test_reset_cache_starts_a_generation_nothing_old_is_served_in(served) -> None:
-    sched, store = served
-    store(request(salt="t"))
-    assert hit(sched, request(salt="t")) == len(TEXT) - BLOCK
+    h = served
+    h.store(request(salt="t"))
+    assert h.hit(request(salt="t")) == len(TEXT) - BLOCK
     running = request(salt="t")
-    sched.get_num_new_matched_tokens(running, 0)
-    assert sched.reset_cache() is True
-    assert hit(sched, request(salt="t")) == 0
+    h.hit(running)
+    assert h.sched.reset_cache() is True
+    assert h.hit(request(salt="t")) == 0
     # A request that started before the reset mixes weights: it is neither served nor saved.
-    assert hit(sched, running) == 0
-    assert prefill(sched, running).saves == []
-    store(request(salt="t"))
-    assert hit(sched, request(salt="t")) == len(TEXT) - BLOCK  # the new generation's own
+    assert h.hit(running) == 0
+    assert h.prefill(running).saves == []
+    h.store(request(salt="t"))
+    assert h.hit(request(salt="t")) == len(TEXT) - BLOCK  # the new generation's own
 
 
 def test_prompt_embeddings_are_neither_looked_up_nor_saved(served) -> None:
-    sched, store = served
+    h = served
     zeros = [0] * len(TEXT)
-    store(request(zeros))  # a token prompt of zeros, which embeddings' placeholders look like
+    h.store(request(zeros))  # a token prompt of zeros, which embeddings' placeholders look like
     embeds = request(zeros, embeds=torch.zeros(len(TEXT), 16))
-    assert hit(sched, embeds) == 0
-    assert prefill(sched, embeds).saves == []
+    assert h.hit(embeds) == 0
+    assert h.prefill(embeds).saves == []
 
 
 def test_blocks_of_finished_requests_are_pending_until_their_saves_are_reported(served) -> None:
     """vLLM waits for blocks a connector will free (instead of preempting) while
     ``has_pending_block_frees``; that stays true exactly until the workers report the save."""
-    sched, _ = served
+    h = served
+    sched = h.sched
     req = request(salt="frees")
-    assert prefill(sched, req).saves
+    assert h.prefill(req).saves
     assert not sched.has_pending_block_frees()
     assert sched.request_finished(req) is True  # keep the blocks: a save is in flight
     assert sched.has_pending_block_frees()
-    sched.saves_finished({"another-request"})
+    sched.update_connector_output(KVConnectorOutput(finished_sending={"another-request"}))
     assert sched.has_pending_block_frees()
-    sched.saves_finished({req.request_id})
+    sched.update_connector_output(KVConnectorOutput(finished_sending={req.request_id}))
     assert not sched.has_pending_block_frees()

@@ -113,6 +113,9 @@ class KVTierConfig:
         default=True,
     )
     save_decode_cache: bool = _doc("Also store chunks filled by generated tokens.", default=False)
+    store_threshold: int = _doc(
+        "Store a chunk only once this many requests have contained it (1: the first time); "
+        "one-off prompts then cost no copies.", default=1)
     use_layerwise: bool = _doc("Load/store layer by layer, overlapping with the forward pass.", default=False)
     load_async: bool = _doc("vLLM: load a hit on a worker thread while other requests run (the request waits in WAITING_FOR_REMOTE_KVS); False loads before the forward pass. Layer-wise loads are always synchronous.", default=True)
     device_staging_buffer: bool = _doc(
@@ -120,15 +123,18 @@ class KVTierConfig:
         default=True,
     )
     encryption_key: str | None = _doc(
-        "Seal every payload written to disk with AES-256-GCM, under a key per cache salt "
-        "derived from this one: 32 bytes as 64 hex digits or base64. Empty = off. A tier that "
-        "cannot seal (redis, today) is refused while it is set. Needs kvtier[encryption].",
+        "Seal every payload written to disk or Redis with AES-256-GCM, under a key per cache "
+        "salt derived from this one: 32 bytes as 64 hex digits or base64. Empty = off. A tier "
+        "that cannot seal (a third-party tier without seals_payloads) is refused while it is "
+        "set. Needs kvtier[encryption].",
         default=None,
     )
     encryption_key_file: str | None = _doc(
         "A file holding encryption_key (its first line); keep it mode 0600.", default=None
     )
-    lookup_timeout_s: float = _doc("Bound on one lookup across processes/tiers (s).", default=2.0)
+    lookup_timeout_s: float = _doc(
+        "How long a waiting request's lookup (a probe of every tier on the workers) may take "
+        "before it counts as a miss (s); the scheduler never waits for it.", default=2.0)
     log_level: str = _doc("Log level of the kvtier logger.", default="WARNING")
     backend_options: dict[str, Any] = _doc(
         "Per-backend options for third-party tiers: {backend name: {option: value}}.",
@@ -158,7 +164,7 @@ class KVTierConfig:
         return _validated(dataclasses.replace(self, **changes))
 
 
-_POSITIVE_INT = ("chunk_size", "write_queue_size", "io_threads")
+_POSITIVE_INT = ("chunk_size", "write_queue_size", "io_threads", "store_threshold")
 _POSITIVE_FLOAT = ("local_cpu_size_gb", "local_disk_size_gb", "redis_connect_timeout_s",
                    "redis_timeout_s", "lookup_timeout_s")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

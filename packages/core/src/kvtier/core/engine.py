@@ -40,6 +40,7 @@ from kvtier.core.keys import (
     TokenIds,
     chain_hash,
     salt_seed,
+    tail_hashes,
     token_bytes,
 )
 from kvtier.core.layout import KVLayout
@@ -87,6 +88,7 @@ class CacheEngine:
         self.stats = EngineStats()
         self._hit_tokens_by_tier: dict[str, int] = {}
         self._tier_lock = threading.Lock()
+        self._store_listeners: list[Callable[[list[ChunkKey]], None]] = []
 
     # -- setup ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
@@ -94,6 +96,12 @@ class CacheEngine:
         self.connector = self.platform.create_connector(
             kv_caches, self.layout, staging_buffer=self.config.device_staging_buffer
         )
+
+    def watch_stores(self, listener: Callable[[list[ChunkKey]], None]) -> None:
+        """Call ``listener(keys)`` with the keys of the chunks every store commits, on the
+        storing thread, after they are readable (the vLLM connector feeds its scheduler's index
+        of stored chunks with it). It must be quick and must not raise."""
+        self._store_listeners.append(listener)
 
     def _require_connector(self) -> DeviceConnector:
         if self.connector is None:
@@ -128,13 +136,9 @@ class CacheEngine:
             spans = self.full_spans(arr[: index * self.chunk_size], salt)
         bs = self.layout.block_size
         start = index * self.chunk_size
-        room = min(len(arr) - start, self.chunk_size - bs)
-        prev = self._prev_hash(spans, index, salt)
-        out = []
-        for s0 in range(start, start + room - bs + 1, bs):
-            prev = chain_hash(prev, arr[s0 : s0 + bs])
-            out.append(ChunkSpan(s0, s0 + bs, self.keys.key(prev, salt)))
-        return out
+        hashes = tail_hashes(arr, start, self.chunk_size, bs, self._prev_hash(spans, index, salt))
+        return [ChunkSpan(start + i * bs, start + (i + 1) * bs, self.keys.key(h, salt))
+                for i, h in enumerate(hashes)]
 
     def hit_spans(self, tokens: TokenIds, salt: Scope = None) -> list[ChunkSpan]:
         """The contiguous run of stored spans covering a prefix of ``tokens``."""
@@ -293,6 +297,9 @@ class CacheEngine:
                 self.storage.put(span.key, t.obj)
             stored += span.num_tokens
         self.stats.add(stored_tokens=stored)
+        keys = [span.key for span, _ in plan]
+        for listener in self._store_listeners:
+            listener(keys)
         return stored
 
     def _abort(self, objs: Sequence[MemoryObj]) -> None:

@@ -130,6 +130,20 @@ def prefix_hashes(tokens: TokenIds, chunk_size: int, salt: Scope = None) -> list
     return out
 
 
+def tail_hashes(arr: np.ndarray, start: int, chunk_size: int, block_size: int,
+                prev: bytes) -> list[bytes]:
+    """Hashes of the block-sized spans of a prompt's tail after token ``start`` (the end of its
+    last full chunk, whose hash is ``prev``): whole blocks up to one block short of a chunk, each
+    chained onto the previous hash. A tail hash never equals a full-chunk hash (their inputs
+    differ in length)."""
+    room = min(len(arr) - start, chunk_size - block_size)
+    out: list[bytes] = []
+    for s0 in range(start, start + room - block_size + 1, block_size):
+        prev = chain_hash(prev, arr[s0 : s0 + block_size])
+        out.append(prev)
+    return out
+
+
 @dataclass(frozen=True, order=True)
 class ChunkKey:
     """The identity of one stored chunk.

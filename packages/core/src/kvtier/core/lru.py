@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -28,6 +28,17 @@ class HostObjectLRU:
         self._entries: OrderedDict[ChunkKey, MemoryObj] = OrderedDict()
         self._bytes = 0
         self._closed = False
+        self._on_remove: list[Callable[[list[ChunkKey]], None]] = []
+
+    def watch_removals(self, listener: Callable[[list[ChunkKey]], None]) -> None:
+        """Call ``listener(keys)`` with the keys of entries evicted, removed or cleared (after
+        the fact, outside the lock; it must be quick and must not raise)."""
+        self._on_remove.append(listener)
+
+    def _removed(self, keys: list[ChunkKey]) -> None:
+        if keys:
+            for listener in self._on_remove:
+                listener(keys)
 
     @property
     def used_bytes(self) -> int:
@@ -40,6 +51,11 @@ class HostObjectLRU:
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         with self._lock:
             return [k in self._entries for k in keys]
+
+    def key_list(self) -> list[ChunkKey]:
+        """The indexed keys, least recently used first."""
+        with self._lock:
+            return list(self._entries)
 
     def get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
         """A new handle per key found (the caller releases it), each marked most recently used."""
@@ -72,15 +88,16 @@ class HostObjectLRU:
             old.release()
 
     def remove(self, keys: Sequence[ChunkKey]) -> None:
-        gone: list[MemoryObj] = []
+        gone: list[tuple[ChunkKey, MemoryObj]] = []
         with self._lock:
             for k in keys:
                 obj = self._entries.pop(k, None)
                 if obj is not None:
                     self._bytes -= obj.meta.nbytes
-                    gone.append(obj)
-        for obj in gone:
+                    gone.append((k, obj))
+        for _, obj in gone:
             obj.release()
+        self._removed([k for k, _ in gone])
 
     def evict_one(self) -> bool:
         """Drop the least recently used entry that only this index holds; False if there is none.
@@ -101,15 +118,17 @@ class HostObjectLRU:
         if victim is None:
             return False
         victim.release()
+        self._removed([key])
         return True
 
     def clear(self) -> int:
         """Release every indexed object (readers keep their own handles); returns how many."""
         with self._lock:
-            entries, self._entries = list(self._entries.values()), OrderedDict()
+            entries, self._entries = self._entries, OrderedDict()
             self._bytes = 0
-        for obj in entries:
+        for obj in entries.values():
             obj.release()
+        self._removed(list(entries))
         return len(entries)
 
     def close(self) -> None:

@@ -13,8 +13,8 @@ and, where the exporter adds it, the model. Never a salt, adapter or request id.
 - kvtier's vLLM connector, which sends per-step deltas of the same values through vLLM's
   connector stats, where they appear as ``vllm:kvtier_*``.
 
-Latency histograms (``*_seconds``) are observed by the vLLM connector around its lookups, loads
-and saves; ``LATENCY_BUCKETS`` are their bucket bounds.
+Latency histograms (``*_seconds``) are observed by the vLLM connector around its lookups, loads,
+saves and scheduler steps; ``LATENCY_BUCKETS`` are their bucket bounds.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-                   5.0, 10.0)
+LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                   0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,8 @@ METRICS: dict[str, MetricDef] = {
     "load_seconds": MetricDef(HISTOGRAM, "Time of one request's load, end to end."),
     "save_seconds": MetricDef(HISTOGRAM, "Time of one save job on the saver thread."),
     # vLLM connector (scheduler side)
+    "scheduler_seconds": MetricDef(
+        HISTOGRAM, "Time kvtier's hooks took in one scheduler step (index lookups, metadata)."),
     "lookup_failures": MetricDef(
         COUNTER, "Lookups the scheduler could not complete (channel error or timeout: a miss)."),
 }

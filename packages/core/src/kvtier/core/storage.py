@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -93,6 +93,16 @@ class StorageManager(ABC):
         """Forget every chunk the host-memory tier indexes (lower tiers keep theirs; readers
         keep their handles); returns how many were dropped."""
 
+    def watch_host_removals(self, listener: Callable[[list[ChunkKey]], None]) -> bool:
+        """Call ``listener(keys)`` with the keys the host-memory tier drops (evicted, removed,
+        or all of them on ``drop_host``); False if this manager cannot tell."""
+        return False
+
+    def watch_tiers(self, listener: Callable[[str, list[str], list[str]], None]) -> bool:
+        """Call ``listener(tier, stored, dropped)`` (``ChunkKey.digest()`` lists) when a tier
+        below host memory writes or drops chunks; False if there is none."""
+        return False
+
     def close(self) -> None:
         """Stop background work and release every object this manager holds."""
 
@@ -119,6 +129,10 @@ class HostMemoryStorageManager(StorageManager):
 
     def drop_host(self) -> int:
         return self._index.clear()
+
+    def watch_host_removals(self, listener: Callable[[list[ChunkKey]], None]) -> bool:
+        self._index.watch_removals(listener)
+        return True
 
     def close(self) -> None:
         self._index.close()

@@ -98,6 +98,18 @@ class TieredStorageManager(StorageManager):
     def drop_host(self) -> int:
         return self.host.clear()
 
+    def watch_host_removals(self, listener: Callable[[list[ChunkKey]], None]) -> bool:
+        self.host.watch_key_removals(listener)
+        return True
+
+    def watch_tiers(self, listener: Callable[[str, list[str], list[str]], None]) -> bool:
+        """Call ``listener(tier, stored, dropped)`` (key digests) when a lower tier has written
+        chunks or dropped them (tiers that can tell)."""
+        self._writer.watch(listener)
+        for tier in self.lower:
+            tier.watch_removals(partial(_dropped_from, listener, tier.name))
+        return True
+
     def _allocate_for_read(self, meta: MemoryObjMeta) -> MemoryObj | None:
         try:
             return self.allocate(meta)
@@ -287,3 +299,8 @@ def create_storage_manager(
         io_threads=config.io_threads,
         close_timeout_s=max(5.0, config.redis_timeout_s + config.redis_connect_timeout_s + 1.0),
     )
+
+
+def _dropped_from(listener: Callable[[str, list[str], list[str]], None], tier: str,
+                  digests: list[str]) -> None:
+    listener(tier, [], digests)

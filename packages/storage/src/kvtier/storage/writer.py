@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -75,11 +75,17 @@ class LowerTierWriter:
         self._flush_lock = threading.Lock()
         self._loss_base = {n: v for n, v in stats.snapshot().items() if _is_loss(n)}
         self.last_flush = FlushReport()
+        self._listeners: list[Callable[[str, list[str], list[str]], None]] = []
         if self.lower:
             for i in range(threads):
                 t = threading.Thread(target=self._run, name=f"kvtier-writer-{i}", daemon=True)
                 t.start()
                 self._threads.append(t)
+
+    def watch(self, listener: Callable[[str, list[str], list[str]], None]) -> None:
+        """Call ``listener(tier, stored_digests, [])`` after each write with the chunks the tier
+        holds now (it is asked: a tier may skip a chunk without raising)."""
+        self._listeners.append(listener)
 
     def submit(self, key: ChunkKey, obj: MemoryObj) -> None:
         """Queue a share of ``obj`` for the lower tiers, or drop it (counted) if the queue is full."""
@@ -138,6 +144,11 @@ class LowerTierWriter:
         try:
             tier.batched_put(batch)
             self.stats.add(f"{tier.name}.put_calls")
+            if self._listeners:
+                keys = [k for k, _ in batch]
+                landed = [k.digest() for k, ok in zip(keys, tier.contains(keys), strict=True) if ok]
+                for listener in self._listeners:
+                    listener(tier.name, landed, [])
         except Exception:
             self.stats.add(f"{tier.name}.errors")
             self.stats.add(f"{tier.name}.write_failed", len(batch))

@@ -1,11 +1,12 @@
 """``KVTierConnector``: kvtier as a vLLM KV connector (KV-connector API v1).
 
 vLLM builds two instances: a *scheduler-side* one (in the EngineCore process, next to the
-scheduler) and a *worker-side* one (in each worker, next to the KV tensors). They share only the
-per-step metadata the scheduler side builds (``metadata.py``) and what both can reach (the
-lookup channel, disk, Redis). This class is the facade vLLM calls; the work is done by
-``SchedulerSide`` (``scheduler.py``: lookups, holds, which tokens to load and save, weights
-generations) and ``WorkerSide`` (``worker.py``: the ``CacheEngine``, loads, the saver thread).
+scheduler) and a *worker-side* one (in each worker, next to the KV tensors). They talk only
+through vLLM: the per-step metadata the scheduler side builds (``metadata.py``) and the reports
+each worker sends back after the step (``presence.py``). This class is the facade vLLM calls;
+the work is done by ``SchedulerSide`` (``scheduler.py``: the index of stored chunks, probes,
+which tokens to load and save, weights generations) and ``WorkerSide`` (``worker.py``: the
+``CacheEngine``, probes and holds, loads, the saver thread).
 
 What keys a chunk (``identity.py``): the model's identity, the KV layout (with vLLM's cache
 dtype string), the engine-local rank, and per request the cache salt, LoRA adapter and weights
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -45,6 +48,7 @@ from kvtier.vllm_integration.worker import WorkerSide
 if TYPE_CHECKING:
     from vllm.attention.backends.abstract import AttentionMetadata
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -82,6 +86,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 self.config, block_size=self.block_size, engine_id=engine_id,
                 num_workers=int(vllm_config.parallel_config.world_size),
                 load_failure_policy=str(self._kv_transfer_config.kv_load_failure_policy),
+                kv_events=bool(vllm_config.kv_events_config
+                               and vllm_config.kv_events_config.enable_kv_cache_events),
             )
         else:
             self._worker = WorkerSide(self.config, vllm_config, block_size=self.block_size,
@@ -102,30 +108,46 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+        side = self.scheduler_side
+        with side.timed():
+            return side.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+        side = self.scheduler_side
+        with side.timed():
+            side.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self.scheduler_side.build_connector_meta(scheduler_output)
+        side = self.scheduler_side
+        with side.timed():
+            meta = side.build_connector_meta(scheduler_output)
+        side.end_step()
+        return meta
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Keep the blocks until the worker's saves of this request are done (``get_finished``)."""
-        return self.scheduler_side.request_finished(request), None
+        side = self.scheduler_side
+        with side.timed():
+            return side.request_finished(request), None
 
     def reset_cache(self) -> bool | None:
         return self.scheduler_side.reset_cache()
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self.scheduler_side.saves_finished(set(connector_output.finished_sending or ()))
+        side = self.scheduler_side
+        with side.timed():
+            side.update_connector_output(connector_output)
 
     def has_pending_block_frees(self) -> bool:
         return self.scheduler_side.has_pending_block_frees()
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """KV events for kvtier's host tier (``events.py``), published with vLLM's own."""
+        return self.scheduler_side.events.take()
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
@@ -211,6 +233,10 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """This step's report to the scheduler: new chunks for its index, probe answers."""
+        return self.worker_side.build_connector_worker_meta()
 
     def shutdown(self) -> None:
         if self._scheduler is not None:

@@ -13,6 +13,7 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvtier.core.keys import KeyScope
+from kvtier.vllm_integration.probes import ProbeSpec
 
 
 @dataclass
@@ -48,6 +49,7 @@ class KVTierMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
     releases: list[tuple[str, int]] = field(default_factory=list)  # holds not to be loaded
+    probes: list[ProbeSpec] = field(default_factory=list)  # lookups to run on the workers
     # The weights generation every spec of this step is keyed under (``reset_cache`` starts a
     # new one); a worker that sees it change drops its host-memory tier.
     generation: str | None = None

@@ -1,15 +1,21 @@
 """The scheduler half of ``KVTierConnector`` (EngineCore process, next to vLLM's scheduler).
 
-``get_num_new_matched_tokens`` asks the worker(s) over the lookup channel (``channel.py``) how
-long a prefix of the prompt kvtier holds in any tier, including the worker's host memory; the
-hit is cut to whole blocks and at most ``n - 1`` tokens (the last prompt token is always
-recomputed, to produce the first logits). A channel failure or timeout is a miss. The worker
-answers with a *hold* (``holds.py``): the hit chunks stay in its host memory until the load, so
-what the scheduler was told is what gets loaded. The lookup names the request and a ``hold_id``
-the scheduler picks; every later decision about that hold (load it, or drop it because vLLM will
-not load: no external tokens allocated, request finished or aborted) reaches the worker in the
-next step's metadata. ``build_connector_meta`` turns the step's schedule into loads (tokens vLLM
-must not compute), hold releases and saves (chunks completed by this step's forward pass).
+Nothing here waits: no socket, disk or Redis call runs inside ``schedule()``.
+``get_num_new_matched_tokens`` first asks the scheduler's index of stored chunks
+(``presence.py``, fed by the workers' per-step reports) whether the prompt may hit beyond what
+vLLM already has. If not, and every tier can be listed, the answer is 0 at once. Otherwise it
+sends a *probe* (``probes.py``) to the workers with the next step's metadata and answers
+``None`` ("not yet": the request stays waiting while others run); the workers look the prompt
+up in every tier on their own threads and *hold* what they find (``holds.py``: lower-tier hits
+are read into host memory now), and once every rank has answered, the next call returns the hit
+(the minimum over ranks), cut to whole blocks and at most ``n - 1`` tokens (the last prompt
+token is always recomputed, to produce the first logits). The load reads exactly the held
+chunks, so a chunk evicted in between cannot make it come up short. A probe not answered within
+``lookup_timeout_s`` is a miss. Every later decision about a hold (load it, or drop it because
+vLLM will not load: no external tokens allocated, request finished or aborted) reaches the
+workers in the next step's metadata. ``build_connector_meta`` turns the step's schedule into
+probes, loads (tokens vLLM must not compute), hold releases and saves (chunks completed by this
+step's forward pass).
 
 Every lookup, load and save is keyed by the request's identity (``identity.py``): its scope
 (salt, LoRA adapter, weights generation) and its identity tokens (multimodal placeholders
@@ -22,12 +28,17 @@ in ``get_finished``.
 
 ``reset_cache`` starts a new weights generation: chunks of the old weights are never served
 again, and requests running across the reset save nothing more (their KV mixes generations).
+
+The time kvtier's hooks take in each scheduler step is the ``scheduler_seconds`` metric.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,18 +46,21 @@ import numpy as np
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.keys import KeyScope
-from kvtier.vllm_integration.channel import ChannelError, LookupClient, socket_path
+from kvtier.vllm_integration.events import EventLog
 from kvtier.vllm_integration.identity import (
     adapter_identity,
     cacheable,
     identity_tokens,
 )
 from kvtier.vllm_integration.metadata import KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.vllm_integration.presence import KVTierWorkerMeta, PresenceIndex, RankReport
+from kvtier.vllm_integration.probes import Probe, ProbeSpec, PromptHashes, Sightings
 from kvtier.vllm_integration.stats import KVTierStats, StatsTracker
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger("kvtier")
@@ -55,10 +69,10 @@ HOLD_TTL_MIN_S = 30.0
 
 
 def hold_ttl_s(config: KVTierConfig) -> float:
-    """How long the worker keeps a lookup's hold with no lookup or load: 10x
-    ``lookup_timeout_s``, at least 30 s. A load normally follows its lookup within a step, and a
-    waiting request's repeated lookups refresh its hold, so only a lost hold (a decision the
-    worker never heard of) lives this long."""
+    """How long the worker keeps a probe's hold with no load: 10x ``lookup_timeout_s``, at
+    least 30 s. A load normally follows its probe within a step or two, and a request waiting
+    longer than half of this is probed again, so only a lost hold (a decision the worker never
+    heard of) lives this long."""
     return max(HOLD_TTL_MIN_S, 10.0 * config.lookup_timeout_s)
 
 
@@ -73,6 +87,8 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     external: int = 0  # tokens to load in the request's next scheduled step
     hold_id: int | None = None  # the worker's hold those tokens are loaded from
+    probe: Probe | None = None  # the lookup in flight or answered, not yet used by a load
+    hashes: PromptHashes | None = None
     computed_at_lookup: int = 0  # tokens vLLM already had (its prefix cache) at the lookup
     load_async: bool = False  # what the last lookup answered
     saved_upto: int = 0  # tokens handed to the worker for saving
@@ -88,25 +104,27 @@ class SchedulerSide:
     """Lookups, loads and saves decided on the scheduler (see the module docstring)."""
 
     def __init__(self, config: KVTierConfig, *, block_size: int, engine_id: str,
-                 num_workers: int, load_failure_policy: str) -> None:
+                 num_workers: int, load_failure_policy: str, kv_events: bool = False) -> None:
         self.config = config
         self.block_size = block_size
         self.chunk_size = config.chunk_size
         self._reqs: dict[str, _Request] = {}
-        self._clients = [
-            LookupClient(socket_path(engine_id, r), config.lookup_timeout_s)
-            for r in range(num_workers)
-        ]
-        # Holds by request id that no load or release has consumed yet (see holds.py).
-        self._hold_ids: dict[str, int] = {}
+        self.num_workers = num_workers
+        self.index = PresenceIndex(num_workers)
+        self.events = EventLog(block_size, kv_events,
+                               lambda h, scope: self.index.digest(0, h, scope))
+        self.sightings = Sightings(config.store_threshold)
         self._next_hold_id = 0
         self._releases: list[tuple[str, int]] = []
+        self._probes: list[ProbeSpec] = []  # for the next step's metadata
         self._async_loads: list[LoadSpec] = []  # for the next step's metadata
         self._saving: set[str] = set()  # finished requests whose blocks wait for their saves
         self._load_async = config.load_async and not config.use_layerwise
         self.generation: str | None = None
-        # Scheduler-process counters (the worker's are served over the lookup channel).
-        self.stats = {"lookups": 0, "lookup_failures": 0, "hit_tokens": 0, "uncacheable": 0}
+        self._step_seconds = 0.0  # kvtier's time in the current scheduler step
+        # Scheduler-process counters.
+        self.stats = {"lookups": 0, "lookup_failures": 0, "hit_tokens": 0, "uncacheable": 0,
+                      "probes": 0}
         # A request's last lookup: its hit (the minimum over ranks) and where each chunk was found
         # (rank 0's hold: ``[[start, end, tier], ...]``), for ``hit_sources``.
         self._hit_spans: dict[str, tuple[int, list[list[Any]]]] = {}
@@ -126,29 +144,66 @@ class SchedulerSide:
             state = _Request(request, adapter_identity(request.lora_request), prompt,
                              self.generation)
             self._reqs[request.request_id] = state
+            if self.sightings.threshold > 1:
+                self.sightings.see(self._hashes(state))
         return state
 
-    def _lookup(self, tokens: np.ndarray, scope: KeyScope, req_id: str, hold_id: int) -> int:
-        """Tokens of ``tokens`` every rank holds (the minimum over ranks); 0 if any cannot say.
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        """Count the time spent inside into this step's ``scheduler_seconds``."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._step_seconds += time.perf_counter() - t0
 
-        Each rank keeps what it found as hold ``hold_id`` of ``req_id``; each holds at least the
-        minimum, so the load of the reported hit reads only held chunks."""
-        hit = len(tokens)
-        spans: list[list[Any]] = []
-        header = {"op": "lookup", "salt": scope.salt, "adapter": scope.adapter,
-                  "generation": scope.generation, "req_id": req_id, "hold_id": hold_id}
-        for client in self._clients:
-            try:
-                reply = client.call(header, tokens)
-            except ChannelError as e:
-                self.stats["lookup_failures"] += 1
-                logger.warning("kvtier lookup failed, treating it as a miss: %s", e)
-                return 0
-            hit = min(hit, int(reply["hit"]))
-            if client is self._clients[0]:
-                spans = list(reply.get("sources") or [])
-        self._hit_spans[req_id] = (hit, spans)
-        return hit
+    def _hashes(self, state: _Request) -> PromptHashes:
+        if state.hashes is None:
+            state.hashes = PromptHashes(state.prompt, state.scope, self.chunk_size,
+                                        self.block_size, self.config.save_unfull_chunk)
+        return state.hashes
+
+    def _may_hit(self, state: _Request, num_computed_tokens: int, most: int) -> bool:
+        """Whether a probe may find more than vLLM has: the index says so, or a tier it cannot
+        list (or a worker that has not reported yet) might."""
+        if not self.index.complete:
+            return True
+        hit = min(self._hashes(state).indexed_hit(self.index), most)
+        return hit - hit % self.block_size > num_computed_tokens
+
+    def _release_probe(self, state: _Request) -> None:
+        if state.probe is not None:
+            self._releases.append((state.request.request_id, state.probe.hold_id))
+            state.probe = None
+
+    def _probe(self, state: _Request, num_computed_tokens: int, most: int) -> Probe | None:
+        """The request's answered probe; None while there is none yet (one is sent if the
+        request may hit) or it is in flight."""
+        now = time.monotonic()
+        probe = state.probe
+        if probe is not None and now - probe.sent_at > hold_ttl_s(self.config) / 2:
+            self._release_probe(state)  # its hold is about to expire: look again
+            probe = None
+        if probe is None:
+            if not self._may_hit(state, num_computed_tokens, most):
+                return Probe(-1, now, expired=True)  # a miss, nothing held
+            rid = state.request.request_id
+            probe = state.probe = Probe(self._next_hold_id, now)
+            self._next_hold_id += 1
+            self._probes.append(ProbeSpec(rid, probe.hold_id, state.prompt, state.scope))
+            self.stats["probes"] += 1
+            return None
+        if probe.answered(self.num_workers):
+            return probe
+        if now - probe.sent_at < self.config.lookup_timeout_s:
+            return None
+        self.stats["lookup_failures"] += 1
+        logger.warning("kvtier: %d of %d worker(s) did not answer the lookup of request %s in "
+                       "%.1f s (lookup_timeout_s); treating it as a miss", self.num_workers -
+                       len(probe.answers), self.num_workers, state.request.request_id,
+                       self.config.lookup_timeout_s)
+        probe.expired = True
+        return probe
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -164,18 +219,16 @@ class SchedulerSide:
         most = (n - 1) // bs * bs  # the last prompt token is always recomputed
         if most <= num_computed_tokens:
             return 0, False
-        self.stats["lookups"] += 1
         state = self._state(request)
         if state.generation != self.generation:
             return 0, False  # it started under older weights: nothing of theirs is served
-        rid = request.request_id
-        hold_id = self._hold_ids.get(rid)
-        if hold_id is None:
-            hold_id = self._hold_ids[rid] = self._next_hold_id
-            self._next_hold_id += 1
-        hit = self._lookup(state.prompt, state.scope, rid, hold_id)
-        hit = min(hit, most)
+        probe = self._probe(state, num_computed_tokens, most)
+        if probe is None:
+            return None, False  # not yet: the workers are looking
+        self.stats["lookups"] += 1
+        hit = min(probe.hit, most)
         hit -= hit % bs
+        self._hit_spans[request.request_id] = (hit, probe.sources)
         new = max(0, hit - num_computed_tokens)
         self.stats["hit_tokens"] += new
         state.computed_at_lookup = num_computed_tokens
@@ -186,12 +239,12 @@ class SchedulerSide:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         state = self._state(request)
-        hold_id = self._hold_ids.pop(request.request_id, None)
         if not num_external_tokens:
             state.external = 0
-            if hold_id is not None:
-                self._releases.append((request.request_id, hold_id))
+            self._release_probe(state)
             return
+        assert state.probe is not None, "external tokens without an answered lookup"
+        hold_id, state.probe = state.probe.hold_id, None
         if not state.load_async:
             state.external, state.hold_id = num_external_tokens, hold_id
             return
@@ -204,6 +257,12 @@ class SchedulerSide:
         ))
         state.external = 0
         state.saved_upto = max(state.saved_upto, end // self.chunk_size * self.chunk_size)
+
+    def _expect(self, state: _Request, skip: int, end: int) -> None:
+        """Tell the index (and the KV event log) what a save just asked for will store."""
+        spans = self._hashes(state).saved_spans(skip, end)
+        self.index.expect([h for h, _, _ in spans], state.scope)
+        self.events.expect(state.request, spans, state.scope)
 
     def _save_spec(self, rid: str, state: _Request, end: int) -> SaveSpec | None:
         """The save this step's forward pass makes possible (tokens ``[0, end)`` have KV)."""
@@ -223,6 +282,9 @@ class SchedulerSide:
             save_end = min(end, len(req.all_token_ids)) // c * c
         else:
             return None
+        if self.sightings.threshold > 1 and save_end <= len(state.prompt):
+            # Only chunks enough requests contained (store_threshold).
+            save_end = min(save_end, self.sightings.storable(self._hashes(state)))
         # What the engine will actually store: whole chunks, plus a block-aligned tail when
         # save_unfull_chunk is set. Nothing storable means no save, so no blocks are held.
         step = self.block_size if self.config.save_unfull_chunk else c
@@ -230,6 +292,8 @@ class SchedulerSide:
             return None
         skip = state.saved_upto // c * c
         state.saved_upto = save_end
+        if save_end <= len(state.prompt):
+            self._expect(state, skip, save_end)
         state.had_save = True
         n_blocks = -(-save_end // self.block_size)
         if save_end <= len(state.prompt):
@@ -258,8 +322,8 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
         meta = KVTierMetadata(preempted=set(scheduler_output.preempted_req_ids or ()),
                               releases=self._releases, generation=self.generation,
-                              loads=self._async_loads)
-        self._releases, self._async_loads = [], []
+                              loads=self._async_loads, probes=self._probes)
+        self._releases, self._async_loads, self._probes = [], [], []
         for rid in meta.preempted:
             state = self._reqs.get(rid)
             if state is not None:
@@ -288,6 +352,11 @@ class SchedulerSide:
                            scheduler_output.num_scheduled_tokens.get(rid, 0))
         return meta
 
+    def end_step(self) -> None:
+        """Record kvtier's time in the step that just ended (``scheduler_seconds``)."""
+        self.metrics.observe("scheduler_seconds", self._step_seconds)
+        self._step_seconds = 0.0
+
     def request_finished(self, request: Request) -> bool:
         """Whether to keep the request's blocks until the worker's saves of it are done
         (``get_finished``). A hold still pending for the request is released through the next
@@ -295,11 +364,10 @@ class SchedulerSide:
         rid = request.request_id
         state = self._reqs.pop(rid, None)
         self._hit_spans.pop(rid, None)
-        hold_id = self._hold_ids.pop(rid, None)
-        if hold_id is None and state is not None:
-            hold_id = state.hold_id
-        if hold_id is not None:
-            self._releases.append((rid, hold_id))
+        if state is not None:
+            self._release_probe(state)
+            if state.hold_id is not None:
+                self._releases.append((rid, state.hold_id))
         keep = state is not None and state.had_save
         if keep:
             self._saving.add(rid)
@@ -327,9 +395,34 @@ class SchedulerSide:
         """The scheduler's metrics changed since the last call (``stats.py``)."""
         return self.metrics.delta({"lookup_failures": {"": self.stats["lookup_failures"]}})
 
-    def saves_finished(self, req_ids: set[str]) -> None:
-        """The workers reported these requests' saves done (vLLM frees their blocks now)."""
-        self._saving -= req_ids
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """A step's results: saves done (vLLM frees those requests' blocks now), and the
+        workers' reports (new chunks for the index, probe answers)."""
+        self._saving -= set(output.finished_sending or ())
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, KVTierWorkerMeta):
+            for report in meta.reports.values():
+                self._apply(report)
+
+    def _apply(self, report: RankReport) -> None:
+        self.index.apply(report)
+        if report.rank == 0:
+            self.events.stored("local_cpu", report.added)
+            self.events.removed("local_cpu", report.evicted)
+            for tier, stored, dropped in report.tier_events:
+                self.events.stored(tier, stored)
+                self.events.removed(tier, dropped)
+        for ans in report.answers:
+            state = self._reqs.get(ans.req_id)
+            probe = state.probe if state is not None else None
+            if state is None or probe is None or probe.hold_id != ans.hold_id or probe.expired:
+                continue  # a request gone or probed again since: its hold was released
+            probe.answers[report.rank] = ans.hit
+            if report.rank == 0:
+                probe.sources = ans.sources
+            # What the index promised beyond the hit is gone on that rank: stop promising it.
+            hashes = self._hashes(state)
+            self.index.forget(report.rank, hashes.missing_after(ans.hit), hashes.scope)
 
     def has_pending_block_frees(self) -> bool:
         """Blocks of finished requests come back once their saves are copied off the device:
@@ -345,5 +438,4 @@ class SchedulerSide:
         return True
 
     def shutdown(self) -> None:
-        for client in self._clients:
-            client.close()
+        self._reqs.clear()

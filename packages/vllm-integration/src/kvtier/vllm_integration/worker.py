@@ -2,15 +2,20 @@
 
 ``register_kv_caches`` detects the paged layout (``layout.py``), builds the ``CacheEngine`` on
 the configured tiers, keyed by the engine's identity and engine-local rank (``identity.py``),
-and starts the lookup server. Loads are synchronous: all at once in ``start_load_kv`` before the
-forward pass, or layer by layer in ``wait_for_layer_load`` with ``use_layerwise``, from the
-request's hold, which is released right after. The hold is what makes the default
-``kv_load_failure_policy="fail"`` safe: a chunk evicted from the host tier between lookup and
-load is still loaded. The one way a load can still come up short is a hold that expired before
-its load (``scheduler.hold_ttl_s``); a load after that reads the tiers again and may miss
-chunks evicted meanwhile. Such a short load is reported through
+and starts reporting to the scheduler's index of stored chunks (``presence.py``): what the
+local tiers hold, then every chunk a save commits, sent with each step's output
+(``build_connector_worker_meta``).
+
+Probes (``probes.py``) arrive in the step's metadata and run on the probe threads: each looks a
+prompt up in every tier and keeps what it finds as a *hold* (``holds.py``), reading lower-tier
+hits into host memory now; the answer goes back with a later step's output. The load that
+follows reads exactly the held chunks, so a chunk evicted between probe and load is still
+loaded; the hold is released right after. The one way a load can still come up short is a hold
+that expired before its load (``scheduler.hold_ttl_s``); such a load reads the tiers again and
+may miss chunks evicted meanwhile. A short load is reported through
 ``get_block_ids_with_load_errors``: with ``kv_load_failure_policy="recompute"`` vLLM recomputes
-those blocks, with "fail" the request fails.
+those blocks, with "fail" the request fails. Synchronous loads run in ``start_load_kv`` before
+the forward pass, or layer by layer in ``wait_for_layer_load`` with ``use_layerwise``.
 
 Loads marked ``load_async`` go to the loader thread (``loader.py``) with a device marker of
 the forward pass and are reported through ``get_finished`` (their failed blocks through
@@ -41,7 +46,6 @@ import torch
 from kvtier.core.config import KVTierConfig
 from kvtier.core.engine import CacheEngine
 from kvtier.core.handles import Hold, RetrieveJob
-from kvtier.core.keys import KeyScope
 from kvtier.core.metrics import engine_values
 from kvtier.core.platform import Marker, get_platform
 from kvtier.vllm_integration.channel import LookupServer, socket_path
@@ -50,6 +54,8 @@ from kvtier.vllm_integration.identity import engine_rank, model_identity
 from kvtier.vllm_integration.layout import build_layout, layer_index, ordered_caches
 from kvtier.vllm_integration.loader import Loader
 from kvtier.vllm_integration.metadata import KVTierMetadata, LoadSpec, SaveSpec, slot_mapping
+from kvtier.vllm_integration.presence import KVTierWorkerMeta, PresenceFeed
+from kvtier.vllm_integration.probes import Prober, ProbeSpec
 from kvtier.vllm_integration.saver import Saver
 from kvtier.vllm_integration.scheduler import hold_ttl_s
 from kvtier.vllm_integration.stats import KVTierStats, StatsTracker
@@ -81,6 +87,8 @@ class WorkerSide:
         self._holds: HoldTable | None = None
         self._saver: Saver | None = None
         self._loader: Loader | None = None
+        self._feed: PresenceFeed | None = None
+        self._prober: Prober | None = None
         self._saving_reqs: set[str] = set()  # requests that had a save (their blocks are held)
         self._finishing: set[str] = set()
         self._generation: str | None = None
@@ -141,21 +149,16 @@ class WorkerSide:
         self._server = LookupServer(socket_path(self._engine_id, worker), self._serve)
         self._saver = Saver(self._store, self._saved)
         self._loader = Loader(self._load, self._spec_blocks)
+        kv_events = vc.kv_events_config
+        self._feed = PresenceFeed(worker, self.engine, tier_events=bool(
+            kv_events and kv_events.enable_kv_cache_events))
+        self._prober = Prober(self._probe, self._feed.answer)
         logger.info("kvtier: %s layout %s, tiers %s, lookup channel %s", layout.paged_layout.value,
                     layout.fingerprint(), self.config.tiers, self._server.path)
 
     def _serve(self, header: dict[str, Any], tokens: np.ndarray | None) -> dict[str, Any]:
         assert self.engine is not None and self._holds is not None and self._saver is not None
         op = header.get("op")
-        if op == "lookup" and tokens is not None:
-            scope = KeyScope(header.get("salt"), header.get("adapter"), header.get("generation"))
-            if not self._saver.wait_related(tokens, scope, self.chunk_size,
-                                            self.config.lookup_timeout_s / 2):
-                logger.warning("kvtier: lookup answered before a save of the same prefix finished")
-            t0 = time.perf_counter()
-            hit = self._holds.lookup(str(header["req_id"]), int(header["hold_id"]), tokens, scope)
-            self.metrics.observe("lookup_seconds", time.perf_counter() - t0)
-            return {"hit": hit, "sources": self._holds.sources(str(header["req_id"]))}
         if op == "stats":
             with self._stats_lock:
                 stats = dict(self.stats)
@@ -168,6 +171,21 @@ class WorkerSide:
             ok = self._saver.drain(timeout) and self.engine.storage.flush(timeout)
             return {"flushed": ok}
         raise ValueError(f"unknown lookup channel request {op!r}")
+
+    def _probe(self, spec: ProbeSpec) -> tuple[int, list[list[Any]]]:
+        """One probe on a probe thread: hold what the tiers have of the prompt."""
+        assert self._holds is not None and self._saver is not None
+        # A save of the same prefix still copying would be missed: give it a moment.
+        if not self._saver.wait_related(spec.tokens, spec.scope, self.chunk_size,
+                                        self.config.lookup_timeout_s / 2):
+            logger.warning("kvtier: lookup answered before a save of the same prefix finished")
+        t0 = time.perf_counter()
+        hit = self._holds.lookup(spec.req_id, spec.hold_id, spec.tokens, spec.scope)
+        self.metrics.observe("lookup_seconds", time.perf_counter() - t0)
+        return hit, self._holds.sources(spec.req_id)
+
+    def build_connector_worker_meta(self) -> KVTierWorkerMeta | None:
+        return self._feed.take() if self._feed is not None else None
 
     def _new_generation(self, meta: KVTierMetadata) -> None:
         """Drop host-memory chunks of older weights when the scheduler starts a generation."""
@@ -225,6 +243,9 @@ class WorkerSide:
         for rid, hold_id in meta.releases:
             self._holds.release(rid, hold_id)
         self._holds.expire()
+        if self._prober is not None:
+            for probe in meta.probes:
+                self._prober.submit(probe)
         marker = self.engine.platform.record_marker() if meta.loads else None
         for spec in meta.loads:
             slots = self._load_slots(spec)
@@ -344,6 +365,9 @@ class WorkerSide:
         return (done or None), (recving or None)
 
     def shutdown(self) -> None:
+        if self._prober is not None:
+            self._prober.close()
+            self._prober = None
         if self._loader is not None:
             self._loader.close(SAVE_DRAIN_TIMEOUT_S)
             self._loader = None

@@ -94,5 +94,17 @@ class StorageBackend(ABC):
     def remove(self, keys: Sequence[ChunkKey]) -> None:
         """Forget ``keys`` (missing ones are ignored)."""
 
+    def watch_removals(self, listener: Callable[[list[str]], None]) -> bool:
+        """Call ``listener(digests)`` with the ``ChunkKey.digest()`` of chunks this tier drops
+        (evicted, rejected, removed); False if this tier cannot tell (a tier other engines also
+        write, or whose server evicts on its own)."""
+        return False
+
+    def digests(self) -> list[str] | None:
+        """``ChunkKey.digest()`` of every chunk this tier holds, when it can list them cheaply
+        (a local tier); None when it cannot (a tier other engines also write). The vLLM
+        connector seeds its scheduler's index of stored chunks with it at start."""
+        return None
+
     def close(self) -> None:
         """Release what this tier holds (objects, files, connections)."""

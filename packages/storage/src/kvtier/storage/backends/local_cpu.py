@@ -52,6 +52,17 @@ class LocalCPUBackend(StorageBackend):
     def remove(self, keys: Sequence[ChunkKey]) -> None:
         self._index.remove(keys)
 
+    def watch_removals(self, listener: Callable[[list[str]], None]) -> bool:
+        self._index.watch_removals(lambda keys: listener([k.digest() for k in keys]))
+        return True
+
+    def watch_key_removals(self, listener: Callable[[list[ChunkKey]], None]) -> None:
+        """Call ``listener(keys)`` with the keys this tier drops (``HostObjectLRU``)."""
+        self._index.watch_removals(listener)
+
+    def digests(self) -> list[str]:
+        return [key.digest() for key in self._index.key_list()]
+
     def clear(self) -> int:
         """Drop every entry (readers keep their handles); returns how many."""
         return self._index.clear()

@@ -137,6 +137,7 @@ class LocalDiskBackend(StorageBackend):
         self.max_file = (codec.PREFIX.size + codec.MAX_META + ctx.layout.chunk_nbytes(self.max_tokens)
                          + codec.TRAILER.size)
         self._index = DiskIndex(self.budget, _FS_FULL_CAP_S)
+        self._removal_listeners: list[Callable[[list[str]], None]] = []
         self._rebuild_index()
 
     # -- index ---------------------------------------------------------------------------------
@@ -170,6 +171,9 @@ class LocalDiskBackend(StorageBackend):
     def __len__(self) -> int:
         return len(self._index)
 
+    def digests(self) -> list[str]:
+        return [name[: -len(SUFFIX)] for name in self._index]
+
     @staticmethod
     def file_name(key: ChunkKey) -> str:
         return key.digest() + SUFFIX
@@ -185,10 +189,21 @@ class LocalDiskBackend(StorageBackend):
         except OSError as e:
             warn_throttled("disk-unlink", "kvtier disk tier: cannot delete %s: %s", name, e)
 
+    def watch_removals(self, listener: Callable[[list[str]], None]) -> bool:
+        self._removal_listeners.append(listener)
+        return True
+
+    def _dropped(self, names: list[str]) -> None:
+        if names:
+            digests = [n[: -len(SUFFIX)] for n in names]
+            for listener in self._removal_listeners:
+                listener(digests)
+
     def _evict(self, victims: list[str]) -> None:
         for name in victims:
             self._unlink(name)
         self.ctx.stats.add(f"{self.name}.evicted", len(victims))
+        self._dropped(victims)
 
     def _bad_entry(self, name: str, kind: str) -> None:
         """Something not a chunk file sits at a chunk path: a miss; remove it (or bypass it)."""
@@ -403,9 +418,11 @@ class LocalDiskBackend(StorageBackend):
         logger.warning("kvtier disk tier: %s rejected (%s); deleted", self.dir / name, err.reason)
         self._index.forget(name)
         self._unlink(name)
+        self._dropped([name])
 
     def remove(self, keys: Sequence[ChunkKey]) -> None:
         for key in keys:
             name = self.file_name(key)
             self._index.forget(name)
             self._unlink(name)
+        self._dropped([self.file_name(k) for k in keys])

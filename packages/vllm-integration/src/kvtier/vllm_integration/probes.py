@@ -1,0 +1,180 @@
+"""Probes: the asynchronous lookups that replace a blocking one inside ``schedule()``.
+
+When the scheduler's index (``presence.py``) says a waiting request may hit beyond what vLLM
+already has, or a tier the index cannot list (Redis) may hold more, the scheduler sends a probe
+to every worker with the next step's metadata and answers vLLM "not yet" (``None``: the request
+stays waiting, others are scheduled). Each worker runs the probe on its own threads: it looks
+the prompt up in every tier and *holds* what it finds (``holds.py``; lower-tier hits are read
+into host memory now, like a prefetch), then reports the hit with its next step's output. Once
+every rank has answered, vLLM's next call gets the hit (the minimum over ranks), and the load
+reads exactly the held chunks. A probe not answered within ``lookup_timeout_s`` is a miss.
+
+``PromptHashes`` computes a prompt's chunk hashes on the scheduler the way ``CacheEngine``
+does (full chunks, then block-sized tail spans), once per request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvtier.core.keys import KeyScope, prefix_hashes, salt_seed, tail_hashes, token_bytes
+from kvtier.vllm_integration.presence import PresenceIndex, ProbeAnswer
+
+logger = logging.getLogger("kvtier")
+
+
+@dataclass
+class ProbeSpec:
+    """Look ``tokens`` (a prompt's identity tokens) up under ``scope`` and hold the hit as hold
+    ``hold_id`` of ``req_id``."""
+
+    req_id: str
+    hold_id: int
+    tokens: np.ndarray
+    scope: KeyScope
+
+
+@dataclass
+class Probe:
+    """A probe the scheduler is waiting for (or has the answers of)."""
+
+    hold_id: int
+    sent_at: float
+    answers: dict[int, int] = field(default_factory=dict)  # rank -> hit tokens
+    sources: list[list[Any]] = field(default_factory=list)  # rank 0's, for hit-source metrics
+    expired: bool = False
+
+    def answered(self, num_ranks: int) -> bool:
+        return self.expired or len(self.answers) >= num_ranks
+
+    @property
+    def hit(self) -> int:
+        if self.expired or not self.answers:
+            return 0
+        return min(self.answers.values())
+
+
+class PromptHashes:
+    """One prompt's chunk hashes under its scope, as ``CacheEngine`` keys them."""
+
+    def __init__(self, tokens: np.ndarray, scope: KeyScope, chunk_size: int, block_size: int,
+                 tails: bool) -> None:
+        self.arr = token_bytes(tokens)
+        self.scope = scope
+        self.chunk_size = chunk_size
+        self.block_size = block_size
+        self.tails = tails  # the engine stores tail blocks (save_unfull_chunk)
+        self.full = prefix_hashes(self.arr, chunk_size, scope)
+        self._tails: dict[int, list[bytes]] = {}
+
+    def tail(self, index: int) -> list[bytes]:
+        """Hashes of the tail blocks after full chunk ``index - 1``."""
+        if not self.tails:
+            return []
+        out = self._tails.get(index)
+        if out is None:
+            prev = self.full[index - 1] if index else salt_seed(self.scope)
+            out = self._tails[index] = tail_hashes(self.arr, index * self.chunk_size,
+                                                   self.chunk_size, self.block_size, prev)
+        return out
+
+    def indexed_hit(self, index: PresenceIndex) -> int:
+        """Tokens the index says every rank stores: the run of full chunks, then tail blocks."""
+        n = index.leading(self.full, self.scope)
+        tokens = n * self.chunk_size
+        tail = self.tail(n)
+        if tail:
+            tokens += index.leading(tail, self.scope) * self.block_size
+        return tokens
+
+    def saved_spans(self, skip: int, end: int) -> list[tuple[bytes, int, int]]:
+        """``(hash, start, end)`` of the spans a save of tokens ``[0, end)`` stores from token
+        ``skip`` on: full chunks, and the tail blocks when ``end`` is the whole prompt."""
+        c, bs = self.chunk_size, self.block_size
+        out = [(self.full[i], i * c, (i + 1) * c) for i in range(skip // c, end // c)]
+        if end == len(self.arr):
+            n = end // c
+            out += [(h, n * c + k * bs, n * c + (k + 1) * bs) for k, h in enumerate(self.tail(n))]
+        return out
+
+    def missing_after(self, hit: int) -> list[bytes]:
+        """The hashes of the spans that would have extended a hit of ``hit`` tokens."""
+        n, rest = divmod(hit, self.chunk_size)
+        out = [self.full[n]] if rest == 0 and n < len(self.full) else []
+        k = rest // self.block_size
+        tail = self.tail(n)
+        if k < len(tail):
+            out.append(tail[k])
+        return out
+
+
+class Sightings:
+    """How many requests contained each chunk (``store_threshold``): a bounded count by chunk
+    hash (the hash covers the whole prefix and the scope, so it names one chunk)."""
+
+    def __init__(self, threshold: int, capacity: int = 1 << 18) -> None:
+        self.threshold = threshold
+        self.capacity = capacity
+        self._counts: OrderedDict[bytes, int] = OrderedDict()
+
+    def see(self, hashes: PromptHashes) -> None:
+        """One request with this prompt arrived."""
+        if self.threshold <= 1:
+            return
+        for h in hashes.full + hashes.tail(len(hashes.full)):
+            self._counts[h] = self._counts.get(h, 0) + 1
+            self._counts.move_to_end(h)
+        while len(self._counts) > self.capacity:
+            self._counts.popitem(last=False)
+
+    def storable(self, hashes: PromptHashes) -> int:
+        """Tokens of the prompt whose chunks were seen often enough (a prefix: a chunk's every
+        sighting is also one of the chunks before it)."""
+        if self.threshold <= 1:
+            return len(hashes.arr)
+        n = 0
+        while n < len(hashes.full) and self._counts.get(hashes.full[n], 0) >= self.threshold:
+            n += 1
+        tokens = n * hashes.chunk_size
+        if n == len(hashes.full):
+            for h in hashes.tail(n):
+                if self._counts.get(h, 0) < self.threshold:
+                    break
+                tokens += hashes.block_size
+        return tokens
+
+
+class Prober:
+    """A worker's probe threads: ``probe(spec) -> (hit, sources)`` runs off the step thread and
+    each answer goes to ``answer``; a probe that raises answers 0 (a miss), never nothing."""
+
+    def __init__(self, probe: Callable[[ProbeSpec], tuple[int, list[list[Any]]]],
+                 answer: Callable[[ProbeAnswer], None], threads: int = 2) -> None:
+        self._probe = probe
+        self._answer = answer
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-probe")
+
+    def submit(self, spec: ProbeSpec) -> None:
+        self._pool.submit(self._run, spec)
+
+    def _run(self, spec: ProbeSpec) -> None:
+        t0 = time.perf_counter()
+        try:
+            hit, sources = self._probe(spec)
+        except Exception:
+            logger.exception("kvtier: probe of request %s failed; a miss", spec.req_id)
+            hit, sources = 0, []
+        logger.debug("kvtier: probe of %s: %d tokens in %.1f ms", spec.req_id, hit,
+                     1e3 * (time.perf_counter() - t0))
+        self._answer(ProbeAnswer(spec.req_id, spec.hold_id, hit, sources))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
