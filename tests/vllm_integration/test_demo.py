@@ -33,3 +33,8 @@ def test_demo_runs_and_reports(tmp_path) -> None:
     assert row["hit_tokens_restart"] > 512
     assert row["hit_tokens_warm"] % 32 == row["hit_tokens_restart"] % 32 == 0
     assert report["summary"]["ttft_warm_s"] > 0
+    # Hits by tier, as vLLM's metrics (what /metrics serves) report them: the warm question
+    # from host memory, the restarted engine's from disk.
+    tiers = report["hit_tokens_by_tier"]
+    assert tiers["kvtier"].get("local_cpu", 0) >= row["hit_tokens_warm"]
+    assert tiers["kvtier after restart"].get("local_disk", 0) >= row["hit_tokens_restart"]

@@ -76,6 +76,7 @@ def main(argv: list[str]) -> int:
     kvtier_cfg = {"local_disk_path": str(disk_dir), "local_cpu_size_gb": 1.0}
 
     answers: dict[str, dict[tuple[int, int], Result]] = {}
+    by_tier: dict[str, dict[str, int]] = {}  # phase -> tier -> hit tokens, from vLLM's metrics
     with Progress(console=console, transient=False) as progress:
         phases = [("kvtier", kvtier_cfg, "both"), ("kvtier after restart", kvtier_cfg, "first"),
                   ("vLLM without kvtier", None, "both")]
@@ -96,6 +97,8 @@ def main(argv: list[str]) -> int:
                     progress.advance(task)
                 if not engine.flush():
                     console.print("[yellow]kvtier did not finish writing to disk in time")
+                if cfg is not None:
+                    by_tier[name] = engine.hit_tokens_by_tier()
             finally:
                 engine.close()
 
@@ -144,12 +147,16 @@ def main(argv: list[str]) -> int:
     console.print(table)
     console.print(f"warm/cold TTFT: {summary['warm_over_cold']:.3f}; answers identical to vLLM "
                   f"without kvtier: {'yes' if not mismatches else 'NO'}")
+    console.print("hit tokens by tier (vllm:kvtier_lookup_hit_tokens): " + "; ".join(
+        f"{phase}: " + (", ".join(f"{t} {n}" for t, n in tiers.items()) or "none")
+        for phase, tiers in by_tier.items()))
 
     out = results_dir(args.out or os.path.join(args.cache_dir, "results"))
     report: dict[str, Any] = {
         "model": {"path": str(model_dir), **DEMO_MODEL.__dict__}, "docs": args.docs,
         "doc_tokens": args.doc_tokens, "machine": platform.machine(), "cpus": os.cpu_count(),
         "rows": rows, "summary": summary, "mismatches": mismatches,
+        "hit_tokens_by_tier": by_tier,
     }
     (out / "demo.json").write_text(json.dumps(report, indent=2))
     _chart(rows, out / "demo.png")

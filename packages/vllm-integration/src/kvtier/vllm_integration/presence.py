@@ -111,6 +111,7 @@ class PresenceIndex:
     def __init__(self, num_ranks: int) -> None:
         self.num_ranks = num_ranks
         self._ranks: dict[int, _RankIndex] = {}
+        self.version = 0  # changes whenever what the index says may change
 
     @property
     def ready(self) -> bool:
@@ -123,6 +124,7 @@ class PresenceIndex:
         return self.ready and all(r.complete for r in self._ranks.values())
 
     def apply(self, report: RankReport) -> None:
+        self.version += 1
         rank = self._ranks.get(report.rank)
         if rank is None:
             rank = self._ranks[report.rank] = _RankIndex(report)
@@ -150,6 +152,7 @@ class PresenceIndex:
     def expect(self, hashes: Sequence[bytes], scope: Scope) -> None:
         """Count chunks a save was just asked for on every rank (the workers report them once
         committed; a request arriving meanwhile is probed, and the probe waits for the save)."""
+        self.version += 1
         for rank in self._ranks.values():
             rank.add([rank.digest(h, scope) for h in hashes])
 
@@ -158,6 +161,7 @@ class PresenceIndex:
         r = self._ranks.get(rank)
         if r is None:
             return
+        self.version += 1
         for h in hashes:
             r.digests.pop(r.digest(h, scope), None)
 

@@ -89,6 +89,7 @@ class _Request:
     hold_id: int | None = None  # the worker's hold those tokens are loaded from
     probe: Probe | None = None  # the lookup in flight or answered, not yet used by a load
     hashes: PromptHashes | None = None
+    indexed: tuple[int, int] = (-1, 0)  # (index version, tokens it said) at the last lookup
     computed_at_lookup: int = 0  # tokens vLLM already had (its prefix cache) at the lookup
     load_async: bool = False  # what the last lookup answered
     saved_upto: int = 0  # tokens handed to the worker for saving
@@ -168,7 +169,11 @@ class SchedulerSide:
         list (or a worker that has not reported yet) might."""
         if not self.index.complete:
             return True
-        hit = min(self._hashes(state).indexed_hit(self.index), most)
+        version, hit = state.indexed
+        if version != self.index.version:  # a waiting request is asked every step: hash once
+            hit = self._hashes(state).indexed_hit(self.index)
+            state.indexed = (self.index.version, hit)
+        hit = min(hit, most)
         return hit - hit % self.block_size > num_computed_tokens
 
     def _release_probe(self, state: _Request) -> None:

@@ -31,6 +31,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,15 @@ class Process:
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
 
+    def start_then(self, ready: Callable[[], object]) -> None:
+        """Start, then wait with ``ready()``; stop again if that fails (or is interrupted)."""
+        self.start()
+        try:
+            ready()
+        except BaseException:
+            self.stop()
+            raise
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
@@ -196,13 +206,9 @@ class LMCacheServer:
         self.process = Process(cmd, log)
 
     def __enter__(self) -> LMCacheServer:
-        self.process.start()
-        try:
-            wait_http(self.process, f"http://127.0.0.1:{self.http_port}/healthcheck",
-                      self.start_timeout_s, "lmcache server")
-        except BaseException:
-            self.process.stop()
-            raise
+        self.process.start_then(lambda: wait_http(
+            self.process, f"http://127.0.0.1:{self.http_port}/healthcheck", self.start_timeout_s,
+            "lmcache server"))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -226,12 +232,7 @@ class VLLMServer:
         self.process = Process(cmd, log, env)
 
     def __enter__(self) -> VLLMServer:
-        self.process.start()
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.process.stop()
-            raise
+        self.process.start_then(self.wait_ready)
         return self
 
     def __exit__(self, *exc: object) -> None:

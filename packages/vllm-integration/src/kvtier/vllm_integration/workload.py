@@ -89,12 +89,28 @@ class Engine:
         )
         self.tokenizer = self.llm.get_tokenizer()
 
+    def metric(self, name: str, label: str | None = None) -> dict[str, float]:
+        """A counter from vLLM's own metrics (what ``vllm serve`` exposes on ``/metrics``), summed
+        by the value of ``label`` (``""`` when ``label`` is None)."""
+        out: dict[str, float] = {}
+        for m in self.llm.get_metrics():
+            if m.name == name and hasattr(m, "value"):
+                key = m.labels.get(label, "") if label else ""
+                out[key] = out.get(key, 0.0) + float(m.value)
+        return out
+
     def loaded_tokens(self) -> int:
+        """Tokens kvtier loaded so far (``vllm:kvtier_loaded_tokens``)."""
         if self.kvtier is None:
             return 0
-        from kvtier.vllm_integration.channel import query_worker_stats
+        return int(sum(self.metric("vllm:kvtier_loaded_tokens").values()))
 
-        return int(query_worker_stats(self.engine_id)["loaded_tokens"])
+    def hit_tokens_by_tier(self) -> dict[str, int]:
+        """Tokens kvtier's lookups found so far, by tier (``vllm:kvtier_lookup_hit_tokens``)."""
+        if self.kvtier is None:
+            return {}
+        by_tier = self.metric("vllm:kvtier_lookup_hit_tokens", "tier")
+        return {tier: int(n) for tier, n in sorted(by_tier.items()) if n}
 
     def run(self, tokens: list[int], max_tokens: int) -> Result:
         from vllm import SamplingParams, TokensPrompt
