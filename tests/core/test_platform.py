@@ -21,7 +21,9 @@ from kvtier.core.platforms.cpu import CPUPlatform
 
 
 def _with_plugins(monkeypatch: pytest.MonkeyPatch, **probes: str) -> None:
-    real = list(platform_mod.entry_points(group=PLATFORM_GROUP))
+    """The built-in CPU platform and the fake plugins only: a real accelerator plugin available on
+    the test machine (CUDA on a GPU box) would otherwise take part in the priority contest."""
+    real = [ep for ep in platform_mod.entry_points(group=PLATFORM_GROUP) if ep.name == "cpu"]
     extra = [EntryPoint(name, f"fixtures.fake_plugins:{func}", PLATFORM_GROUP)
              for name, func in probes.items()]
 
