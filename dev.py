@@ -29,7 +29,9 @@ def main(argv: list[str]) -> int:
     nox = bindir / "nox"
     if not nox.exists():
         venv.EnvBuilder(with_pip=True, clear=True).create(TOOLS)
-        subprocess.run([str(bindir / "python"), "-m", "pip", "install", "-q", "nox>=2024.4.15"], check=True)
+        subprocess.run(
+            [str(bindir / "python"), "-m", "pip", "install", "-q", "nox>=2024.4.15"], check=True
+        )
     cmd = [str(nox), "-f", str(ROOT / "noxfile.py"), "-s", session, *rest]
     return subprocess.run(cmd, cwd=ROOT).returncode
 

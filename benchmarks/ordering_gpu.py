@@ -34,12 +34,18 @@ def run_rounds(rounds: int, use_marker: bool) -> dict:
     platform = get_platform("cuda", device_index=0)
     layout = KVLayout(LAYERS, HEADS, HEAD, "bfloat16", BLOCK, "flash_nhd")
     config = load_config(env={}, overrides={"chunk_size": CHUNK, "tiers": ["local_cpu"]})
-    arena = HostArena.create((rounds + 2) * math.prod(layout.chunk_shape(CHUNK)) * 2,
-                             pin_memory=True)
-    engine = CacheEngine(config, layout, model="ordering", platform=platform,
-                         storage=HostMemoryStorageManager(arena))
-    caches = [torch.zeros(layout.expected_cache_shape(CHUNK // BLOCK), dtype=torch.bfloat16,
-                          device="cuda") for _ in range(LAYERS)]
+    arena = HostArena.create(
+        (rounds + 2) * math.prod(layout.chunk_shape(CHUNK)) * 2, pin_memory=True
+    )
+    engine = CacheEngine(
+        config, layout, model="ordering", platform=platform, storage=HostMemoryStorageManager(arena)
+    )
+    caches = [
+        torch.zeros(
+            layout.expected_cache_shape(CHUNK // BLOCK), dtype=torch.bfloat16, device="cuda"
+        )
+        for _ in range(LAYERS)
+    ]
     engine.register_kv_caches(caches)
     compute = torch.cuda.Stream()
     slots = torch.arange(CHUNK)
@@ -51,8 +57,9 @@ def run_rounds(rounds: int, use_marker: bool) -> dict:
             for cache in caches:
                 cache.fill_(float(r))
             marker = platform.record_marker() if use_marker else None
-        saver = threading.Thread(target=engine.store, args=(tokens, slots),
-                                 kwargs={"ready": marker})
+        saver = threading.Thread(
+            target=engine.store, args=(tokens, slots), kwargs={"ready": marker}
+        )
         saver.start()
         saver.join()
         torch.cuda.synchronize()
@@ -62,8 +69,11 @@ def run_rounds(rounds: int, use_marker: bool) -> dict:
             ok = bool((obj.tensor == float(r)).all())
         stale += not ok
     engine.close()
-    return {"variant": "marker" if use_marker else "no-marker", "rounds": rounds,
-            "stale_rounds": stale}
+    return {
+        "variant": "marker" if use_marker else "no-marker",
+        "rounds": rounds,
+        "stale_rounds": stale,
+    }
 
 
 def main() -> None:

@@ -11,4 +11,9 @@ if os.environ.get("KVTIER_TEST_DEVICE", "cpu") == "cpu":
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-pytest_plugins = ["fixtures.common", "fixtures.redis_server", "fixtures.vllm_model", "fixtures.lora_adapter"]
+pytest_plugins = [
+    "fixtures.common",
+    "fixtures.redis_server",
+    "fixtures.vllm_model",
+    "fixtures.lora_adapter",
+]

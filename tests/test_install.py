@@ -30,8 +30,20 @@ def _resolve(tmp_path: Path, *targets: str) -> set[str]:
     constraints = tmp_path / "constraints.txt"
     constraints.write_text(TORCH_PIN + "\n")
     report = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-           "--report", str(report), "-c", str(constraints), *targets]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--dry-run",
+        "--ignore-installed",
+        "--quiet",
+        "--report",
+        str(report),
+        "-c",
+        str(constraints),
+        *targets,
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
     assert proc.returncode == 0, f"pip could not resolve {targets}:\n{proc.stderr[-4000:]}"
     return {_name(item["metadata"]["name"]) for item in json.loads(report.read_text())["install"]}
@@ -39,7 +51,8 @@ def _resolve(tmp_path: Path, *targets: str) -> set[str]:
 
 def _cuda_or_engine(names: set[str]) -> set[str]:
     return {
-        n for n in names
+        n
+        for n in names
         if n in {"triton", "kvtier-cuda", "kvtier-vllm", "redis"}
         or n.startswith(("nvidia-", "vllm", "cuda-"))
     }
@@ -48,8 +61,13 @@ def _cuda_or_engine(names: set[str]) -> set[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(PIP_TIMEOUT_S + 60)
 def test_kvtier_xpu_installs_no_cuda_triton_or_vllm(tmp_path: Path) -> None:
-    names = _resolve(tmp_path, "./packages/core", "./packages/storage", "./packages/xpu",
-                     "./packages/kvtier[xpu]")
+    names = _resolve(
+        tmp_path,
+        "./packages/core",
+        "./packages/storage",
+        "./packages/xpu",
+        "./packages/kvtier[xpu]",
+    )
     assert {"kvtier", "kvtier-core", "kvtier-storage", "kvtier-xpu"} <= names
     assert _cuda_or_engine(names) == set(), sorted(names)
 
@@ -58,8 +76,13 @@ def test_kvtier_xpu_installs_no_cuda_triton_or_vllm(tmp_path: Path) -> None:
 @pytest.mark.timeout(PIP_TIMEOUT_S + 60)
 def test_kvtier_cuda_does_pull_triton(tmp_path: Path) -> None:
     """The same check sees CUDA's dependencies when they are asked for."""
-    names = _resolve(tmp_path, "./packages/core", "./packages/storage", "./packages/cuda",
-                     "./packages/kvtier[cuda]")
+    names = _resolve(
+        tmp_path,
+        "./packages/core",
+        "./packages/storage",
+        "./packages/cuda",
+        "./packages/kvtier[cuda]",
+    )
     assert {"kvtier-cuda", "triton"} <= _cuda_or_engine(names)
     assert "kvtier-xpu" not in names
 
@@ -81,9 +104,14 @@ print(json.dumps({
 
 @pytest.mark.timeout(120)
 def test_importing_kvtier_loads_no_triton_no_vllm_and_no_device() -> None:
-    proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
-                          timeout=100, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=100, cwd=REPO
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert seen == {"triton": False, "vllm": [], "cuda_initialized": False,
-                    "xpu_initialized": False}
+    assert seen == {
+        "triton": False,
+        "vllm": [],
+        "cuda_initialized": False,
+        "xpu_initialized": False,
+    }

@@ -48,9 +48,12 @@ SUBJECTS = [
     Subject("xpu-unstaged", "xpu", {"staging_buffer": False}),
     Subject("cuda", "cuda", layouts=ALL_LAYOUTS - {PagedLayout.VLLM_CPU}),
     # no staging ring kept between calls; a one-row ring forces many pieces and ring reuse
-    Subject("cuda-unstaged-small-ring", "cuda",
-            {"staging_buffer": False, "staging_slots": 2, "staging_slot_bytes": 1},
-            layouts=ALL_LAYOUTS - {PagedLayout.VLLM_CPU}),
+    Subject(
+        "cuda-unstaged-small-ring",
+        "cuda",
+        {"staging_buffer": False, "staging_slots": 2, "staging_slot_bytes": 1},
+        layouts=ALL_LAYOUTS - {PagedLayout.VLLM_CPU},
+    ),
 ]
 
 
@@ -83,7 +86,9 @@ def make_platform(subject: Subject, device: torch.device) -> Platform:
     pytest.importorskip("triton", reason="kvtier-cuda's kernels need triton")
     pytest.importorskip("kvtier.cuda", reason="kvtier-cuda is not installed")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the CUDA connector on CPU tensors needs TRITON_INTERPRET=1 (tests/conftest.py)")
+        pytest.skip(
+            "the CUDA connector on CPU tensors needs TRITON_INTERPRET=1 (tests/conftest.py)"
+        )
     if device.type not in ("cpu", "cuda"):
         pytest.skip(f"the CUDA connector runs on cuda (or cpu, interpreted), not {device}")
     from kvtier.cuda.platform import CUDAPlatform
@@ -95,19 +100,26 @@ def make_layout(paged: PagedLayout, dtype: str = "bfloat16") -> KVLayout:
     return layout_for(SHAPE, paged, dtype)
 
 
-def random_bytes(shape: Sequence[int], dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:
+def random_bytes(
+    shape: Sequence[int], dtype: torch.dtype, device: torch.device, seed: int
+) -> torch.Tensor:
     """Random bits of ``dtype``: byte comparisons need no float semantics (NaNs included)."""
     numel = 1
     for s in shape:
         numel *= s
     gen = torch.Generator(device=device).manual_seed(seed)
-    raw = torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, device=device, generator=gen)
+    raw = torch.randint(
+        0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, device=device, generator=gen
+    )
     return raw.view(dtype).view(tuple(shape))
 
 
 def make_caches(layout: KVLayout, device: torch.device, seed: int) -> list[torch.Tensor]:
     shape = layout.expected_cache_shape(SHAPE.blocks)
-    return [random_bytes(shape, layout.torch_dtype, device, seed * 1000 + i) for i in range(layout.num_layers)]
+    return [
+        random_bytes(shape, layout.torch_dtype, device, seed * 1000 + i)
+        for i in range(layout.num_layers)
+    ]
 
 
 def make_arena(platform: Platform, device: torch.device) -> HostArena:
@@ -123,7 +135,9 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(torch.uint8).cpu()
 
 
-def token_rows(layout: KVLayout, cache: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+def token_rows(
+    layout: KVLayout, cache: torch.Tensor, slots: torch.Tensor | None = None
+) -> torch.Tensor:
     """Every slot's KV of one layer (or only ``slots``'), ``[slots, 2, h*d]`` (MLA
     ``[slots, latent]``), read by tensor views alone (the layouts as ``PagedLayout`` documents
     them); a copy on the host."""
@@ -157,14 +171,19 @@ class Objects:
     """Host objects for ``lengths`` tokens each, filled with random bytes; released at teardown
     by the ``arena`` fixture."""
 
-    def __init__(self, arena: HostArena, layout: KVLayout, lengths: Sequence[int], seed: int) -> None:
+    def __init__(
+        self, arena: HostArena, layout: KVLayout, lengths: Sequence[int], seed: int
+    ) -> None:
         self.layout = layout
         self.objs: list[MemoryObj] = []
         for i, n in enumerate(lengths):
             obj = arena.allocate(MemoryObjMeta(layout.chunk_shape(n), layout.torch_dtype, n))
             assert obj is not None, "test arena too small"
-            obj.tensor.copy_(random_bytes(obj.tensor.shape, layout.torch_dtype, torch.device("cpu"),
-                                          seed * 1000 + i))
+            obj.tensor.copy_(
+                random_bytes(
+                    obj.tensor.shape, layout.torch_dtype, torch.device("cpu"), seed * 1000 + i
+                )
+            )
             self.objs.append(obj)
         tracked: list[Objects] = arena.tracked  # type: ignore[attr-defined]
         tracked.append(self)
@@ -181,8 +200,9 @@ class Objects:
                 o.release()
 
 
-def random_slots(lengths: Sequence[int], seed: int, holes: bool, device: torch.device,
-                 offset: int = 0) -> list[torch.Tensor]:
+def random_slots(
+    lengths: Sequence[int], seed: int, holes: bool, device: torch.device, offset: int = 0
+) -> list[torch.Tensor]:
     """Distinct random slots per chunk, from ``offset`` on; with ``holes``: a -1 prefix (tokens
     the engine already has), a -1 inside the second chunk, and an extra chunk that is all -1."""
     gen = torch.Generator().manual_seed(seed)
@@ -202,8 +222,12 @@ def lengths_of(slots: Sequence[torch.Tensor]) -> list[int]:
     return [int(s.numel()) for s in slots]
 
 
-def expected_objects(layout: KVLayout, caches: Sequence[torch.Tensor], before: Sequence[torch.Tensor],
-                     slots: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def expected_objects(
+    layout: KVLayout,
+    caches: Sequence[torch.Tensor],
+    before: Sequence[torch.Tensor],
+    slots: Sequence[torch.Tensor],
+) -> list[torch.Tensor]:
     """What a store of ``slots`` leaves in objects that held ``before``."""
     rows = [token_rows(layout, c) for c in caches]
     out = []
@@ -217,8 +241,12 @@ def expected_objects(layout: KVLayout, caches: Sequence[torch.Tensor], before: S
     return out
 
 
-def expected_cache_rows(layout: KVLayout, caches_before: Sequence[torch.Tensor],
-                        objects: Sequence[torch.Tensor], slots: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def expected_cache_rows(
+    layout: KVLayout,
+    caches_before: Sequence[torch.Tensor],
+    objects: Sequence[torch.Tensor],
+    slots: Sequence[torch.Tensor],
+) -> list[torch.Tensor]:
     """Per layer, every slot's KV after a load of ``objects`` into ``slots``."""
     out = []
     for layer, c in enumerate(caches_before):

@@ -24,8 +24,14 @@ from kvtier.core.memory import MemoryObj, MemoryObjMeta
 from kvtier.storage import codec
 from kvtier.storage.backends.base import StorageBackend
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="float16", block_size=16,
-                  paged_layout="flash_nhd")
+LAYOUT = KVLayout(
+    num_layers=2,
+    num_kv_heads=2,
+    head_size=8,
+    dtype="float16",
+    block_size=16,
+    paged_layout="flash_nhd",
+)
 CHUNK = 16
 KEYS = KeyFactory("conformance-model", LAYOUT.fingerprint())
 NAMESPACE = KEYS.key(b"").namespace()
@@ -50,8 +56,11 @@ def chunk_value(i: int, tokens: int = CHUNK) -> torch.Tensor:
     """Distinct random bytes for chunk ``i`` (bit patterns, not values: NaNs included)."""
     g = torch.Generator().manual_seed(1000 + i)
     n = meta(tokens).nbytes
-    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).view(LAYOUT.torch_dtype).view(
-        LAYOUT.chunk_shape(tokens))
+    return (
+        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        .view(LAYOUT.torch_dtype)
+        .view(LAYOUT.chunk_shape(tokens))
+    )
 
 
 def config(tmp_path: Path, **kw: Any) -> KVTierConfig:
@@ -110,8 +119,13 @@ class DictBackend(StorageBackend):
             obj = None
             if value is not None:
                 try:
-                    obj = codec.decode_into_object(value, key=k, layout=self.ctx.layout,
-                                                   max_tokens=self.ctx.config.chunk_size, allocate=allocate)
+                    obj = codec.decode_into_object(
+                        value,
+                        key=k,
+                        layout=self.ctx.layout,
+                        max_tokens=self.ctx.config.chunk_size,
+                        allocate=allocate,
+                    )
                 except codec.PayloadError as e:
                     logger.warning("kvtier: dict_tier value of %s rejected: %s", k.digest(), e)
                     self.ctx.stats.add(f"{self.name}.corrupt")

@@ -80,12 +80,15 @@ def arena(platform: Platform, device: torch.device) -> Iterator[HostArena]:
 
 def supported(subject: Subject, paged: PagedLayout) -> KVLayout:
     if paged not in subject.layouts:
-        pytest.skip(f"{subject.id} does not move the {paged.value} layout (test_unsupported_layout...)")
+        pytest.skip(
+            f"{subject.id} does not move the {paged.value} layout (test_unsupported_layout...)"
+        )
     return make_layout(paged)
 
 
-def connect(platform: Platform, subject: Subject, layout: KVLayout, device: torch.device,
-            seed: int) -> DeviceConnector:
+def connect(
+    platform: Platform, subject: Subject, layout: KVLayout, device: torch.device, seed: int
+) -> DeviceConnector:
     return platform.create_connector(make_caches(layout, device, seed), layout, **subject.options)
 
 
@@ -173,12 +176,16 @@ def test_every_kv_dtype_moves_bit_exact(subject, platform, device, arena, paged,
     assert same_bytes(objs.snapshot(), expected_objects(layout, caches_before, before, slots))
     fresh = Objects(arena, layout, lengths_of(slots), seed=14)
     conn.load(fresh.transfers(slots))
-    assert same_bytes(cache_rows(conn), expected_cache_rows(layout, caches_before, fresh.snapshot(), slots))
+    assert same_bytes(
+        cache_rows(conn), expected_cache_rows(layout, caches_before, fresh.snapshot(), slots)
+    )
 
 
 # -- layer-wise ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("paged", [PagedLayout.FLASH_NHD, PagedLayout.MLA], ids=lambda p: p.value)
-def test_layerwise_load_has_each_layer_in_place_when_it_yields_it(subject, platform, device, arena, paged):
+def test_layerwise_load_has_each_layer_in_place_when_it_yields_it(
+    subject, platform, device, arena, paged
+):
     layout = supported(subject, paged)
     conn = connect(platform, subject, layout, device, seed=15)
     slots = random_slots(SHAPE.lengths, seed=16, holes=False, device=device)
@@ -186,11 +193,15 @@ def test_layerwise_load_has_each_layer_in_place_when_it_yields_it(subject, platf
     want = expected_cache_rows(layout, [c.cpu() for c in conn.kv_caches], objs.snapshot(), slots)
     for layer in conn.load_layerwise(objs.transfers(slots)):
         # attention reads this layer now, on the caller's stream
-        assert torch.equal(as_bytes(token_rows(layout, conn.kv_caches[layer])), as_bytes(want[layer]))
+        assert torch.equal(
+            as_bytes(token_rows(layout, conn.kv_caches[layer])), as_bytes(want[layer])
+        )
 
 
 @pytest.mark.parametrize("paged", [PagedLayout.FLASH_NHD, PagedLayout.MLA], ids=lambda p: p.value)
-def test_layerwise_store_has_captured_each_layer_when_it_yields_it(subject, platform, device, arena, paged):
+def test_layerwise_store_has_captured_each_layer_when_it_yields_it(
+    subject, platform, device, arena, paged
+):
     layout = supported(subject, paged)
     conn = connect(platform, subject, layout, device, seed=18)
     slots = random_slots(SHAPE.lengths, seed=19, holes=False, device=device)
@@ -202,7 +213,9 @@ def test_layerwise_store_has_captured_each_layer_when_it_yields_it(subject, plat
 
 
 @pytest.mark.parametrize("direction", ["store", "load"])
-def test_closing_a_layerwise_generator_early_finishes_its_copies(subject, platform, device, arena, direction):
+def test_closing_a_layerwise_generator_early_finishes_its_copies(
+    subject, platform, device, arena, direction
+):
     layout = make_layout(PagedLayout.FLASH_NHD)
     conn = connect(platform, subject, layout, device, seed=21)
     slots = random_slots(SHAPE.lengths, seed=22, holes=False, device=device)
@@ -215,7 +228,9 @@ def test_closing_a_layerwise_generator_early_finishes_its_copies(subject, platfo
         got = objs.snapshot()
         want = expected_objects(layout, caches_before, before, slots)
         for g, w in zip(got, want, strict=True):
-            assert torch.equal(as_bytes(object_rows(layout, g, 0)), as_bytes(object_rows(layout, w, 0)))
+            assert torch.equal(
+                as_bytes(object_rows(layout, g, 0)), as_bytes(object_rows(layout, w, 0))
+            )
     else:
         want_rows = expected_cache_rows(layout, caches_before, before, slots)
         assert torch.equal(as_bytes(token_rows(layout, conn.kv_caches[0])), as_bytes(want_rows[0]))
@@ -224,7 +239,9 @@ def test_closing_a_layerwise_generator_early_finishes_its_copies(subject, platfo
     again = Objects(arena, layout, SHAPE.lengths, seed=24)
     snap = again.snapshot()
     conn.store(again.transfers(slots))
-    assert same_bytes(again.snapshot(), expected_objects(layout, [c.cpu() for c in conn.kv_caches], snap, slots))
+    assert same_bytes(
+        again.snapshot(), expected_objects(layout, [c.cpu() for c in conn.kv_caches], snap, slots)
+    )
 
 
 def test_empty_and_all_skipped_calls_move_nothing(subject, platform, device, arena):
@@ -264,18 +281,37 @@ def frequent_thread_switches() -> Iterator[None]:
 @pytest.mark.parametrize("store_mode", ["whole", "layerwise"])
 @pytest.mark.parametrize("paged", [PagedLayout.FLASH_NHD, PagedLayout.MLA], ids=lambda p: p.value)
 def test_one_store_and_one_load_from_two_threads_move_exact_bytes(
-    request, subject, platform, device, arena, paged, store_mode, load_mode, frequent_thread_switches
+    request,
+    subject,
+    platform,
+    device,
+    arena,
+    paged,
+    store_mode,
+    load_mode,
+    frequent_thread_switches,
 ):
     """vLLM's saver thread stores while the forward thread loads, round after round, on one
     connector: every round's objects and cache hold exactly the bytes of that call alone."""
     layout = supported(subject, paged)
-    if subject.platform == "cuda" and device.type == "cpu" and "layerwise" in (store_mode, load_mode):
+    if (
+        subject.platform == "cuda"
+        and device.type == "cpu"
+        and "layerwise" in (store_mode, load_mode)
+    ):
         from triton.runtime.errors import InterpreterError
 
-        request.applymarker(pytest.mark.xfail(raises=InterpreterError, strict=False, reason=(
-            "Triton's interpreter is not thread-safe: it swaps triton.language's builtins while a "
-            "kernel runs, so kernels interpreted on two threads at once fail. Whole calls pass (the "
-            "CUDA connector issues both from one thread); on a GPU this case runs for real.")))
+        request.applymarker(
+            pytest.mark.xfail(
+                raises=InterpreterError,
+                strict=False,
+                reason=(
+                    "Triton's interpreter is not thread-safe: it swaps triton.language's builtins while a "
+                    "kernel runs, so kernels interpreted on two threads at once fail. Whole calls pass (the "
+                    "CUDA connector issues both from one thread); on a GPU this case runs for real."
+                ),
+            )
+        )
     conn = connect(platform, subject, layout, device, seed=27)
     n = len(SHAPE.lengths)
     both = random_slots(SHAPE.lengths * 2, seed=28, holes=False, device=device)
@@ -284,7 +320,9 @@ def test_one_store_and_one_load_from_two_threads_move_exact_bytes(
     to_load = Objects(arena, layout, SHAPE.lengths, seed=30)
     blank = [torch.zeros_like(o.tensor) for o in to_store.objs]
     want_objs = expected_objects(layout, [c.cpu() for c in conn.kv_caches], blank, store_slots)
-    want_rows = expected_cache_rows(layout, [c.cpu() for c in conn.kv_caches], to_load.snapshot(), load_slots)
+    want_rows = expected_cache_rows(
+        layout, [c.cpu() for c in conn.kv_caches], to_load.snapshot(), load_slots
+    )
     loaded = torch.cat([s.cpu() for s in load_slots])
     want_loaded = [w[loaded] for w in want_rows]
     rounds = rounds_for(subject)
@@ -325,9 +363,12 @@ def token_view_zero(layout: KVLayout, cache: torch.Tensor, slots: torch.Tensor) 
 
 # -- errors -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad", ["past_the_cache", "below_minus_one"])
-@pytest.mark.parametrize("op", ["store", "load", "store_layer", "store_layerwise", "load_layerwise"])
-def test_a_bad_slot_is_an_index_error_and_writes_nothing_outside_the_call(subject, platform, device, arena,
-                                                                          op, bad):
+@pytest.mark.parametrize(
+    "op", ["store", "load", "store_layer", "store_layerwise", "load_layerwise"]
+)
+def test_a_bad_slot_is_an_index_error_and_writes_nothing_outside_the_call(
+    subject, platform, device, arena, op, bad
+):
     layout = make_layout(PagedLayout.FLASH_NHD)
     conn = connect(platform, subject, layout, device, seed=31)
     slots = random_slots(SHAPE.lengths, seed=32, holes=False, device=device)
@@ -352,7 +393,9 @@ def test_a_bad_slot_is_an_index_error_and_writes_nothing_outside_the_call(subjec
     fresh = Objects(arena, layout, lengths_of(good), seed=35)
     snap = fresh.snapshot()
     conn.store(fresh.transfers(good))
-    assert same_bytes(fresh.snapshot(), expected_objects(layout, [c.cpu() for c in conn.kv_caches], snap, good))
+    assert same_bytes(
+        fresh.snapshot(), expected_objects(layout, [c.cpu() for c in conn.kv_caches], snap, good)
+    )
 
 
 @pytest.mark.parametrize("layer", [-1, SHAPE.layers])
@@ -381,7 +424,9 @@ def test_an_object_of_another_layout_is_a_layout_error(subject, platform, device
 
 def test_a_transfer_needs_one_slot_per_token() -> None:
     layout = make_layout(PagedLayout.FLASH_NHD)
-    obj = HostArena.create(1 << 20).allocate(MemoryObjMeta(layout.chunk_shape(4), layout.torch_dtype, 4))
+    obj = HostArena.create(1 << 20).allocate(
+        MemoryObjMeta(layout.chunk_shape(4), layout.torch_dtype, 4)
+    )
     assert obj is not None
     with obj, pytest.raises(ValueError, match="needs as many slots"):
         Transfer(obj, torch.arange(3))
@@ -411,7 +456,9 @@ def test_options_mean_the_same_on_every_platform(subject, platform, device):
     layout = make_layout(PagedLayout.FLASH_NHD)
     caches = make_caches(layout, device, seed=41)
     for staging in (True, False):  # the common option, accepted everywhere
-        assert isinstance(platform.create_connector(caches, layout, staging_buffer=staging), DeviceConnector)
+        assert isinstance(
+            platform.create_connector(caches, layout, staging_buffer=staging), DeviceConnector
+        )
     with pytest.raises(TypeError, match="staging_bufer"):
         platform.create_connector(caches, layout, staging_bufer=True)
     with pytest.raises(TypeError, match="staging_buffer"):

@@ -84,9 +84,15 @@ class Tier:
         cfg = self.config.replace(**overrides) if overrides else self.config
         cls = load_backend_class(self.name, cfg.plugins)
         key_bytes = cfg.encryption_key_bytes()
-        ctx = BackendContext(config=cfg, layout=LAYOUT, namespace=namespace, arena=self.arena,
-                             stats=StorageStats(), options=dict(cfg.backend_options.get(self.name, {})),
-                             sealer=Sealer(key_bytes) if key_bytes is not None else None)
+        ctx = BackendContext(
+            config=cfg,
+            layout=LAYOUT,
+            namespace=namespace,
+            arena=self.arena,
+            stats=StorageStats(),
+            options=dict(cfg.backend_options.get(self.name, {})),
+            sealer=Sealer(key_bytes) if key_bytes is not None else None,
+        )
         backend = cls(ctx)
         self.built.append(backend)
         return backend
@@ -122,8 +128,9 @@ class Tier:
 def assert_chunk(obj: MemoryObj | None, i: int, tokens: int = CHUNK) -> None:
     assert obj is not None, f"chunk {i} missed"
     assert obj.num_tokens == tokens and tuple(obj.tensor.shape) == LAYOUT.chunk_shape(tokens)
-    assert torch.equal(obj.tensor.view(torch.uint8), chunk_value(i, tokens).view(torch.uint8)), \
+    assert torch.equal(obj.tensor.view(torch.uint8), chunk_value(i, tokens).view(torch.uint8)), (
         f"chunk {i} has wrong bytes"
+    )
 
 
 def release(objs: list[MemoryObj | None]) -> None:
@@ -149,9 +156,11 @@ def tier(request: pytest.FixtureRequest, tmp_path: Path, plugin_registered: None
         pytest.importorskip("redis", reason="redis-py (kvtier[redis]) is not installed")
         server = request.getfixturevalue("redis_clean")
         # 1 KiB segments: each 2 KiB chunk is stored as several values
-        kw.update(redis_url=server.url,
-                  backend_options={"redis": {"retry_interval_s": 0.2, "segment_bytes": 1024}},
-                  **({"encryption_key": KEY} if sealed else {}))
+        kw.update(
+            redis_url=server.url,
+            backend_options={"redis": {"retry_interval_s": 0.2, "segment_bytes": 1024}},
+            **({"encryption_key": KEY} if sealed else {}),
+        )
         medium = RedisMedium(server.url)
     elif name == "dict_tier":
         medium_id = next(_media_ids)
@@ -249,15 +258,18 @@ def stored_names(medium: Medium, tier: Tier, i: int) -> list[str]:
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
-def test_a_damaged_value_is_a_miss_and_is_dropped(tier: Tier, damage: str,
-                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_a_damaged_value_is_a_miss_and_is_dropped(
+    tier: Tier, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
     medium = lower_only(tier)
     tier.put(1)
     for name in stored_names(medium, tier, 0):
         medium.write(name, DAMAGE[damage](medium.read(name)))
     with caplog.at_level(logging.WARNING, logger="kvtier"):
         assert tier.get(0) == [None]
-    assert any(r.levelno >= logging.WARNING for r in caplog.records), "a damaged value was not logged"
+    assert any(r.levelno >= logging.WARNING for r in caplog.records), (
+        "a damaged value was not logged"
+    )
     assert tier.contains(0) == [False]
     assert tier.stats.get(f"{tier.name}.corrupt") >= 1
     objs = tier.get(1)  # the neighbour is untouched
@@ -349,13 +361,17 @@ def test_a_budget_evicts_the_least_recently_used_entries_no_reader_holds(tier: T
     elif tier.name == "local_disk":
         medium = lower_only(tier)
         file_bytes = len(medium.read(stored_names(medium, tier, 99)[0]))
-        small = tier.build(local_disk_size_gb=3.5 * file_bytes / (1 << 30),
-                           local_disk_path=str(Path(tier.config.local_disk_path).parent / "small"))
+        small = tier.build(
+            local_disk_size_gb=3.5 * file_bytes / (1 << 30),
+            local_disk_path=str(Path(tier.config.local_disk_path).parent / "small"),
+        )
         for i in range(3):
             tier.put(i, backend=small)
         release(tier.get(0, backend=small))  # 0 is now the most recent
         tier.put(3, backend=small)
         assert tier.contains(0, 1, 2, 3, backend=small) == [True, False, True, True]
     else:
-        pytest.skip(f"{tier.name} has no byte budget of its own (Redis evicts by the server's "
-                    "maxmemory policy)")
+        pytest.skip(
+            f"{tier.name} has no byte budget of its own (Redis evicts by the server's "
+            "maxmemory policy)"
+        )

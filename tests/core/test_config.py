@@ -22,8 +22,13 @@ def test_defaults() -> None:
 def test_precedence_file_env_dict(tmp_path: Path) -> None:
     f = tmp_path / "kvtier.yaml"
     f.write_text("chunk_size: 512\nlocal_cpu_size_gb: 1.5\nuse_layerwise: true\nlog_level: INFO\n")
-    env = {"KVTIER_CONFIG_FILE": str(f), "KVTIER_CHUNK_SIZE": "128", "KVTIER_USE_LAYERWISE": "false",
-           "KVTIER_TIERS": "local_cpu", "KVTIER_TEST_DEVICE": "cpu"}
+    env = {
+        "KVTIER_CONFIG_FILE": str(f),
+        "KVTIER_CHUNK_SIZE": "128",
+        "KVTIER_USE_LAYERWISE": "false",
+        "KVTIER_TIERS": "local_cpu",
+        "KVTIER_TEST_DEVICE": "cpu",
+    }
     cfg = load_config(env=env, overrides={"chunk_size": 64})
     assert cfg.chunk_size == 64  # dict beats env beats file
     assert cfg.use_layerwise is False  # env beats file
@@ -104,8 +109,10 @@ def test_readme_documents_every_key() -> None:
         ({"redis_url": "redis://127.0.0.1:6379/zero"}, "redis_url"),
         ({"redis_url": "unix://"}, "redis_url"),
         ({"backend_options": {"redis": 3}}, "backend_options.redis"),
-        ({"backend_options": {"redis": {"retry_interval_s": float("nan")}}},
-         "backend_options.redis.retry_interval_s"),
+        (
+            {"backend_options": {"redis": {"retry_interval_s": float("nan")}}},
+            "backend_options.redis.retry_interval_s",
+        ),
     ],
 )
 def test_non_finite_numbers_bad_urls_and_options_are_errors_at_load(
@@ -125,8 +132,13 @@ def test_the_constructor_and_replace_validate_too() -> None:
 
 
 def test_redis_password_is_masked_in_repr_and_errors() -> None:
-    cfg = load_config(env={}, overrides={"redis_url": "redis://user:hunter2@127.0.0.1:6379/0",
-                                         "redis_password": "s3cret-pw"})
+    cfg = load_config(
+        env={},
+        overrides={
+            "redis_url": "redis://user:hunter2@127.0.0.1:6379/0",
+            "redis_password": "s3cret-pw",
+        },
+    )
     assert cfg.redis_password == "s3cret-pw"  # the value itself is kept
     for text in (repr(cfg), str(cfg)):
         assert "hunter2" not in text and "s3cret-pw" not in text

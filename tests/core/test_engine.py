@@ -32,8 +32,15 @@ DTYPES = ["bfloat16", "float16", "float32"]
 
 def make_layout(pl: PagedLayout, dtype: str = "bfloat16", layers: int = 3) -> KVLayout:
     mla = pl is PagedLayout.MLA
-    return KVLayout(num_layers=layers, num_kv_heads=1 if mla else 2, head_size=16 if mla else 8,
-                    dtype=dtype, block_size=BLOCK, paged_layout=pl, use_mla=mla)
+    return KVLayout(
+        num_layers=layers,
+        num_kv_heads=1 if mla else 2,
+        head_size=16 if mla else 8,
+        dtype=dtype,
+        block_size=BLOCK,
+        paged_layout=pl,
+        use_mla=mla,
+    )
 
 
 def make_engine(layout: KVLayout, arena_bytes: int = 8 << 20, **cfg: object) -> CacheEngine:
@@ -45,7 +52,9 @@ def make_engine(layout: KVLayout, arena_bytes: int = 8 << 20, **cfg: object) -> 
 def random_caches(layout: KVLayout, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     shape = layout.expected_cache_shape(NUM_BLOCKS)
-    return [torch.randn(shape, generator=g).to(layout.torch_dtype) for _ in range(layout.num_layers)]
+    return [
+        torch.randn(shape, generator=g).to(layout.torch_dtype) for _ in range(layout.num_layers)
+    ]
 
 
 def random_slots(n: int, seed: int = 1) -> torch.Tensor:
@@ -68,8 +77,12 @@ def token_view(layout: KVLayout, cache: torch.Tensor) -> torch.Tensor:
     return cache.reshape(NUM_BLOCKS * BLOCK, -1)
 
 
-def assert_loaded_exactly(layout: KVLayout, caches: Sequence[torch.Tensor],
-                          ref: Sequence[torch.Tensor], loaded_slots: torch.Tensor) -> None:
+def assert_loaded_exactly(
+    layout: KVLayout,
+    caches: Sequence[torch.Tensor],
+    ref: Sequence[torch.Tensor],
+    loaded_slots: torch.Tensor,
+) -> None:
     """Loaded slots hold the original bytes; every other slot is still zero."""
     loaded = torch.zeros(NUM_BLOCKS * BLOCK, dtype=torch.bool)
     loaded[loaded_slots] = True

@@ -14,17 +14,29 @@ from kvtier.core.keys import prefix_hashes, token_bytes
 from kvtier.core.platforms.cpu import CPUPlatform
 
 BLOCK, CHUNK, NUM_BLOCKS = 16, 32, 8
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32", block_size=BLOCK,
-                  paged_layout="flash_nhd")
+LAYOUT = KVLayout(
+    num_layers=2,
+    num_kv_heads=2,
+    head_size=8,
+    dtype="float32",
+    block_size=BLOCK,
+    paged_layout="flash_nhd",
+)
 
 
 @pytest.fixture
 def engine():
     config = load_config(env={}, overrides={"chunk_size": CHUNK, "tiers": ["local_cpu"]})
-    e = CacheEngine(config, LAYOUT, model="m", platform=CPUPlatform(),
-                    storage=HostMemoryStorageManager(HostArena.create(4 << 20)))
-    e.register_kv_caches([torch.randn(LAYOUT.expected_cache_shape(NUM_BLOCKS))
-                          for _ in range(LAYOUT.num_layers)])
+    e = CacheEngine(
+        config,
+        LAYOUT,
+        model="m",
+        platform=CPUPlatform(),
+        storage=HostMemoryStorageManager(HostArena.create(4 << 20)),
+    )
+    e.register_kv_caches(
+        [torch.randn(LAYOUT.expected_cache_shape(NUM_BLOCKS)) for _ in range(LAYOUT.num_layers)]
+    )
     yield e
     e.close()
 
@@ -60,8 +72,12 @@ def test_good_token_arrays_hash_alike():
     ids = [0, 5, 2**32 + 7, 2**40, 2**63 - 1]  # large synthetic ids are valid
     want = token_bytes(ids)
     assert want.dtype == np.dtype("<i8") and want.tolist() == ids
-    for same in (np.array(ids, dtype=np.uint64), np.array(ids, dtype=np.int64), torch.tensor(ids),
-                 tuple(ids)):
+    for same in (
+        np.array(ids, dtype=np.uint64),
+        np.array(ids, dtype=np.int64),
+        torch.tensor(ids),
+        tuple(ids),
+    ):
         assert token_bytes(same).tolist() == ids
     assert token_bytes(np.arange(5, dtype=np.uint16)).tolist() == list(range(5))
     assert token_bytes(torch.arange(5, dtype=torch.int32)).tolist() == list(range(5))

@@ -67,8 +67,14 @@ def test_hashes_stable_across_processes_and_hash_seeds() -> None:
     outs = []
     for seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        res = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True,
-                             text=True, timeout=120, check=True)
+        res = subprocess.run(
+            [sys.executable, "-c", _CHILD],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         outs.append(json.loads(res.stdout))
     assert outs[0] == outs[1]
     assert outs[0] == [h.hex() for h in prefix_hashes(list(range(5000)) + [7] * 300, 256, salt="s")]

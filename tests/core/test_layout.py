@@ -10,8 +10,14 @@ from kvtier.core.layout import KVLayout, PagedLayout
 
 
 def layout(**kw: object) -> KVLayout:
-    base: dict[str, object] = dict(num_layers=2, num_kv_heads=4, head_size=8, dtype="bfloat16",
-                                   block_size=16, paged_layout=PagedLayout.FLASH_NHD)
+    base: dict[str, object] = dict(
+        num_layers=2,
+        num_kv_heads=4,
+        head_size=8,
+        dtype="bfloat16",
+        block_size=16,
+        paged_layout=PagedLayout.FLASH_NHD,
+    )
     base.update(kw)
     return KVLayout(**base)  # type: ignore[arg-type]
 
@@ -19,10 +25,15 @@ def layout(**kw: object) -> KVLayout:
 def test_fingerprint_covers_every_field() -> None:
     ref = layout().fingerprint()
     assert ref == layout().fingerprint()
-    for change in (dict(num_layers=3), dict(num_kv_heads=2), dict(head_size=16),
-                   dict(dtype="float16"), dict(block_size=32),
-                   dict(paged_layout=PagedLayout.VLLM_CPU),
-                   dict(paged_layout=PagedLayout.FLASH_BLOCK_FIRST)):
+    for change in (
+        dict(num_layers=3),
+        dict(num_kv_heads=2),
+        dict(head_size=16),
+        dict(dtype="float16"),
+        dict(block_size=32),
+        dict(paged_layout=PagedLayout.VLLM_CPU),
+        dict(paged_layout=PagedLayout.FLASH_BLOCK_FIRST),
+    ):
         assert layout(**change).fingerprint() != ref, change
 
 

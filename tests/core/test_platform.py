@@ -24,8 +24,10 @@ def _with_plugins(monkeypatch: pytest.MonkeyPatch, **probes: str) -> None:
     """The built-in CPU platform and the fake plugins only: a real accelerator plugin available on
     the test machine (CUDA on a GPU box) would otherwise take part in the priority contest."""
     real = [ep for ep in platform_mod.entry_points(group=PLATFORM_GROUP) if ep.name == "cpu"]
-    extra = [EntryPoint(name, f"fixtures.fake_plugins:{func}", PLATFORM_GROUP)
-             for name, func in probes.items()]
+    extra = [
+        EntryPoint(name, f"fixtures.fake_plugins:{func}", PLATFORM_GROUP)
+        for name, func in probes.items()
+    ]
 
     def fake_entry_points(*, group: str) -> list[EntryPoint]:
         assert group == PLATFORM_GROUP
@@ -46,7 +48,9 @@ def test_highest_priority_wins_and_name_overrides(monkeypatch: pytest.MonkeyPatc
     assert resolve_platform_class(allow=["cpu"]) is CPUPlatform
 
 
-def test_missing_and_unavailable_platforms_are_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_and_unavailable_platforms_are_clear_errors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     _with_plugins(monkeypatch, gone="probe_absent")
     with pytest.raises(PlatformError, match="not installed"):
         resolve_platform_class("quantum")
@@ -61,8 +65,9 @@ def test_tie_at_the_top_asks_for_a_choice(monkeypatch: pytest.MonkeyPatch) -> No
     assert resolve_platform_class("rival").name == "rival"
 
 
-def test_broken_plugin_is_skipped_not_fatal(monkeypatch: pytest.MonkeyPatch,
-                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_broken_plugin_is_skipped_not_fatal(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     _with_plugins(monkeypatch, boom="probe_broken")
     assert resolve_platform_class() is CPUPlatform
     assert "driver exploded" in caplog.text
@@ -83,7 +88,12 @@ print(json.dumps({"triton": "triton" in sys.modules, "vllm": "vllm" in sys.modul
 
 
 def test_importing_core_pulls_no_triton_vllm_or_cuda() -> None:
-    res = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
-                         timeout=120, check=True)
+    res = subprocess.run(
+        [sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=120, check=True
+    )
     assert json.loads(res.stdout.strip().splitlines()[-1]) == {
-        "triton": False, "vllm": False, "redis": False, "cuda_initialized": False}
+        "triton": False,
+        "vllm": False,
+        "redis": False,
+        "cuda_initialized": False,
+    }

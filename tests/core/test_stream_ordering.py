@@ -32,10 +32,15 @@ def cuda_engine():
     layout = KVLayout(LAYERS, 8, 128, "bfloat16", BLOCK, "flash_nhd")
     config = load_config(env={}, overrides={"chunk_size": CHUNK, "tiers": ["local_cpu"]})
     arena = HostArena.create(16 * math.prod(layout.chunk_shape(CHUNK)) * 2, pin_memory=True)
-    engine = CacheEngine(config, layout, model="ordering", platform=platform,
-                         storage=HostMemoryStorageManager(arena))
-    caches = [torch.zeros(layout.expected_cache_shape(CHUNK // BLOCK), dtype=torch.bfloat16,
-                          device="cuda") for _ in range(LAYERS)]
+    engine = CacheEngine(
+        config, layout, model="ordering", platform=platform, storage=HostMemoryStorageManager(arena)
+    )
+    caches = [
+        torch.zeros(
+            layout.expected_cache_shape(CHUNK // BLOCK), dtype=torch.bfloat16, device="cuda"
+        )
+        for _ in range(LAYERS)
+    ]
     engine.register_kv_caches(caches)
     yield engine, platform, caches
     engine.close()
@@ -51,8 +56,9 @@ def test_a_save_on_another_thread_stores_the_final_kv(cuda_engine) -> None:
             for cache in caches:
                 cache.fill_(float(r))  # ...when it writes this round's KV
             marker = platform.record_marker()
-        saver = threading.Thread(target=engine.store, args=(tokens, torch.arange(CHUNK)),
-                                 kwargs={"ready": marker})
+        saver = threading.Thread(
+            target=engine.store, args=(tokens, torch.arange(CHUNK)), kwargs={"ready": marker}
+        )
         saver.start()
         saver.join()
         obj = engine.storage.get(engine.store_spans(tokens)[0].key)

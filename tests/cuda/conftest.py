@@ -70,7 +70,9 @@ def random_bytes_like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return raw.view(t.dtype).view(t.shape)
 
 
-def make_caches(layout: KVLayout, device: torch.device, seed: int, blocks: int = SHAPE.blocks) -> list[torch.Tensor]:
+def make_caches(
+    layout: KVLayout, device: torch.device, seed: int, blocks: int = SHAPE.blocks
+) -> list[torch.Tensor]:
     """Per-layer paged caches of random bytes, generated on ``device`` (fast at GPU sizes)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     shape = layout.expected_cache_shape(blocks)
@@ -102,8 +104,14 @@ def assert_same_caches(conn: DeviceConnector, ref: DeviceConnector) -> None:
 
 
 def assert_store_then_load_like(
-    conn: DeviceConnector, ref: DeviceConnector, arena: HostArena, layout: KVLayout, lengths: list[int],
-    store_slots: list[torch.Tensor], load_slots: list[torch.Tensor], seed: int,
+    conn: DeviceConnector,
+    ref: DeviceConnector,
+    arena: HostArena,
+    layout: KVLayout,
+    lengths: list[int],
+    store_slots: list[torch.Tensor],
+    load_slots: list[torch.Tensor],
+    seed: int,
 ) -> list[Objects]:
     """``conn`` and the reference ``ref`` store the same objects from ``store_slots`` (the objects
     must then match), then load the same fresh objects into ``load_slots`` (the caches must then
@@ -112,7 +120,10 @@ def assert_store_then_load_like(
     conn.store(mine.transfers(store_slots))
     ref.store(theirs.transfers(store_slots))
     assert_same_objects(mine, theirs)
-    fresh, fresh_ref = Objects(arena, layout, lengths, seed + 10), Objects(arena, layout, lengths, seed + 10)
+    fresh, fresh_ref = (
+        Objects(arena, layout, lengths, seed + 10),
+        Objects(arena, layout, lengths, seed + 10),
+    )
     conn.load(fresh.transfers(load_slots))
     ref.load(fresh_ref.transfers(load_slots))
     assert_same_caches(conn, ref)

@@ -26,7 +26,9 @@ def test_rows_carry_the_fields_the_results_promise():
     assert both["x_one_direction_limit"] == pytest.approx(1.667, abs=0.001)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the message on a machine without a GPU"
+)
 def test_cli_says_a_gpu_is_needed(capsys):
     assert kvtier_main(["bench", "transfer"]) == 2
     assert "needs an NVIDIA GPU" in capsys.readouterr().out
@@ -84,6 +86,7 @@ def test_interleaved_medians_runs_every_call_in_every_round_after_its_setting(mo
             assert setting[0] == name  # its own setting is in force
             log.append(name)
             clock[0] += seconds
+
         return fn
 
     def apply(name: str):  # type: ignore[no-untyped-def]

@@ -31,8 +31,14 @@ from kvtier.cuda.issuer import Issuer
 WAIT_S = 30.0
 
 
-def _steps(log: list[tuple[str, int]], name: str, n: int, hold: threading.Event | None = None,
-           started: threading.Event | None = None, fail: bool = False) -> Generator[None, None, str]:
+def _steps(
+    log: list[tuple[str, int]],
+    name: str,
+    n: int,
+    hold: threading.Event | None = None,
+    started: threading.Event | None = None,
+    fail: bool = False,
+) -> Generator[None, None, str]:
     """A call of ``n`` steps logging which thread ran each; ``started`` is set at its first
     step, which then waits for ``hold`` (bounded)."""
     for k in range(n):

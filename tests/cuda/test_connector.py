@@ -47,7 +47,10 @@ def _reference(layout: KVLayout, caches: list[torch.Tensor]) -> TorchPagedConnec
 
 def _assert_store_matches(conn, ref, arena, lengths, slots, seed):  # type: ignore[no-untyped-def]
     """Storing ``slots`` gives the same object bytes through ``conn`` as through ``ref``."""
-    mine, theirs = Objects(arena, conn.layout, lengths, seed), Objects(arena, ref.layout, lengths, seed)
+    mine, theirs = (
+        Objects(arena, conn.layout, lengths, seed),
+        Objects(arena, ref.layout, lengths, seed),
+    )
     conn.store(mine.transfers(slots))
     ref.store(theirs.transfers(slots))
     assert_same_objects(mine, theirs)
@@ -55,7 +58,10 @@ def _assert_store_matches(conn, ref, arena, lengths, slots, seed):  # type: igno
 
 def _assert_load_matches(conn, ref, arena, lengths, slots, seed):  # type: ignore[no-untyped-def]
     """Loading fresh objects into both caches leaves them byte-identical."""
-    fresh, fresh_ref = Objects(arena, conn.layout, lengths, seed), Objects(arena, ref.layout, lengths, seed)
+    fresh, fresh_ref = (
+        Objects(arena, conn.layout, lengths, seed),
+        Objects(arena, ref.layout, lengths, seed),
+    )
     conn.load(fresh.transfers(slots))
     ref.load(fresh_ref.transfers(slots))
     assert_same_caches(conn, ref)
@@ -123,7 +129,9 @@ def test_layerwise_generators_and_single_layers_match_reference(device, arena, p
 
     fresh = Objects(arena, layout, LENGTHS, 12)
     ref.load(fresh.transfers(slots))
-    gen_conn = CUDAPagedConnector([c.clone() for c in caches], layout, **OPTION_SETS[options], **SMALL_RING)
+    gen_conn = CUDAPagedConnector(
+        [c.clone() for c in caches], layout, **OPTION_SETS[options], **SMALL_RING
+    )
     seen = []
     for layer in gen_conn.load_layerwise(fresh.transfers(slots)):
         # Attention may read this layer now: it already holds the loaded bytes.
@@ -217,12 +225,16 @@ def test_bad_input_is_refused_with_a_clear_error(device, arena):
         CUDAPagedConnector(caches, layout, staging_buffer="yes")
     with pytest.raises(ValueError, match="staging_slots"):
         CUDAPagedConnector(caches, layout, staging_slots=1)
-    cpu_layout = KVLayout(SHAPE.layers, SHAPE.heads, SHAPE.head, "float16", SHAPE.block, PagedLayout.VLLM_CPU)
+    cpu_layout = KVLayout(
+        SHAPE.layers, SHAPE.heads, SHAPE.head, "float16", SHAPE.block, PagedLayout.VLLM_CPU
+    )
     with pytest.raises(LayoutError, match="vllm_cpu"):
         CUDAPagedConnector(make_caches(cpu_layout, device, seed=28), cpu_layout)
 
 
-def test_a_call_split_into_groups_names_the_bad_transfer_and_leaves_nothing_in_flight(device, arena):
+def test_a_call_split_into_groups_names_the_bad_transfer_and_leaves_nothing_in_flight(
+    device, arena
+):
     """One transfer per group (a one-byte staging slot caps every group): the third transfer's
     bad slot is found after the first two groups were issued; the error names it by its index
     in the call."""
@@ -245,9 +257,16 @@ def test_a_call_split_into_groups_names_the_bad_transfer_and_leaves_nothing_in_f
 
 @pytest.mark.parametrize(
     ("dtype", "head", "word"),
-    [(torch.float16, 3, 2), (torch.float8_e4m3fn, 3, 1), (torch.float16, 2, 4), (torch.float8_e5m2, 8, 8)],
+    [
+        (torch.float16, 3, 2),
+        (torch.float8_e4m3fn, 3, 1),
+        (torch.float16, 2, 4),
+        (torch.float8_e5m2, 8, 8),
+    ],
 )
-def test_every_word_width(device, arena, dtype, head, word):  # word: the kernel's word width for the row
+def test_every_word_width(
+    device, arena, dtype, head, word
+):  # word: the kernel's word width for the row
     """Rows whose byte width is not a multiple of 8 are moved in narrower words, still exactly."""
     shape = dataclasses.replace(SHAPE, heads=1, head=head)
     layout = make_layout(PagedLayout.FLASH_BLOCK_FIRST, dtype, shape)
@@ -317,8 +336,11 @@ def test_store_and_load_together_back_to_back(device, arena, holes):
     expected = [Objects(arena, layout, LENGTHS, 62 + k) for k in range(2)]
     loaded = [Objects(arena, layout, LENGTHS, 64 + k) for k in range(2)]
     pending = [
-        p for k in range(2)
-        for p in conn.store_and_load_async(stored[k].transfers(store_slots), loaded[k].transfers(load_slots))
+        p
+        for k in range(2)
+        for p in conn.store_and_load_async(
+            stored[k].transfers(store_slots), loaded[k].transfers(load_slots)
+        )
     ]
     for p in pending:
         p.wait()
@@ -349,7 +371,9 @@ def test_a_loads_first_dma_before_the_call_is_checked_changes_no_byte(device, ar
     ref.load(fresh.transfers(load_slots))
     assert_same_caches(conn, ref)
     mine, theirs = Objects(arena, layout, lengths, 53), Objects(arena, layout, lengths, 53)
-    for pending in conn.store_and_load_async(mine.transfers(store_slots), again.transfers(load_slots)):
+    for pending in conn.store_and_load_async(
+        mine.transfers(store_slots), again.transfers(load_slots)
+    ):
         pending.wait()
     ref.store(theirs.transfers(store_slots))
     ref.load(again.transfers(load_slots))

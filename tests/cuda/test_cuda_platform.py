@@ -66,7 +66,12 @@ def test_create_connector_checks_its_options(device):
     assert isinstance(conn, CUDAPagedConnector)
     assert conn.options == CUDAOptions(staging_slots=3, native_planner=False)
     # Misspelt, removed or foreign options are errors naming them, as are wrong types.
-    for bad in ({"use_gpu": True}, {"mode": "zerocopy"}, {"staging_slot": 4}, {"max_staging_bytes": 1}):
+    for bad in (
+        {"use_gpu": True},
+        {"mode": "zerocopy"},
+        {"staging_slot": 4},
+        {"max_staging_bytes": 1},
+    ):
         with pytest.raises(TypeError, match=f"unknown CUDA connector option.*{next(iter(bad))}"):
             CUDAPlatform().create_connector(caches, layout, **bad)
     with pytest.raises(TypeError, match="staging_buffer"):
@@ -89,11 +94,21 @@ def test_the_cache_engine_runs_on_the_cuda_platform(device, staging, layerwise):
     caches = make_caches(layout, device, seed=3)
     platform = CUDAPlatform()
     arena = platform.create_arena(64 << 20) if device.type == "cuda" else HostArena.create(64 << 20)
-    config = load_config(env={}, overrides={
-        "chunk_size": SHAPE.chunk, "tiers": ["local_cpu"], "device_staging_buffer": staging,
-    })
-    engine = CacheEngine(config, layout, model="test/model", platform=platform,
-                         storage=HostMemoryStorageManager(arena))
+    config = load_config(
+        env={},
+        overrides={
+            "chunk_size": SHAPE.chunk,
+            "tiers": ["local_cpu"],
+            "device_staging_buffer": staging,
+        },
+    )
+    engine = CacheEngine(
+        config,
+        layout,
+        model="test/model",
+        platform=platform,
+        storage=HostMemoryStorageManager(arena),
+    )
     engine.register_kv_caches(caches)
     assert engine.connector is not None
     n = 2 * SHAPE.chunk
@@ -116,7 +131,13 @@ def test_the_cache_engine_runs_on_the_cuda_platform(device, staging, layerwise):
     assert bool(mask.all())
     for layer, cache in enumerate(caches):
         flat = cache.view(torch.int16).permute(1, 2, 0, 3, 4).reshape(total, -1)
-        old = before[layer].view(torch.int16).view(cache.shape).permute(1, 2, 0, 3, 4).reshape(total, -1)
+        old = (
+            before[layer]
+            .view(torch.int16)
+            .view(cache.shape)
+            .permute(1, 2, 0, 3, 4)
+            .reshape(total, -1)
+        )
         assert torch.equal(flat[dst.to(flat.device)], old[src.to(flat.device)])
 
 

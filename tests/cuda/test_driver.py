@@ -43,7 +43,9 @@ class _FakeLib:
 
 def test_failed_driver_calls_raise_naming_the_call_and_the_error():
     drv = CudaDriver(_FakeLib({"cuMemcpyDtoHAsync_v2": 700, "cuStreamWaitEvent": 999}))  # type: ignore[arg-type]
-    with pytest.raises(CUDADriverError, match="cuMemcpyDtoHAsync failed: CUDA_ERROR_ILLEGAL_ADDRESS"):
+    with pytest.raises(
+        CUDADriverError, match="cuMemcpyDtoHAsync failed: CUDA_ERROR_ILLEGAL_ADDRESS"
+    ):
         drv.memcpy_dtoh(1, 2, 3, 4)
     with pytest.raises(CUDADriverError, match="cuStreamWaitEvent failed: error 999"):
         drv.wait(1, 2)
@@ -57,7 +59,6 @@ def test_event_query_tells_ready_from_pending_and_raises_on_errors():
         CudaDriver(_FakeLib({"cuEventQuery": 700})).event_query(1)  # type: ignore[arg-type]
 
 
-
 def test_no_driver_library_means_no_driver_path(monkeypatch):
     def missing(name, *a, **k):
         raise OSError(f"{name}: cannot open shared object file")
@@ -68,7 +69,6 @@ def test_no_driver_library_means_no_driver_path(monkeypatch):
         assert _driver.driver() is None
     finally:
         _driver.driver.cache_clear()
-
 
 
 @pytest.mark.cuda
@@ -108,7 +108,10 @@ def test_repeated_dma_calls_launch_through_the_kept_compiled_kernel(device, aren
     lengths = [SHAPE.chunk]
     slots = random_slots(SHAPE.blocks * SHAPE.block, lengths, seed=4, holes="none")
     for round_ in range(3):  # the first call compiles and keeps; the later ones reuse it
-        mine, theirs = Objects(arena, layout, lengths, 5 + round_), Objects(arena, layout, lengths, 5 + round_)
+        mine, theirs = (
+            Objects(arena, layout, lengths, 5 + round_),
+            Objects(arena, layout, lengths, 5 + round_),
+        )
         conn.store(mine.transfers(slots))
         ref.store(theirs.transfers(slots))
         assert all(torch.equal(a, b) for a, b in zip(mine.bytes(), theirs.bytes(), strict=True))
@@ -116,7 +119,10 @@ def test_repeated_dma_calls_launch_through_the_kept_compiled_kernel(device, aren
         conn.load(fresh.transfers(slots))
         ref.load(fresh.transfers(slots))
         torch.cuda.synchronize()
-        assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True))
+        assert all(
+            torch.equal(as_bytes(a), as_bytes(b))
+            for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True)
+        )
     # ... and from then on with cuLaunchKernel (the driver reports each parameter's size).
     assert LAUNCHES.usable is True and LAUNCHES.direct
 
@@ -124,11 +130,27 @@ def test_repeated_dma_calls_launch_through_the_kept_compiled_kernel(device, aren
 @pytest.mark.parametrize(
     ("sizes", "runtime", "expected"),
     [
-        ([8, 8, 4, 4, 4, 4], (1 << 40, 1 << 41, 4096, 16, 2048, 128), ["u64", "u64", "i32", "i32", "i32", "i32"]),
-        ([8, 8, 4, 8, 8], (1 << 40, 1 << 41, 64, 1 << 33), ["u64", "u64", "i32", "i64", "u64"]),  # + a scratch pointer
+        (
+            [8, 8, 4, 4, 4, 4],
+            (1 << 40, 1 << 41, 4096, 16, 2048, 128),
+            ["u64", "u64", "i32", "i32", "i32", "i32"],
+        ),
+        (
+            [8, 8, 4, 8, 8],
+            (1 << 40, 1 << 41, 64, 1 << 33),
+            ["u64", "u64", "i32", "i64", "u64"],
+        ),  # + a scratch pointer
         ([8, 8, 4, 8, 8], (1, 2, 3), ["u64", "u64", "i32", "u64", "u64"]),  # + two scratch pointers
-        ([8, 8, 4, 4, 4], (1 << 40, 1 << 41, 4096, 1, 2048, 128), None),  # a 1 may be passed as a constant
-        ([8, 8, 4, 4, 4, 4], (1 << 40, 1 << 41, 4096, 1, 2048, 128), None),  # ... even when the count fits
+        (
+            [8, 8, 4, 4, 4],
+            (1 << 40, 1 << 41, 4096, 1, 2048, 128),
+            None,
+        ),  # a 1 may be passed as a constant
+        (
+            [8, 8, 4, 4, 4, 4],
+            (1 << 40, 1 << 41, 4096, 1, 2048, 128),
+            None,
+        ),  # ... even when the count fits
         ([8, 8, 4, 4, 8, 8, 8], (1, 2, 3, 4), None),  # three extra parameters: an unknown layout
         ([8, 4, 4], (1 << 40, 1 << 41, 64), None),  # a pointer that is not 8 bytes
         ([8, 8, 4], (1 << 40, 1 << 41, 1 << 33), None),  # a value too wide for its parameter
@@ -136,10 +158,11 @@ def test_repeated_dma_calls_launch_through_the_kept_compiled_kernel(device, aren
         (None, (1 << 40, 1 << 41, 64), None),  # the driver cannot tell (before CUDA 12.4)
     ],
 )
-def test_a_kernel_is_launched_directly_only_where_its_parameter_layout_is_certain(sizes, runtime, expected):
+def test_a_kernel_is_launched_directly_only_where_its_parameter_layout_is_certain(
+    sizes, runtime, expected
+):
     from kvtier.cuda.kernels import param_types
 
     names = {ctypes.c_uint64: "u64", ctypes.c_int32: "i32", ctypes.c_int64: "i64"}
     got = param_types(sizes, runtime, pointers=2)
     assert (None if got is None else [names[t] for t in got]) == expected
-

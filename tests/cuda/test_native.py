@@ -47,7 +47,11 @@ def native():  # type: ignore[no-untyped-def]
 def _table(words: int) -> TableBuffer:
     table = TableBuffer(done=None)
     table.host = torch.full((words,), -7, dtype=torch.int64)
-    table.host_np, table.host_ptr, table.dev_ptr = table.host.numpy(), table.host.data_ptr(), DEV_PTR
+    table.host_np, table.host_ptr, table.dev_ptr = (
+        table.host.numpy(),
+        table.host.data_ptr(),
+        DEV_PTR,
+    )
     return table
 
 
@@ -57,7 +61,9 @@ def _setup(slot_bytes: int) -> tuple[CallShape, StagingRing]:
     return CallShape.of(LAYOUT, BLOCKS), ring
 
 
-def _transfers(lengths: list[int], arenas: list[int], gaps: list[bool], seed: int) -> list[Transfer]:
+def _transfers(
+    lengths: list[int], arenas: list[int], gaps: list[bool], seed: int
+) -> list[Transfer]:
     pools = [HostArena.create(1 << 18) for _ in range(max(arenas) + 1)]
     perm = torch.randperm(TOTAL, generator=torch.Generator().manual_seed(seed))
     out, at = [], 0
@@ -74,16 +80,30 @@ def _transfers(lengths: list[int], arenas: list[int], gaps: list[bool], seed: in
 def _python_plan(shape, ring, transfers, lo, table, first, last):  # type: ignore[no-untyped-def]
     prepared, _ = prepare(shape, transfers[lo:], first_index=lo, out=table.host)
     pieces, runs = plan(
-        ring, prepared, all_rows(len(prepared), shape), store=True, slot_base=table.dev_ptr,
-        first_piece_bytes=first, last_piece_bytes=last,
+        ring,
+        prepared,
+        all_rows(len(prepared), shape),
+        store=True,
+        slot_base=table.dev_ptr,
+        first_piece_bytes=first,
+        last_piece_bytes=last,
     )
     tokens = sum(p.num_tokens for p in prepared)
     return pieces, tokens, [x for run in runs for x in run]
 
 
 def _key(piece):  # type: ignore[no-untyped-def]
-    return (piece.slot, piece.start, piece.stop, piece.max_rows, piece.max_tokens, piece.cap, piece.nbytes,
-            piece.prefill, [(c.host_ptr, c.slot_offset, c.nbytes) for c in piece.copies])
+    return (
+        piece.slot,
+        piece.start,
+        piece.stop,
+        piece.max_rows,
+        piece.max_tokens,
+        piece.cap,
+        piece.nbytes,
+        piece.prefill,
+        [(c.host_ptr, c.slot_offset, c.nbytes) for c in piece.copies],
+    )
 
 
 @settings(max_examples=200, deadline=None)
@@ -110,8 +130,17 @@ def test_the_c_planner_writes_and_returns_what_the_python_planner_does(  # type:
     py_next = ring.next_slot
     ring.next_slot = next_slot
     c_table = _table(4096)
-    out = _native.plan_group(native, shape, ring, transfers, lo, len(transfers), c_table, first_piece_bytes=first,
-                             last_piece_bytes=last)
+    out = _native.plan_group(
+        native,
+        shape,
+        ring,
+        transfers,
+        lo,
+        len(transfers),
+        c_table,
+        first_piece_bytes=first,
+        last_piece_bytes=last,
+    )
     assert out is not None
     pieces, n_slots, numel = out
     assert n_slots == tokens and numel == tokens + len(py_runs)
@@ -132,8 +161,17 @@ def _ordinary(native):  # type: ignore[no-untyped-def]
 
 def _plan_or_none(native, shape, ring, transfers, table=None):  # type: ignore[no-untyped-def]
     ring.next_slot = 1
-    out = _native.plan_group(native, shape, ring, transfers, 0, len(transfers), table or _table(4096),
-                             first_piece_bytes=None, last_piece_bytes=None)
+    out = _native.plan_group(
+        native,
+        shape,
+        ring,
+        transfers,
+        0,
+        len(transfers),
+        table or _table(4096),
+        first_piece_bytes=None,
+        last_piece_bytes=None,
+    )
     if out is None:
         assert ring.next_slot == 1  # the ring is left as it was
     return out
@@ -158,15 +196,25 @@ def test_objects_of_two_arenas_never_share_a_dma_even_when_adjacent_in_memory(na
     assert out is not None
     (piece,) = out[0]
     assert [(c.host_ptr, c.nbytes) for c in piece.copies] == [
-        (o.tensor.data_ptr(), meta.nbytes) for o in objs  # type: ignore[union-attr]
+        (o.tensor.data_ptr(), meta.nbytes)
+        for o in objs  # type: ignore[union-attr]
     ]
 
 
 @pytest.mark.parametrize(
     "spoil",
     [
-        "minus_one", "out_of_range", "negative", "released", "wrong_dtype_slots", "strided_slots",
-        "unknown_length", "wrong_object_dtype", "small_table", "row_over_slot", "no_slots_yet",
+        "minus_one",
+        "out_of_range",
+        "negative",
+        "released",
+        "wrong_dtype_slots",
+        "strided_slots",
+        "unknown_length",
+        "wrong_object_dtype",
+        "small_table",
+        "row_over_slot",
+        "no_slots_yet",
     ],
 )
 def test_anything_but_the_ordinary_case_is_left_to_the_python_path(native, spoil):  # type: ignore[no-untyped-def]
@@ -220,8 +268,13 @@ def test_a_build_is_reused_by_the_next_process(tmp_path, native):  # type: ignor
     path = _native.build(tmp_path)
     mtime = path.stat().st_mtime_ns
     code = "import sys; from pathlib import Path; from kvtier.cuda import _native; print(_native.build(Path(sys.argv[1])))"
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120,
-                         check=True).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.strip()
     assert out == str(path) and path.stat().st_mtime_ns == mtime
     assert _native._import(path).plan_group is not None
 

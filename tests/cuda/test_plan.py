@@ -51,7 +51,9 @@ def test_every_row_lands_once_inside_its_piece_and_its_dma(call):  # type: ignor
     lengths, holes, by_layer, slot_bytes, first, last, store, uniform = call
     ring = _ring(slot_bytes)
     arena = HostArena.create(1 << 20)
-    perm = torch.randperm(BLOCKS * LAYOUT.block_size, generator=torch.Generator().manual_seed(len(lengths)))
+    perm = torch.randperm(
+        BLOCKS * LAYOUT.block_size, generator=torch.Generator().manual_seed(len(lengths))
+    )
     transfers, at = [], 0
     for n, hole in zip(lengths, holes, strict=True):
         obj = arena.allocate(MemoryObjMeta(LAYOUT.chunk_shape(n), torch.float16, n))
@@ -63,12 +65,23 @@ def test_every_row_lands_once_inside_its_piece_and_its_dma(call):  # type: ignor
         transfers.append(Transfer(obj, slots))
     prepared, _ = prepare(SHAPE, transfers)
     segments = (
-        [seg for layer in range(LAYOUT.num_layers) for seg in layer_rows(len(prepared), layer, SHAPE)]
-        if by_layer else all_rows(len(prepared), SHAPE)
+        [
+            seg
+            for layer in range(LAYOUT.num_layers)
+            for seg in layer_rows(len(prepared), layer, SHAPE)
+        ]
+        if by_layer
+        else all_rows(len(prepared), SHAPE)
     )
     slot0 = ring.next_slot
     pieces, runs = plan(
-        ring, prepared, segments, store=store, slot_base=1 << 40, first_piece_bytes=first, last_piece_bytes=last
+        ring,
+        prepared,
+        segments,
+        store=store,
+        slot_base=1 << 40,
+        first_piece_bytes=first,
+        last_piece_bytes=last,
     )
     rows_per_obj = 2 * LAYOUT.num_layers
     expected = {(i, r) for i, p in enumerate(prepared) if not p.empty for r in range(rows_per_obj)}
@@ -97,15 +110,21 @@ def test_every_row_lands_once_inside_its_piece_and_its_dma(call):  # type: ignor
                 # The DMA ranges move exactly this row's host bytes to this slot offset.
                 addr = p.host_ptr + row * p.row_bytes
                 assert any(
-                    c.host_ptr <= addr and addr + stride <= c.host_ptr + c.nbytes
+                    c.host_ptr <= addr
+                    and addr + stride <= c.host_ptr + c.nbytes
                     and c.slot_offset + (addr - c.host_ptr) == off
                     for c in piece.copies
                 ), (i, row)
         used.sort()
         assert all(a[1] <= b[0] for a, b in itertools.pairwise(used))
         assert sum(b - a for a, b in used) == piece.nbytes == sum(c.nbytes for c in piece.copies)
-        assert piece.prefill == (store and any(prepared[by_slot_index[(r[5] - (1 << 40)) // 8]].has_holes
-                                                for r in runs[piece.start : piece.stop]))
+        assert piece.prefill == (
+            store
+            and any(
+                prepared[by_slot_index[(r[5] - (1 << 40)) // 8]].has_holes
+                for r in runs[piece.start : piece.stop]
+            )
+        )
         total += piece.nbytes
     assert seen == expected
     assert total == sum(p.row_bytes * rows_per_obj for p in prepared if not p.empty)
@@ -123,7 +142,9 @@ def test_every_row_lands_once_inside_its_piece_and_its_dma(call):  # type: ignor
     slot_rows=st.integers(1, 40),
     double_first=st.booleans(),
 )
-def test_groups_cover_the_call_in_order_and_grow_from_the_first_cap(lengths, first_rows, slot_rows, double_first):  # type: ignore[no-untyped-def]
+def test_groups_cover_the_call_in_order_and_grow_from_the_first_cap(
+    lengths, first_rows, slot_rows, double_first
+):  # type: ignore[no-untyped-def]
     """``groups``: consecutive ``(lo, hi, tokens)`` covering every transfer once, in order; the
     first group within ``first`` bytes (at most a staging slot) unless one transfer alone is
     larger; later groups within ``growth`` times the previous cap; 0, or ``whole``, makes one
@@ -132,7 +153,14 @@ def test_groups_cover_the_call_in_order_and_grow_from_the_first_cap(lengths, fir
     first = first_rows * per_token * (2 if double_first else 1)
 
     def split(whole: bool = False) -> list[tuple[int, int, int]]:
-        return groups(transfers, per_token, first=first, slot_bytes=slot_rows * per_token, growth=2, whole=whole)
+        return groups(
+            transfers,
+            per_token,
+            first=first,
+            slot_bytes=slot_rows * per_token,
+            growth=2,
+            whole=whole,
+        )
 
     arena = HostArena.create(1 << 20)
     transfers = []
@@ -153,7 +181,9 @@ def test_groups_cover_the_call_in_order_and_grow_from_the_first_cap(lengths, fir
         return
     cap = min(first_rows * (2 if double_first else 1), slot_rows)  # in tokens
     for lo, hi, tokens in parts:
-        assert tokens <= cap or sum(1 for n in lengths[lo:hi] if n) == 1  # empty transfers ride along
+        assert (
+            tokens <= cap or sum(1 for n in lengths[lo:hi] if n) == 1
+        )  # empty transfers ride along
         if hi < len(lengths):  # a group stops only because the next transfer did not fit
             assert tokens + lengths[hi] > cap
         cap *= 2
@@ -168,7 +198,9 @@ def test_groups_cover_the_call_in_order_and_grow_from_the_first_cap(lengths, fir
     last_rows=st.sampled_from([0, 1, 6, 20]),
     last=st.booleans(),
 )
-def test_an_eager_first_load_piece_is_the_plans_first_piece(lengths, empty, gaps, slot_rows, last_rows, last):  # type: ignore[no-untyped-def]
+def test_an_eager_first_load_piece_is_the_plans_first_piece(
+    lengths, empty, gaps, slot_rows, last_rows, last
+):  # type: ignore[no-untyped-def]
     """``eager_piece`` (a load's first DMA, issued before the call is checked): whole leading
     objects within a staging slot (leaving the short last piece to the plan when the group is
     the call's last), host ranges exactly their bytes, adjacent ones merged; and when none of
@@ -177,11 +209,15 @@ def test_an_eager_first_load_piece_is_the_plans_first_piece(lengths, empty, gaps
     per_token = SHAPE.token_bytes
     ring = _ring(slot_rows * per_token)
     arena = HostArena.create(1 << 20)
-    perm = torch.randperm(BLOCKS * LAYOUT.block_size, generator=torch.Generator().manual_seed(len(lengths)))
+    perm = torch.randperm(
+        BLOCKS * LAYOUT.block_size, generator=torch.Generator().manual_seed(len(lengths))
+    )
     transfers, at = [], 0
     for k, n in enumerate(lengths):
         if gaps[k]:  # a spacer: this object is not adjacent to the one before
-            assert arena.allocate(MemoryObjMeta(LAYOUT.chunk_shape(1), torch.float16, 1)) is not None
+            assert (
+                arena.allocate(MemoryObjMeta(LAYOUT.chunk_shape(1), torch.float16, 1)) is not None
+            )
         obj = arena.allocate(MemoryObjMeta(LAYOUT.chunk_shape(n), torch.float16, n))
         assert obj is not None
         slots = torch.full((n,), -1, dtype=torch.int64) if empty[k] else perm[at : at + n].clone()
@@ -198,9 +234,13 @@ def test_an_eager_first_load_piece_is_the_plans_first_piece(lengths, empty, gaps
         assert not lead or lead[0] > budget
         return
     assert eager.slot == ring.next_slot and 0 < eager.nbytes <= budget
-    covered = len(list(itertools.takewhile(lambda total: total <= budget, itertools.accumulate(lead))))
+    covered = len(
+        list(itertools.takewhile(lambda total: total <= budget, itertools.accumulate(lead)))
+    )
     assert sum(sizes[:covered]) == eager.nbytes
-    ranges = [(t.obj.tensor.data_ptr(), size) for t, size in zip(transfers[:covered], sizes, strict=False)]
+    ranges = [
+        (t.obj.tensor.data_ptr(), size) for t, size in zip(transfers[:covered], sizes, strict=False)
+    ]
     got, offset = [], 0
     for c in eager.copies:
         assert c.slot_offset == offset
@@ -215,8 +255,13 @@ def test_an_eager_first_load_piece_is_the_plans_first_piece(lengths, empty, gaps
     assert got == merged
     prepared, _ = prepare(SHAPE, transfers)
     pieces, _ = plan(
-        ring, prepared, all_rows(len(prepared), SHAPE), store=False, slot_base=1 << 40,
-        first_piece_bytes=eager.nbytes, last_piece_bytes=last_bytes,
+        ring,
+        prepared,
+        all_rows(len(prepared), SHAPE),
+        store=False,
+        slot_base=1 << 40,
+        first_piece_bytes=eager.nbytes,
+        last_piece_bytes=last_bytes,
     )
     if not any(empty[:covered]):
         assert same_copies(eager, pieces[0])

@@ -138,7 +138,9 @@ def test_store_and_load_at_once_from_two_threads(setup, arena):
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads) and not errors, errors
     torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(to_store.bytes(), expected_store.bytes(), strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(to_store.bytes(), expected_store.bytes(), strict=True)
+    )
     for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
         assert torch.equal(as_bytes(a), as_bytes(b))
 
@@ -154,7 +156,9 @@ def test_interleaved_store_and_load_follow_the_caller_and_restore_its_stream(set
         new_values = [torch.randn_like(c, dtype=torch.float32).to(c.dtype) for c in conn.kv_caches]
         for c, v in zip(conn.kv_caches, new_values, strict=True):
             c.copy_(v)
-        pending = conn.store_and_load_async(to_store.transfers(store_slots), to_load.transfers(load_slots))
+        pending = conn.store_and_load_async(
+            to_store.transfers(store_slots), to_load.transfers(load_slots)
+        )
         assert torch.cuda.current_stream() == side
         for p in pending:
             p.wait()
@@ -214,7 +218,9 @@ def test_a_store_made_while_another_thread_issues_follows_its_own_threads_stream
     b.join(120)
     assert not a.is_alive() and not b.is_alive() and not errors, errors
     expected = Objects(arena, layout, LENGTHS, 94)
-    TorchPagedConnector([v.clone() for v in new_values], layout).store(expected.transfers(store_slots))
+    TorchPagedConnector([v.clone() for v in new_values], layout).store(
+        expected.transfers(store_slots)
+    )
     assert all(torch.equal(x, y) for x, y in zip(objs.bytes(), expected.bytes(), strict=True))
 
 
@@ -232,8 +238,12 @@ def test_without_a_staging_buffer_no_staging_ring_outlives_a_call(device, arena,
         conn = CUDAPagedConnector(caches, layout, staging_buffer=keep)
         before = torch.cuda.memory_allocated(device)
         if layerwise:
-            assert list(conn.store_layerwise(objs.transfers(slots))) == list(range(layout.num_layers))
-            assert list(conn.load_layerwise(objs.transfers(slots))) == list(range(layout.num_layers))
+            assert list(conn.store_layerwise(objs.transfers(slots))) == list(
+                range(layout.num_layers)
+            )
+            assert list(conn.load_layerwise(objs.transfers(slots))) == list(
+                range(layout.num_layers)
+            )
         else:
             conn.store(objs.transfers(slots))
             conn.load(objs.transfers(slots))

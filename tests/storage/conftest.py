@@ -20,8 +20,9 @@ def make_manager(tmp_path) -> Iterator[Callable[..., TieredStorageManager]]:
 
     def make(arena_bytes: int = ARENA_BYTES, **kw: Any) -> TieredStorageManager:
         arena = HostArena.create(arena_bytes)
-        m = create_storage_manager(config=config(tmp_path, **kw), arena=arena, layout=LAYOUT,
-                                   namespace=NAMESPACE)
+        m = create_storage_manager(
+            config=config(tmp_path, **kw), arena=arena, layout=LAYOUT, namespace=NAMESPACE
+        )
         made.append((m, arena))
         return m
 

@@ -12,8 +12,14 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.memory import MemoryObj, MemoryObjMeta
 from kvtier.storage.manager import TieredStorageManager
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="float16", block_size=16,
-                  paged_layout="flash_nhd")
+LAYOUT = KVLayout(
+    num_layers=2,
+    num_kv_heads=2,
+    head_size=8,
+    dtype="float16",
+    block_size=16,
+    paged_layout="flash_nhd",
+)
 CHUNK = 16
 KEYS = KeyFactory("test-model", LAYOUT.fingerprint())
 NAMESPACE = KEYS.key(b"").namespace()

@@ -24,10 +24,21 @@ def build(tmp_path, tier_classes, *, close_timeout_s=5.0, **kw):
     tiers = []
     for i, cls in enumerate(tier_classes):
         c = cfg.replace(local_disk_path=str(tmp_path / f"disk{i}"))
-        tiers.append(cls(BackendContext(config=c, layout=LAYOUT, namespace=NAMESPACE, arena=arena,
-                                        stats=stats)))
-    m = TieredStorageManager(tiers, arena=arena, stats=stats, write_queue_size=cfg.write_queue_size,
-                             io_threads=cfg.io_threads, close_timeout_s=close_timeout_s)
+        tiers.append(
+            cls(
+                BackendContext(
+                    config=c, layout=LAYOUT, namespace=NAMESPACE, arena=arena, stats=stats
+                )
+            )
+        )
+    m = TieredStorageManager(
+        tiers,
+        arena=arena,
+        stats=stats,
+        write_queue_size=cfg.write_queue_size,
+        io_threads=cfg.io_threads,
+        close_timeout_s=close_timeout_s,
+    )
     return m, arena
 
 
@@ -65,8 +76,9 @@ def test_close_counts_chunks_a_writer_had_dequeued(tmp_path):
     never gets the batch, and that is counted, not silent."""
     GatedTier.gate.clear()
     GatedTier.entered.clear()
-    m, arena = build(tmp_path, [LocalCPUBackend, GatedTier, LocalDiskBackend], io_threads=1,
-                     close_timeout_s=0.2)
+    m, arena = build(
+        tmp_path, [LocalCPUBackend, GatedTier, LocalDiskBackend], io_threads=1, close_timeout_s=0.2
+    )
     writers = [t for t in threading.enumerate() if t.name.startswith("kvtier-writer")]
     for i in range(3):
         put_chunk(m, i)
@@ -78,8 +90,10 @@ def test_close_counts_chunks_a_writer_had_dequeued(tmp_path):
     disk = m.lower[1]
     written = sum(disk.contains([key(i) for i in range(3)]))
     assert written == 0
-    assert (m.stats.get("local_disk.dropped_at_close") + m.stats.get("write_queue.dropped_at_close")
-            == 3), m.stats
+    assert (
+        m.stats.get("local_disk.dropped_at_close") + m.stats.get("write_queue.dropped_at_close")
+        == 3
+    ), m.stats
     deadline = time.monotonic() + 10
     while arena.used_bytes and time.monotonic() < deadline:
         time.sleep(0.01)

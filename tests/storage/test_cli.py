@@ -17,8 +17,14 @@ from kvtier.core.keys import model_id, salt_id
 from kvtier.core.platforms.cpu import CPUPlatform
 
 BLOCK, CHUNK, NUM_BLOCKS = 16, 32, 64
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="float16", block_size=BLOCK,
-                  paged_layout="flash_nhd")
+LAYOUT = KVLayout(
+    num_layers=2,
+    num_kv_heads=2,
+    head_size=8,
+    dtype="float16",
+    block_size=BLOCK,
+    paged_layout="flash_nhd",
+)
 MODEL = "org/test-model"
 PROMPTS = {  # salt -> tokens (3 full chunks + a 1-block tail each: 4 chunk entries)
     "tenant-a": list(range(1000, 1000 + 3 * CHUNK + BLOCK)),
@@ -29,13 +35,23 @@ PER_PROMPT = 4
 
 
 def engine(tmp_path, **cfg) -> CacheEngine:
-    config = load_config(env={}, overrides={
-        "chunk_size": CHUNK, "local_cpu_size_gb": 0.01, "local_disk_path": str(tmp_path / "disk"),
-        **cfg})
+    config = load_config(
+        env={},
+        overrides={
+            "chunk_size": CHUNK,
+            "local_cpu_size_gb": 0.01,
+            "local_disk_path": str(tmp_path / "disk"),
+            **cfg,
+        },
+    )
     e = CacheEngine(config, LAYOUT, model=MODEL, platform=CPUPlatform())
     g = torch.Generator().manual_seed(0)
-    e.register_kv_caches([torch.randn(LAYOUT.expected_cache_shape(NUM_BLOCKS), generator=g)
-                          .to(torch.float16) for _ in range(LAYOUT.num_layers)])
+    e.register_kv_caches(
+        [
+            torch.randn(LAYOUT.expected_cache_shape(NUM_BLOCKS), generator=g).to(torch.float16)
+            for _ in range(LAYOUT.num_layers)
+        ]
+    )
     return e
 
 
@@ -90,12 +106,15 @@ def test_disk_stats_ls_and_clear_one_salt_on_a_running_deployment(tmp_path, caps
         assert rc == 0 and len(source["entries"]) == PER_PROMPT
         assert {x["salt_id"] for x in source["entries"]} == {salt_id("tenant-a")}
         assert {x["key"] for x in source["entries"]} == {
-            s.key.to_string() for s in e.store_spans(PROMPTS["tenant-a"], "tenant-a")}
+            s.key.to_string() for s in e.store_spans(PROMPTS["tenant-a"], "tenant-a")
+        }
 
         rc, text = run(capsys, "stats", "--disk", disk)
         assert rc == 0 and f"{3 * PER_PROMPT} chunks" in text and salt_id("tenant-b") in text
 
-        rc, result = run(capsys, "clear", "--disk", disk, "--salt", "tenant-a", "--dry-run", "--json")
+        rc, result = run(
+            capsys, "clear", "--disk", disk, "--salt", "tenant-a", "--dry-run", "--json"
+        )
         assert result[0]["matched"] == PER_PROMPT and result[0]["removed"] == 0
         assert lower_hits(e, "tenant-a") == PER_PROMPT
 
@@ -115,9 +134,21 @@ def test_disk_stats_ls_and_clear_one_salt_on_a_running_deployment(tmp_path, caps
     finally:
         e2.close()
     # clear everything of a stopped deployment, through the installed command
-    out = subprocess.run([sys.executable, "-m", "kvtier.core.cli", "clear", "--disk",
-                          str(tmp_path / "disk"), "--salt-id", "-"], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.core.cli",
+            "clear",
+            "--disk",
+            str(tmp_path / "disk"),
+            "--salt-id",
+            "-",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert f"removed {PER_PROMPT} of {PER_PROMPT}" in out.stdout
     rc, result = run(capsys, "clear", "--disk", disk, "--json")
@@ -159,7 +190,9 @@ def test_redis_stats_ls_and_clear(tmp_path, capsys, redis_clean):
         assert len(result[0]["entries"]) >= 3 * PER_PROMPT
         assert all(x["key"] for x in result[0]["entries"])
 
-        rc, result = run(capsys, "clear", "--redis", redis_clean.url, "--salt", "tenant-b", "--json")
+        rc, result = run(
+            capsys, "clear", "--redis", redis_clean.url, "--salt", "tenant-b", "--json"
+        )
         assert rc == 0 and result[0]["matched"] >= PER_PROMPT
         assert lower_hits(e, "tenant-b") == 0
         assert lower_hits(e, "tenant-a") == PER_PROMPT
@@ -187,15 +220,24 @@ def test_bad_arguments_are_refused(capsys):
 
 def test_redis_cluster_stats_and_clear_every_shard(tmp_path, capsys, redis_cluster):
     redis_cluster.flush()
-    e = engine(tmp_path, tiers=["local_cpu", "redis"], redis_url=redis_cluster.url,
-               redis_cluster=True)
+    e = engine(
+        tmp_path, tiers=["local_cpu", "redis"], redis_url=redis_cluster.url, redis_cluster=True
+    )
     try:
         fill(e)
         rc, result = run(capsys, "stats", "--redis", redis_cluster.url, "--cluster", "--json")
         assert rc == 0
         check_stats(result)
-        rc, result = run(capsys, "clear", "--redis", redis_cluster.url, "--cluster", "--salt",
-                         "tenant-a", "--json")
+        rc, result = run(
+            capsys,
+            "clear",
+            "--redis",
+            redis_cluster.url,
+            "--cluster",
+            "--salt",
+            "tenant-a",
+            "--json",
+        )
         assert rc == 0 and result[0]["matched"] >= PER_PROMPT
         assert lower_hits(e, "tenant-a") == 0
         assert lower_hits(e, "tenant-b") == PER_PROMPT

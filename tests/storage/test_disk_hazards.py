@@ -159,8 +159,12 @@ def small_fs(tmp_path):
     mnt = tmp_path / "small_fs"
     mnt.mkdir()
     try:
-        out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(mnt)],
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(mnt)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         pytest.skip(f"cannot mount a tmpfs: {e}")
     if out.returncode:

@@ -53,14 +53,17 @@ class Model:
         return self.used() + incoming <= limit, victims
 
 
-ops = st.lists(st.one_of(
-    st.tuples(st.just("record"), st.sampled_from(NAMES), st.integers(1, 400)),
-    st.tuples(st.just("reserve"), st.sampled_from(NAMES), st.integers(1, 900)),
-    st.tuples(st.just("forget"), st.sampled_from(NAMES), st.just(0)),
-    st.tuples(st.just("read"), st.sampled_from(NAMES), st.just(0)),
-    st.tuples(st.just("done"), st.sampled_from(NAMES), st.just(0)),
-    st.tuples(st.just("cap"), st.sampled_from(NAMES), st.integers(1, 900)),
-), max_size=60)
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("record"), st.sampled_from(NAMES), st.integers(1, 400)),
+        st.tuples(st.just("reserve"), st.sampled_from(NAMES), st.integers(1, 900)),
+        st.tuples(st.just("forget"), st.sampled_from(NAMES), st.just(0)),
+        st.tuples(st.just("read"), st.sampled_from(NAMES), st.just(0)),
+        st.tuples(st.just("done"), st.sampled_from(NAMES), st.just(0)),
+        st.tuples(st.just("cap"), st.sampled_from(NAMES), st.integers(1, 900)),
+    ),
+    max_size=60,
+)
 
 
 @settings(max_examples=500, deadline=None)

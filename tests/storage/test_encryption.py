@@ -144,9 +144,14 @@ def test_a_tier_that_cannot_seal_is_a_config_error(tmp_path, monkeypatch):
     from kvtier.core import platform as platform_mod
 
     real = platform_mod.entry_points
-    plain = EntryPoint("plain_tier", "kvtier.storage.backends.base:StorageBackend", "kvtier.backends")
-    monkeypatch.setattr(platform_mod, "entry_points", lambda *, group: [
-        *real(group=group), *([plain] if group == "kvtier.backends" else [])])
+    plain = EntryPoint(
+        "plain_tier", "kvtier.storage.backends.base:StorageBackend", "kvtier.backends"
+    )
+    monkeypatch.setattr(
+        platform_mod,
+        "entry_points",
+        lambda *, group: [*real(group=group), *([plain] if group == "kvtier.backends" else [])],
+    )
     cfg = config(tmp_path, tiers=["local_cpu", "plain_tier"], encryption_key=KEY_A)
     arena = HostArena.create(1 << 20)
     with pytest.raises(ConfigError, match="'plain_tier' tier cannot seal"):
@@ -163,8 +168,14 @@ def test_sealed_files_of_many_segments_read_back(tmp_path, tokens):
     from kvtier.core.memory import MemoryObjMeta
     from kvtier.storage.backends._disk_io import read_chunk
 
-    layout = KVLayout(num_layers=2, num_kv_heads=8, head_size=128, dtype="float16", block_size=1,
-                      paged_layout="flash_nhd")
+    layout = KVLayout(
+        num_layers=2,
+        num_kv_heads=8,
+        head_size=128,
+        dtype="float16",
+        block_size=1,
+        paged_layout="flash_nhd",
+    )
     m = MemoryObjMeta(layout.chunk_shape(tokens), layout.torch_dtype, tokens)
     arena = HostArena.create(4 * m.nbytes + (1 << 16))
     src = arena.allocate(m)
@@ -176,13 +187,27 @@ def test_sealed_files_of_many_segments_read_back(tmp_path, tokens):
     path.write_bytes(header + sealed + codec.trailer(header, sealed))
     fd = os.open(path, os.O_RDONLY)
     try:
-        obj = read_chunk(fd, path.stat().st_size, key=k, layout=layout, max_tokens=256,
-                         allocate=arena.allocate, sealer=sealer)
+        obj = read_chunk(
+            fd,
+            path.stat().st_size,
+            key=k,
+            layout=layout,
+            max_tokens=256,
+            allocate=arena.allocate,
+            sealer=sealer,
+        )
         assert obj is not None and torch.equal(obj.tensor, src.tensor)
         obj.release()
         with pytest.raises(codec.PayloadError, match="another key"):
-            read_chunk(fd, path.stat().st_size, key=k, layout=layout, max_tokens=256,
-                       allocate=arena.allocate, sealer=Sealer(bytes.fromhex(KEY_B)))
+            read_chunk(
+                fd,
+                path.stat().st_size,
+                key=k,
+                layout=layout,
+                max_tokens=256,
+                allocate=arena.allocate,
+                sealer=Sealer(bytes.fromhex(KEY_B)),
+            )
     finally:
         os.close(fd)
     src.release()

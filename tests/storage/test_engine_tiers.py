@@ -11,14 +11,27 @@ from kvtier.core.platforms.cpu import CPUPlatform
 from kvtier.storage.manager import TieredStorageManager
 
 BLOCK, CHUNK, NUM_BLOCKS = 16, 64, 24
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="bfloat16", block_size=BLOCK,
-                  paged_layout="flash_nhd")
+LAYOUT = KVLayout(
+    num_layers=2,
+    num_kv_heads=2,
+    head_size=8,
+    dtype="bfloat16",
+    block_size=BLOCK,
+    paged_layout="flash_nhd",
+)
 
 
 def engine(tmp_path, **cfg) -> CacheEngine:
-    config = load_config(env={}, overrides={
-        "chunk_size": CHUNK, "local_cpu_size_gb": 0.01, "local_disk_path": str(tmp_path / "disk"),
-        "redis_timeout_s": 1.0, **cfg})
+    config = load_config(
+        env={},
+        overrides={
+            "chunk_size": CHUNK,
+            "local_cpu_size_gb": 0.01,
+            "local_disk_path": str(tmp_path / "disk"),
+            "redis_timeout_s": 1.0,
+            **cfg,
+        },
+    )
     e = CacheEngine(config, LAYOUT, model="test/model", platform=CPUPlatform())
     assert isinstance(e.storage, TieredStorageManager)
     return e

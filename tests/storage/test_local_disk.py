@@ -101,8 +101,13 @@ m.close()
 assert arena.used_bytes == 0
 print("OK")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).parent)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parent,
+    )
     assert out.stdout.strip() == "OK", out.stderr
     # and the other way: a chunk written after this process started is found on disk
     other = make_manager()
@@ -150,8 +155,13 @@ m.close()
 assert arena.used_bytes == 0
 print("OK")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).parent)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parent,
+    )
     assert out.stdout.strip() == "OK", out.stderr
     assert "not stored" in out.stderr
     assert not [p for p in (tmp_path / "disk").rglob("*") if p.name.endswith((SUFFIX, TMP_SUFFIX))]

@@ -53,7 +53,9 @@ def test_xdg_runtime_dir_is_used_when_set(tmp_path, monkeypatch):
     assert socket_path("e", 1).startswith(str(xdg) + os.sep)
 
 
-@pytest.mark.parametrize("plant", ["world_writable", "group_readable", "other_owner", "symlink", "file"])
+@pytest.mark.parametrize(
+    "plant", ["world_writable", "group_readable", "other_owner", "symlink", "file"]
+)
 def test_planted_runtime_dir_is_refused(runtime_base, tmp_path, plant):
     if plant == "world_writable":
         runtime_base.mkdir()
@@ -103,8 +105,9 @@ def _fake_server(path: str, reply: object, seen: list) -> socket.socket:
     return srv
 
 
-@pytest.mark.parametrize("reply", [{"hit": -5}, {"hit": "64"}, {"hit": True},
-                                   {"hit": 3.5}, {}, {"hits": 4}])
+@pytest.mark.parametrize(
+    "reply", [{"hit": -5}, {"hit": "64"}, {"hit": True}, {"hit": 3.5}, {}, {"hits": 4}]
+)
 def test_replies_out_of_shape_are_errors_not_hits(runtime_base, reply):
     path = socket_path("engine", 0)
     seen: list = []

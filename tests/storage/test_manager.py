@@ -124,8 +124,13 @@ def build(tmp_path, tier_classes, arena_bytes=ARENA_BYTES, **kw):
     stats = StorageStats()
     ctx = BackendContext(config=cfg, layout=LAYOUT, namespace=NAMESPACE, arena=arena, stats=stats)
     tiers = [cls(ctx) for cls in tier_classes]
-    return TieredStorageManager(tiers, arena=arena, stats=stats, write_queue_size=cfg.write_queue_size,
-                                io_threads=cfg.io_threads), arena
+    return TieredStorageManager(
+        tiers,
+        arena=arena,
+        stats=stats,
+        write_queue_size=cfg.write_queue_size,
+        io_threads=cfg.io_threads,
+    ), arena
 
 
 def test_lookups_ask_lower_tiers_only_past_what_upper_tiers_hold(tmp_path):
@@ -234,14 +239,19 @@ def test_everything_borrowed_means_allocate_fails_fast(make_manager):
 
 def test_tiers_must_start_with_host_memory(tmp_path):
     with pytest.raises(ConfigError, match="tiers"):
-        core_create(config(tmp_path, tiers=["local_disk"]), HostArena.create(ARENA_BYTES), LAYOUT,
-                    NAMESPACE)
+        core_create(
+            config(tmp_path, tiers=["local_disk"]), HostArena.create(ARENA_BYTES), LAYOUT, NAMESPACE
+        )
 
 
 def test_unknown_tier_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="no storage backend named 'tape'"):
-        core_create(config(tmp_path, tiers=["local_cpu", "tape"]), HostArena.create(ARENA_BYTES),
-                    LAYOUT, NAMESPACE)
+        core_create(
+            config(tmp_path, tiers=["local_cpu", "tape"]),
+            HostArena.create(ARENA_BYTES),
+            LAYOUT,
+            NAMESPACE,
+        )
 
 
 def test_without_redis_py_the_redis_tier_still_works(tmp_path):
@@ -262,6 +272,7 @@ m.close()
 print("OK")
 """
     here = str(__import__("pathlib").Path(__file__).parent)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=here)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=here
+    )
     assert out.stdout.strip() == "OK", out.stderr

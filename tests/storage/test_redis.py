@@ -46,7 +46,9 @@ def test_round_trip_and_namespace(make_manager, redis_clean):
     m = redis_manager(make_manager, redis_clean.url)
     stored(m, 0, 1, 2)
     client = redis.Redis.from_url(redis_clean.url)
-    assert sorted(k.decode() for k in client.keys("*")) == sorted(k for i in range(3) for k in entry_keys(i))
+    assert sorted(k.decode() for k in client.keys("*")) == sorted(
+        k for i in range(3) for k in entry_keys(i)
+    )
     assert client.ttl(redis_key(0)) == -1
     objs = m.batched_get([key(i) for i in range(4)])
     assert objs[3] is None
@@ -99,7 +101,15 @@ def test_ttl_is_applied(make_manager, redis_clean):
     assert all(90 <= client.ttl(k) <= 100 for k in entry_keys(0))
 
 
-DAMAGES = ["byte", "truncate", "swap", "foreign", "missing-segment", "head-checksum", "head-foreign"]
+DAMAGES = [
+    "byte",
+    "truncate",
+    "swap",
+    "foreign",
+    "missing-segment",
+    "head-checksum",
+    "head-foreign",
+]
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
@@ -178,8 +188,13 @@ def test_a_restarted_server_costs_one_error_and_counts_one_reconnect(make_manage
     connection is counted as a reconnect, and the kvtier_redis_reconnects metric reports it."""
     from kvtier.core.metrics import storage_values
 
-    m = redis_manager(make_manager, redis_clean.url, backend_options={"redis": {
-        "retry_interval_s": 0.3, "segment_bytes": 1024, "connections": 4}})
+    m = redis_manager(
+        make_manager,
+        redis_clean.url,
+        backend_options={
+            "redis": {"retry_interval_s": 0.3, "segment_bytes": 1024, "connections": 4}
+        },
+    )
     stored(m, 0, 1, 2, 3)
     for i, obj in enumerate(m.batched_get([key(i) for i in range(4)])):  # four connections at
         check_obj(obj, i)  # once, idle in the pool afterwards
@@ -242,12 +257,22 @@ def test_unreachable_at_start_is_only_misses(make_manager):
 
 def test_password_acl_user_and_unix_socket(make_manager, tmp_path):
     sock = tmp_path / "r.sock"
-    server = RedisServer(tmp_path / "auth", extra_args=[
-        "--requirepass", "s3cret", "--unixsocket", str(sock), "--unixsocketperm", "700"])
+    server = RedisServer(
+        tmp_path / "auth",
+        extra_args=[
+            "--requirepass",
+            "s3cret",
+            "--unixsocket",
+            str(sock),
+            "--unixsocketperm",
+            "700",
+        ],
+    )
     try:
         server.start()
         redis.Redis(port=server.port, password="s3cret").execute_command(
-            "ACL", "SETUSER", "kv", "on", ">kvpw", "~kvtier:*", "+@all")
+            "ACL", "SETUSER", "kv", "on", ">kvpw", "~kvtier:*", "+@all"
+        )
         m = redis_manager(make_manager, server.url, redis_password="s3cret")
         stored(m, 0)
         obj = m.get(key(0))
@@ -286,8 +311,13 @@ m.close()
 assert arena.used_bytes == 0
 print("OK")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).parent)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parent,
+    )
     assert out.stdout.strip() == "OK", out.stderr
 
 

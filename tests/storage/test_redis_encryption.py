@@ -49,7 +49,9 @@ def entries(i: int, n: int = SEALED_KEYS) -> list[str]:
 
 
 def sealed_manager(make_manager, url, enc_key=KEY_A, **kw):
-    return redis_manager(make_manager, url, **({"encryption_key": enc_key} if enc_key else {}), **kw)
+    return redis_manager(
+        make_manager, url, **({"encryption_key": enc_key} if enc_key else {}), **kw
+    )
 
 
 def get_and_release(m, i):
@@ -66,7 +68,9 @@ def test_round_trip_stores_only_ciphertext(make_manager, redis_clean):
     m = sealed_manager(make_manager, redis_clean.url)
     stored(m, 0, 1, 2)
     client = redis.Redis.from_url(redis_clean.url)
-    assert sorted(k.decode() for k in client.keys("*")) == sorted(k for i in range(3) for k in entries(i))
+    assert sorted(k.decode() for k in client.keys("*")) == sorted(
+        k for i in range(3) for k in entries(i)
+    )
     plain = chunk_value(0).view(-1).view(torch.uint8).numpy().tobytes()
     stored_bytes = b"".join(client.get(k) for k in entries(0))
     assert plain[:64] not in stored_bytes and plain[1000:1064] not in stored_bytes
@@ -129,11 +133,19 @@ def _rewrite_head_checksum(client, i: int) -> None:
     header_len, _ = codec.prefix_lengths(head)
     payload = b"".join(client.get(k) for k in entries(i)[1:])
     trailer = codec.trailer(head[:header_len], payload)
-    client.set(redis_key(i), head[:header_len] + trailer + head[-TAIL.size:])
+    client.set(redis_key(i), head[:header_len] + trailer + head[-TAIL.size :])
 
 
-DAMAGE = ["ciphertext-byte", "tag-byte", "forged-ciphertext", "forged-tag", "truncated-tag",
-          "missing-tag", "nonce-edited", "swapped-chunks"]
+DAMAGE = [
+    "ciphertext-byte",
+    "tag-byte",
+    "forged-ciphertext",
+    "forged-tag",
+    "truncated-tag",
+    "missing-tag",
+    "nonce-edited",
+    "swapped-chunks",
+]
 
 
 @pytest.mark.parametrize("damage", DAMAGE)
@@ -168,8 +180,12 @@ def test_a_tampered_value_is_a_miss(make_manager, redis_clean, damage):
         head[at] = ord("0") if head[at] != ord("0") else ord("1")
         header_len, _ = codec.prefix_lengths(bytes(head))
         payload = b"".join(client.get(k) for k in entries(0)[1:])
-        client.set(redis_key(0), bytes(head[:header_len]) + codec.trailer(bytes(head[:header_len]), payload)
-                   + bytes(head[-TAIL.size:]))
+        client.set(
+            redis_key(0),
+            bytes(head[:header_len])
+            + codec.trailer(bytes(head[:header_len]), payload)
+            + bytes(head[-TAIL.size :]),
+        )
     else:  # chunk 1's whole entry under chunk 0's keys: the header names chunk 1
         for src, dst in zip(entries(1), entries(0), strict=True):
             client.set(dst, client.get(src))
@@ -200,20 +216,42 @@ def test_cluster_round_trip_and_wrong_key(make_manager, redis_cluster):
 
 # -- property: any single bit flip anywhere in a stored chunk is a miss, never wrong KV --------
 def _backend(url: str, segment_bytes: int, arena: HostArena, tmp_path: Path) -> RedisBackend:
-    cfg = config(tmp_path, tiers=["local_cpu", "redis"], redis_url=url, encryption_key=KEY_A,
-                 backend_options={"redis": {"segment_bytes": segment_bytes, "retry_interval_s": 0.2}})
-    return RedisBackend(BackendContext(config=cfg, layout=LAYOUT, namespace=NAMESPACE, arena=arena,
-                                       stats=StorageStats(), options=cfg.backend_options["redis"],
-                                       sealer=Sealer(bytes.fromhex(KEY_A))))
+    cfg = config(
+        tmp_path,
+        tiers=["local_cpu", "redis"],
+        redis_url=url,
+        encryption_key=KEY_A,
+        backend_options={"redis": {"segment_bytes": segment_bytes, "retry_interval_s": 0.2}},
+    )
+    return RedisBackend(
+        BackendContext(
+            config=cfg,
+            layout=LAYOUT,
+            namespace=NAMESPACE,
+            arena=arena,
+            stats=StorageStats(),
+            options=cfg.backend_options["redis"],
+            sealer=Sealer(bytes.fromhex(KEY_A)),
+        )
+    )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(tokens=st.integers(1, CHUNK), segment_bytes=st.integers(1024, 3000),
-       where=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7), damage=st.booleans())
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    tokens=st.integers(1, CHUNK),
+    segment_bytes=st.integers(1024, 3000),
+    where=st.floats(0, 1, exclude_max=True),
+    bit=st.integers(0, 7),
+    damage=st.booleans(),
+)
 @example(tokens=16, segment_bytes=1030, where=0.999, bit=0, damage=False)  # the tag across two
 @example(tokens=16, segment_bytes=1030, where=0.999, bit=0, damage=True)  # segments, the last one
 @example(tokens=16, segment_bytes=1024, where=0.999, bit=7, damage=True)  # the tag alone
-def test_sealed_chunks_read_back_exactly_or_miss(redis_clean, tmp_path, tokens, segment_bytes, where, bit, damage):
+def test_sealed_chunks_read_back_exactly_or_miss(
+    redis_clean, tmp_path, tokens, segment_bytes, where, bit, damage
+):
     """For any segment size (the tag within one segment or across two) and chunk length: an
     untouched chunk reads back bit for bit; one bit flipped in any stored value (head or any
     segment) is a miss and the entry is gone."""
@@ -248,4 +286,3 @@ def test_sealed_chunks_read_back_exactly_or_miss(redis_clean, tmp_path, tokens, 
     finally:
         b.close()
     assert arena.used_bytes == 0
-

@@ -98,10 +98,17 @@ def test_a_trickling_link_is_bounded_by_the_call_deadline(make_manager, redis_cl
     keys = [key(i) for i in range(4)]
     proxy = TrickleProxy(redis_clean.port)
     try:
-        m = redis_manager(make_manager, f"redis://127.0.0.1:{proxy.port}/0", redis_timeout_s=1.0,
-                          backend_options={"redis": {"retry_interval_s": 0.0, "segment_bytes": 1024}})
-        for call in (lambda: m.batched_get(keys), lambda: m.contains(keys * 8),
-                     lambda: m.prefetch(keys).result(30)):
+        m = redis_manager(
+            make_manager,
+            f"redis://127.0.0.1:{proxy.port}/0",
+            redis_timeout_s=1.0,
+            backend_options={"redis": {"retry_interval_s": 0.0, "segment_bytes": 1024}},
+        )
+        for call in (
+            lambda: m.batched_get(keys),
+            lambda: m.contains(keys * 8),
+            lambda: m.prefetch(keys).result(30),
+        ):
             t0 = time.monotonic()
             call()
             assert time.monotonic() - t0 < 2.5
@@ -119,8 +126,9 @@ def test_a_trickling_link_is_bounded_by_the_call_deadline(make_manager, redis_cl
 
 @pytest.mark.parametrize("where", ["head", "segment"])
 @pytest.mark.parametrize("kind", ["list", "hash"])
-def test_a_key_of_another_type_is_a_miss_for_that_chunk_alone(make_manager, redis_clean, caplog,
-                                                              where, kind):
+def test_a_key_of_another_type_is_a_miss_for_that_chunk_alone(
+    make_manager, redis_clean, caplog, where, kind
+):
     m = redis_manager(make_manager, redis_clean.url)
     stored(m, 0, 1, 2)
     client = redis.Redis.from_url(redis_clean.url)
@@ -159,7 +167,9 @@ def test_a_wrong_type_head_is_replaced_by_the_next_store(make_manager, redis_cle
 
 
 def test_a_server_out_of_memory_skips_the_store_and_leaves_nothing(make_manager, tmp_path):
-    server = RedisServer(tmp_path / "oom", extra_args=["--maxmemory", "1", "--maxmemory-policy", "noeviction"])
+    server = RedisServer(
+        tmp_path / "oom", extra_args=["--maxmemory", "1", "--maxmemory-policy", "noeviction"]
+    )
     server.start()
     try:
         m = redis_manager(make_manager, server.url)
@@ -177,7 +187,9 @@ def test_a_server_out_of_memory_skips_the_store_and_leaves_nothing(make_manager,
 @pytest.fixture
 def private_cluster(tmp_path):
     try:
-        cluster = RedisCluster(tmp_path / "cluster", extra_args=["--cluster-require-full-coverage", "no"])
+        cluster = RedisCluster(
+            tmp_path / "cluster", extra_args=["--cluster-require-full-coverage", "no"]
+        )
     except FileNotFoundError as e:
         pytest.skip(str(e))
     cluster.start()
@@ -188,9 +200,13 @@ def private_cluster(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["killed", "paused"])
-def test_a_cluster_with_a_stopped_master_answers_within_the_timeout(make_manager, private_cluster, how):
-    stored(redis_manager(make_manager, private_cluster.url, redis_cluster=True, redis_timeout_s=5.0),
-           *range(12))
+def test_a_cluster_with_a_stopped_master_answers_within_the_timeout(
+    make_manager, private_cluster, how
+):
+    stored(
+        redis_manager(make_manager, private_cluster.url, redis_cluster=True, redis_timeout_s=5.0),
+        *range(12),
+    )
     m = redis_manager(make_manager, private_cluster.url, redis_cluster=True, redis_timeout_s=1.0)
     keys = [key(i) for i in range(12)]
     victim = private_cluster.nodes[1]
@@ -219,22 +235,27 @@ def test_a_cluster_with_a_stopped_master_answers_within_the_timeout(make_manager
 
 
 # -- options, routing, layout ---------------------------------------------------------------------
-@pytest.mark.parametrize("opts, field", [
-    ({"segment_bytes": 10}, "backend_options.redis.segment_bytes"),
-    ({"segment_bytes": True}, "backend_options.redis.segment_bytes"),
-    ({"connections": 0}, "backend_options.redis.connections"),
-    ({"min_throughput_mb_s": float("nan")}, "backend_options.redis.min_throughput_mb_s"),
-    ({"retry_interval_s": float("inf")}, "backend_options.redis.retry_interval_s"),
-    ({"key_prefix": "a{b}"}, "backend_options.redis.key_prefix"),
-    ({"nope": 1}, "backend_options.redis"),
-])
+@pytest.mark.parametrize(
+    "opts, field",
+    [
+        ({"segment_bytes": 10}, "backend_options.redis.segment_bytes"),
+        ({"segment_bytes": True}, "backend_options.redis.segment_bytes"),
+        ({"connections": 0}, "backend_options.redis.connections"),
+        ({"min_throughput_mb_s": float("nan")}, "backend_options.redis.min_throughput_mb_s"),
+        ({"retry_interval_s": float("inf")}, "backend_options.redis.retry_interval_s"),
+        ({"key_prefix": "a{b}"}, "backend_options.redis.key_prefix"),
+        ({"nope": 1}, "backend_options.redis"),
+    ],
+)
 def test_bad_options_name_the_option(opts, field):
     with pytest.raises(ConfigError) as e:
         _backend({"redis_url": "redis://127.0.0.1:1/0"}, opts)
     assert e.value.field == field
 
 
-@pytest.mark.parametrize("url", ["redis://127.0.0.1:99999/0", "redis://127.0.0.1:6379/x", "redis://:6379"])
+@pytest.mark.parametrize(
+    "url", ["redis://127.0.0.1:99999/0", "redis://127.0.0.1:6379/x", "redis://:6379"]
+)
 def test_a_bad_url_is_a_config_error(url):
     with pytest.raises(ConfigError) as e:
         _backend({"redis_url": url}, {})
@@ -248,19 +269,33 @@ def test_key_slot_matches_the_servers_rule(k):
 
 def _backend(cfg: dict, opts: dict, arena: HostArena | None = None) -> RedisBackend:
     c = config(Path(tempfile.gettempdir()), tiers=["local_cpu", "redis"], **cfg)
-    return RedisBackend(BackendContext(config=c, layout=LAYOUT, namespace=NAMESPACE,
-                                       arena=arena or HostArena.create(1 << 16), options=opts))
+    return RedisBackend(
+        BackendContext(
+            config=c,
+            layout=LAYOUT,
+            namespace=NAMESPACE,
+            arena=arena or HostArena.create(1 << 16),
+            options=opts,
+        )
+    )
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seg=st.integers(1024, 5000), tokens=st.lists(st.integers(1, CHUNK), min_size=1, max_size=4),
-       conns=st.integers(1, 3))
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    seg=st.integers(1024, 5000),
+    tokens=st.lists(st.integers(1, CHUNK), min_size=1, max_size=4),
+    conns=st.integers(1, 3),
+)
 def test_any_segment_size_round_trips(redis_clean, seg, tokens, conns):
     """Chunks of any length split at any segment size over any number of connections come back
     byte for byte."""
     redis_clean.flush()
     arena = HostArena.create(1 << 20)
-    tier = _backend({"redis_url": redis_clean.url}, {"segment_bytes": seg, "connections": conns}, arena)
+    tier = _backend(
+        {"redis_url": redis_clean.url}, {"segment_bytes": seg, "connections": conns}, arena
+    )
     try:
         objs = []
         for i, n in enumerate(tokens):
@@ -289,14 +324,31 @@ def test_segments_checksummed_as_they_land_round_trip_and_catch_damage(redis_cle
     from kvtier.core.keys import KeyFactory
     from kvtier.core.layout import KVLayout
 
-    layout = KVLayout(num_layers=4, num_kv_heads=8, head_size=128, dtype="float16", block_size=16,
-                      paged_layout="flash_nhd")
+    layout = KVLayout(
+        num_layers=4,
+        num_kv_heads=8,
+        head_size=128,
+        dtype="float16",
+        block_size=16,
+        paged_layout="flash_nhd",
+    )
     keys = KeyFactory("big-model", layout.fingerprint())
-    c = config(Path(tempfile.gettempdir()), tiers=["local_cpu", "redis"], redis_url=redis_clean.url,
-               chunk_size=256)
+    c = config(
+        Path(tempfile.gettempdir()),
+        tiers=["local_cpu", "redis"],
+        redis_url=redis_clean.url,
+        chunk_size=256,
+    )
     arena = HostArena.create(16 << 20)
-    tier = RedisBackend(BackendContext(config=c, layout=layout, namespace=keys.key(b"").namespace(),
-                                       arena=arena, options={"segment_bytes": 512 << 10}))
+    tier = RedisBackend(
+        BackendContext(
+            config=c,
+            layout=layout,
+            namespace=keys.key(b"").namespace(),
+            arena=arena,
+            options={"segment_bytes": 512 << 10},
+        )
+    )
     try:
         redis_clean.flush()
         from kvtier.core.memory import MemoryObjMeta

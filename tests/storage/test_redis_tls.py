@@ -24,18 +24,72 @@ def tls_server(tmp_path):
         pytest.skip("openssl and redis-server are needed for the TLS test")
     d = tmp_path / "pki"
     d.mkdir()
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
-             "-days", "1", "-subj", "/CN=kvtier-test-ca", cwd=d)
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "srv.key", "-out", "srv.csr",
-             "-subj", "/CN=127.0.0.1", cwd=d)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=kvtier-test-ca",
+        cwd=d,
+    )
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "srv.key",
+        "-out",
+        "srv.csr",
+        "-subj",
+        "/CN=127.0.0.1",
+        cwd=d,
+    )
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    _openssl("x509", "-req", "-in", "srv.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-             "-out", "srv.pem", "-days", "1", "-extfile", "san.ext", cwd=d)
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        "srv.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "srv.pem",
+        "-days",
+        "1",
+        "-extfile",
+        "san.ext",
+        cwd=d,
+    )
     tls_port = free_port()
-    server = RedisServer(tmp_path / "tls", extra_args=[
-        "--tls-port", str(tls_port), "--tls-cert-file", str(d / "srv.pem"),
-        "--tls-key-file", str(d / "srv.key"), "--tls-ca-cert-file", str(d / "ca.pem"),
-        "--tls-auth-clients", "no", "--requirepass", "s3cret"])
+    server = RedisServer(
+        tmp_path / "tls",
+        extra_args=[
+            "--tls-port",
+            str(tls_port),
+            "--tls-cert-file",
+            str(d / "srv.pem"),
+            "--tls-key-file",
+            str(d / "srv.key"),
+            "--tls-ca-cert-file",
+            str(d / "ca.pem"),
+            "--tls-auth-clients",
+            "no",
+            "--requirepass",
+            "s3cret",
+        ],
+    )
     try:
         server.start()
     except RuntimeError as e:  # a server built without TLS

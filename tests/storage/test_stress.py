@@ -75,7 +75,12 @@ def test_stress_host_and_disk(make_manager):
 def test_stress_host_disk_and_redis(make_manager, redis_clean, tmp_path):
     pytest.importorskip("redis", reason="redis-py (kvtier[redis]) is not installed")
     budget = 10 * (meta().nbytes + 512) / (1 << 30)  # disk holds 10 of the 24 keys
-    m = make_manager(arena_bytes=6 * meta().nbytes, tiers=["local_cpu", "local_disk", "redis"],
-                     redis_url=redis_clean.url, local_disk_size_gb=budget, write_queue_size=8)
+    m = make_manager(
+        arena_bytes=6 * meta().nbytes,
+        tiers=["local_cpu", "local_disk", "redis"],
+        redis_url=redis_clean.url,
+        local_disk_size_gb=budget,
+        write_queue_size=8,
+    )
     run_stress(m)
     assert m.stats.get("redis.hits") > 0

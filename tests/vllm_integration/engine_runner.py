@@ -131,8 +131,9 @@ def _result(out) -> dict:
 def _load_while_decoding(llm, params, step: dict) -> dict:
     from vllm import SamplingParams
 
-    second_params = SamplingParams(max_tokens=step["second_max_tokens"], temperature=0.0,
-                                   logprobs=0, ignore_eos=True)
+    second_params = SamplingParams(
+        max_tokens=step["second_max_tokens"], temperature=0.0, logprobs=0, ignore_eos=True
+    )
     seen = {"second_before_first": None}
     outputs: dict = {}
 
@@ -145,8 +146,11 @@ def _load_while_decoding(llm, params, step: dict) -> dict:
         llm.llm_engine.add_request("first", {"prompt_token_ids": step["first"]}, params)
         llm.llm_engine.add_request("second", {"prompt_token_ids": step["second"]}, second_params)
         _step_until_done(llm, outputs, on_output)
-    return {"first": _result(outputs["first"]), "second": _result(outputs["second"]),
-            "second_tokens_when_first_finished": seen["second_before_first"]}
+    return {
+        "first": _result(outputs["first"]),
+        "second": _result(outputs["second"]),
+        "second_tokens_when_first_finished": seen["second_before_first"],
+    }
 
 
 def _abort_during_load(llm, params, step: dict) -> bool:
@@ -211,8 +215,7 @@ def _evict_after_lookup(llm) -> Iterator[dict]:
             return
         keys = [s.key for s in engine.store_spans(request.prompt_token_ids, request.cache_salt)]
         stored = sum(engine.storage.contains(keys))
-        meta = MemoryObjMeta(lay.chunk_shape(engine.chunk_size), lay.torch_dtype,
-                             engine.chunk_size)
+        meta = MemoryObjMeta(lay.chunk_shape(engine.chunk_size), lay.torch_dtype, engine.chunk_size)
         # More than the whole tier: without a hold, LRU eviction reaches every older chunk.
         capacity = engine.config.local_cpu_size_gb * (1 << 30)
         for _ in range(int(capacity // meta.nbytes) + 2):
@@ -264,8 +267,13 @@ class _EventListener:
             with self._lock:
                 for event in batch.events:
                     row = {"type": type(event).__name__}
-                    for name in ("block_hashes", "parent_block_hash", "token_ids", "medium",
-                                 "ownership"):
+                    for name in (
+                        "block_hashes",
+                        "parent_block_hash",
+                        "token_ids",
+                        "medium",
+                        "ownership",
+                    ):
                         value = getattr(event, name, None)
                         if isinstance(value, bytes):
                             value = value.hex()
@@ -332,7 +340,9 @@ def main(spec_path: str, out_path: str) -> None:
     engine_id = spec["engine_id"]
     if spec.get("kvtier") is not None:
         kwargs["kv_transfer_config"] = {
-            "kv_connector": "KVTierConnector", "kv_role": "kv_both", "engine_id": engine_id,
+            "kv_connector": "KVTierConnector",
+            "kv_role": "kv_both",
+            "engine_id": engine_id,
             "kv_connector_extra_config": spec["kvtier"],
         }
         if spec.get("load_failure_policy"):
@@ -347,12 +357,20 @@ def main(spec_path: str, out_path: str) -> None:
 
         port = spec["kv_events_port"]
         kwargs["kv_events_config"] = KVEventsConfig(
-            enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}")
+            enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}"
+        )
         listener = _EventListener(f"tcp://127.0.0.1:{port}")
     llm = LLM(
-        model=spec["model"], enforce_eager=True, block_size=32, kv_cache_memory_bytes=64 << 20,
-        max_model_len=4096, enable_prefix_caching=bool(spec.get("prefix_caching")),
-        dtype="bfloat16", seed=0, disable_log_stats=not spec.get("log_stats"), **kwargs,
+        model=spec["model"],
+        enforce_eager=True,
+        block_size=32,
+        kv_cache_memory_bytes=64 << 20,
+        max_model_len=4096,
+        enable_prefix_caching=bool(spec.get("prefix_caching")),
+        dtype="bfloat16",
+        seed=0,
+        disable_log_stats=not spec.get("log_stats"),
+        **kwargs,
     )
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, logprobs=0)
     results: list = []
@@ -371,8 +389,9 @@ def main(spec_path: str, out_path: str) -> None:
                 prompt["cache_salt"] = step["salt"]
             step_params = params
             if "max_tokens" in step:
-                step_params = SamplingParams(max_tokens=step["max_tokens"], temperature=0.0,
-                                             logprobs=0)
+                step_params = SamplingParams(
+                    max_tokens=step["max_tokens"], temperature=0.0, logprobs=0
+                )
             lora = None
             if step.get("lora"):
                 from vllm.lora.request import LoRARequest
@@ -380,8 +399,9 @@ def main(spec_path: str, out_path: str) -> None:
                 lora = LoRARequest(step["lora"]["name"], step["lora"]["id"], step["lora"]["path"])
             evicting = step.get("evict_after_lookup")
             with _evict_after_lookup(llm) if evicting else contextlib.nullcontext({}) as evict:
-                out = llm.generate([prompt], step_params, use_tqdm=False,
-                                   lora_request=lora)[0].outputs[0]
+                out = llm.generate([prompt], step_params, use_tqdm=False, lora_request=lora)[
+                    0
+                ].outputs[0]
             logprobs = [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
             last_output = list(out.token_ids)
             results.append({"tokens": last_output, "logprobs": logprobs})

@@ -33,8 +33,9 @@ def assert_partial_hit_close(result: dict, reference: dict, tolerance: float) ->
 def prefix_cache_tolerance(run_engine, reference_shared: dict, **mode) -> float:
     """Twice the largest logprob move of vLLM's own prefix cache on the partial-hit prompt (it
     reuses DOC's blocks for SHARED), in the given mode, no kvtier; at least the floor."""
-    out = run_engine({"kvtier": None, "prefix_caching": True, **mode,
-                      "steps": [gen(DOC), gen(SHARED)]})
+    out = run_engine(
+        {"kvtier": None, "prefix_caching": True, **mode, "steps": [gen(DOC), gen(SHARED)]}
+    )
     assert out[1]["tokens"] == reference_shared["tokens"]
     return max(2 * logprob_gap(out[1], reference_shared), TOLERANCE_FLOOR)
 

@@ -31,9 +31,12 @@ BLOCK, CHUNK = 32, 64
 
 def request(tokens, *, salt=None, **kw) -> Request:
     return Request(
-        request_id=uuid.uuid4().hex, prompt_token_ids=list(tokens) if tokens is not None else None,
-        sampling_params=SamplingParams(max_tokens=4), pooling_params=None,
-        cache_salt=salt, **kw,
+        request_id=uuid.uuid4().hex,
+        prompt_token_ids=list(tokens) if tokens is not None else None,
+        sampling_params=SamplingParams(max_tokens=4),
+        pooling_params=None,
+        cache_salt=salt,
+        **kw,
     )
 
 
@@ -51,14 +54,22 @@ class Harness:
     held: list[KVTierMetadata] = field(default_factory=list)  # metadata not delivered yet
 
     @classmethod
-    def create(cls, world_size: int = 1, kv_events: bool = False, report_first: bool = True,
-               **overrides) -> Harness:
+    def create(
+        cls, world_size: int = 1, kv_events: bool = False, report_first: bool = True, **overrides
+    ) -> Harness:
         """``report_first``: the workers' first report (after vLLM's first step) has reached
         the scheduler already."""
-        layout = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="bfloat16",
-                          block_size=BLOCK, paged_layout="vllm_cpu")
-        config = load_config(env={}, overrides={"chunk_size": CHUNK, "tiers": ["local_cpu"],
-                                                **overrides})
+        layout = KVLayout(
+            num_layers=2,
+            num_kv_heads=2,
+            head_size=8,
+            dtype="bfloat16",
+            block_size=BLOCK,
+            paged_layout="vllm_cpu",
+        )
+        config = load_config(
+            env={}, overrides={"chunk_size": CHUNK, "tiers": ["local_cpu"], **overrides}
+        )
         ranks = []
         for r in range(world_size):
             # Host memory only unless the config names more tiers (then kvtier-storage's).
@@ -66,16 +77,32 @@ class Harness:
             if config.tiers == ["local_cpu"]:
                 arena = HostArena.create(32 * math.prod(layout.chunk_shape(CHUNK)) * 2)
                 storage = HostMemoryStorageManager(arena)
-            engine = CacheEngine(config, layout, model="m", world_size=world_size, rank=r,
-                                 platform=CPUPlatform(), storage=storage)
-            caches = [torch.randn(layout.expected_cache_shape(64)).to(torch.bfloat16)
-                      for _ in range(2)]
+            engine = CacheEngine(
+                config,
+                layout,
+                model="m",
+                world_size=world_size,
+                rank=r,
+                platform=CPUPlatform(),
+                storage=storage,
+            )
+            caches = [
+                torch.randn(layout.expected_cache_shape(64)).to(torch.bfloat16) for _ in range(2)
+            ]
             engine.register_kv_caches(caches)
-            ranks.append(Rank(engine, HoldTable(engine, 30.0),
-                              PresenceFeed(r, engine, tier_events=kv_events)))
-        sched = SchedulerSide(config, block_size=BLOCK, engine_id=f"h-{uuid.uuid4().hex[:6]}",
-                              num_workers=world_size, load_failure_policy="recompute",
-                              kv_events=kv_events)
+            ranks.append(
+                Rank(
+                    engine, HoldTable(engine, 30.0), PresenceFeed(r, engine, tier_events=kv_events)
+                )
+            )
+        sched = SchedulerSide(
+            config,
+            block_size=BLOCK,
+            engine_id=f"h-{uuid.uuid4().hex[:6]}",
+            num_workers=world_size,
+            load_failure_policy="recompute",
+            kv_events=kv_events,
+        )
         harness = cls(sched, ranks)
         if report_first:
             harness.report()
@@ -127,9 +154,13 @@ class Harness:
         out = SchedulerOutput(
             scheduled_new_reqs=[NewRequestData.from_request(req, (blocks,))],
             scheduled_cached_reqs=CachedRequestData.make_empty(),
-            num_scheduled_tokens={req.request_id: n}, total_num_scheduled_tokens=n,
-            scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
-            num_common_prefix_blocks=[0], finished_req_ids=set(), free_encoder_mm_hashes=[],
+            num_scheduled_tokens={req.request_id: n},
+            total_num_scheduled_tokens=n,
+            scheduled_spec_decode_tokens={},
+            scheduled_encoder_inputs={},
+            num_common_prefix_blocks=[0],
+            finished_req_ids=set(),
+            free_encoder_mm_hashes=[],
         )
         return self.sched.build_connector_meta(out)
 
@@ -155,8 +186,13 @@ class Harness:
 
 def empty_output() -> SchedulerOutput:
     return SchedulerOutput(
-        scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
-        num_scheduled_tokens={}, total_num_scheduled_tokens=0, scheduled_spec_decode_tokens={},
-        scheduled_encoder_inputs={}, num_common_prefix_blocks=[0], finished_req_ids=set(),
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        num_common_prefix_blocks=[0],
+        finished_req_ids=set(),
         free_encoder_mm_hashes=[],
     )

@@ -18,9 +18,27 @@ def test_demo_runs_and_reports(tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     env["KVTIER_RUNTIME_DIR"] = str(tmp_path)
     proc = subprocess.run(
-        [sys.executable, "-m", "kvtier.core.cli", "demo", "--docs", "1", "--doc-tokens", "700",
-         "--max-tokens", "4", "--out", str(out), "--cache-dir", str(tmp_path / "cache")],
-        env=env, capture_output=True, text=True, timeout=400, check=False,
+        [
+            sys.executable,
+            "-m",
+            "kvtier.core.cli",
+            "demo",
+            "--docs",
+            "1",
+            "--doc-tokens",
+            "700",
+            "--max-tokens",
+            "4",
+            "--out",
+            str(out),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "demo.json").read_text())

@@ -38,26 +38,43 @@ def kvtier_config(tmp_path, **extra) -> dict:
     return {"local_disk_path": str(tmp_path / "disk"), "local_cpu_size_gb": 0.25, **extra}
 
 
-@pytest.mark.parametrize(("layerwise", "load_async"), [(False, True), (False, False), (True, False)],
-                         ids=["whole-async", "whole-sync", "layerwise"])
-def test_outputs_match_and_hits_are_used(run_engine, reference, partial_tolerance,
-                                        layerwise, load_async) -> None:
+@pytest.mark.parametrize(
+    ("layerwise", "load_async"),
+    [(False, True), (False, False), (True, False)],
+    ids=["whole-async", "whole-sync", "layerwise"],
+)
+def test_outputs_match_and_hits_are_used(
+    run_engine, reference, partial_tolerance, layerwise, load_async
+) -> None:
     """vLLM's default kv_load_failure_policy ("fail"), a small host tier only. Between the full
     hit's lookup and its load, other chunks are put until the tier is full (as other requests'
     saves would): without the lookup's hold they evict every chunk of the prompt and the load
     fails the request; the hold keeps them, so it neither fails nor recomputes."""
     steps = [
-        gen(DOC), STATS,  # cold
-        {**gen(DOC), "evict_after_lookup": True}, STATS,  # full hit, under eviction pressure
-        gen(SHARED), STATS,  # partial-prefix hit
-        gen(DOC, "tenant-a"), STATS,  # another salt: stored apart, no hit
-        gen(DOC, "tenant-a"), STATS,  # its own salt hits
-        gen(DOC, "tenant-b"), STATS,  # a third salt does not see tenant-a's chunks
-        gen(OTHER), STATS,
-        {"op": "corrupt", "prompt": OTHER}, gen(OTHER), STATS,  # negative control
+        gen(DOC),
+        STATS,  # cold
+        {**gen(DOC), "evict_after_lookup": True},
+        STATS,  # full hit, under eviction pressure
+        gen(SHARED),
+        STATS,  # partial-prefix hit
+        gen(DOC, "tenant-a"),
+        STATS,  # another salt: stored apart, no hit
+        gen(DOC, "tenant-a"),
+        STATS,  # its own salt hits
+        gen(DOC, "tenant-b"),
+        STATS,  # a third salt does not see tenant-a's chunks
+        gen(OTHER),
+        STATS,
+        {"op": "corrupt", "prompt": OTHER},
+        gen(OTHER),
+        STATS,  # negative control
     ]
-    config = {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.1, "use_layerwise": layerwise,
-              "load_async": load_async}
+    config = {
+        "tiers": ["local_cpu"],
+        "local_cpu_size_gb": 0.1,
+        "use_layerwise": layerwise,
+        "load_async": load_async,
+    }
     out = run_engine({"kvtier": config, "steps": steps})
     evict = out[2].pop("evict")
     # Chunks [0,256) [256,512) and tail blocks [512,672) were stored; filling the tier evicted
@@ -71,8 +88,16 @@ def test_outputs_match_and_hits_are_used(run_engine, reference, partial_toleranc
         assert r == reference["doc"]  # tokens and logprobs, exactly
     assert_partial_hit_close(results[2], reference["shared"], partial_tolerance)
     assert results[6] == reference["other"]
-    assert loaded_after_each(out) == [0, FULL_HIT, PARTIAL_HIT, 0, FULL_HIT, 0, 0,
-                                      (len(OTHER) - 1) // 32 * 32]
+    assert loaded_after_each(out) == [
+        0,
+        FULL_HIT,
+        PARTIAL_HIT,
+        0,
+        FULL_HIT,
+        0,
+        0,
+        (len(OTHER) - 1) // 32 * 32,
+    ]
     # The loaded KV is what the model attended to: zeros in the cache change the answer, by
     # far more than the partial-hit tolerance.
     assert logprob_gap(corrupted, reference["other"]) > 10 * partial_tolerance
@@ -93,8 +118,13 @@ def test_multiprocess_scheduler_sees_worker_host_memory(run_engine) -> None:
     tolerance = prefix_cache_tolerance(run_engine, ref[1], multiprocess=True)
     first = {**gen(DOC), "max_tokens": 1}
     steps = [first, STATS, first, STATS, gen(DOC), STATS, gen(SHARED), STATS]
-    out = run_engine({"kvtier": {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.25},
-                      "multiprocess": True, "steps": steps})
+    out = run_engine(
+        {
+            "kvtier": {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.25},
+            "multiprocess": True,
+            "steps": steps,
+        }
+    )
     one_token = {k: v[:1] for k, v in ref[0].items()}
     assert out[0:6:2] == [one_token, one_token, ref[0]]
     assert_partial_hit_close(out[6], ref[1], tolerance)
@@ -115,8 +145,11 @@ def test_restart_hits_the_disk_tier(run_engine, reference, tmp_path) -> None:
 @pytest.mark.slow
 @pytest.mark.redis
 def test_two_engines_share_through_redis(run_engine, reference, redis_clean) -> None:
-    config = {"tiers": ["local_cpu", "redis"], "redis_url": redis_clean.url,
-              "local_cpu_size_gb": 0.25}
+    config = {
+        "tiers": ["local_cpu", "redis"],
+        "redis_url": redis_clean.url,
+        "local_cpu_size_gb": 0.25,
+    }
     first = run_engine({"kvtier": config, "steps": [gen(DOC), {"op": "flush"}, STATS]})
     assert first[:2] == [reference["doc"], True]
     assert first[2]["loaded_tokens"] == 0
@@ -126,13 +159,18 @@ def test_two_engines_share_through_redis(run_engine, reference, redis_clean) -> 
 
 
 @pytest.mark.parametrize("decode", [False, True], ids=["prompt-only", "save-decode"])
-def test_generated_tokens_are_saved_only_with_save_decode_cache(run_engine, tmp_path,
-                                                                decode) -> None:
+def test_generated_tokens_are_saved_only_with_save_decode_cache(
+    run_engine, tmp_path, decode
+) -> None:
     """Prompt of 100 tokens, 60 generated, chunk 64. A follow-up prompt made of the first
     prompt and 40 generated tokens (140 tokens) can reuse [0, 128) only if the chunk filled by
     generated tokens was saved; otherwise the prompt's chunk and block-aligned tail, [0, 96)."""
-    steps = [{**gen(OTHER[:100]), "max_tokens": 60}, STATS,
-             {**gen([]), "extend_with_previous": 40}, STATS]
+    steps = [
+        {**gen(OTHER[:100]), "max_tokens": 60},
+        STATS,
+        {**gen([]), "extend_with_previous": 40},
+        STATS,
+    ]
     config = kvtier_config(tmp_path, chunk_size=64, save_decode_cache=decode)
     out = run_engine({"kvtier": config, "steps": steps})
     assert len(out[0]["tokens"]) == 60

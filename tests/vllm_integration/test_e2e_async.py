@@ -26,8 +26,17 @@ def test_another_request_keeps_decoding_while_a_hit_loads(run_engine, reference)
     is compared exactly by the one-request tests."""
     before = {}
     for load_async in (True, False):
-        steps = [gen(DOC), {"op": "load_while_decoding", "first": DOC, "second": OTHER[:200],
-                            "delay_s": 2.0, "second_max_tokens": 24}, STATS]
+        steps = [
+            gen(DOC),
+            {
+                "op": "load_while_decoding",
+                "first": DOC,
+                "second": OTHER[:200],
+                "delay_s": 2.0,
+                "second_max_tokens": 24,
+            },
+            STATS,
+        ]
         out = run_engine({"kvtier": {**CONFIG, "load_async": load_async}, "steps": steps})
         both = out[1]
         assert both["first"]["tokens"] == reference["doc"]["tokens"]
@@ -39,8 +48,13 @@ def test_another_request_keeps_decoding_while_a_hit_loads(run_engine, reference)
 
 
 def test_an_abort_during_a_load_gives_every_block_back(run_engine, reference) -> None:
-    steps = [gen(DOC), {"op": "abort_during_load", "prompt": DOC, "delay_s": 2.0}, STATS,
-             gen(DOC), STATS]
+    steps = [
+        gen(DOC),
+        {"op": "abort_during_load", "prompt": DOC, "delay_s": 2.0},
+        STATS,
+        gen(DOC),
+        STATS,
+    ]
     out = run_engine({"kvtier": CONFIG, "steps": steps})
     assert out[1] is True  # reset_prefix_cache succeeded: no block was kept
     assert out[2]["holds"] == out[2]["held_objects"] == 0
@@ -48,20 +62,34 @@ def test_an_abort_during_a_load_gives_every_block_back(run_engine, reference) ->
     assert out[4]["loaded_tokens"] - out[2]["loaded_tokens"] == FULL_HIT  # served after all
 
 
-def test_a_disk_only_hit_is_probed_without_stalling_the_scheduler(run_engine, reference,
-                                                                  tmp_path) -> None:
+def test_a_disk_only_hit_is_probed_without_stalling_the_scheduler(
+    run_engine, reference, tmp_path
+) -> None:
     """After a restart DOC is only on disk. Its lookup (a probe on the worker's threads, slowed
     to 2 s by a test hook as a slow disk would be) runs while OTHER decodes: the scheduler
     answers "not yet" instead of waiting, so OTHER keeps decoding and no scheduler step
     takes anywhere near the probe's 2 s (kvtier's share of each step is the
     ``scheduler_seconds`` histogram, read through vLLM's own metrics). DOC is then loaded from
     disk and equals vLLM without kvtier."""
-    config = {"tiers": ["local_cpu", "local_disk"], "local_cpu_size_gb": 0.25,
-              "local_disk_path": str(tmp_path / "disk"), "lookup_timeout_s": 20.0}
+    config = {
+        "tiers": ["local_cpu", "local_disk"],
+        "local_cpu_size_gb": 0.25,
+        "local_disk_path": str(tmp_path / "disk"),
+        "lookup_timeout_s": 20.0,
+    }
     run_engine({"kvtier": config, "steps": [gen(DOC), {"op": "flush"}]})
-    steps = [{"op": "load_while_decoding", "first": DOC, "second": OTHER[:200], "delay_s": 2.0,
-              "delay": "hold", "second_max_tokens": 24}, STATS,
-             {"op": "metrics", "prefixes": ["vllm:kvtier_scheduler_seconds"]}]
+    steps = [
+        {
+            "op": "load_while_decoding",
+            "first": DOC,
+            "second": OTHER[:200],
+            "delay_s": 2.0,
+            "delay": "hold",
+            "second_max_tokens": 24,
+        },
+        STATS,
+        {"op": "metrics", "prefixes": ["vllm:kvtier_scheduler_seconds"]},
+    ]
     out = run_engine({"kvtier": config, "log_stats": True, "steps": steps})
     both = out[0]
     assert both["first"]["tokens"] == reference["doc"]["tokens"]

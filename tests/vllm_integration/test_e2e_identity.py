@@ -14,19 +14,30 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def with_lora(step: dict, adapters: dict, name: str) -> dict:
-    return {**step, "lora": {"name": name, "id": {"a": 1, "b": 2}[name], "path": str(adapters[name])}}
+    return {
+        **step,
+        "lora": {"name": name, "id": {"a": 1, "b": 2}[name], "path": str(adapters[name])},
+    }
 
 
 def test_lora_adapters_and_base_never_share_kv(run_engine, lora_adapters, tmp_path) -> None:
     """Base, then adapter A, then adapter B on one prompt, then A again: each of the first
     three is cold (an adapter on k/v projections changes the KV), the last a full hit."""
-    steps = [gen(DOC), with_lora(gen(DOC), lora_adapters, "a"),
-             with_lora(gen(DOC), lora_adapters, "b")]
+    steps = [
+        gen(DOC),
+        with_lora(gen(DOC), lora_adapters, "a"),
+        with_lora(gen(DOC), lora_adapters, "b"),
+    ]
     ref = run_engine({"kvtier": None, "enable_lora": True, "steps": steps})
     assert ref[0] != ref[1] != ref[2]  # the adapters do change the output
     kv_steps = [s for step in [*steps, steps[1]] for s in (step, STATS)]
-    out = run_engine({"kvtier": {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.25},
-                      "enable_lora": True, "steps": kv_steps})
+    out = run_engine(
+        {
+            "kvtier": {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.25},
+            "enable_lora": True,
+            "steps": kv_steps,
+        }
+    )
     assert out[0::2] == [*ref, ref[1]]
     assert loaded_after_each(out) == [0, 0, 0, FULL_HIT]
 
@@ -39,9 +50,21 @@ def test_weight_update_then_reset_serves_the_new_weights(run_engine, tmp_path) -
     ref = run_engine({"kvtier": None, "steps": [gen(DOC), perturb, gen(DOC)]})
     assert ref[0] != ref[2]  # the update changes the output
     config = {"local_cpu_size_gb": 0.25, "local_disk_path": str(tmp_path / "disk")}
-    out = run_engine({"kvtier": config, "steps": [
-        gen(DOC), STATS, perturb, {"op": "reset_connector"}, gen(DOC), STATS, gen(DOC), STATS,
-    ]})
+    out = run_engine(
+        {
+            "kvtier": config,
+            "steps": [
+                gen(DOC),
+                STATS,
+                perturb,
+                {"op": "reset_connector"},
+                gen(DOC),
+                STATS,
+                gen(DOC),
+                STATS,
+            ],
+        }
+    )
     assert out[2] > 0  # layers perturbed
     assert out[3] is True
     del out[2:4]

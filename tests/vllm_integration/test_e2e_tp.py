@@ -21,17 +21,37 @@ def stats(rank: int) -> dict:
 def test_tp2_cold_warm_and_restart_equal_vllm(run_engine, tmp_path) -> None:
     ref = run_engine({"kvtier": None, "tp": 2, "steps": [gen(DOC)]})[0]
     config = {"local_cpu_size_gb": 0.25, "local_disk_path": str(tmp_path / "disk")}
-    first = run_engine({"kvtier": config, "tp": 2, "steps": [
-        gen(DOC), gen(DOC), stats(0), stats(1),
-        {"op": "flush", "rank": 0}, {"op": "flush", "rank": 1},
-    ]})
+    first = run_engine(
+        {
+            "kvtier": config,
+            "tp": 2,
+            "steps": [
+                gen(DOC),
+                gen(DOC),
+                stats(0),
+                stats(1),
+                {"op": "flush", "rank": 0},
+                {"op": "flush", "rank": 1},
+            ],
+        }
+    )
     assert first[:2] == [ref, ref]
     assert [first[2]["loaded_tokens"], first[3]["loaded_tokens"]] == [FULL_HIT, FULL_HIT]
     assert first[4:] == [True, True]
-    second = run_engine({"kvtier": config, "tp": 2, "steps": [
-        gen(DOC), stats(0), stats(1),
-        {"op": "corrupt_rank", "rank": 1, "prompt": DOC}, gen(DOC), stats(1),
-    ]})
+    second = run_engine(
+        {
+            "kvtier": config,
+            "tp": 2,
+            "steps": [
+                gen(DOC),
+                stats(0),
+                stats(1),
+                {"op": "corrupt_rank", "rank": 1, "prompt": DOC},
+                gen(DOC),
+                stats(1),
+            ],
+        }
+    )
     assert second[0] == ref  # restart: from disk, on both ranks
     assert [second[1]["loaded_tokens"], second[2]["loaded_tokens"]] == [FULL_HIT, FULL_HIT]
     assert second[3] > 0  # rank 1's chunks zeroed

@@ -41,13 +41,20 @@ class Clock:
 
 @pytest.fixture
 def setup():
-    layout = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="bfloat16",
-                      block_size=BLOCK, paged_layout=PagedLayout.VLLM_CPU)
+    layout = KVLayout(
+        num_layers=2,
+        num_kv_heads=2,
+        head_size=8,
+        dtype="bfloat16",
+        block_size=BLOCK,
+        paged_layout=PagedLayout.VLLM_CPU,
+    )
     config = load_config(env={}, overrides={"chunk_size": CHUNK, "tiers": ["local_cpu"]})
     chunk_bytes = math.prod(layout.chunk_shape(CHUNK)) * 2
     arena = HostArena.create(6 * chunk_bytes)
-    engine = CacheEngine(config, layout, model="m", platform=CPUPlatform(),
-                         storage=HostMemoryStorageManager(arena))
+    engine = CacheEngine(
+        config, layout, model="m", platform=CPUPlatform(), storage=HostMemoryStorageManager(arena)
+    )
     g = torch.Generator().manual_seed(0)
     shape = layout.expected_cache_shape(NUM_BLOCKS)
     caches = [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(2)]
@@ -105,8 +112,13 @@ def test_reuse_replace_and_release_follow_the_scheduler(setup) -> None:
     _, table, _, _, _ = setup
     assert table.lookup("r1", 0, PROMPT, None) == 128
     assert table.lookup("r1", 0, PROMPT, None) == 128  # vLLM asked again: same hold
-    assert table.stats() == {"holds": 1, "held_objects": 2, "held_tokens": 128,
-                             "hold_expiries": 0, "hold_reuses": 1}
+    assert table.stats() == {
+        "holds": 1,
+        "held_objects": 2,
+        "held_tokens": 128,
+        "hold_expiries": 0,
+        "hold_reuses": 1,
+    }
     # Other tokens, salt or hold id under the same request: the old hold goes.
     assert table.lookup("r1", 0, OTHER[:64], None) == 64
     assert table.stats()["held_objects"] == 1

@@ -39,30 +39,41 @@ IMAGE = PlaceholderRange(offset=CHUNK, length=2 * CHUNK)
 
 
 def feature(identifier: str, pos: PlaceholderRange = IMAGE) -> MultiModalFeatureSpec:
-    return MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
-                                 mm_position=pos)
+    return MultiModalFeatureSpec(
+        data=None, modality="image", identifier=identifier, mm_position=pos
+    )
 
 
 def request(tokens=TEXT, *, images=(), lora=None, salt=None, embeds=None) -> Request:
     return Request(
-        request_id=uuid.uuid4().hex, prompt_token_ids=list(tokens) if tokens is not None else None,
-        sampling_params=SamplingParams(max_tokens=4), pooling_params=None,
-        mm_features=[feature(i) for i in images], lora_request=lora, cache_salt=salt,
+        request_id=uuid.uuid4().hex,
+        prompt_token_ids=list(tokens) if tokens is not None else None,
+        sampling_params=SamplingParams(max_tokens=4),
+        pooling_params=None,
+        mm_features=[feature(i) for i in images],
+        lora_request=lora,
+        cache_salt=salt,
         prompt_embeds=embeds,
     )
 
 
 # -- identity tokens ---------------------------------------------------------------------------
 @settings(max_examples=60, deadline=None)
-@given(offset=st.integers(0, 200), length=st.integers(1, 100),
-       a=st.text(min_size=1, max_size=12), b=st.text(min_size=1, max_size=12))
+@given(
+    offset=st.integers(0, 200),
+    length=st.integers(1, 100),
+    a=st.text(min_size=1, max_size=12),
+    b=st.text(min_size=1, max_size=12),
+)
 def test_only_placeholder_positions_carry_the_item(offset, length, a, b) -> None:
     pos = PlaceholderRange(offset=offset, length=length)
     tokens = np.arange(300, dtype=np.int64)
-    ra = Request("a", tokens.tolist(), SamplingParams(max_tokens=1), None,
-                 mm_features=[feature(a, pos)])
-    rb = Request("b", tokens.tolist(), SamplingParams(max_tokens=1), None,
-                 mm_features=[feature(b, pos)])
+    ra = Request(
+        "a", tokens.tolist(), SamplingParams(max_tokens=1), None, mm_features=[feature(a, pos)]
+    )
+    rb = Request(
+        "b", tokens.tolist(), SamplingParams(max_tokens=1), None, mm_features=[feature(b, pos)]
+    )
     ia, ib = identity_tokens(ra, tokens), identity_tokens(rb, tokens)
     inside = np.zeros(len(tokens), dtype=bool)
     inside[offset : offset + length] = True
@@ -73,8 +84,14 @@ def test_only_placeholder_positions_carry_the_item(offset, length, a, b) -> None
 
 
 def test_scopes_seed_different_chains_but_salt_ids_follow_the_salt() -> None:
-    scopes = [KeyScope(), KeyScope("s"), KeyScope("s", "lora-a"), KeyScope("s", "lora-b"),
-              KeyScope("s", "lora-a", "g1"), KeyScope(None, None, "g1")]
+    scopes = [
+        KeyScope(),
+        KeyScope("s"),
+        KeyScope("s", "lora-a"),
+        KeyScope("s", "lora-b"),
+        KeyScope("s", "lora-a", "g1"),
+        KeyScope(None, None, "g1"),
+    ]
     assert len({s.seed() for s in scopes}) == len(scopes)
     assert KeyScope.of("s") == KeyScope("s") and KeyScope("", "", "") == KeyScope()
     assert salt_id(KeyScope("s", "lora-a", "g1")) == salt_id("s")
@@ -98,16 +115,27 @@ def test_adapter_identity_follows_the_adapter_files(tmp_path) -> None:
 def test_an_engine_restarted_with_another_fp8_format_misses(tmp_path) -> None:
     """fp8_e4m3 and fp8_e5m2 caches are both uint8 tensors: only vLLM's cache dtype string tells
     their bytes apart. Saved under one, a restart under the other must miss, not load them."""
-    caches = {f"model.layers.{i}.self_attn.attn":
-              torch.randint(0, 255, (8, 2, BLOCK, 128), dtype=torch.uint8) for i in range(2)}
-    config = load_config(env={}, overrides={
-        "chunk_size": CHUNK, "tiers": ["local_cpu", "local_disk"], "local_cpu_size_gb": 0.01,
-        "local_disk_path": str(tmp_path / "disk")})
+    caches = {
+        f"model.layers.{i}.self_attn.attn": torch.randint(
+            0, 255, (8, 2, BLOCK, 128), dtype=torch.uint8
+        )
+        for i in range(2)
+    }
+    config = load_config(
+        env={},
+        overrides={
+            "chunk_size": CHUNK,
+            "tiers": ["local_cpu", "local_disk"],
+            "local_cpu_size_gb": 0.01,
+            "local_disk_path": str(tmp_path / "disk"),
+        },
+    )
     tokens = np.arange(2 * CHUNK, dtype=np.int64)
 
     def engine(fmt: str) -> CacheEngine:
-        layout = build_layout(caches, block_size=BLOCK, num_kv_heads=2, head_size=64,
-                              cache_dtype=fmt)
+        layout = build_layout(
+            caches, block_size=BLOCK, num_kv_heads=2, head_size=64, cache_dtype=fmt
+        )
         eng = CacheEngine(config, layout, model="m", platform=CPUPlatform())
         eng.register_kv_caches(list(caches.values()))
         return eng

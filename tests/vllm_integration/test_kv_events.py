@@ -34,11 +34,16 @@ def kvtier_events(events: list[dict], kind: str) -> list[dict]:
 
 def test_block_stored_and_removed_carry_vllms_block_hashes(run_engine) -> None:
     steps = [gen(DOC), {"op": "kv_events"}, gen(OTHER), {"op": "kv_events"}]
-    out = run_engine({"kvtier": CONFIG, "prefix_caching": True, "kv_events_port": free_port(),
-                      "steps": steps})
+    out = run_engine(
+        {"kvtier": CONFIG, "prefix_caching": True, "kv_events_port": free_port(), "steps": steps}
+    )
     first, second = out[1], out[3]
-    vllm_hashes = {h for e in first if e["type"] == "BlockStored" and e["ownership"] is None
-                   for h in e["block_hashes"]}
+    vllm_hashes = {
+        h
+        for e in first
+        if e["type"] == "BlockStored" and e["ownership"] is None
+        for h in e["block_hashes"]
+    }
     stored = kvtier_events(first, "BlockStored")
     # DOC's chunks [0,256) [256,512) and its tail blocks [512,672), one event each.
     assert [len(e["block_hashes"]) for e in stored] == [8, 8, 1, 1, 1, 1, 1]

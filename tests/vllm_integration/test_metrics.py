@@ -27,8 +27,11 @@ METRICS = {"op": "metrics", "prefixes": ["vllm:kvtier_", "vllm:prompt_tokens_cac
 
 def value(rows: list[dict], name: str, **labels: str) -> float:
     """The sum of ``name``'s rows whose labels include ``labels`` (0 if there is none)."""
-    return sum(r.get("value", 0) for r in rows if r["name"] == name
-               and all(r["labels"].get(k) == v for k, v in labels.items()))
+    return sum(
+        r.get("value", 0)
+        for r in rows
+        if r["name"] == name and all(r["labels"].get(k) == v for k, v in labels.items())
+    )
 
 
 def gen(prompt: list[int]) -> dict:
@@ -36,15 +39,24 @@ def gen(prompt: list[int]) -> dict:
 
 
 def test_metrics_and_hit_sources_host_then_disk(run_engine, tmp_path) -> None:
-    config = {"tiers": ["local_cpu", "local_disk"], "local_disk_path": str(tmp_path / "disk"),
-              "local_cpu_size_gb": 0.25}
-    warm = run_engine({"kvtier": config, "log_stats": True,
-                       "steps": [gen(DOC), gen(DOC), {"op": "flush"}, METRICS]})
+    config = {
+        "tiers": ["local_cpu", "local_disk"],
+        "local_disk_path": str(tmp_path / "disk"),
+        "local_cpu_size_gb": 0.25,
+    }
+    warm = run_engine(
+        {
+            "kvtier": config,
+            "log_stats": True,
+            "steps": [gen(DOC), gen(DOC), {"op": "flush"}, METRICS],
+        }
+    )
     assert warm[2] is True
     assert warm[1]["tokens"] == warm[0]["tokens"]  # the hit gives what the cold run computed
     m = warm[3]
-    assert {r["labels"].get("tier") for r in m if r["name"] == "vllm:kvtier_lookup_hit_tokens"} \
-        == {"local_cpu"}
+    assert {r["labels"].get("tier") for r in m if r["name"] == "vllm:kvtier_lookup_hit_tokens"} == {
+        "local_cpu"
+    }
     assert value(m, "vllm:kvtier_lookup_hit_tokens", tier="local_cpu") == FULL_HIT
     assert value(m, "vllm:kvtier_loaded_tokens") == FULL_HIT
     assert value(m, "vllm:kvtier_saved_tokens") >= FULL_HIT
@@ -57,8 +69,11 @@ def test_metrics_and_hit_sources_host_then_disk(run_engine, tmp_path) -> None:
     assert value(m, "vllm:prompt_tokens_cached_by_source", source="host") == FULL_HIT
     assert value(m, "vllm:prompt_tokens_cached_by_source", source="disk") == 0
     # Labels are bounded: vLLM's model name and engine index, and the tier. No salt, no request.
-    assert {k for r in m if r["name"].startswith("vllm:kvtier_") for k in r["labels"]} \
-        <= {"model_name", "engine", "tier"}
+    assert {k for r in m if r["name"].startswith("vllm:kvtier_") for k in r["labels"]} <= {
+        "model_name",
+        "engine",
+        "tier",
+    }
 
     restarted = run_engine({"kvtier": config, "log_stats": True, "steps": [gen(DOC), METRICS]})
     assert restarted[0]["tokens"] == warm[0]["tokens"]

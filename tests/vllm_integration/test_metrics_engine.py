@@ -21,20 +21,34 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 pytest.importorskip("kvtier.storage")
 
 BLOCK, CHUNK, NUM_BLOCKS = 16, 64, 24
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="bfloat16", block_size=BLOCK,
-                  paged_layout="flash_nhd")
+LAYOUT = KVLayout(
+    num_layers=2,
+    num_kv_heads=2,
+    head_size=8,
+    dtype="bfloat16",
+    block_size=BLOCK,
+    paged_layout="flash_nhd",
+)
 TOKENS = list(range(1000, 1000 + 3 * CHUNK + 5))  # three full chunks (the tail is not saved)
 
 
 def engine(tmp_path, **cfg) -> CacheEngine:
-    config = load_config(env={}, overrides={
-        "chunk_size": CHUNK, "local_cpu_size_gb": 0.01, "tiers": ["local_cpu", "local_disk"],
-        "local_disk_path": str(tmp_path / "disk"), **cfg})
+    config = load_config(
+        env={},
+        overrides={
+            "chunk_size": CHUNK,
+            "local_cpu_size_gb": 0.01,
+            "tiers": ["local_cpu", "local_disk"],
+            "local_disk_path": str(tmp_path / "disk"),
+            **cfg,
+        },
+    )
     e = CacheEngine(config, LAYOUT, model="test/model", platform=CPUPlatform())
     g = torch.Generator().manual_seed(0)
     shape = LAYOUT.expected_cache_shape(NUM_BLOCKS)
-    e.register_kv_caches([torch.randn(shape, generator=g).to(torch.bfloat16)
-                          for _ in range(LAYOUT.num_layers)])
+    e.register_kv_caches(
+        [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(LAYOUT.num_layers)]
+    )
     return e
 
 
@@ -67,8 +81,10 @@ def test_collector_and_sources_host_then_disk(tmp_path) -> None:
     assert got[("kvtier_saved_tokens_total", (("model", "m"),))] == 3 * CHUNK
     assert got[("kvtier_saved_bytes_total", (("model", "m"),))] == 3 * CHUNK * per_token
     assert got[("kvtier_lookups_total", (("model", "m"),))] == 1
-    assert got[("kvtier_lookup_hit_tokens_total", (("model", "m"), ("tier", "local_cpu")))] \
+    assert (
+        got[("kvtier_lookup_hit_tokens_total", (("model", "m"), ("tier", "local_cpu")))]
         == 3 * CHUNK
+    )
     assert got[("kvtier_tier_stored_chunks_total", (("model", "m"), ("tier", "local_disk")))] == 3
     assert got[("kvtier_tier_used_bytes", (("model", "m"), ("tier", "local_disk")))] > 0
     assert got[("kvtier_host_arena_used_bytes", (("model", "m"),))] > 0

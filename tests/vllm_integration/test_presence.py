@@ -21,8 +21,14 @@ from kvtier.vllm_integration.presence import KVTierWorkerMeta, PresenceIndex, Ra
 from kvtier.vllm_integration.probes import PromptHashes
 
 DOC = list(range(1000, 1000 + 3 * CHUNK + BLOCK))  # 3 chunks and a tail block
-LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_size=4, dtype="float32", block_size=BLOCK,
-                  paged_layout="vllm_cpu")
+LAYOUT = KVLayout(
+    num_layers=1,
+    num_kv_heads=1,
+    head_size=4,
+    dtype="float32",
+    block_size=BLOCK,
+    paged_layout="vllm_cpu",
+)
 
 
 @pytest.fixture
@@ -33,15 +39,15 @@ def h():
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(0, 5 * CHUNK), salt=st.sampled_from([None, "a"]),
-       index=st.integers(0, 5))
+@given(n=st.integers(0, 5 * CHUNK), salt=st.sampled_from([None, "a"]), index=st.integers(0, 5))
 def test_prompt_hashes_are_the_engines_keys(n, salt, index) -> None:
     """The scheduler hashes a prompt exactly as the engine keys what it stores: full chunks,
     then the block-sized tail after any full chunk."""
     config = load_config(env={}, overrides={"chunk_size": CHUNK, "save_unfull_chunk": True})
     arena = HostArena.create(1 << 16)
-    engine = CacheEngine(config, LAYOUT, model="m", platform=CPUPlatform(),
-                         storage=HostMemoryStorageManager(arena))
+    engine = CacheEngine(
+        config, LAYOUT, model="m", platform=CPUPlatform(), storage=HostMemoryStorageManager(arena)
+    )
     tokens = list(range(7, 7 + n))
     scope = KeyScope(salt, None, None)
     hashes = PromptHashes(torch.tensor(tokens).numpy(), scope, CHUNK, BLOCK, tails=True)
@@ -101,6 +107,7 @@ def test_a_probe_never_answered_is_a_miss_after_lookup_timeout_s() -> None:
 def test_a_chunk_counts_only_when_every_rank_stores_its_shard() -> None:
     harness = Harness.create(world_size=2)
     try:
+
         def store_on(rank: int) -> None:  # a save of this prompt that only this rank made
             harness.ranks[rank].engine.store(DOC, torch.arange(len(DOC)))
             harness.report()
@@ -169,8 +176,9 @@ def test_index_keeps_at_most_its_capacity_oldest_out() -> None:
     keys = KeyFactory("m", "fp", 1, 0)
     hashes = [bytes([i]) * 16 for i in range(4)]
     index = PresenceIndex(1)
-    index.apply(RankReport(0, ("m", "fp", 1, 0), True, 3,
-                           [keys.key(x, None).digest() for x in hashes]))
+    index.apply(
+        RankReport(0, ("m", "fp", 1, 0), True, 3, [keys.key(x, None).digest() for x in hashes])
+    )
     assert len(index) == 3
     assert index.leading(hashes, None) == 0  # the oldest went
     assert index.leading(hashes[1:], None) == 3
@@ -201,10 +209,12 @@ def test_kv_events_carry_vllms_block_hashes_for_stored_and_dropped_chunks() -> N
         assert all(isinstance(e, BlockStored) and e.medium == "CPU" for e in stored)
         vllm_hashes = [maybe_convert_block_hash(x) for x in req.block_hashes]
         spans = [(0, CHUNK), (CHUNK, 2 * CHUNK), (2 * CHUNK, 3 * CHUNK), (3 * CHUNK, len(DOC))]
-        assert [e.block_hashes for e in stored] == [vllm_hashes[s // BLOCK : e // BLOCK]
-                                                    for s, e in spans]
-        assert [e.parent_block_hash for e in stored] == [None] + [vllm_hashes[s // BLOCK - 1]
-                                                                  for s, _ in spans[1:]]
+        assert [e.block_hashes for e in stored] == [
+            vllm_hashes[s // BLOCK : e // BLOCK] for s, e in spans
+        ]
+        assert [e.parent_block_hash for e in stored] == [None] + [
+            vllm_hashes[s // BLOCK - 1] for s, _ in spans[1:]
+        ]
         assert [e.token_ids for e in stored] == [DOC[s:e] for s, e in spans]
         harness.ranks[0].engine.storage.drop_host()
         harness.report()
@@ -225,8 +235,12 @@ def test_kv_events_for_the_disk_tier_follow_its_writes(tmp_path) -> None:
 
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
-    harness = Harness.create(kv_events=True, tiers=["local_cpu", "local_disk"],
-                             local_disk_path=str(tmp_path), local_cpu_size_gb=0.01)
+    harness = Harness.create(
+        kv_events=True,
+        tiers=["local_cpu", "local_disk"],
+        local_disk_path=str(tmp_path),
+        local_cpu_size_gb=0.01,
+    )
     try:
         harness.store(request(DOC, block_hasher=get_request_block_hasher(BLOCK, hash_fn)))
         assert harness.ranks[0].engine.storage.flush(10)
@@ -253,6 +267,7 @@ def test_store_threshold_saves_a_chunk_only_on_its_nth_sighting() -> None:
     chunk saves it; a prompt sharing only DOC's first chunk saves just that chunk."""
     harness = Harness.create(store_threshold=2)
     try:
+
         def saved(tokens) -> list[int]:
             req = request(tokens)
             harness.hit(req)  # vLLM asks first: the request is seen

@@ -31,10 +31,12 @@ def engine():
     layout = KVLayout(2, 2, 8, "bfloat16", BLOCK, "vllm_cpu")
     config = load_config(env={}, overrides={"chunk_size": CHUNK, "tiers": ["local_cpu"]})
     arena = HostArena.create(8 * math.prod(layout.chunk_shape(CHUNK)) * 2)
-    eng = CacheEngine(config, layout, model="m", platform=CPUPlatform(),
-                      storage=HostMemoryStorageManager(arena))
-    eng.register_kv_caches([torch.randn(layout.expected_cache_shape(16)).to(torch.bfloat16)
-                            for _ in range(2)])
+    eng = CacheEngine(
+        config, layout, model="m", platform=CPUPlatform(), storage=HostMemoryStorageManager(arena)
+    )
+    eng.register_kv_caches(
+        [torch.randn(layout.expected_cache_shape(16)).to(torch.bfloat16) for _ in range(2)]
+    )
     yield eng
     eng.close()
 
@@ -61,8 +63,9 @@ class Recorder:
             return list(self.done)
 
 
-def store_with(engine: CacheEngine, copied: threading.Event | None = None,
-               go: threading.Event | None = None):
+def store_with(
+    engine: CacheEngine, copied: threading.Event | None = None, go: threading.Event | None = None
+):
     """The worker's store; optionally it stalls between its device copy and its commit, as a
     slow copy would."""
     if copied is not None and go is not None:

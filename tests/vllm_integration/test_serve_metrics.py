@@ -27,14 +27,19 @@ METRICS_WAIT_S = 60.0
 def scrape(server) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(server.metrics())
-            for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(server.metrics())
+        for s in family.samples
+    }
 
 
 def value(samples: dict, name: str, **labels: str) -> float:
-    return sum(v for (n, lab), v in samples.items()
-               if n == name and all(dict(lab).get(k) == x for k, x in labels.items()))
+    return sum(
+        v
+        for (n, lab), v in samples.items()
+        if n == name and all(dict(lab).get(k) == x for k, x in labels.items())
+    )
 
 
 def wait_for(server, name: str, at_least: float, **labels: str) -> dict:
@@ -49,8 +54,11 @@ def wait_for(server, name: str, at_least: float, **labels: str) -> dict:
 
 
 def complete(server, prompt: list[int]) -> dict:
-    out = server.post("/v1/completions", {"model": "bench", "prompt": prompt, "max_tokens": 4,
-                                          "temperature": 0.0}, timeout_s=REQUEST_TIMEOUT_S)
+    out = server.post(
+        "/v1/completions",
+        {"model": "bench", "prompt": prompt, "max_tokens": 4, "temperature": 0.0},
+        timeout_s=REQUEST_TIMEOUT_S,
+    )
     return out["choices"][0]
 
 
@@ -59,15 +67,27 @@ def complete(server, prompt: list[int]) -> dict:
 def test_vllm_serve_metrics_carry_kvtier_series(vllm_model_dir: Path, tmp_path: Path) -> None:
     from kvtier.vllm_integration.serve_launcher import ServeConfig, VLLMServer, server_args
 
-    cfg = ServeConfig(model=str(vllm_model_dir), kv_cache_bytes=64 << 20, max_model_len=2048,
-                      max_num_seqs=4)
-    kvtier = {"tiers": ["local_cpu", "local_disk"], "local_disk_path": str(tmp_path / "disk"),
-              "local_cpu_size_gb": 0.25}
-    args = [*server_args("kvtier_eager", cfg, kvtier=kvtier,
-                         engine_id=f"kvtier-serve-test-{os.getpid()}"),
-            "--no-enable-prefix-caching"]  # the repeat must be kvtier's hit, not vLLM's
-    server = VLLMServer(str(vllm_model_dir), args, tmp_path / "server.log",
-                        env={"KVTIER_RUNTIME_DIR": str(tmp_path)}, start_timeout_s=480)
+    cfg = ServeConfig(
+        model=str(vllm_model_dir), kv_cache_bytes=64 << 20, max_model_len=2048, max_num_seqs=4
+    )
+    kvtier = {
+        "tiers": ["local_cpu", "local_disk"],
+        "local_disk_path": str(tmp_path / "disk"),
+        "local_cpu_size_gb": 0.25,
+    }
+    args = [
+        *server_args(
+            "kvtier_eager", cfg, kvtier=kvtier, engine_id=f"kvtier-serve-test-{os.getpid()}"
+        ),
+        "--no-enable-prefix-caching",
+    ]  # the repeat must be kvtier's hit, not vLLM's
+    server = VLLMServer(
+        str(vllm_model_dir),
+        args,
+        tmp_path / "server.log",
+        env={"KVTIER_RUNTIME_DIR": str(tmp_path)},
+        start_timeout_s=480,
+    )
     with server:
         pgid = server.process.proc.pid
         first = complete(server, PROMPT)
@@ -115,8 +135,12 @@ def test_scrape_deltas_and_histogram_quantiles() -> None:
     from kvtier.vllm_integration.bench_serve_plot import Scrape
 
     def page(hits: int, buckets: dict[str, int]) -> str:
-        lines = ["# TYPE t counter", f't_total{{tier="local_cpu"}} {hits}',
-                 't_total{tier="local_disk"} 5', "# TYPE h histogram"]
+        lines = [
+            "# TYPE t counter",
+            f't_total{{tier="local_cpu"}} {hits}',
+            't_total{tier="local_disk"} 5',
+            "# TYPE h histogram",
+        ]
         lines += [f'h_bucket{{le="{le}"}} {n}' for le, n in buckets.items()]
         top = list(buckets.values())[-1]
         lines += [f"h_count {top}", "h_sum 1.0"]

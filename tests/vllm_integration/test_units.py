@@ -38,8 +38,10 @@ BS, H, D, NB = 32, 2, 64, 5
 )
 def test_detects_known_layouts(shape, mla, expected) -> None:
     heads = 1 if mla else H
-    assert detect_paged_layout(shape, block_size=BS, num_kv_heads=heads, head_size=D,
-                               use_mla=mla) is expected
+    assert (
+        detect_paged_layout(shape, block_size=BS, num_kv_heads=heads, head_size=D, use_mla=mla)
+        is expected
+    )
 
 
 @pytest.mark.parametrize(
@@ -60,20 +62,26 @@ def test_refuses_unknown_layouts(shape) -> None:
 def test_ambiguous_layout_is_refused() -> None:
     # With 2 blocks, [2, 2, B, H, D] is both flash layouts: guessing could load wrong bytes.
     with pytest.raises(LayoutError, match="more than one"):
-        detect_paged_layout((2, 2, BS, H, D), block_size=BS, num_kv_heads=H, head_size=D,
-                            use_mla=False)
+        detect_paged_layout(
+            (2, 2, BS, H, D), block_size=BS, num_kv_heads=H, head_size=D, use_mla=False
+        )
 
 
 def test_build_layout_orders_layers_and_checks_them() -> None:
-    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(NB, H, BS, 2 * D,
-                                                              dtype=torch.bfloat16)
-              for i in (2, 0, 10, 1)}
+    caches = {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16)
+        for i in (2, 0, 10, 1)
+    }
     layout = build_layout(caches, block_size=BS, num_kv_heads=H, head_size=D)
-    assert (layout.num_layers, layout.paged_layout, layout.dtype) == (4, PagedLayout.VLLM_CPU,
-                                                                      "bfloat16")
+    assert (layout.num_layers, layout.paged_layout, layout.dtype) == (
+        4,
+        PagedLayout.VLLM_CPU,
+        "bfloat16",
+    )
     assert layer_index("model.layers.10.self_attn.attn") == 10
-    caches["model.layers.3.self_attn.attn"] = torch.zeros(NB + 1, H, BS, 2 * D,
-                                                          dtype=torch.bfloat16)
+    caches["model.layers.3.self_attn.attn"] = torch.zeros(
+        NB + 1, H, BS, 2 * D, dtype=torch.bfloat16
+    )
     with pytest.raises(LayoutError, match="differ between layers"):
         build_layout(caches, block_size=BS, num_kv_heads=H, head_size=D)
     with pytest.raises(LayoutError, match="no KV tensors"):

@@ -60,7 +60,8 @@ def test_each_staging_mode_moves_the_batch_and_keeps_the_documented_buffer(
     layer_bytes = layout.chunk_nbytes(1) // layout.num_layers
     storing = op.startswith("store")
     expect_bytes = {
-        "whole": layout.chunk_nbytes(all_tokens) if op == "load"
+        "whole": layout.chunk_nbytes(all_tokens)
+        if op == "load"
         else layer_bytes * (valid_tokens if storing else all_tokens),
         "layer": layer_bytes * (valid_tokens if storing else all_tokens),
         "off": 0,
@@ -80,8 +81,10 @@ def test_each_staging_mode_moves_the_batch_and_keeps_the_documented_buffer(
             if slot < 0:
                 continue
             for layer in range(layout.num_layers):
-                assert torch.equal(bits(obj_token(obj, layout, layer, i)),
-                                   bits(token_value(caches[layer], layout, slot))), (slot, layer)
+                assert torch.equal(
+                    bits(obj_token(obj, layout, layer, i)),
+                    bits(token_value(caches[layer], layout, slot)),
+                ), (slot, layer)
     assert conn.staging_nbytes == expect_bytes
     for o in objs:
         o.release()

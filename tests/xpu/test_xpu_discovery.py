@@ -78,7 +78,9 @@ def test_cache_engine_picks_xpu_and_builds_its_connector(fake_xpu: pytest.Monkey
     storage = HostMemoryStorageManager(HostArena.create(1 << 16))
     engine = CacheEngine(cfg, layout, model="m", storage=storage)
     assert isinstance(engine.platform, XPUPlatform)
-    engine.register_kv_caches([torch.zeros(layout.expected_cache_shape(8), dtype=torch.bfloat16)] * 2)
+    engine.register_kv_caches(
+        [torch.zeros(layout.expected_cache_shape(8), dtype=torch.bfloat16)] * 2
+    )
     assert isinstance(engine.connector, XPUPagedConnector)
     assert engine.connector.use_staging is False
     engine.close()

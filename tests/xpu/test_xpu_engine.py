@@ -14,13 +14,19 @@ N_TOKENS = 40  # two full chunks and a partial (block-aligned) one
 
 
 def _engine(layout: KVLayout, device: torch.device, staging: bool) -> tuple[CacheEngine, HostArena]:
-    cfg = load_config(env={}, overrides={
-        "chunk_size": CHUNK, "tiers": ["local_cpu"], "device_staging_buffer": staging,
-    })
+    cfg = load_config(
+        env={},
+        overrides={
+            "chunk_size": CHUNK,
+            "tiers": ["local_cpu"],
+            "device_staging_buffer": staging,
+        },
+    )
     platform = XPUPlatform(device.index) if device.type == "xpu" else XPUPlatform()
     arena = platform.create_arena(1 << 20, pin_memory=True)
-    engine = CacheEngine(cfg, layout, model="m", platform=platform,
-                         storage=HostMemoryStorageManager(arena))
+    engine = CacheEngine(
+        cfg, layout, model="m", platform=platform, storage=HostMemoryStorageManager(arena)
+    )
     return engine, arena
 
 
@@ -31,8 +37,9 @@ def _slots(seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
 @pytest.mark.parametrize("staging", [True, False], ids=["staging", "no_staging"])
-def test_engine_round_trip(layout: KVLayout, device: torch.device, staging: bool,
-                           layerwise: bool) -> None:
+def test_engine_round_trip(
+    layout: KVLayout, device: torch.device, staging: bool, layerwise: bool
+) -> None:
     engine, arena = _engine(layout, device, staging)
     caches = make_caches(layout, device, seed=1)
     originals = [c.cpu().clone() for c in caches]
@@ -64,8 +71,11 @@ def test_engine_round_trip(layout: KVLayout, device: torch.device, staging: bool
     for layer in range(layout.num_layers):
         for i in range(N_TOKENS):
             got = token_value(caches[layer], layout, int(dst[i]))
-            want = token_value(originals[layer], layout, int(src[i])) if i >= BLOCK \
+            want = (
+                token_value(originals[layer], layout, int(src[i]))
+                if i >= BLOCK
                 else torch.zeros_like(got)
+            )
             assert torch.equal(bits(got), bits(want)), (layer, i)
     assert engine.stats.retrieved_tokens == N_TOKENS - BLOCK
     engine.close()

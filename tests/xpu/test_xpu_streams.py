@@ -28,7 +28,9 @@ from kvtier.xpu.streams import Stream
 @pytest.fixture
 def accel(device: torch.device) -> torch.device:
     if device.type == "cpu":
-        pytest.skip("CPU copies are synchronous: stream ordering is observable on an accelerator only")
+        pytest.skip(
+            "CPU copies are synchronous: stream ordering is observable on an accelerator only"
+        )
     return device
 
 
@@ -62,9 +64,11 @@ def _slow_transfers(conn: XPUPagedConnector, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(conn.streams, "use", slow_use)
 
 
-def _setup(layout: KVLayout, device: torch.device, staging: str, seed: int
-           ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[MemoryObj], list[list[int]],
-                      XPUPagedConnector]:
+def _setup(
+    layout: KVLayout, device: torch.device, staging: str, seed: int
+) -> tuple[
+    list[torch.Tensor], list[torch.Tensor], list[MemoryObj], list[list[int]], XPUPagedConnector
+]:
     slots = chunk_slots(SIZES_3, seed=seed, holes=False)
     caches = make_caches(layout, device, seed=seed)
     originals = [c.cpu().clone() for c in caches]
@@ -74,14 +78,19 @@ def _setup(layout: KVLayout, device: torch.device, staging: str, seed: int
     return caches, originals, objs, slots, conn
 
 
-def _transfers(objs: list[MemoryObj], slots: list[list[int]], device: torch.device) -> list[Transfer]:
+def _transfers(
+    objs: list[MemoryObj], slots: list[list[int]], device: torch.device
+) -> list[Transfer]:
     return [Transfer(o, torch.tensor(s, device=device)) for o, s in zip(objs, slots, strict=True)]
 
 
-def _objs_hold(objs: list[MemoryObj], slots: list[list[int]], layout: KVLayout,
-               caches: list[torch.Tensor]) -> bool:
+def _objs_hold(
+    objs: list[MemoryObj], slots: list[list[int]], layout: KVLayout, caches: list[torch.Tensor]
+) -> bool:
     return all(
-        torch.equal(bits(obj_token(o, layout, layer, i)), bits(token_value(caches[layer], layout, slot)))
+        torch.equal(
+            bits(obj_token(o, layout, layer, i)), bits(token_value(caches[layer], layout, slot))
+        )
         for layer in range(layout.num_layers)
         for o, s in zip(objs, slots, strict=True)
         for i, slot in enumerate(s)
@@ -94,8 +103,9 @@ STAGING = pytest.mark.parametrize("staging", sorted(STAGINGS))
 
 
 @STAGING
-def test_store_waits_for_the_engines_pending_writes(layout: KVLayout, accel: torch.device,
-                                                    staging: str) -> None:
+def test_store_waits_for_the_engines_pending_writes(
+    layout: KVLayout, accel: torch.device, staging: str
+) -> None:
     caches, _, objs, slots, conn = _setup(layout, accel, staging, seed=1)
     new = [torch.randn(c.shape, device=accel).to(c.dtype) for c in caches]
     # Built first: creating device tensors from host data would wait for the busy stream.

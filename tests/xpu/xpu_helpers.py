@@ -69,8 +69,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().view(torch.uint8)
 
 
-def transfers_for(objs: Sequence[MemoryObj], slots: Sequence[Sequence[int]],
-                  device: torch.device) -> list[Transfer]:
+def transfers_for(
+    objs: Sequence[MemoryObj], slots: Sequence[Sequence[int]], device: torch.device
+) -> list[Transfer]:
     return [
         Transfer(o, torch.tensor(list(s), dtype=torch.long, device=device))
         for o, s in zip(objs, slots, strict=True)

@@ -44,14 +44,27 @@ def main(argv: list[str] | None = None) -> int:
         raw = token_bytes(tokens).tobytes()
         t_kv = _best_of(lambda t=tokens: prefix_hashes(t, args.chunk_size), args.repeat)
         t_ref = _best_of(lambda r=raw: hashlib.blake2b(r, digest_size=16).digest(), args.repeat)
-        row = {"tokens": n, "chunk_size": args.chunk_size, "kvtier_s": t_kv, "reference_s": t_ref,
-               "ratio": t_ref / t_kv, "mtokens_per_s": n / t_kv / 1e6}
+        row = {
+            "tokens": n,
+            "chunk_size": args.chunk_size,
+            "kvtier_s": t_kv,
+            "reference_s": t_ref,
+            "ratio": t_ref / t_kv,
+            "mtokens_per_s": n / t_kv / 1e6,
+        }
         rows.append(row)
-        print(f"{n:>8} {t_kv * 1e3:>10.3f} {t_ref * 1e3:>11.3f} {row['ratio']:>6.2f} "
-              f"{row['mtokens_per_s']:>8.1f}")
+        print(
+            f"{n:>8} {t_kv * 1e3:>10.3f} {t_ref * 1e3:>11.3f} {row['ratio']:>6.2f} "
+            f"{row['mtokens_per_s']:>8.1f}"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"benchmark": "hashing", "machine": platform.machine(), "processor": platform.processor(),
-              "reference": "one blake2b call over the same token bytes", "results": rows}
+    result = {
+        "benchmark": "hashing",
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "reference": "one blake2b call over the same token bytes",
+        "results": rows,
+    }
     (args.out / "hashing.json").write_text(json.dumps(result, indent=2) + "\n")
     try:
         import matplotlib

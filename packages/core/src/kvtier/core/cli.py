@@ -46,11 +46,15 @@ def main(argv: list[str] | None = None) -> int:
         name, rest = f"bench.{rest[0]}", rest[1:]
     if name not in commands:
         if name in _EXTRA_HINT:
-            print(f"kvtier {name.replace('.', ' ')}: install kvtier[{_EXTRA_HINT[name]}] to use it",
-                  file=sys.stderr)
+            print(
+                f"kvtier {name.replace('.', ' ')}: install kvtier[{_EXTRA_HINT[name]}] to use it",
+                file=sys.stderr,
+            )
         else:
-            print(f"kvtier: unknown command {name.replace('.', ' ')!r}\n\n{_usage(commands)}",
-                  file=sys.stderr)
+            print(
+                f"kvtier: unknown command {name.replace('.', ' ')!r}\n\n{_usage(commands)}",
+                file=sys.stderr,
+            )
         return 2
     module, _, attr = commands[name].partition(":")
     func = getattr(__import__(module, fromlist=[attr]), attr)

@@ -85,7 +85,9 @@ class KVTierConfig:
         f"Storage tiers, fastest first: {KNOWN_TIERS_DOC}.",
         default_factory=lambda: ["local_cpu", "local_disk"],
     )
-    local_cpu_size_gb: float = _doc("Host-memory tier budget (GiB); the host arena size.", default=2.0)
+    local_cpu_size_gb: float = _doc(
+        "Host-memory tier budget (GiB); the host arena size.", default=2.0
+    )
     pin_memory: bool = _doc("Pin the host arena where the platform can (CUDA, XPU).", default=True)
     local_disk_path: str = _doc(
         "Disk tier directory (default: $XDG_CACHE_HOME/kvtier/disk, else ~/.cache/kvtier/disk).",
@@ -101,10 +103,14 @@ class KVTierConfig:
     redis_password: str | None = _doc("Redis password.", default=None)
     redis_ttl_s: int = _doc("Expire Redis entries after this many seconds; 0 = never.", default=0)
     redis_connect_timeout_s: float = _doc("Redis connect timeout (s).", default=1.0)
-    redis_timeout_s: float = _doc("Deadline of each Redis round trip (at most two a call), plus its bytes at "
-                                  "min_throughput_mb_s (s).", default=2.0)
+    redis_timeout_s: float = _doc(
+        "Deadline of each Redis round trip (at most two a call), plus its bytes at "
+        "min_throughput_mb_s (s).",
+        default=2.0,
+    )
     write_queue_size: int = _doc(
-        "Pending writes to lower tiers; when full a lower-tier copy is dropped (counted).", default=256
+        "Pending writes to lower tiers; when full a lower-tier copy is dropped (counted).",
+        default=256,
     )
     io_threads: int = _doc("Threads serving lower-tier reads and writes.", default=4)
     save_unfull_chunk: bool = _doc(
@@ -115,9 +121,16 @@ class KVTierConfig:
     save_decode_cache: bool = _doc("Also store chunks filled by generated tokens.", default=False)
     store_threshold: int = _doc(
         "Store a chunk only once this many requests have contained it (1: the first time); "
-        "one-off prompts then cost no copies.", default=1)
-    use_layerwise: bool = _doc("Load/store layer by layer, overlapping with the forward pass.", default=False)
-    load_async: bool = _doc("vLLM: load a hit on a worker thread while other requests run (the request waits in WAITING_FOR_REMOTE_KVS); False loads before the forward pass. Layer-wise loads are always synchronous.", default=True)
+        "one-off prompts then cost no copies.",
+        default=1,
+    )
+    use_layerwise: bool = _doc(
+        "Load/store layer by layer, overlapping with the forward pass.", default=False
+    )
+    load_async: bool = _doc(
+        "vLLM: load a hit on a worker thread while other requests run (the request waits in WAITING_FOR_REMOTE_KVS); False loads before the forward pass. Layer-wise loads are always synchronous.",
+        default=True,
+    )
     device_staging_buffer: bool = _doc(
         "XPU: gather a layer into a device buffer, then one copy to host (layer-wise); CUDA: False moves KV by kernels reading/writing pinned host memory (zerocopy) instead of staging slots + copy engines.",
         default=True,
@@ -134,7 +147,9 @@ class KVTierConfig:
     )
     lookup_timeout_s: float = _doc(
         "How long a waiting request's lookup (a probe of every tier on the workers) may take "
-        "before it counts as a miss (s); the scheduler never waits for it.", default=2.0)
+        "before it counts as a miss (s); the scheduler never waits for it.",
+        default=2.0,
+    )
     log_level: str = _doc("Log level of the kvtier logger.", default="WARNING")
     backend_options: dict[str, Any] = _doc(
         "Per-backend options for third-party tiers: {backend name: {option: value}}.",
@@ -153,8 +168,11 @@ class KVTierConfig:
         if self.encryption_key:
             return _parse_key("encryption_key", self.encryption_key)
         if self.encryption_key_file:
-            return _parse_key("encryption_key_file", _read_key_file(self.encryption_key_file),
-                              shown_as=self.encryption_key_file)
+            return _parse_key(
+                "encryption_key_file",
+                _read_key_file(self.encryption_key_file),
+                shown_as=self.encryption_key_file,
+            )
         return None
 
     def disk_path(self) -> Path:
@@ -165,8 +183,13 @@ class KVTierConfig:
 
 
 _POSITIVE_INT = ("chunk_size", "write_queue_size", "io_threads", "store_threshold")
-_POSITIVE_FLOAT = ("local_cpu_size_gb", "local_disk_size_gb", "redis_connect_timeout_s",
-                   "redis_timeout_s", "lookup_timeout_s")
+_POSITIVE_FLOAT = (
+    "local_cpu_size_gb",
+    "local_disk_size_gb",
+    "redis_connect_timeout_s",
+    "redis_timeout_s",
+    "lookup_timeout_s",
+)
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -205,9 +228,12 @@ def _parse_key(name: str, text: str, shown_as: str | None = None) -> bytes:
     except (ValueError, binascii.Error):
         key = b""
     if len(key) != 32:
-        raise ConfigError(name, shown_as if shown_as is not None else _MASK,
-                          "must be 32 bytes written as 64 hex digits or base64 (e.g. the output "
-                          "of `openssl rand -hex 32`)")
+        raise ConfigError(
+            name,
+            shown_as if shown_as is not None else _MASK,
+            "must be 32 bytes written as 64 hex digits or base64 (e.g. the output "
+            "of `openssl rand -hex 32`)",
+        )
     return key
 
 
@@ -219,7 +245,9 @@ def _check_backend_options(options: dict[str, Any]) -> None:
             raise _error(f"backend_options.{tier}", opts, "must be a mapping of option: value")
         for opt, value in opts.items():
             if not isinstance(opt, str):
-                raise _error(f"backend_options.{tier}", dict(opts), f"option name {opt!r} is not a string")
+                raise _error(
+                    f"backend_options.{tier}", dict(opts), f"option name {opt!r} is not a string"
+                )
             if isinstance(value, float) and not math.isfinite(value):
                 raise _error(f"backend_options.{tier}.{opt}", value, "must be a finite number")
 
@@ -249,8 +277,11 @@ def _validated(cfg: KVTierConfig) -> KVTierConfig:
     if cfg.redis_url:
         _check_redis_url(cfg.redis_url)
     if cfg.encryption_key and cfg.encryption_key_file:
-        raise _error("encryption_key_file", cfg.encryption_key_file,
-                     "give the key or a key file, not both (encryption_key is set too)")
+        raise _error(
+            "encryption_key_file",
+            cfg.encryption_key_file,
+            "give the key or a key file, not both (encryption_key is set too)",
+        )
     cfg.encryption_key_bytes()  # a bad key, or an unreadable key file, fails here
     _check_backend_options(cfg.backend_options)
     return cfg
@@ -264,7 +295,9 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
     """Turn ``value`` (from YAML, env text, or a dict) into the field's type, or raise."""
     origin, args = get_origin(hint), get_args(hint)
     if args and type(None) in args:  # Optional[X]
-        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
+        if value is None or (
+            isinstance(value, str) and value.strip().lower() in ("", "none", "null")
+        ):
             return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(name, value, inner[0])

@@ -270,7 +270,9 @@ class TorchPagedConnector(DeviceConnector):
     def _token_dim(self) -> int:
         return 0 if self.layout.use_mla else 1
 
-    def _copy_to_host(self, dst: torch.Tensor, rows: torch.Tensor | None, src: torch.Tensor) -> None:
+    def _copy_to_host(
+        self, dst: torch.Tensor, rows: torch.Tensor | None, src: torch.Tensor
+    ) -> None:
         """Write device values ``src`` into host ``dst`` (at ``rows`` of the token dim, or all)."""
         if rows is None:
             dst.copy_(src)

@@ -69,7 +69,8 @@ class CacheEngine:
     ) -> None:
         if config.chunk_size % layout.block_size:
             raise ConfigError(
-                "chunk_size", config.chunk_size,
+                "chunk_size",
+                config.chunk_size,
                 f"must be a multiple of the engine's block size {layout.block_size}",
             )
         self.config = config
@@ -122,8 +123,13 @@ class CacheEngine:
     def _prev_hash(self, spans: Sequence[ChunkSpan], index: int, salt: Scope) -> bytes:
         return bytes.fromhex(spans[index - 1].key.chunk_hash) if index else salt_seed(salt)
 
-    def tail_spans(self, tokens: TokenIds, index: int, salt: Scope = None,
-                   spans: Sequence[ChunkSpan] | None = None) -> list[ChunkSpan]:
+    def tail_spans(
+        self,
+        tokens: TokenIds,
+        index: int,
+        salt: Scope = None,
+        spans: Sequence[ChunkSpan] | None = None,
+    ) -> list[ChunkSpan]:
         """Block-sized spans after full chunk ``index - 1``: whole blocks of ``tokens`` up to one
         block short of a chunk, each keyed by chaining its block onto the previous key.
 
@@ -137,8 +143,10 @@ class CacheEngine:
         bs = self.layout.block_size
         start = index * self.chunk_size
         hashes = tail_hashes(arr, start, self.chunk_size, bs, self._prev_hash(spans, index, salt))
-        return [ChunkSpan(start + i * bs, start + (i + 1) * bs, self.keys.key(h, salt))
-                for i, h in enumerate(hashes)]
+        return [
+            ChunkSpan(start + i * bs, start + (i + 1) * bs, self.keys.key(h, salt))
+            for i, h in enumerate(hashes)
+        ]
 
     def hit_spans(self, tokens: TokenIds, salt: Scope = None) -> list[ChunkSpan]:
         """The contiguous run of stored spans covering a prefix of ``tokens``."""
@@ -193,8 +201,12 @@ class CacheEngine:
         hits = self.hit_spans(arr, salt)
         sources = self.chunk_sources([s.key for s in hits])
         spans, objs = self._fetch_prefix(hits)
-        hold = Hold(spans, objs, prefix_digest(arr[: spans[-1].end if spans else 0], salt),
-                    sources=sources[: len(spans)])
+        hold = Hold(
+            spans,
+            objs,
+            prefix_digest(arr[: spans[-1].end if spans else 0], salt),
+            sources=sources[: len(spans)],
+        )
         self.stats.add(lookups=1, lookup_hit_tokens=hold.num_tokens)
         self._count_tier_hits(spans, hold.sources)
         return hold
@@ -227,8 +239,9 @@ class CacheEngine:
     def _count_tier_hits(self, spans: Sequence[ChunkSpan], sources: Sequence[str]) -> None:
         with self._tier_lock:
             for span, tier in zip(spans, sources, strict=True):
-                self._hit_tokens_by_tier[tier] = (self._hit_tokens_by_tier.get(tier, 0)
-                                                  + span.num_tokens)
+                self._hit_tokens_by_tier[tier] = (
+                    self._hit_tokens_by_tier.get(tier, 0) + span.num_tokens
+                )
 
     def hit_tokens_by_tier(self) -> dict[str, int]:
         """Tokens found by ``hold`` so far, by the tier that held each chunk."""
@@ -239,8 +252,11 @@ class CacheEngine:
         """``slot_mapping`` as a long tensor, checked: integers, one per token, each -1 or a slot
         of the registered cache (``ValueError`` naming the bad entry otherwise)."""
         if isinstance(slot_mapping, torch.Tensor):
-            bad_dtype = (slot_mapping.is_floating_point() or slot_mapping.is_complex()
-                         or slot_mapping.dtype == torch.bool)
+            bad_dtype = (
+                slot_mapping.is_floating_point()
+                or slot_mapping.is_complex()
+                or slot_mapping.dtype == torch.bool
+            )
             dtype_name = str(slot_mapping.dtype)
         else:
             kind = np.asarray(slot_mapping).dtype
@@ -254,17 +270,24 @@ class CacheEngine:
             )
         if slots.numel():
             lo, hi = (int(v) for v in torch.aminmax(slots))
-            num_slots = (self.connector.num_blocks * self.layout.block_size
-                         if self.connector is not None else None)
+            num_slots = (
+                self.connector.num_blocks * self.layout.block_size
+                if self.connector is not None
+                else None
+            )
             if lo < -1:
                 raise ValueError(f"slot_mapping entry {lo} is invalid: a slot is -1 (none) or >= 0")
             if num_slots is not None and hi >= num_slots:
-                raise ValueError(f"slot_mapping entry {hi} is out of range: the registered KV cache "
-                                 f"has {num_slots} slots")
+                raise ValueError(
+                    f"slot_mapping entry {hi} is out of range: the registered KV cache "
+                    f"has {num_slots} slots"
+                )
         return slots
 
     def _meta(self, num_tokens: int) -> MemoryObjMeta:
-        return MemoryObjMeta(self.layout.chunk_shape(num_tokens), self.layout.torch_dtype, num_tokens)
+        return MemoryObjMeta(
+            self.layout.chunk_shape(num_tokens), self.layout.torch_dtype, num_tokens
+        )
 
     def _plan_store(
         self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], salt: Scope
@@ -284,7 +307,9 @@ class CacheEngine:
                 continue
             obj = self.storage.allocate(self._meta(span.num_tokens))
             if obj is None:
-                logger.warning("kvtier host memory is full: %d chunk(s) not stored", len(spans) - len(plan))
+                logger.warning(
+                    "kvtier host memory is full: %d chunk(s) not stored", len(spans) - len(plan)
+                )
                 self.stats.add(store_skipped_chunks=len(spans) - len(plan))
                 break
             plan.append((span, Transfer(obj, slots[span.start : span.end])))
@@ -308,8 +333,13 @@ class CacheEngine:
                 obj.release()
 
     def store(
-        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], *, salt: Scope = None,
-        ready: Marker = None, keep: Callable[[], bool] | None = None,
+        self,
+        tokens: TokenIds,
+        slot_mapping: torch.Tensor | Sequence[int],
+        *,
+        salt: Scope = None,
+        ready: Marker = None,
+        keep: Callable[[], bool] | None = None,
     ) -> int:
         """Save every storable span of ``tokens`` not already stored; returns tokens newly stored.
 
@@ -356,7 +386,10 @@ class CacheEngine:
         self._commit_store(plan)
 
     def _plan_retrieve(
-        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], salt: Scope,
+        self,
+        tokens: TokenIds,
+        slot_mapping: torch.Tensor | Sequence[int],
+        salt: Scope,
         hold: Hold | None,
     ) -> tuple[list[Transfer], torch.Tensor]:
         arr = token_bytes(tokens)
@@ -372,9 +405,13 @@ class CacheEngine:
         else:
             if hold.released:
                 raise KVTierError("retrieve got a hold that was already released")
-            if hold.num_tokens > len(arr) or hold.digest != prefix_digest(arr[: hold.num_tokens], salt):
+            if hold.num_tokens > len(arr) or hold.digest != prefix_digest(
+                arr[: hold.num_tokens], salt
+            ):
                 raise ValueError("retrieve got a hold taken for other tokens or another salt")
-            pairs = [(s, o.share()) for s, o in zip(hold.spans, hold.objs, strict=True) if wanted(s)]
+            pairs = [
+                (s, o.share()) for s, o in zip(hold.spans, hold.objs, strict=True) if wanted(s)
+            ]
             spans, objs = [s for s, _ in pairs], [o for _, o in pairs]
         transfers = []
         for span, obj in zip(spans, objs, strict=True):
@@ -383,8 +420,13 @@ class CacheEngine:
         return transfers, mask
 
     def retrieve(
-        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], *,
-        salt: Scope = None, hold: Hold | None = None, ready: Marker = None,
+        self,
+        tokens: TokenIds,
+        slot_mapping: torch.Tensor | Sequence[int],
+        *,
+        salt: Scope = None,
+        hold: Hold | None = None,
+        ready: Marker = None,
     ) -> torch.Tensor:
         """Load the stored prefix of ``tokens`` into the slots that are not -1.
 
@@ -405,8 +447,12 @@ class CacheEngine:
         return mask
 
     def retrieve_layerwise(
-        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], *,
-        salt: Scope = None, hold: Hold | None = None,
+        self,
+        tokens: TokenIds,
+        slot_mapping: torch.Tensor | Sequence[int],
+        *,
+        salt: Scope = None,
+        hold: Hold | None = None,
     ) -> RetrieveJob:
         """Fetch the stored prefix now; load it layer by layer as the job's ``layers`` is iterated."""
         connector = self._require_connector()

@@ -60,8 +60,13 @@ class Hold:
     request goes away.
     """
 
-    def __init__(self, spans: list[ChunkSpan], objs: list[MemoryObj], digest: bytes,
-                 sources: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        spans: list[ChunkSpan],
+        objs: list[MemoryObj],
+        digest: bytes,
+        sources: list[str] | None = None,
+    ) -> None:
         self.spans = spans
         self.objs = objs
         self.digest = digest

@@ -94,8 +94,11 @@ class KeyScope:
     def seed(self) -> bytes:
         """The chain's first hash: the hash version and every field that is set."""
         h = hashlib.blake2b(HASH_VERSION, digest_size=DIGEST_SIZE)
-        for tag, value in ((b"salt", self.salt), (b"adapter", self.adapter),
-                           (b"generation", self.generation)):
+        for tag, value in (
+            (b"salt", self.salt),
+            (b"adapter", self.adapter),
+            (b"generation", self.generation),
+        ):
             if value:
                 data = value.encode()
                 h.update(b"\x00" + tag + b"\x00" + len(data).to_bytes(8, "little") + data)
@@ -130,8 +133,9 @@ def prefix_hashes(tokens: TokenIds, chunk_size: int, salt: Scope = None) -> list
     return out
 
 
-def tail_hashes(arr: np.ndarray, start: int, chunk_size: int, block_size: int,
-                prev: bytes) -> list[bytes]:
+def tail_hashes(
+    arr: np.ndarray, start: int, chunk_size: int, block_size: int, prev: bytes
+) -> list[bytes]:
     """Hashes of the block-sized spans of a prompt's tail after token ``start`` (the end of its
     last full chunk, whose hash is ``prev``): whole blocks up to one block short of a chunk, each
     chained onto the previous hash. A tail hash never equals a full-chunk hash (their inputs
@@ -210,6 +214,10 @@ class KeyFactory:
 
     def key(self, chunk_hash: bytes, salt: Scope = None) -> ChunkKey:
         return ChunkKey(
-            model_id(self.model), self.layout_fp, self.world_size, self.rank, salt_id(salt),
+            model_id(self.model),
+            self.layout_fp,
+            self.world_size,
+            self.rank,
+            salt_id(salt),
             chunk_hash.hex(),
         )

@@ -84,14 +84,18 @@ class KVLayout:
                 raise LayoutError(f"KVLayout.{field} must be a positive int, got {value!r}")
         dtype_from_name(self.dtype)
         if not isinstance(self.cache_dtype, str) or not self.cache_dtype:
-            raise LayoutError(f"KVLayout.cache_dtype must be a non-empty str, got {self.cache_dtype!r}")
+            raise LayoutError(
+                f"KVLayout.cache_dtype must be a non-empty str, got {self.cache_dtype!r}"
+            )
         object.__setattr__(self, "paged_layout", PagedLayout(self.paged_layout))
         if self.use_mla != (self.paged_layout is PagedLayout.MLA):
             raise LayoutError(
                 f"KVLayout.use_mla={self.use_mla} does not match paged_layout={self.paged_layout.value}"
             )
         if self.use_mla and self.num_kv_heads != 1:
-            raise LayoutError(f"an MLA layout has one latent 'head', got num_kv_heads={self.num_kv_heads}")
+            raise LayoutError(
+                f"an MLA layout has one latent 'head', got num_kv_heads={self.num_kv_heads}"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -134,10 +138,14 @@ class KVLayout:
     def num_blocks_of(self, cache: torch.Tensor) -> int:
         """Check one layer's paged tensor against this layout; return its number of blocks."""
         if cache.dtype != self.torch_dtype:
-            raise LayoutError(f"KV cache dtype {cache.dtype} does not match layout dtype {self.dtype}")
+            raise LayoutError(
+                f"KV cache dtype {cache.dtype} does not match layout dtype {self.dtype}"
+            )
         dim = 1 if self.paged_layout is PagedLayout.FLASH_NHD else 0
         if cache.dim() <= dim:
-            raise LayoutError(f"KV cache of shape {tuple(cache.shape)} is not {self.paged_layout.value}")
+            raise LayoutError(
+                f"KV cache of shape {tuple(cache.shape)} is not {self.paged_layout.value}"
+            )
         num_blocks = int(cache.shape[dim])
         expected = self.expected_cache_shape(num_blocks)
         if tuple(cache.shape) != expected:

@@ -28,8 +28,25 @@ if TYPE_CHECKING:
 
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 
-LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-                   0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LATENCY_BUCKETS = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 
 
 @dataclass(frozen=True)
@@ -43,61 +60,82 @@ METRICS: dict[str, MetricDef] = {
     # CacheEngine
     "lookups": MetricDef(COUNTER, "Prefix lookups answered by the cache engine."),
     "lookup_hit_tokens": MetricDef(
-        COUNTER, "Tokens found by lookups, by the tier that held each chunk.", tiered=True),
+        COUNTER, "Tokens found by lookups, by the tier that held each chunk.", tiered=True
+    ),
     "loaded_tokens": MetricDef(COUNTER, "Tokens whose KV was loaded into the engine's cache."),
     "loaded_bytes": MetricDef(COUNTER, "Bytes of KV loaded into the engine's cache."),
     "saved_tokens": MetricDef(COUNTER, "Tokens whose KV was stored (host tier)."),
     "saved_bytes": MetricDef(COUNTER, "Bytes of KV stored (host tier)."),
     "store_skipped_chunks": MetricDef(COUNTER, "Chunks not stored because host memory was full."),
     "retrieve_misses": MetricDef(
-        COUNTER, "Retrievals that found fewer chunks than their lookup (evicted or bad)."),
+        COUNTER, "Retrievals that found fewer chunks than their lookup (evicted or bad)."
+    ),
     # Storage manager, per tier
     "hit_chunks": MetricDef(COUNTER, "Chunks read, by the tier that had them.", tiered=True),
     "tier_stored_chunks": MetricDef(COUNTER, "Chunks written to a lower tier.", tiered=True),
     "evictions": MetricDef(COUNTER, "Chunks evicted, by tier.", tiered=True),
     "corrupt_payloads": MetricDef(
-        COUNTER, "Stored payloads that failed their checks (served as misses).", tiered=True),
+        COUNTER, "Stored payloads that failed their checks (served as misses).", tiered=True
+    ),
     "rejected_payloads": MetricDef(
-        COUNTER, "Sealed payloads that did not authenticate (foreign or tampered).", tiered=True),
+        COUNTER, "Sealed payloads that did not authenticate (foreign or tampered).", tiered=True
+    ),
     "tier_errors": MetricDef(
-        COUNTER, "Failed tier operations (I/O errors, Redis errors), by tier.", tiered=True),
+        COUNTER, "Failed tier operations (I/O errors, Redis errors), by tier.", tiered=True
+    ),
     "redis_reconnects": MetricDef(
-        COUNTER, "Connections to a Redis server opened again after one to it failed (one per "
-        "failure: a restart, a reset link), by tier.", tiered=True),
+        COUNTER,
+        "Connections to a Redis server opened again after one to it failed (one per "
+        "failure: a restart, a reset link), by tier.",
+        tiered=True,
+    ),
     "write_failures": MetricDef(COUNTER, "Chunks a lower tier failed to write.", tiered=True),
     "write_queue_drops": MetricDef(
-        COUNTER, "Chunks not written to lower tiers because the write queue was full or closing."),
+        COUNTER, "Chunks not written to lower tiers because the write queue was full or closing."
+    ),
     "prefetched_chunks": MetricDef(COUNTER, "Chunks brought into host memory by prefetches."),
     "host_arena_used_bytes": MetricDef(GAUGE, "Bytes allocated in the host-memory arena."),
     "host_arena_capacity_bytes": MetricDef(GAUGE, "Size of the host-memory arena."),
     "tier_used_bytes": MetricDef(GAUGE, "Bytes a tier indexes (host memory, disk).", tiered=True),
     # vLLM connector (worker side)
     "load_failed_blocks": MetricDef(
-        COUNTER, "Blocks a load could not fill (reported to vLLM as load errors)."),
+        COUNTER, "Blocks a load could not fill (reported to vLLM as load errors)."
+    ),
     "loads_without_hold": MetricDef(
-        COUNTER, "Loads whose lookup hold had expired (they read the tiers again)."),
+        COUNTER, "Loads whose lookup hold had expired (they read the tiers again)."
+    ),
     "save_errors": MetricDef(COUNTER, "Save jobs that failed."),
-    "saves_abandoned": MetricDef(COUNTER, "Times unfinished saves were abandoned before block reuse."),
+    "saves_abandoned": MetricDef(
+        COUNTER, "Times unfinished saves were abandoned before block reuse."
+    ),
     "hold_expiries": MetricDef(COUNTER, "Lookup holds released unused after their time limit."),
     "lookup_seconds": MetricDef(HISTOGRAM, "Time a worker took to answer one lookup."),
     "load_seconds": MetricDef(HISTOGRAM, "Time of one request's load, end to end."),
     "save_seconds": MetricDef(HISTOGRAM, "Time of one save job on the saver thread."),
     # vLLM connector (scheduler side)
     "scheduler_seconds": MetricDef(
-        HISTOGRAM, "Time kvtier's hooks took in one scheduler step (index lookups, metadata)."),
+        HISTOGRAM, "Time kvtier's hooks took in one scheduler step (index lookups, metadata)."
+    ),
     "lookup_failures": MetricDef(
-        COUNTER, "Lookups the scheduler could not complete (channel error or timeout: a miss)."),
+        COUNTER, "Lookups the scheduler could not complete (channel error or timeout: a miss)."
+    ),
 }
 
 # StorageStats names ``<tier>.<event>`` -> metric.
 _TIER_EVENTS = {
-    "hits": "hit_chunks", "stored": "tier_stored_chunks", "evicted": "evictions",
-    "corrupt": "corrupt_payloads", "sealed_rejected": "rejected_payloads",
-    "errors": "tier_errors", "write_failed": "write_failures", "reconnects": "redis_reconnects",
+    "hits": "hit_chunks",
+    "stored": "tier_stored_chunks",
+    "evicted": "evictions",
+    "corrupt": "corrupt_payloads",
+    "sealed_rejected": "rejected_payloads",
+    "errors": "tier_errors",
+    "write_failed": "write_failures",
+    "reconnects": "redis_reconnects",
 }
 # Untiered StorageStats names -> metric.
 _EVENTS = {
-    "write_queue.dropped": "write_queue_drops", "write_queue.dropped_at_close": "write_queue_drops",
+    "write_queue.dropped": "write_queue_drops",
+    "write_queue.dropped_at_close": "write_queue_drops",
     "prefetch.chunks": "prefetched_chunks",
 }
 
@@ -155,8 +193,9 @@ class EngineCollector:
     ``model`` label (``model`` given here, default the engine's model identity) and ``tier``
     where the metric has one."""
 
-    def __init__(self, engine: CacheEngine, *, prefix: str = "kvtier_",
-                 model: str | None = None) -> None:
+    def __init__(
+        self, engine: CacheEngine, *, prefix: str = "kvtier_", model: str | None = None
+    ) -> None:
         self.engine = engine
         self.prefix = prefix
         self.model = model if model is not None else engine.keys.model
@@ -168,8 +207,9 @@ class EngineCollector:
         try:
             from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
         except ImportError as e:  # pragma: no cover - the optional extra is missing
-            raise ImportError("EngineCollector needs prometheus-client: install "
-                              "kvtier-core[metrics]") from e
+            raise ImportError(
+                "EngineCollector needs prometheus-client: install kvtier-core[metrics]"
+            ) from e
         values = engine_values(self.engine)
         for name, spec in METRICS.items():
             if spec.kind == HISTOGRAM or name not in values:

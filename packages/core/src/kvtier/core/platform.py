@@ -130,7 +130,9 @@ def discover_platforms(allow: Iterable[str] | None = None) -> dict[str, str | No
             probe: Callable[[], str | None] = ep.load()
             found[ep.name] = probe()
         except Exception as e:  # a broken plugin must not take kvtier down
-            logger.warning("kvtier platform plugin %r failed its probe and is skipped: %s", ep.name, e)
+            logger.warning(
+                "kvtier platform plugin %r failed its probe and is skipped: %s", ep.name, e
+            )
             found[ep.name] = None
     return found
 
@@ -173,6 +175,7 @@ def _load_platform(name: str, path: str) -> type[Platform]:
     return cls
 
 
-def get_platform(name: str | None = None, allow: Iterable[str] | None = None,
-                 device_index: int | None = None) -> Platform:
+def get_platform(
+    name: str | None = None, allow: Iterable[str] | None = None, device_index: int | None = None
+) -> Platform:
     return resolve_platform_class(name, allow)(device_index)

@@ -149,7 +149,8 @@ def create_storage_manager(
     extra = [t for t in config.tiers if t != "local_cpu"]
     if extra:
         raise ConfigError(
-            "tiers", config.tiers,
+            "tiers",
+            config.tiers,
             f"tier(s) {', '.join(extra)} need kvtier-storage: install kvtier[redis] or kvtier",
         )
     return HostMemoryStorageManager(arena)

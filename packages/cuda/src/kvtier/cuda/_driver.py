@@ -47,17 +47,33 @@ class CudaDriver:
         self._create = fn("cuEventCreate", ctypes.POINTER(c_void_p), c_uint)
         self._destroy = fn("cuEventDestroy_v2", c_void_p)
         self._query = fn("cuEventQuery", c_void_p)
-        self._host_dev_ptr = fn("cuMemHostGetDevicePointer_v2", ctypes.POINTER(c_void_p), c_void_p, c_uint)
+        self._host_dev_ptr = fn(
+            "cuMemHostGetDevicePointer_v2", ctypes.POINTER(c_void_p), c_void_p, c_uint
+        )
         self._sync = fn("cuEventSynchronize", c_void_p)
         self._ctx_get = fn("cuCtxGetCurrent", ctypes.POINTER(c_void_p))
         self._err_name = fn("cuGetErrorName", c_int, ctypes.POINTER(ctypes.c_char_p))
         self._launch = fn(
-            "cuLaunchKernel", c_void_p, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_void_p, c_void_p,
+            "cuLaunchKernel",
+            c_void_p,
+            c_uint,
+            c_uint,
+            c_uint,
+            c_uint,
+            c_uint,
+            c_uint,
+            c_uint,
+            c_void_p,
+            c_void_p,
             c_void_p,
         )
         try:  # CUDA 12.4+
             self._param_info: ctypes._CFuncPtr | None = fn(  # type: ignore[name-defined]
-                "cuFuncGetParamInfo", c_void_p, c_size_t, ctypes.POINTER(c_size_t), ctypes.POINTER(c_size_t)
+                "cuFuncGetParamInfo",
+                c_void_p,
+                c_size_t,
+                ctypes.POINTER(c_size_t),
+                ctypes.POINTER(c_size_t),
             )
         except AttributeError:
             self._param_info = None
@@ -117,11 +133,20 @@ class CudaDriver:
             sizes.append(size.value)
         return sizes
 
-    def launch(self, function: int, grid: tuple[int, int, int], block_x: int, shared: int, stream: int,
-               params: int) -> None:
+    def launch(
+        self,
+        function: int,
+        grid: tuple[int, int, int],
+        block_x: int,
+        shared: int,
+        stream: int,
+        params: int,
+    ) -> None:
         """``cuLaunchKernel`` of ``function`` on ``stream``; ``params``: the address of its array
         of pointers to each parameter's value."""
-        res = self._launch(function, grid[0], grid[1], grid[2], block_x, 1, 1, shared, stream, params, None)
+        res = self._launch(
+            function, grid[0], grid[1], grid[2], block_x, 1, 1, shared, stream, params, None
+        )
         if res:
             raise self._fail("cuLaunchKernel", res)
 

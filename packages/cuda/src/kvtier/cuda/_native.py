@@ -85,11 +85,23 @@ def build(out_dir: Path | None = None) -> Path:
     # Compile next to the target, then rename: a concurrent process sees the whole file or none.
     fd, tmp = tempfile.mkstemp(prefix=f".{_NAME}-", suffix=_suffix(), dir=out_dir)
     os.close(fd)
-    cmd = [*cc.split(), "-O2", "-shared", "-fPIC", "-fvisibility=hidden", f"-I{include}", str(_SOURCE), "-o", tmp]
+    cmd = [
+        *cc.split(),
+        "-O2",
+        "-shared",
+        "-fPIC",
+        "-fvisibility=hidden",
+        f"-I{include}",
+        str(_SOURCE),
+        "-o",
+        tmp,
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
         if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+            raise RuntimeError(
+                f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}"
+            )
         os.replace(tmp, target)
     except subprocess.TimeoutExpired as e:
         raise RuntimeError(f"compiling the host planner took over {_COMPILE_TIMEOUT_S} s") from e
@@ -120,8 +132,16 @@ def load() -> ModuleType | None:
 
 
 def plan_group(
-    native: Any, shape: CallShape, ring: StagingRing, transfers: Sequence[Any], lo: int, hi: int,
-    table: TableBuffer, *, first_piece_bytes: int | None, last_piece_bytes: int | None,
+    native: Any,
+    shape: CallShape,
+    ring: StagingRing,
+    transfers: Sequence[Any],
+    lo: int,
+    hi: int,
+    table: TableBuffer,
+    *,
+    first_piece_bytes: int | None,
+    last_piece_bytes: int | None,
 ) -> tuple[list[Piece], int, int] | None:
     """``plan.prepare`` + ``plan.plan`` of whole-chunk group ``transfers[lo:hi]`` in C: the slots
     and then the run table written into ``table``'s host buffer; returns the pieces, the slot
@@ -130,17 +150,39 @@ def plan_group(
     if not ring.slot_ptrs or table.host is None:
         return None
     out = native.plan_group(
-        transfers, lo, hi, shape.chunk_shapes, shape.layout.torch_dtype, torch.int64, shape.hd_bytes,
-        shape.rows_per_obj, shape.total_slots, table.host_ptr, table.host.numel(), ring.slot_bytes,
-        ring.slot_ptrs, ring.next_slot, table.dev_ptr, first_piece_bytes or 0, last_piece_bytes or 0,
+        transfers,
+        lo,
+        hi,
+        shape.chunk_shapes,
+        shape.layout.torch_dtype,
+        torch.int64,
+        shape.hd_bytes,
+        shape.rows_per_obj,
+        shape.total_slots,
+        table.host_ptr,
+        table.host.numel(),
+        ring.slot_bytes,
+        ring.slot_ptrs,
+        ring.next_slot,
+        table.dev_ptr,
+        first_piece_bytes or 0,
+        last_piece_bytes or 0,
     )
     if out is None:
         return None
     next_slot, tokens, runs, raw = out
     ring.next_slot = next_slot
     pieces = [
-        Piece(start=start, stop=stop, max_tokens=max_tokens, slot=slot, max_rows=max_rows, cap=cap, nbytes=nbytes,
-              copies=[Copy(ptr, 0, offset, n) for ptr, offset, n in copies])
+        Piece(
+            start=start,
+            stop=stop,
+            max_tokens=max_tokens,
+            slot=slot,
+            max_rows=max_rows,
+            cap=cap,
+            nbytes=nbytes,
+            copies=[Copy(ptr, 0, offset, n) for ptr, offset, n in copies],
+        )
         for slot, start, stop, max_rows, max_tokens, cap, nbytes, copies in raw
     ]
     return pieces, tokens, tokens + RUN_WORDS * runs

@@ -60,7 +60,13 @@ from kvtier.cuda.bench_cases import (
 
 
 def _measure_paired(
-    case: Case, conn, arena: HostArena, repeat: int, warmup: int, stream_calls: int, in_flight: int  # type: ignore[no-untyped-def]
+    case: Case,
+    conn,
+    arena: HostArena,
+    repeat: int,
+    warmup: int,
+    stream_calls: int,
+    in_flight: int,  # type: ignore[no-untyped-def]
 ) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float]]:
     """The rows the targets are read from, measured together: seconds per call of the limit
     (``limit_calls``) and of ``conn`` (``store``, ``retrieve``, ``both``: one call each),
@@ -82,7 +88,9 @@ def _measure_paired(
             calls[f"limit-streamed {d}"] = stream(issues[d], stream_calls, in_flight)
             calls[f"kvtier-streamed {d}"] = stream(mine_async[d], stream_calls, in_flight)
     try:
-        medians = interleaved_medians({k: (fn, _nothing) for k, fn in calls.items()}, repeat, per_round=1, warmup=warmup)
+        medians = interleaved_medians(
+            {k: (fn, _nothing) for k, fn in calls.items()}, repeat, per_round=1, warmup=warmup
+        )
     finally:
         release()
     out: tuple[dict[str, float], ...] = ({}, {}, {}, {})
@@ -115,7 +123,10 @@ def _two_threads(case: Case, conn, repeat: int, warmup: int) -> dict[str, float]
     finally:
         pair.close()
 
-def _rows(shape: str, impl: str, seconds: dict[str, float], nbytes: int, limit_gbps: dict[str, float]) -> list[dict]:
+
+def _rows(
+    shape: str, impl: str, seconds: dict[str, float], nbytes: int, limit_gbps: dict[str, float]
+) -> list[dict]:
     rows = []
     one_way = (limit_gbps["store"] + limit_gbps["retrieve"]) / 2
     for direction, s in seconds.items():
@@ -145,7 +156,9 @@ def _plot(result: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    rows = result["results"] + [r for r in result.get("streamed", []) if r["impl"] == "kvtier-streamed"]
+    rows = result["results"] + [
+        r for r in result.get("streamed", []) if r["impl"] == "kvtier-streamed"
+    ]
     groups = [(s, d) for s in SHAPES for d in ("store", "retrieve", "both")]
     impls = ["torch", "kvtier", "kvtier-streamed", "kvtier-two-threads"]
     impls = [i for i in impls if any(r["impl"] == i for r in rows)]
@@ -154,16 +167,25 @@ def _plot(result: dict, path: Path) -> bool:
     for k, impl in enumerate(impls):
         ys = []
         for s, d in groups:
-            match = [r for r in rows if r["shape"] == s and r["direction"] == d and r["impl"] == impl]
+            match = [
+                r for r in rows if r["shape"] == s and r["direction"] == d and r["impl"] == impl
+            ]
             ys.append(match[0]["ratio_to_limit"] if match else 0.0)
         ax.bar([g + k * width for g in range(len(groups))], ys, width, label=impl)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks([g + width for g in range(len(groups))])
     ax.set_xticklabels([f"{s}\n{d}" for s, d in groups])
     ax.set_ylabel("fraction of the contiguous pinned copy")
-    ax.set_title(f"paged KV transfer on {result['device']} (limit: " + ", ".join(
-        f"{r['shape']} {r['direction']} {r['gbps']} GB/s" for r in result["results"]
-        if r["impl"] == "limit" and r["shape"] == "8b") + ")", fontsize=9)
+    ax.set_title(
+        f"paged KV transfer on {result['device']} (limit: "
+        + ", ".join(
+            f"{r['shape']} {r['direction']} {r['gbps']} GB/s"
+            for r in result["results"]
+            if r["impl"] == "limit" and r["shape"] == "8b"
+        )
+        + ")",
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -171,8 +193,11 @@ def _plot(result: dict, path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvtier bench transfer", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvtier bench transfer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     ap.add_argument("--chunks", type=int, default=16, help="256-token chunks per call (default 16)")
     ap.add_argument("--repeat", type=int, default=20)
@@ -180,10 +205,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--device-name", help="name in the output files (default: from the GPU)")
     ap.add_argument("--suffix", default="", help="appended to the output file names")
-    ap.add_argument("--stream-calls", type=int, default=8,
-                    help="calls per stream in the streamed rows (default 8; 0 skips them)")
-    ap.add_argument("--in-flight", type=int, default=2,
-                    help="streamed rows: most calls outstanding at once (default 2)")
+    ap.add_argument(
+        "--stream-calls",
+        type=int,
+        default=8,
+        help="calls per stream in the streamed rows (default 8; 0 skips them)",
+    )
+    ap.add_argument(
+        "--in-flight",
+        type=int,
+        default=2,
+        help="streamed rows: most calls outstanding at once (default 2)",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("kvtier bench transfer needs an NVIDIA GPU (torch.cuda.is_available() is False)")
@@ -196,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     arena = bench_arena(args.chunks, args.shapes)
     results: list[dict] = []
     streamed: list[dict] = []
-    print(f"device: {name}; {args.chunks} chunks of {CHUNK} tokens per call; median of {args.repeat}")
+    print(
+        f"device: {name}; {args.chunks} chunks of {CHUNK} tokens per call; median of {args.repeat}"
+    )
     print(f"{'shape':<6} {'direction':<9} {'impl':<22} {'GB/s':>7} {'ratio':>6}")
     for shape in args.shapes:
         case = make_case(shape, args.chunks, arena, seed=len(results))
@@ -205,22 +240,42 @@ def main(argv: list[str] | None = None) -> int:
         limit_s, kvtier_s, stream_limit_s, stream_s = _measure_paired(
             case, conn, arena, args.repeat, args.warmup, args.stream_calls, args.in_flight
         )
-        limit_gbps = {d: case.nbytes * (2 if d == "both" else 1) / s / 1e9 for d, s in limit_s.items()}
+        limit_gbps = {
+            d: case.nbytes * (2 if d == "both" else 1) / s / 1e9 for d, s in limit_s.items()
+        }
         rows = _rows(shape, "limit", limit_s, case.nbytes, limit_gbps)
         torch_conn = TorchPagedConnector(case.caches, case.layout)
-        rows += _rows(shape, "torch", _measure_connector(case, torch_conn, max(3, args.repeat // 4), 1),
-                      case.nbytes, limit_gbps)
+        rows += _rows(
+            shape,
+            "torch",
+            _measure_connector(case, torch_conn, max(3, args.repeat // 4), 1),
+            case.nbytes,
+            limit_gbps,
+        )
         rows += _rows(shape, "kvtier", kvtier_s, case.nbytes, limit_gbps)
         results += rows
         # An engine's saver and forward threads: a store and a load from two threads at once.
-        trows = [r for r in _rows(shape, "kvtier-two-threads", _two_threads(case, conn, args.repeat, args.warmup),
-                                  case.nbytes, limit_gbps) if r["direction"] == "both"]
+        trows = [
+            r
+            for r in _rows(
+                shape,
+                "kvtier-two-threads",
+                _two_threads(case, conn, args.repeat, args.warmup),
+                case.nbytes,
+                limit_gbps,
+            )
+            if r["direction"] == "both"
+        ]
         results += trows
         rows += trows
         if stream_s:
-            stream_gbps = {d: case.nbytes * (2 if d == "both" else 1) / s / 1e9 for d, s in stream_limit_s.items()}
+            stream_gbps = {
+                d: case.nbytes * (2 if d == "both" else 1) / s / 1e9
+                for d, s in stream_limit_s.items()
+            }
             srows = _rows(shape, "limit", stream_limit_s, case.nbytes, stream_gbps) + _rows(
-                shape, "kvtier", stream_s, case.nbytes, stream_gbps)
+                shape, "kvtier", stream_s, case.nbytes, stream_gbps
+            )
             for r in srows:
                 r["impl"] += "-streamed"
                 r["calls_per_stream"] = args.stream_calls
@@ -228,8 +283,14 @@ def main(argv: list[str] | None = None) -> int:
             streamed += srows
             rows += srows
         for r in rows:
-            extra = f"  ({r['x_one_direction_limit']}x one-way limit)" if "x_one_direction_limit" in r else ""
-            print(f"{r['shape']:<6} {r['direction']:<9} {r['impl']:<22} {r['gbps']:>7.2f} {r['ratio_to_limit']:>6.3f}{extra}")
+            extra = (
+                f"  ({r['x_one_direction_limit']}x one-way limit)"
+                if "x_one_direction_limit" in r
+                else ""
+            )
+            print(
+                f"{r['shape']:<6} {r['direction']:<9} {r['impl']:<22} {r['gbps']:>7.2f} {r['ratio_to_limit']:>6.3f}{extra}"
+            )
         release_case(case)
         del conn, torch_conn, case
         torch.cuda.empty_cache()
@@ -254,7 +315,9 @@ def main(argv: list[str] | None = None) -> int:
         "streamed_timing": (
             f"host wall-clock median of {args.stream_calls} calls issued back to back (the _async API, at most "
             f"{args.in_flight} outstanding), divided by the calls; the limit: as many contiguous copies queued back to back"
-        ) if streamed else None,
+        )
+        if streamed
+        else None,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"transfer-{slug}{'-' + args.suffix if args.suffix else ''}"

@@ -73,7 +73,9 @@ def make_case(shape: str, chunks: int, arena: HostArena, seed: int) -> Case:
     num_blocks = 2 * chunks * blocks_per_chunk + 7  # room for a store set and a load set
     gen = torch.Generator(device="cuda").manual_seed(seed)
     caches = [
-        torch.randn(layout.expected_cache_shape(num_blocks), device="cuda", generator=gen).to(torch.bfloat16)
+        torch.randn(layout.expected_cache_shape(num_blocks), device="cuda", generator=gen).to(
+            torch.bfloat16
+        )
         for _ in range(layers)
     ]
     # Blocks in random order, as a long-running engine hands them out.
@@ -118,7 +120,10 @@ def check(case: Case, conn, name: str) -> None:  # type: ignore[no-untyped-def]
     conn.store(case.store_transfers())
     got = [o.tensor.clone() for o in case.store_objs]
     ref.store(case.store_transfers())
-    if not all(torch.equal(a.view(torch.int16), o.tensor.view(torch.int16)) for a, o in zip(got, case.store_objs, strict=True)):
+    if not all(
+        torch.equal(a.view(torch.int16), o.tensor.view(torch.int16))
+        for a, o in zip(got, case.store_objs, strict=True)
+    ):
         raise AssertionError(f"{name}: stored bytes differ from the torch reference")
     conn.load(case.load_transfers())
     ref.load(case.load_transfers())
@@ -136,7 +141,9 @@ class Pair:
         self._end = threading.Barrier(3, timeout=120)
         self._stop = False
         self._errors: list[BaseException] = []
-        self._threads = [threading.Thread(target=self._loop, args=(f,), daemon=True) for f in (store, load)]
+        self._threads = [
+            threading.Thread(target=self._loop, args=(f,), daemon=True) for f in (store, load)
+        ]
         for t in self._threads:
             t.start()
 
@@ -208,7 +215,9 @@ def stream(issue: Callable[[], list[Any]], calls: int, in_flight: int) -> Callab
 
 
 def interleaved_medians(
-    calls: dict[str, tuple[Callable[[], None], Callable[[], None]]], rounds: int, per_round: int = 3,
+    calls: dict[str, tuple[Callable[[], None], Callable[[], None]]],
+    rounds: int,
+    per_round: int = 3,
     warmup: int = 3,
 ) -> dict[str, float]:
     """Median seconds of each ``name: (fn, apply)``: every round runs every call ``per_round``
@@ -256,7 +265,9 @@ class Queued:
         self._event.synchronize()
 
 
-def limit_calls(nbytes: int, arena: HostArena) -> tuple[dict[str, Callable[[], list[Any]]], Callable[[], None]]:
+def limit_calls(
+    nbytes: int, arena: HostArena
+) -> tuple[dict[str, Callable[[], list[Any]]], Callable[[], None]]:
     """One contiguous copy of ``nbytes`` each way (pinned host <-> device, each on its own
     stream), and both at once, as calls keyed ``store``/``retrieve``/``both`` that queue the
     copies and return their waiters (for ``stream``); and the call that releases
@@ -291,9 +302,11 @@ def limit_calls(nbytes: int, arena: HostArena) -> tuple[dict[str, Callable[[], l
 
 def waited(issue: Callable[[], list[Any]]) -> Callable[[], None]:
     """``issue`` as a call that returns with its copies done."""
+
     def call() -> None:
         for q in issue():
             q.wait()
+
     return call
 
 

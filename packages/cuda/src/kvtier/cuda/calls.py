@@ -49,7 +49,12 @@ class WholeCalls:
         self.keep_ring = keep_ring
 
     def steps(
-        self, lane: Lane, transfers: Sequence[Transfer], *, store: bool, interleaved: bool = False,
+        self,
+        lane: Lane,
+        transfers: Sequence[Transfer],
+        *,
+        store: bool,
+        interleaved: bool = False,
         caller_stream: int | None = None,
     ) -> Generator[None, None, Any]:
         """A whole-chunk call, group by group; ``interleaved``: one direction of
@@ -68,9 +73,12 @@ class WholeCalls:
                 # One group, and no short first or last piece, while earlier calls keep the lane busy.
                 busy = lane.busy()
                 parts = groups(
-                    transfers, shape.token_bytes,
-                    first=(1 if store else 2) * FIRST_GROUP_BYTES,  # a load's first DMA starts early: more to hide
-                    slot_bytes=lane.ring.slot_bytes, growth=GROUP_GROWTH if store or interleaved else LOAD_GROUP_GROWTH,
+                    transfers,
+                    shape.token_bytes,
+                    first=(1 if store else 2)
+                    * FIRST_GROUP_BYTES,  # a load's first DMA starts early: more to hide
+                    slot_bytes=lane.ring.slot_bytes,
+                    growth=GROUP_GROWTH if store or interleaved else LOAD_GROUP_GROWTH,
                     whole=busy,
                 )
                 first_load_piece = None
@@ -79,7 +87,9 @@ class WholeCalls:
                     lane.bind_context()
                     with OnDevice(lane.index):
                         last = LAST_PIECE_BYTES if len(parts) == 1 and not busy else None
-                        state.eager = eager_piece(lane.ring, transfers[lo:hi], shape, last_piece_bytes=last)
+                        state.eager = eager_piece(
+                            lane.ring, transfers[lo:hi], shape, last_piece_bytes=last
+                        )
                         if state.eager is not None:
                             pipe.load_dma(lane, state.eager)
                             first_load_piece = state.eager.nbytes
@@ -89,24 +99,44 @@ class WholeCalls:
                     last_group = g + 1 == len(parts)
                     first_piece = None
                     if not state.ordered:
-                        first_piece = (None if busy else FIRST_PIECE_BYTES) if store else first_load_piece
+                        first_piece = (
+                            (None if busy else FIRST_PIECE_BYTES) if store else first_load_piece
+                        )
                     last_piece = LAST_PIECE_BYTES if not store and last_group and not busy else None
                     table = lane.take_table(tokens + RUN_WORDS * (hi - lo + 8))
                     planned = None
                     if self.native is not None:
                         planned = _native.plan_group(
-                            self.native, shape, lane.ring, transfers, lo, hi, table,
-                            first_piece_bytes=first_piece, last_piece_bytes=last_piece,
+                            self.native,
+                            shape,
+                            lane.ring,
+                            transfers,
+                            lo,
+                            hi,
+                            table,
+                            first_piece_bytes=first_piece,
+                            last_piece_bytes=last_piece,
                         )
                     prepared: Sequence[Prepared] = ()
                     slots = _NO_SLOTS
                     if planned is None:
-                        prepared, slots = prepare(shape, transfers[lo:hi], first_index=lo, out=table.host)
+                        prepared, slots = prepare(
+                            shape, transfers[lo:hi], first_index=lo, out=table.host
+                        )
                     done = (
                         yield from pipe.batch(
-                            lane, prepared, all_rows(len(prepared), shape), slots, store=store, state=state,
-                            table=table, planned=planned, interleaved=interleaved, defer_last=not store and not last_group,
-                            first_piece_bytes=first_piece, last_piece_bytes=last_piece,
+                            lane,
+                            prepared,
+                            all_rows(len(prepared), shape),
+                            slots,
+                            store=store,
+                            state=state,
+                            table=table,
+                            planned=planned,
+                            interleaved=interleaved,
+                            defer_last=not store and not last_group,
+                            first_piece_bytes=first_piece,
+                            last_piece_bytes=last_piece,
                         )
                     ) or done
                 if state.pending:  # the batches after the deferring one issued nothing

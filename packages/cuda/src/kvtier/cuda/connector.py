@@ -84,7 +84,9 @@ class CUDAPagedConnector(DeviceConnector):
     Options: ``CUDAOptions`` (``staging_buffer``, ``staging_slots``, ``staging_slot_bytes``,
     ``native_planner``), by keyword."""
 
-    def __init__(self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, **options: object) -> None:
+    def __init__(
+        self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, **options: object
+    ) -> None:
         super().__init__(kv_caches, layout)
         self.options = opts = CUDAOptions.from_options(options)
         device = self.device
@@ -98,7 +100,11 @@ class CUDAPagedConnector(DeviceConnector):
         self._store_lane = Lane(device, opts.staging_slots, opts.staging_slot_bytes)
         self._load_lane = Lane(device, opts.staging_slots, opts.staging_slot_bytes)
         self._pipe = Pipeline(
-            shape, row_geometry(shape, bases, strides), self._bases_dev, self._store_lane, self._load_lane
+            shape,
+            row_geometry(shape, bases, strides),
+            self._bases_dev,
+            self._store_lane,
+            self._load_lane,
         )
         native = _native.load() if opts.native_planner else None
         self._calls = WholeCalls(self._pipe, native, keep_ring=opts.staging_buffer)
@@ -123,14 +129,22 @@ class CUDAPagedConnector(DeviceConnector):
         """Issue a whole-chunk store after the current stream's work and return at once. The
         objects must stay alive and unread until ``wait()`` returns."""
         (done,) = self._issuer.issue(
-            [self._calls.steps(self._store_lane, transfers, store=True, caller_stream=self._caller_stream())]
+            [
+                self._calls.steps(
+                    self._store_lane, transfers, store=True, caller_stream=self._caller_stream()
+                )
+            ]
         )
         return PendingTransfer(done, None)
 
     def load_async(self, transfers: Sequence[Transfer]) -> PendingTransfer:
         """Issue a whole-chunk load and return at once; ``wait()`` before attention reads it."""
         (done,) = self._issuer.issue(
-            [self._calls.steps(self._load_lane, transfers, store=False, caller_stream=self._caller_stream())]
+            [
+                self._calls.steps(
+                    self._load_lane, transfers, store=False, caller_stream=self._caller_stream()
+                )
+            ]
         )
         return PendingTransfer(done, self.device)
 
@@ -142,24 +156,44 @@ class CUDAPagedConnector(DeviceConnector):
         first DMA needs the most host work), then the load's first DMA, so both directions'
         copy engines start at once. Returns ``(store, load)``; ``wait()`` on each."""
         caller = self._caller_stream()
-        done_s, done_l = self._issuer.issue([
-            self._calls.steps(self._store_lane, stores, store=True, interleaved=True, caller_stream=caller),
-            self._calls.steps(self._load_lane, loads, store=False, interleaved=True, caller_stream=caller),
-        ])
+        done_s, done_l = self._issuer.issue(
+            [
+                self._calls.steps(
+                    self._store_lane, stores, store=True, interleaved=True, caller_stream=caller
+                ),
+                self._calls.steps(
+                    self._load_lane, loads, store=False, interleaved=True, caller_stream=caller
+                ),
+            ]
+        )
         return PendingTransfer(done_s, None), PendingTransfer(done_l, self.device)
 
     # -- layer by layer ------------------------------------------------------------------------
-    def _batch(self, lane: Lane, transfers: Sequence[Transfer], rows_of: Any, *, store: bool,
-               checked: tuple[list[Prepared], torch.Tensor] | None = None,
-               layer_events: dict[int, Any] | None = None) -> Any:
+    def _batch(
+        self,
+        lane: Lane,
+        transfers: Sequence[Transfer],
+        rows_of: Any,
+        *,
+        store: bool,
+        checked: tuple[list[Prepared], torch.Tensor] | None = None,
+        layer_events: dict[int, Any] | None = None,
+    ) -> Any:
         """Check ``transfers`` (unless ``checked``), then plan and issue their rows
         ``rows_of(count)`` in one batch; the event after it."""
         prepared, slots = checked if checked is not None else prepare(self._shape, transfers)
         with lane.lock:
-            return run_steps(self._pipe.batch(
-                lane, prepared, rows_of(len(prepared)), slots, store=store, state=BatchState(),
-                layer_events=layer_events,
-            ))
+            return run_steps(
+                self._pipe.batch(
+                    lane,
+                    prepared,
+                    rows_of(len(prepared)),
+                    slots,
+                    store=store,
+                    state=BatchState(),
+                    layer_events=layer_events,
+                )
+            )
 
     def _call_done(self, lane: Lane) -> None:
         """A layer-by-layer call ended: with ``staging_buffer=False`` its staging ring goes
@@ -181,7 +215,9 @@ class CUDAPagedConnector(DeviceConnector):
     def load_layer(self, layer: int, transfers: Sequence[Transfer]) -> None:
         self._check_layer(layer)
         rows = functools.partial(layer_rows, layer=layer, shape=self._shape)
-        PendingTransfer(self._batch(self._load_lane, transfers, rows, store=False), self.device).wait()
+        PendingTransfer(
+            self._batch(self._load_lane, transfers, rows, store=False), self.device
+        ).wait()
         self._call_done(self._load_lane)
 
     def store_layerwise(self, transfers: Sequence[Transfer]) -> Iterator[int]:
@@ -200,7 +236,10 @@ class CUDAPagedConnector(DeviceConnector):
         try:
             for layer in range(self.layout.num_layers):
                 rows = functools.partial(layer_rows, layer=layer, shape=self._shape)
-                last = self._batch(lane, transfers, rows, store=True, checked=(prepared, slots)) or last
+                last = (
+                    self._batch(lane, transfers, rows, store=True, checked=(prepared, slots))
+                    or last
+                )
                 if lane.is_cuda:
                     gathered = lane.new_event()
                     gathered.record(lane.ks_h)
@@ -220,7 +259,11 @@ class CUDAPagedConnector(DeviceConnector):
         shape = self._shape
 
         def rows(count: int) -> list[Segment]:
-            return [seg for layer in range(shape.layout.num_layers) for seg in layer_rows(count, layer, shape)]
+            return [
+                seg
+                for layer in range(shape.layout.num_layers)
+                for seg in layer_rows(count, layer, shape)
+            ]
 
         done = None
         try:

@@ -54,14 +54,18 @@ class CallShape:
         return shape
 
 
-def row_bases(layout: KVLayout, kv_caches: Sequence[torch.Tensor]) -> tuple[list[int], tuple[int, int, int]]:
+def row_bases(
+    layout: KVLayout, kv_caches: Sequence[torch.Tensor]
+) -> tuple[list[int], tuple[int, int, int]]:
     """Paged base address of each object row, and (block, token, kv) strides in bytes.
 
     Strides come from the tensors, so a permuted view (e.g. ``[2, nb, ...]`` over a block-first
     allocation) works as long as one token's ``heads * head_size`` is contiguous.
     """
     if layout.paged_layout not in _DIMS:
-        raise LayoutError(f"the CUDA connector does not handle the {layout.paged_layout.value} paged layout")
+        raise LayoutError(
+            f"the CUDA connector does not handle the {layout.paged_layout.value} paged layout"
+        )
     es = layout.torch_dtype.itemsize
     block_dim, token_dim, kv_dim = _DIMS[layout.paged_layout]
     strides: tuple[int, int, int] | None = None
@@ -69,7 +73,11 @@ def row_bases(layout: KVLayout, kv_caches: Sequence[torch.Tensor]) -> tuple[list
     v_bases: list[int] = []
     for layer, cache in enumerate(kv_caches):
         expect, contiguous = 1, True
-        for size, stride in zip(reversed(cache.shape[token_dim + 1 :]), reversed(cache.stride()[token_dim + 1 :]), strict=True):
+        for size, stride in zip(
+            reversed(cache.shape[token_dim + 1 :]),
+            reversed(cache.stride()[token_dim + 1 :]),
+            strict=True,
+        ):
             if size > 1 and stride != expect:
                 contiguous = False
             expect *= size
@@ -96,7 +104,9 @@ def row_bases(layout: KVLayout, kv_caches: Sequence[torch.Tensor]) -> tuple[list
     return (k_bases if layout.use_mla else k_bases + v_bases), strides
 
 
-def row_geometry(shape: CallShape, bases: Sequence[int], strides: tuple[int, int, int]) -> RowGeometry:
+def row_geometry(
+    shape: CallShape, bases: Sequence[int], strides: tuple[int, int, int]
+) -> RowGeometry:
     """The kernel's view of the cache: sizes in the widest word dividing every row and address."""
     block_b, token_b, _ = strides
     w = word_bytes_for(shape.hd_bytes, block_b, token_b, *bases)

@@ -66,7 +66,9 @@ def _blocks(hd_words: int, word_bytes: int) -> tuple[int, int]:
     return block_t, block_d
 
 
-def param_types(sizes: list[int] | None, runtime: tuple[int, ...], pointers: int) -> list[type] | None:
+def param_types(
+    sizes: list[int] | None, runtime: tuple[int, ...], pointers: int
+) -> list[type] | None:
     """The ctypes type of each parameter of a compiled Triton kernel, for ``cuLaunchKernel``.
 
     ``sizes``: the parameters' byte sizes as the driver reports them; ``runtime``: the values of
@@ -105,7 +107,9 @@ class _Direct:
 
     __slots__ = ("block_x", "drv", "function", "params", "shared", "values")
 
-    def __init__(self, drv: Any, function: int, block_x: int, shared: int, types: list[type]) -> None:
+    def __init__(
+        self, drv: Any, function: int, block_x: int, shared: int, types: list[type]
+    ) -> None:
         self.drv, self.function, self.block_x, self.shared = drv, function, block_x, shared
         self.values = [t() for t in types]
         array = (ctypes.c_void_p * len(types))(*[ctypes.addressof(v) for v in self.values])
@@ -120,7 +124,9 @@ class _Direct:
     def bound(self, runtime: tuple[int, ...]) -> _Direct:
         """A copy with its own parameter values set to ``runtime``, for ``launch_first`` (a
         connector's own launches, where only the first value changes)."""
-        copy = _Direct(self.drv, self.function, self.block_x, self.shared, [type(v) for v in self.values])
+        copy = _Direct(
+            self.drv, self.function, self.block_x, self.shared, [type(v) for v in self.values]
+        )
         for i, value in enumerate(runtime):
             copy.values[i].value = value
         return copy
@@ -141,9 +147,13 @@ def _direct_for(ck: Any, runtime: tuple[int, ...], pointers: int) -> _Direct | N
     function = getattr(ck, "function", None)
     if drv is None or md is None or not isinstance(function, int) or not function:
         return None
-    if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False)
-            or getattr(md, "launch_pdl", False) or getattr(md, "global_scratch_size", 0)
-            or getattr(md, "profile_scratch_size", 0)):
+    if (
+        getattr(md, "num_ctas", 1) != 1
+        or getattr(md, "launch_cooperative_grid", False)
+        or getattr(md, "launch_pdl", False)
+        or getattr(md, "global_scratch_size", 0)
+        or getattr(md, "profile_scratch_size", 0)
+    ):
         return None
     types = param_types(drv.param_sizes(function), runtime, pointers)
     if types is None:
@@ -180,13 +190,26 @@ class _Launches:
             import triton
 
             self.knobs = triton.knobs.runtime
-            return hasattr(self.knobs, "launch_enter_hook") and hasattr(self.knobs, "launch_exit_hook")
+            return hasattr(self.knobs, "launch_enter_hook") and hasattr(
+                self.knobs, "launch_exit_hook"
+            )
         except (ImportError, AttributeError):
             return False
 
     def launch(
-        self, table: torch.Tensor, table_addr: int, offset: int, start: int, stop: int, max_rows: int,
-        max_tokens: int, geo: RowGeometry, bases: torch.Tensor, *, to_paged: bool, stream: torch.cuda.Stream,
+        self,
+        table: torch.Tensor,
+        table_addr: int,
+        offset: int,
+        start: int,
+        stop: int,
+        max_rows: int,
+        max_tokens: int,
+        geo: RowGeometry,
+        bases: torch.Tensor,
+        *,
+        to_paged: bool,
+        stream: torch.cuda.Stream,
         cache: dict[tuple, tuple[RowGeometry, torch.Tensor, _Direct, int]] | None = None,
     ) -> None:
         """Runs ``[start, stop)`` of the run table that starts ``offset`` int64s into the int64
@@ -207,28 +230,62 @@ class _Launches:
             fast_key = (to_paged, ptr & 15 == 0, id(geo), id(bases))
             hit = cache.get(fast_key)
             if hit is not None and hit[0] is geo and hit[1] is bases:
-                hit[2].launch_first((runs, max_rows, -(-max_tokens // hit[3])), stream.cuda_stream, ptr)
+                hit[2].launch_first(
+                    (runs, max_rows, -(-max_tokens // hit[3])), stream.cuda_stream, ptr
+                )
                 return
         block_t, block_d = _blocks(geo.hd_words, geo.word_bytes)
         bases_ptr = bases.data_ptr()
-        key = (bases.device.index, geo, to_paged, block_t, block_d, ptr % 16 == 0, bases_ptr % 16 == 0)
+        key = (
+            bases.device.index,
+            geo,
+            to_paged,
+            block_t,
+            block_d,
+            ptr % 16 == 0,
+            bases_ptr % 16 == 0,
+        )
         args = (
-            ptr, bases_ptr, geo.total_slots, geo.block_size, geo.block_stride_words,
-            geo.token_stride_words, geo.hd_words, geo.word_bytes, block_t, block_d, to_paged,
+            ptr,
+            bases_ptr,
+            geo.total_slots,
+            geo.block_size,
+            geo.block_stride_words,
+            geo.token_stride_words,
+            geo.hd_words,
+            geo.word_bytes,
+            block_t,
+            block_d,
+            to_paged,
         )
 
         def first() -> Any:
             view = table[offset + start * RUN_WORDS : offset + stop * RUN_WORDS].view(-1, RUN_WORDS)
-            return _launch(view, max_rows, max_tokens, geo, bases, to_paged=to_paged, blocks=(block_t, block_d))
+            return _launch(
+                view, max_rows, max_tokens, geo, bases, to_paged=to_paged, blocks=(block_t, block_d)
+            )
 
-        self._dispatch(key, (runs, max_rows, -(-max_tokens // block_t)), args, 6, stream, bases.device, first)
+        self._dispatch(
+            key, (runs, max_rows, -(-max_tokens // block_t)), args, 6, stream, bases.device, first
+        )
         if cache is not None:
             direct = self.direct.get(key)
             if direct is not None:
-                cache[(to_paged, ptr & 15 == 0, id(geo), id(bases))] = (geo, bases, direct.bound(args[:6]), block_t)
+                cache[(to_paged, ptr & 15 == 0, id(geo), id(bases))] = (
+                    geo,
+                    bases,
+                    direct.bound(args[:6]),
+                    block_t,
+                )
 
     def copy_words(
-        self, src: torch.Tensor, src_addr: int, dst: torch.Tensor, numel: int, *, stream: torch.cuda.Stream,
+        self,
+        src: torch.Tensor,
+        src_addr: int,
+        dst: torch.Tensor,
+        numel: int,
+        *,
+        stream: torch.cuda.Stream,
     ) -> None:
         """``dst[:numel] = src[:numel]`` (int64) by a kernel on ``stream``; ``src`` is pinned host
         memory the kernel reads in place at ``src_addr``. Both hold at least ``numel`` rounded up
@@ -243,8 +300,14 @@ class _Launches:
         self._dispatch(key, grid, args, 3, stream, dst.device, lambda: copy_words(src, dst, numel))
 
     def _dispatch(
-        self, key: tuple, grid: tuple[int, int, int], args: tuple, runtime: int, stream: torch.cuda.Stream,
-        device: torch.device, first: Callable[[], Any],
+        self,
+        key: tuple,
+        grid: tuple[int, int, int],
+        args: tuple,
+        runtime: int,
+        stream: torch.cuda.Stream,
+        device: torch.device,
+        first: Callable[[], Any],
     ) -> None:
         """Launch the kept kernel for ``key`` on ``stream`` with ``args`` (every argument, the
         constexprs included, as ``JITFunction.run`` passes them; the first ``runtime`` are the
@@ -260,8 +323,14 @@ class _Launches:
             knobs = self.knobs
             handle = stream.cuda_stream
             ck.run(
-                *grid, handle, ck.function, ck.packed_metadata, ck.launch_metadata(grid, handle, *args),
-                knobs.launch_enter_hook, knobs.launch_exit_hook, *args,
+                *grid,
+                handle,
+                ck.function,
+                ck.packed_metadata,
+                ck.launch_metadata(grid, handle, *args),
+                knobs.launch_enter_hook,
+                knobs.launch_exit_hook,
+                *args,
             )
             return
         prev = torch.cuda.current_stream(device)
@@ -272,8 +341,12 @@ class _Launches:
             torch.cuda.set_stream(prev)
         if self.usable is None:
             self.usable = self._check()
-        if self.usable and ck is not None and all(
-            hasattr(ck, a) for a in ("run", "function", "packed_metadata", "launch_metadata")
+        if (
+            self.usable
+            and ck is not None
+            and all(
+                hasattr(ck, a) for a in ("run", "function", "packed_metadata", "launch_metadata")
+            )
         ):
             self.compiled[key] = ck
             direct = _direct_for(ck, args[:runtime], pointers=2)
@@ -285,8 +358,14 @@ LAUNCHES = _Launches()
 
 
 def _launch(
-    table: torch.Tensor, max_rows: int, max_tokens: int, geo: RowGeometry, bases: torch.Tensor,
-    *, to_paged: bool, blocks: tuple[int, int],
+    table: torch.Tensor,
+    max_rows: int,
+    max_tokens: int,
+    geo: RowGeometry,
+    bases: torch.Tensor,
+    *,
+    to_paged: bool,
+    blocks: tuple[int, int],
 ) -> Any:
     triton, kernel, _ = _triton()
     block_t, block_d = blocks
@@ -308,8 +387,13 @@ def _launch(
 
 
 def copy_runs(
-    table: torch.Tensor, max_rows: int, max_tokens: int, geo: RowGeometry, bases: torch.Tensor,
-    *, to_paged: bool,
+    table: torch.Tensor,
+    max_rows: int,
+    max_tokens: int,
+    geo: RowGeometry,
+    bases: torch.Tensor,
+    *,
+    to_paged: bool,
 ) -> None:
     """Copy every run of ``table`` (``[runs, RUN_WORDS]`` int64 on the cache's device; at most
     ``max_rows`` rows and ``max_tokens`` tokens a run) in one launch; ``bases``: int64 on the
@@ -320,8 +404,15 @@ def copy_runs(
     """
     if table.shape[0] == 0 or max_tokens == 0 or max_rows == 0:
         return
-    _launch(table, max_rows, max_tokens, geo, bases, to_paged=to_paged,
-            blocks=_blocks(geo.hd_words, geo.word_bytes))
+    _launch(
+        table,
+        max_rows,
+        max_tokens,
+        geo,
+        bases,
+        to_paged=to_paged,
+        blocks=_blocks(geo.hd_words, geo.word_bytes),
+    )
 
 
 def copy_words(src: torch.Tensor, dst: torch.Tensor, numel: int) -> Any:

@@ -33,7 +33,9 @@ def _torch_raw_stream(index: int) -> int:
 # The caller's current stream as a raw handle: torch's private accessor costs ~0.3 us where
 # ``torch.cuda.current_stream()`` builds a Stream object (~3-9 us on a busy host); the public
 # call is the fallback where the private one is missing.
-_get_raw_stream: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream", _torch_raw_stream)
+_get_raw_stream: Callable[[int], int] = getattr(
+    torch._C, "_cuda_getCurrentRawStream", _torch_raw_stream
+)
 
 
 def raw_current_stream(device: torch.device) -> int:
@@ -87,19 +89,44 @@ class DriverExecutor:
         self.record, self.wait = drv.record, drv.wait
         self.htod, self.dtoh = drv.memcpy_htod, drv.memcpy_dtoh
 
-    def run_pieces(self, lane: Lane, table: TableBuffer, offset: int, piece: Piece, geo: RowGeometry,
-                   bases: torch.Tensor, *, to_paged: bool) -> None:
+    def run_pieces(
+        self,
+        lane: Lane,
+        table: TableBuffer,
+        offset: int,
+        piece: Piece,
+        geo: RowGeometry,
+        bases: torch.Tensor,
+        *,
+        to_paged: bool,
+    ) -> None:
         """One kernel launch over ``piece``'s runs of the table (which starts ``offset`` int64s in)."""
         LAUNCHES.launch(
-            table.dev, table.dev_ptr, offset, piece.start, piece.stop, piece.max_rows, piece.max_tokens,  # type: ignore[arg-type]
-            geo, bases, to_paged=to_paged, stream=lane.kernel_stream, cache=lane.launch_cache,
+            table.dev,  # type: ignore[arg-type]
+            table.dev_ptr,
+            offset,
+            piece.start,
+            piece.stop,
+            piece.max_rows,
+            piece.max_tokens,
+            geo,
+            bases,
+            to_paged=to_paged,
+            stream=lane.kernel_stream,
+            cache=lane.launch_cache,
         )
 
     def table_up(self, lane: Lane, table: TableBuffer, numel: int, *, by_kernel: bool) -> None:
         """The table's first ``numel`` int64s to the device, on the kernel stream: by a kernel
         reading the pinned buffer in place, or on the copy engine (see ``Pipeline``)."""
         if by_kernel:
-            LAUNCHES.copy_words(table.host, table.host_read_ptr, table.dev, numel, stream=lane.kernel_stream)  # type: ignore[arg-type]
+            LAUNCHES.copy_words(
+                table.host,  # type: ignore[arg-type]
+                table.host_read_ptr,
+                table.dev,  # type: ignore[arg-type]
+                numel,
+                stream=lane.kernel_stream,
+            )
         else:
             self.drv.memcpy_htod(table.dev_ptr, table.host_ptr, 8 * numel, lane.ks_h)
 
@@ -118,10 +145,21 @@ class HostExecutor:
 
     dtoh = htod
 
-    def run_pieces(self, lane: Lane, table: TableBuffer, offset: int, piece: Piece, geo: RowGeometry,
-                   bases: torch.Tensor, *, to_paged: bool) -> None:
+    def run_pieces(
+        self,
+        lane: Lane,
+        table: TableBuffer,
+        offset: int,
+        piece: Piece,
+        geo: RowGeometry,
+        bases: torch.Tensor,
+        *,
+        to_paged: bool,
+    ) -> None:
         assert table.dev is not None
-        runs = table.dev[offset + piece.start * RUN_WORDS : offset + piece.stop * RUN_WORDS].view(-1, RUN_WORDS)
+        runs = table.dev[offset + piece.start * RUN_WORDS : offset + piece.stop * RUN_WORDS].view(
+            -1, RUN_WORDS
+        )
         copy_runs(runs, piece.max_rows, piece.max_tokens, geo, bases, to_paged=to_paged)
 
     def table_up(self, lane: Lane, table: TableBuffer, numel: int, *, by_kernel: bool) -> None:
@@ -148,13 +186,17 @@ class Lane:
         if self.is_cuda:
             drv = driver()
             if drv is None:
-                raise CUDADriverError("kvtier-cuda needs the CUDA driver library (libcuda.so.1), which did not load")
+                raise CUDADriverError(
+                    "kvtier-cuda needs the CUDA driver library (libcuda.so.1), which did not load"
+                )
             self.drv: CudaDriver | None = drv
             self.kernel_stream = torch.cuda.Stream(device)
             self.copy_stream = torch.cuda.Stream(device)
             self.ks_h, self.cs_h = self.kernel_stream.cuda_stream, self.copy_stream.cuda_stream
             self.exe = DriverExecutor(drv)
-            self.ring = StagingRing(device, num_slots, slot_bytes, (self.kernel_stream, self.copy_stream))
+            self.ring = StagingRing(
+                device, num_slots, slot_bytes, (self.kernel_stream, self.copy_stream)
+            )
             self.tables = TableRing(device, self.new_event, drv.host_device_pointer)
         else:
             self.drv = None
@@ -199,7 +241,9 @@ class Lane:
             if not self.drv.has_context():
                 torch.cuda.current_stream(self.device).query()
                 if not self.drv.has_context():
-                    raise CUDADriverError(f"no CUDA context is current on this thread for {self.device}")
+                    raise CUDADriverError(
+                        f"no CUDA context is current on this thread for {self.device}"
+                    )
         bound.add(self.device.index)
 
     def synchronize(self) -> None:

@@ -71,7 +71,9 @@ class StagingRing:
 
     ``streams``: (kernel stream, copy stream) on a GPU, None on a CPU device (tests)."""
 
-    def __init__(self, device: torch.device, num_slots: int, slot_bytes: int, streams: tuple[Any, Any] | None) -> None:
+    def __init__(
+        self, device: torch.device, num_slots: int, slot_bytes: int, streams: tuple[Any, Any] | None
+    ) -> None:
         self.device = device
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
@@ -95,12 +97,15 @@ class StagingRing:
                 stream.synchronize()
         self.slot_bytes = max(self.slot_bytes, nbytes)
         if self._streams is None:
-            self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8) for _ in range(self.num_slots)]
+            self.slots = [
+                torch.empty(self.slot_bytes, dtype=torch.uint8) for _ in range(self.num_slots)
+            ]
         else:
             ks, cs = self._streams
             with torch.cuda.stream(ks):
                 self.slots = [
-                    torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(self.num_slots)
+                    torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+                    for _ in range(self.num_slots)
                 ]
             for s in self.slots:
                 s.record_stream(cs)
@@ -126,7 +131,9 @@ class TableBuffer:
         self.dev: torch.Tensor | None = None
         self.host_ptr = self.host_read_ptr = self.dev_ptr = 0
 
-    def ensure(self, numel: int, device: torch.device, host_device_pointer: Any = None, keep: int = 0) -> None:
+    def ensure(
+        self, numel: int, device: torch.device, host_device_pointer: Any = None, keep: int = 0
+    ) -> None:
         """At least ``numel`` int64s (rounded up to ``WORDS_ALIGN``) on both sides; the first
         ``keep`` host values survive. ``host_device_pointer``: maps a pinned host address to the
         address a kernel reads it at (GPU only)."""
@@ -149,7 +156,9 @@ class TableRing:
     event: its last reader is that many batches back, normally long finished; when the host
     runs further ahead of the GPU than that, this wait is the back-pressure."""
 
-    def __init__(self, device: torch.device, make_event: Any, host_device_pointer: Any = None) -> None:
+    def __init__(
+        self, device: torch.device, make_event: Any, host_device_pointer: Any = None
+    ) -> None:
         self.device = device
         self.buffers = [TableBuffer(make_event()) for _ in range(TABLE_RING)]
         self.next = 0

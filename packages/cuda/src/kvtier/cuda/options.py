@@ -39,11 +39,17 @@ class CUDAOptions:
             value = getattr(self, f.name)
             want = type(f.default)
             if not isinstance(value, want) or (want is int and isinstance(value, bool)):
-                raise TypeError(f"CUDA connector option {f.name} must be a {want.__name__}, got {value!r}")
+                raise TypeError(
+                    f"CUDA connector option {f.name} must be a {want.__name__}, got {value!r}"
+                )
         if self.staging_slots < 2:
-            raise ValueError(f"CUDA connector option staging_slots must be >= 2 (double buffering), got {self.staging_slots}")
+            raise ValueError(
+                f"CUDA connector option staging_slots must be >= 2 (double buffering), got {self.staging_slots}"
+            )
         if self.staging_slot_bytes <= 0:
-            raise ValueError(f"CUDA connector option staging_slot_bytes must be > 0, got {self.staging_slot_bytes}")
+            raise ValueError(
+                f"CUDA connector option staging_slot_bytes must be > 0, got {self.staging_slot_bytes}"
+            )
 
     @classmethod
     def from_options(cls, options: Mapping[str, object]) -> CUDAOptions:

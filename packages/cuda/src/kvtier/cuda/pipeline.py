@@ -56,15 +56,32 @@ class BatchState:
 class Pipeline:
     """Issues planned batches on a connector's two lanes (``store_lane``, ``load_lane``)."""
 
-    def __init__(self, shape: CallShape, geo: RowGeometry, bases: torch.Tensor, store_lane: Lane, load_lane: Lane) -> None:
+    def __init__(
+        self,
+        shape: CallShape,
+        geo: RowGeometry,
+        bases: torch.Tensor,
+        store_lane: Lane,
+        load_lane: Lane,
+    ) -> None:
         self.shape, self.geo, self.bases = shape, geo, bases
         self.store_lane, self.load_lane = store_lane, load_lane
 
     def batch(
-        self, lane: Lane, prepared: Sequence[Prepared], segments: list[Segment], slots: torch.Tensor, *,
-        store: bool, state: BatchState, table: TableBuffer | None = None,
-        planned: tuple[list[Piece], int, int] | None = None, layer_events: dict[int, Any] | None = None,
-        interleaved: bool = False, defer_last: bool = False, first_piece_bytes: int | None = None,
+        self,
+        lane: Lane,
+        prepared: Sequence[Prepared],
+        segments: list[Segment],
+        slots: torch.Tensor,
+        *,
+        store: bool,
+        state: BatchState,
+        table: TableBuffer | None = None,
+        planned: tuple[list[Piece], int, int] | None = None,
+        layer_events: dict[int, Any] | None = None,
+        interleaved: bool = False,
+        defer_last: bool = False,
+        first_piece_bytes: int | None = None,
         last_piece_bytes: int | None = None,
     ) -> Generator[None, None, Any]:
         """Plan (unless ``planned`` into ``table`` already) and issue one batch of rows, one piece a
@@ -82,8 +99,13 @@ class Pipeline:
                     table.host[:n_slots] = slots
             slot_base = slots.data_ptr() if on_device else table.dev_ptr
             pieces, runs = plan(
-                lane.ring, prepared, segments, store=store, slot_base=slot_base,
-                first_piece_bytes=first_piece_bytes, last_piece_bytes=last_piece_bytes,
+                lane.ring,
+                prepared,
+                segments,
+                store=store,
+                slot_base=slot_base,
+                first_piece_bytes=first_piece_bytes,
+                last_piece_bytes=last_piece_bytes,
             )
             if not pieces:
                 return None
@@ -105,9 +127,19 @@ class Pipeline:
                 self._order_after_caller(lane, state)
                 if store:
                     return (yield from self._store(lane, table, n_slots, numel, pieces))
-                return (yield from self._load(
-                    lane, table, n_slots, numel, pieces, state, layer_events, interleaved, defer_last
-                ))
+                return (
+                    yield from self._load(
+                        lane,
+                        table,
+                        n_slots,
+                        numel,
+                        pieces,
+                        state,
+                        layer_events,
+                        interleaved,
+                        defer_last,
+                    )
+                )
             except BaseException:
                 # Nothing half-issued may outlive the call: the objects may be released next.
                 lane.synchronize()
@@ -123,7 +155,11 @@ class Pipeline:
         if not lane.is_cuda:
             return
         lane.bind_context()
-        caller = state.caller_stream if state.caller_stream is not None else raw_current_stream(lane.device)
+        caller = (
+            state.caller_stream
+            if state.caller_stream is not None
+            else raw_current_stream(lane.device)
+        )
         lane.exe.record(lane.after.handle, caller)
         lane.exe.wait(lane.ks_h, lane.after.handle)
 
@@ -165,8 +201,16 @@ class Pipeline:
         exe.record(free, cs_h)
 
     def _load(
-        self, lane: Lane, table: TableBuffer, n_slots: int, numel: int, pieces: list[Piece], state: BatchState,
-        layer_events: dict[int, Any] | None, interleaved: bool, defer_last: bool,
+        self,
+        lane: Lane,
+        table: TableBuffer,
+        n_slots: int,
+        numel: int,
+        pieces: list[Piece],
+        state: BatchState,
+        layer_events: dict[int, Any] | None,
+        interleaved: bool,
+        defer_last: bool,
     ) -> Generator[None, None, Any]:
         eager, state.eager = state.eager, None
         if eager is None or not same_copies(eager, pieces[0]):
@@ -212,7 +256,12 @@ class Pipeline:
         exe.record(lane.filled[s].handle, cs_h)
 
     def _scatter(
-        self, lane: Lane, table: TableBuffer, n_slots: int, piece: Piece, layer_events: dict[int, Any] | None,
+        self,
+        lane: Lane,
+        table: TableBuffer,
+        n_slots: int,
+        piece: Piece,
+        layer_events: dict[int, Any] | None,
         last_of: TableBuffer | None,
     ) -> None:
         """Scatter a load piece from its slot once its DMA has landed (ks); ``last_of``: the

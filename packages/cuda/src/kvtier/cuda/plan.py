@@ -43,7 +43,9 @@ class Prepared:
 
     obj: torch.Tensor  # the memory object's tensor (contiguous, on the host)
     host_ptr: int
-    storage: int  # identifies the object's buffer: adjacent objects of one buffer merge into one DMA
+    storage: (
+        int  # identifies the object's buffer: adjacent objects of one buffer merge into one DMA
+    )
     num_tokens: int
     row_bytes: int  # one row: num_tokens * hidden_size * itemsize
     slot_index: int  # element offset of this transfer's slots in the call's slot list
@@ -95,7 +97,10 @@ def layer_rows(count: int, layer: int, shape: CallShape) -> list[Segment]:
 
 
 def prepare(
-    shape: CallShape, transfers: Sequence[Transfer], first_index: int = 0, out: torch.Tensor | None = None
+    shape: CallShape,
+    transfers: Sequence[Transfer],
+    first_index: int = 0,
+    out: torch.Tensor | None = None,
 ) -> tuple[list[Prepared], torch.Tensor]:
     """Check every transfer; return them with one int64 host tensor of the call's slots.
 
@@ -124,7 +129,11 @@ def prepare(
         if sl.dtype != int64 or not sl.is_cpu:
             sl = sl.to(device="cpu", dtype=int64)
         host_slots.append(sl)
-        prepared.append(Prepared(obj, obj.data_ptr(), id(mobj.arena), n, n * shape.hd_bytes, start, empty=n == 0))
+        prepared.append(
+            Prepared(
+                obj, obj.data_ptr(), id(mobj.arena), n, n * shape.hd_bytes, start, empty=n == 0
+            )
+        )
         start += n
     if out is not None:
         slot_tensor = out[:start]
@@ -135,13 +144,17 @@ def prepare(
     values = slot_tensor.numpy()
     # One reduction: as unsigned, -1 and every negative value are larger than any slot.
     if not (start and int(values.view(np.uint64).max()) < shape.total_slots):
-        empties, holes = slot_ranges(values, [p.num_tokens for p in prepared], shape.total_slots, first_index)
+        empties, holes = slot_ranges(
+            values, [p.num_tokens for p in prepared], shape.total_slots, first_index
+        )
         for p, empty, has_holes in zip(prepared, empties, holes, strict=True):
             p.empty, p.has_holes = empty, has_holes
     return prepared, slot_tensor
 
 
-def slot_ranges(values: np.ndarray, lengths: list[int], total: int, first_index: int = 0) -> tuple[list[bool], list[bool]]:
+def slot_ranges(
+    values: np.ndarray, lengths: list[int], total: int, first_index: int = 0
+) -> tuple[list[bool], list[bool]]:
     """Per transfer: whether it has no slot at all (every one -1) and whether it has a -1.
     Raises IndexError naming the first transfer with a slot outside ``[-1, total)``."""
     starts = np.cumsum([0, *lengths[:-1]], dtype=np.int64)
@@ -188,7 +201,11 @@ def plan(
     pieces: list[Piece] = []
     last_piece_of_layer: dict[int, Piece] = {}
     piece: Piece | None = None
-    left_bytes = sum(prepared[sg[0]].row_bytes * len(range(*sg[1:4])) for sg in segs) if last_piece_bytes else 0
+    left_bytes = (
+        sum(prepared[sg[0]].row_bytes * len(range(*sg[1:4])) for sg in segs)
+        if last_piece_bytes
+        else 0
+    )
     # The current piece's state lives in locals (this loop runs once per chunk per call): bytes
     # used, capacity, its slot's address, its last host range.
     used = cap = base = 0
@@ -209,7 +226,9 @@ def plan(
                     cap = max(left_bytes - last_piece_bytes, rb)  # this piece and a short last one
                 if piece is not None:
                     piece.stop, piece.nbytes = len(runs), used
-                piece = Piece(start=len(runs), stop=len(runs), max_tokens=0, slot=ring.claim(), cap=cap)
+                piece = Piece(
+                    start=len(runs), stop=len(runs), max_tokens=0, slot=ring.claim(), cap=cap
+                )
                 pieces.append(piece)
                 used, base, last = 0, slot_ptrs[piece.slot], None
                 fit = cap // rb
@@ -221,7 +240,11 @@ def plan(
             for j in range(1 if step == 1 else k):
                 nbytes = k * rb if step == 1 else rb
                 addr = p.host_ptr + (r + j * step) * rb
-                if last is not None and last.host_ptr + last.nbytes == addr and last.storage == p.storage:
+                if (
+                    last is not None
+                    and last.host_ptr + last.nbytes == addr
+                    and last.storage == p.storage
+                ):
                     last.nbytes += nbytes
                 else:
                     last = Copy(addr, p.storage, used, nbytes)
@@ -243,7 +266,13 @@ def plan(
 
 
 def groups(
-    transfers: Sequence[Transfer], token_bytes: int, *, first: int, slot_bytes: int, growth: int, whole: bool = False
+    transfers: Sequence[Transfer],
+    token_bytes: int,
+    *,
+    first: int,
+    slot_bytes: int,
+    growth: int,
+    whole: bool = False,
 ) -> list[tuple[int, int, int]]:
     """Split a whole-chunk call into runs of transfers ``(lo, hi, tokens)``: ``first`` bytes (at
     most a staging slot) first, then ``growth`` times the previous cap each (a transfer larger
@@ -267,7 +296,11 @@ def groups(
 
 
 def eager_piece(
-    ring: StagingRing, transfers: Sequence[Transfer], shape: CallShape, *, last_piece_bytes: int | None
+    ring: StagingRing,
+    transfers: Sequence[Transfer],
+    shape: CallShape,
+    *,
+    last_piece_bytes: int | None,
 ) -> Piece | None:
     """A whole-chunk load's first piece, found before anything is checked or planned, for the
     caller to DMA at once (moving bytes into a staging slot needs no slot list, no table and no
@@ -301,7 +334,11 @@ def eager_piece(
             break
         mobj = t.obj
         addr, storage = mobj.tensor.data_ptr(), id(mobj.arena)
-        if last_copy is not None and last_copy.host_ptr + last_copy.nbytes == addr and last_copy.storage == storage:
+        if (
+            last_copy is not None
+            and last_copy.host_ptr + last_copy.nbytes == addr
+            and last_copy.storage == storage
+        ):
             last_copy.nbytes += nbytes
         else:
             last_copy = Copy(addr, storage, used, nbytes)

@@ -73,6 +73,7 @@ def bench_cpu(b: Bench, shape: Shape) -> None:
         def run() -> None:
             for s, d in zip(src, dst, strict=True):
                 d.copy_(s)
+
         return run
 
     def put(r: int) -> Callable[[], None]:
@@ -83,6 +84,7 @@ def bench_cpu(b: Bench, shape: Shape) -> None:
                 with obj:
                     obj.tensor.copy_(s)
                     m.put(k(r, i), obj)
+
         return run
 
     def get(r: int) -> Callable[[], None]:
@@ -94,6 +96,7 @@ def bench_cpu(b: Bench, shape: Shape) -> None:
                 assert obj is not None
                 with obj:
                     d.copy_(obj.tensor)
+
         return run
 
     try:
@@ -104,21 +107,37 @@ def bench_cpu(b: Bench, shape: Shape) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvtier bench storage", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvtier bench storage",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--quick", action="store_true", help="a small run: 2 rounds, batches halved")
     ap.add_argument("--repeat", type=int, default=15, help="timed rounds per figure (median)")
-    ap.add_argument("--tiers", nargs="+", default=["local_cpu", "local_disk", "redis"],
-                    choices=["local_cpu", "local_disk", "redis"])
-    ap.add_argument("--shapes", nargs="+", default=[s.name for s in SHAPES],
-                    choices=[s.name for s in SHAPES])
-    ap.add_argument("--disk-dir", type=Path, default=Path(tempfile.gettempdir()),
-                    help="where the disk tier and the raw reference files are written")
-    ap.add_argument("--no-redis-cluster", action="store_true",
-                    help="skip the 3-shard Redis Cluster row")
-    ap.add_argument("--merge", action="store_true",
-                    help="keep the rows of the tiers not run from <out>/storage.json (listed in "
-                         "its 'merged_tiers': they come from an earlier run)")
+    ap.add_argument(
+        "--tiers",
+        nargs="+",
+        default=["local_cpu", "local_disk", "redis"],
+        choices=["local_cpu", "local_disk", "redis"],
+    )
+    ap.add_argument(
+        "--shapes", nargs="+", default=[s.name for s in SHAPES], choices=[s.name for s in SHAPES]
+    )
+    ap.add_argument(
+        "--disk-dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()),
+        help="where the disk tier and the raw reference files are written",
+    )
+    ap.add_argument(
+        "--no-redis-cluster", action="store_true", help="skip the 3-shard Redis Cluster row"
+    )
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the rows of the tiers not run from <out>/storage.json (listed in "
+        "its 'merged_tiers': they come from an earlier run)",
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args(argv)
     repeat = 2 if args.quick else args.repeat
@@ -155,27 +174,46 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     doc = {
         "benchmark": "storage",
-        "machine": {"system": platform.platform(), "processor": platform.machine(),
-                    "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "torch": torch.__version__, "redis_server": redis_note,
-                    "torch_threads": torch.get_num_threads()},
-        "params": {"repeat": repeat, "quick": args.quick,
-                   "shapes": {s.name: {"chunk_bytes": s.meta.nbytes, "batch": s.batch,
-                                       "layers": s.layout.num_layers, "kv_heads": s.layout.num_kv_heads,
-                                       "head_size": s.layout.head_size, "tokens": s.tokens}
-                              for s in shapes}},
-        "reference": {"local_cpu": "memcpy (Tensor.copy_) of the same bytes",
-                      "local_disk": "raw write+fsync / read of the same bytes; reads both from the "
-                                    "page cache and from the device (cache dropped with fadvise)",
-                      "redis": "redis-benchmark SET/GET of values of the tier's segment size over "
-                               "the tier's connection count (each row's command in 'reference'); "
-                               "the cluster-3 row: the tier reading from one server"},
+        "machine": {
+            "system": platform.platform(),
+            "processor": platform.machine(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "redis_server": redis_note,
+            "torch_threads": torch.get_num_threads(),
+        },
+        "params": {
+            "repeat": repeat,
+            "quick": args.quick,
+            "shapes": {
+                s.name: {
+                    "chunk_bytes": s.meta.nbytes,
+                    "batch": s.batch,
+                    "layers": s.layout.num_layers,
+                    "kv_heads": s.layout.num_kv_heads,
+                    "head_size": s.layout.head_size,
+                    "tokens": s.tokens,
+                }
+                for s in shapes
+            },
+        },
+        "reference": {
+            "local_cpu": "memcpy (Tensor.copy_) of the same bytes",
+            "local_disk": "raw write+fsync / read of the same bytes; reads both from the "
+            "page cache and from the device (cache dropped with fadvise)",
+            "redis": "redis-benchmark SET/GET of values of the tier's segment size over "
+            "the tier's connection count (each row's command in 'reference'); "
+            "the cluster-3 row: the tier reading from one server",
+        },
         "results": b.rows,
     }
     old_path = args.out / "storage.json"
     if args.merge and old_path.exists():
         old = json.loads(old_path.read_text())
-        kept: list[dict[str, Any]] = [r for r in old.get("results", []) if r.get("tier") not in args.tiers]
+        kept: list[dict[str, Any]] = [
+            r for r in old.get("results", []) if r.get("tier") not in args.tiers
+        ]
         b.rows = kept + b.rows
         doc["results"] = b.rows
         doc["merged_tiers"] = sorted({r["tier"] for r in kept})

@@ -31,7 +31,9 @@ class Shape:
 
     @property
     def meta(self) -> MemoryObjMeta:
-        return MemoryObjMeta(self.layout.chunk_shape(self.tokens), self.layout.torch_dtype, self.tokens)
+        return MemoryObjMeta(
+            self.layout.chunk_shape(self.tokens), self.layout.torch_dtype, self.tokens
+        )
 
 
 SHAPES = [
@@ -58,9 +60,15 @@ class Bench:
         self.rows: list[dict[str, Any]] = []
 
     def compare(
-        self, tier: str, shape: Shape, op: str, nbytes: int,
-        ours: Callable[[int], Callable[[], Any]], ref: Callable[[int], Callable[[], Any]],
-        cleanup: Callable[[], None] = lambda: None, variant: str | None = None,
+        self,
+        tier: str,
+        shape: Shape,
+        op: str,
+        nbytes: int,
+        ours: Callable[[int], Callable[[], Any]],
+        ref: Callable[[int], Callable[[], Any]],
+        cleanup: Callable[[], None] = lambda: None,
+        variant: str | None = None,
     ) -> None:
         """``ours(round)``/``ref(round)`` prepare a round (untimed) and return the timed part."""
         t_ours: list[float] = []
@@ -74,15 +82,25 @@ class Bench:
                 t_ref.append(a)
                 t_ours.append(b)
         g, rg = _median_gbps(nbytes, t_ours), _median_gbps(nbytes, t_ref)
-        row = {"tier": tier, "shape": shape.name, "op": op, "chunk_bytes": shape.meta.nbytes,
-               "batch": shape.batch, "gbps": round(g, 3), "reference_gbps": round(rg, 3),
-               "ratio": round(g / rg, 3), "target": TARGETS[tier]}
+        row = {
+            "tier": tier,
+            "shape": shape.name,
+            "op": op,
+            "chunk_bytes": shape.meta.nbytes,
+            "batch": shape.batch,
+            "gbps": round(g, 3),
+            "reference_gbps": round(rg, 3),
+            "ratio": round(g / rg, 3),
+            "target": TARGETS[tier],
+        }
         if variant:
             row["variant"] = variant
         self.rows.append(row)
         label = f"{op} {variant}" if variant else op
-        print(f"{tier:<11}{shape.name:<7}{label:<16}{g:>9.2f}{rg:>11.2f}{g / rg:>8.2f}{TARGETS[tier]:>8.2f}",
-              flush=True)
+        print(
+            f"{tier:<11}{shape.name:<7}{label:<16}{g:>9.2f}{rg:>11.2f}{g / rg:>8.2f}{TARGETS[tier]:>8.2f}",
+            flush=True,
+        )
 
 
 def touched_arena(nbytes: int) -> HostArena:
@@ -95,10 +113,13 @@ def touched_arena(nbytes: int) -> HostArena:
 def _fill(obj: MemoryObj, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     obj.tensor.view(torch.int16).copy_(
-        torch.randint(-30000, 30000, obj.meta.shape, dtype=torch.int16, generator=g))
+        torch.randint(-30000, 30000, obj.meta.shape, dtype=torch.int16, generator=g)
+    )
 
 
-def make_backend(cls: type[StorageBackend], shape: Shape, arena: HostArena, **cfg: Any) -> StorageBackend:
+def make_backend(
+    cls: type[StorageBackend], shape: Shape, arena: HostArena, **cfg: Any
+) -> StorageBackend:
     """A ``cls`` tier for ``shape`` built from config overrides ``cfg`` (sealed if they set a key)."""
     config = load_config(overrides={"chunk_size": shape.tokens, **cfg}, env={})
     ns = KeyFactory("bench", shape.layout.fingerprint()).key(b"").namespace()
@@ -108,8 +129,9 @@ def make_backend(cls: type[StorageBackend], shape: Shape, arena: HostArena, **cf
         from kvtier.storage.sealing import Sealer
 
         sealer = Sealer(key)
-    return cls(BackendContext(config=config, layout=shape.layout, namespace=ns, arena=arena,
-                              sealer=sealer))
+    return cls(
+        BackendContext(config=config, layout=shape.layout, namespace=ns, arena=arena, sealer=sealer)
+    )
 
 
 def filled_objects(shape: Shape) -> tuple[HostArena, list[MemoryObj]]:
@@ -134,16 +156,26 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
     except ImportError:
         print("matplotlib not installed: no chart")
         return
-    labels = [f"{r['tier']}\n{r['shape']} {r['op']}" + (f"\n{r['variant']}" if "variant" in r else "")
-              for r in rows]
+    labels = [
+        f"{r['tier']}\n{r['shape']} {r['op']}" + (f"\n{r['variant']}" if "variant" in r else "")
+        for r in rows
+    ]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4.5))
-    bars = ax.bar(range(len(rows)), [r["ratio"] for r in rows],
-                  color=["tab:blue" if r["ratio"] >= (r["target"] or 0) else "tab:orange" for r in rows])
+    bars = ax.bar(
+        range(len(rows)),
+        [r["ratio"] for r in rows],
+        color=["tab:blue" if r["ratio"] >= (r["target"] or 0) else "tab:orange" for r in rows],
+    )
     for i, r in enumerate(rows):
         if r["target"] is not None:  # a cost measurement (sealed vs plain) has no target
             ax.hlines(r["target"], i - 0.4, i + 0.4, colors="black", linestyles="dashed")
-        ax.text(i, r["ratio"] + 0.02, f"{r['gbps']:.1f}\n/{r['reference_gbps']:.1f}", ha="center",
-                fontsize=7)
+        ax.text(
+            i,
+            r["ratio"] + 0.02,
+            f"{r['gbps']:.1f}\n/{r['reference_gbps']:.1f}",
+            ha="center",
+            fontsize=7,
+        )
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_ylabel("kvtier / reference throughput")
     ax.set_title("kvtier storage tiers vs. reference (dashed: target; labels GB/s ours/ref)")

@@ -65,9 +65,14 @@ class _DiskRounds:
         self.raw_dir = self.root / "raw"
         self.raw_dir.mkdir()
         extra = {"encryption_key": os.urandom(32).hex()} if sealed else {}
-        disk = make_backend(LocalDiskBackend, shape, self.arena,
-                            local_disk_path=str(self.root / "tier"), local_disk_size_gb=64.0,
-                            **extra)
+        disk = make_backend(
+            LocalDiskBackend,
+            shape,
+            self.arena,
+            local_disk_path=str(self.root / "tier"),
+            local_disk_size_gb=64.0,
+            **extra,
+        )
         assert isinstance(disk, LocalDiskBackend)
         self.disk = disk
         self.keys = KeyFactory("bench", shape.layout.fingerprint())
@@ -78,7 +83,9 @@ class _DiskRounds:
         return self.keys.key(r.to_bytes(4, "little") + i.to_bytes(4, "little"))
 
     def clear(self) -> None:
-        self.disk.remove([self.key(r, i) for r in range(self.repeat + 1) for i in range(self.batch)])
+        self.disk.remove(
+            [self.key(r, i) for r in range(self.repeat + 1) for i in range(self.batch)]
+        )
         for p in self.raw_dir.iterdir():
             p.unlink()
 
@@ -86,6 +93,7 @@ class _DiskRounds:
         def run() -> None:
             for i, o in enumerate(self.objs):
                 _write_raw(str(self.raw_dir / f"{i}"), o.byte_view())
+
         return run
 
     def put(self, r: int) -> Callable[[], None]:
@@ -99,6 +107,7 @@ class _DiskRounds:
         def run() -> None:
             for i, buf in enumerate(self.sink):
                 _read_raw(str(self.raw_dir / f"{i}"), buf.data)
+
         return run
 
     def get(self, r: int) -> Callable[[], None]:
@@ -107,10 +116,13 @@ class _DiskRounds:
             _drop_cache(self.disk.dir)
 
         def run() -> None:
-            got = self.disk.batched_get([self.key(r, i) for i in range(self.batch)], self.arena.allocate)
+            got = self.disk.batched_get(
+                [self.key(r, i) for i in range(self.batch)], self.arena.allocate
+            )
             assert all(g is not None for g in got), "disk bench read missed"
             for g in got:
                 g.release()  # type: ignore[union-attr]
+
         return run
 
     def close(self) -> None:
@@ -127,13 +139,27 @@ def bench_disk(b: Bench, shape: Shape, disk_dir: Path, *, sealed: bool = False) 
     nbytes = shape.meta.nbytes * shape.batch
     try:
         if sealed:
-            b.compare("local_disk", shape, "put", nbytes, d.put, d.raw_put, d.clear, variant="sealed")
-            b.compare("local_disk", shape, "get", nbytes, d.get, d.raw_get, d.clear,
-                      variant="page-cache sealed")
+            b.compare(
+                "local_disk", shape, "put", nbytes, d.put, d.raw_put, d.clear, variant="sealed"
+            )
+            b.compare(
+                "local_disk",
+                shape,
+                "get",
+                nbytes,
+                d.get,
+                d.raw_get,
+                d.clear,
+                variant="page-cache sealed",
+            )
             return
         b.compare("local_disk", shape, "put", nbytes, d.put, d.raw_put, d.clear)
-        b.compare("local_disk", shape, "get", nbytes, d.get, d.raw_get, d.clear, variant="page-cache")
+        b.compare(
+            "local_disk", shape, "get", nbytes, d.get, d.raw_get, d.clear, variant="page-cache"
+        )
         d.cold = True
-        b.compare("local_disk", shape, "get", nbytes, d.get, d.raw_get, d.clear, variant="from-device")
+        b.compare(
+            "local_disk", shape, "get", nbytes, d.get, d.raw_get, d.clear, variant="from-device"
+        )
     finally:
         d.close()

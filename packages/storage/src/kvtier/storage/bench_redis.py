@@ -65,13 +65,31 @@ class PrivateRedis:
         self.procs: list[subprocess.Popen[bytes]] = []
         try:
             for i, port in enumerate(self.ports):
-                args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                        "--appendonly", "no", "--dir", self.dir, "--proto-max-bulk-len", "1gb"]
+                args = [
+                    binary,
+                    "--port",
+                    str(port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    self.dir,
+                    "--proto-max-bulk-len",
+                    "1gb",
+                ]
                 if masters:
-                    args += ["--cluster-enabled", "yes", "--cluster-config-file",
-                             str(Path(self.dir) / f"nodes-{i}.conf")]
-                self.procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL,
-                                                   stderr=subprocess.DEVNULL))
+                    args += [
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        str(Path(self.dir) / f"nodes-{i}.conf"),
+                    ]
+                self.procs.append(
+                    subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                )
             for port in self.ports:
                 self._wait(port)
             if masters:
@@ -97,9 +115,20 @@ class PrivateRedis:
         cli = shutil.which("redis-cli")
         if cli is None:
             raise FileNotFoundError("redis-cli is not installed")
-        subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
-                        "--cluster-replicas", "0", "--cluster-yes"],
-                       check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            [
+                cli,
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{p}" for p in self.ports),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if all(b"cluster_state:ok" in self.call(p, "CLUSTER", "INFO") for p in self.ports):  # type: ignore[operator]
@@ -120,8 +149,12 @@ class PrivateRedis:
             self.call(p, "FLUSHALL")
 
     def version(self) -> str:
-        out = subprocess.run([shutil.which("redis-server") or "redis-server", "--version"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            [shutil.which("redis-server") or "redis-server", "--version"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return out.stdout.strip()
 
     def close(self) -> None:
@@ -131,8 +164,9 @@ class PrivateRedis:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def redis_benchmark(port: int, op: str, size: int, conns: int, total: int,
-                    keyspace: int = 0) -> tuple[float, str]:
+def redis_benchmark(
+    port: int, op: str, size: int, conns: int, total: int, keyspace: int = 0
+) -> tuple[float, str]:
     """GB/s of ``redis-benchmark`` running ``op`` (set/get) on values of ``size`` bytes over
     ``conns`` connections, about ``total`` bytes in all; and the command line. ``keyspace``: the
     number of distinct keys (``-r``; 0: one key, which the server then serves from the CPU's
@@ -151,35 +185,83 @@ def redis_benchmark(port: int, op: str, size: int, conns: int, total: int,
         finally:
             conn.close()
     n = max(256, 4 * conns, total // size)  # at least 256 values: a short run is mostly set-up
-    cmd = ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-t", op, "-d", str(size),
-           "-n", str(n), "-c", str(conns), "-P", "1", *(["-r", str(keyspace)] if keyspace else []),
-           "--csv"]
-    out = subprocess.run([binary, *cmd[1:]], capture_output=True, text=True, timeout=300, check=True)
-    rows = [line.split(",") for line in out.stdout.splitlines() if line.startswith(f'"{op.upper()}"')]
+    cmd = [
+        "redis-benchmark",
+        "-h",
+        "127.0.0.1",
+        "-p",
+        str(port),
+        "-t",
+        op,
+        "-d",
+        str(size),
+        "-n",
+        str(n),
+        "-c",
+        str(conns),
+        "-P",
+        "1",
+        *(["-r", str(keyspace)] if keyspace else []),
+        "--csv",
+    ]
+    out = subprocess.run(
+        [binary, *cmd[1:]], capture_output=True, text=True, timeout=300, check=True
+    )
+    rows = [
+        line.split(",") for line in out.stdout.splitlines() if line.startswith(f'"{op.upper()}"')
+    ]
     if not rows:
         raise RuntimeError(f"redis-benchmark printed no {op} row: {out.stdout[-500:]}")
     rps = float(rows[-1][1].strip('"'))
     return rps * size / 1e9, " ".join(cmd)
 
 
-def _rate_row(b: Bench, shape: Shape, op: str, ours: list[float], ref: list[float], target: float | None,
-              reference: str, **extra: Any) -> None:
+def _rate_row(
+    b: Bench,
+    shape: Shape,
+    op: str,
+    ours: list[float],
+    ref: list[float],
+    target: float | None,
+    reference: str,
+    **extra: Any,
+) -> None:
     g, rg = statistics.median(ours), statistics.median(ref)
-    row = {"tier": "redis", "shape": shape.name, "op": op, "chunk_bytes": shape.meta.nbytes,
-           "batch": shape.batch, "gbps": round(g, 3), "reference": reference,
-           "reference_gbps": round(rg, 3), "ratio": round(g / rg, 3), "target": target,
-           "gbps_spread": [round(min(ours), 3), round(max(ours), 3)],
-           "reference_gbps_spread": [round(min(ref), 3), round(max(ref), 3)], **extra}
+    row = {
+        "tier": "redis",
+        "shape": shape.name,
+        "op": op,
+        "chunk_bytes": shape.meta.nbytes,
+        "batch": shape.batch,
+        "gbps": round(g, 3),
+        "reference": reference,
+        "reference_gbps": round(rg, 3),
+        "ratio": round(g / rg, 3),
+        "target": target,
+        "gbps_spread": [round(min(ours), 3), round(max(ours), 3)],
+        "reference_gbps_spread": [round(min(ref), 3), round(max(ref), 3)],
+        **extra,
+    }
     b.rows.append(row)
     label = f"{op} {extra['variant']}" if "variant" in extra else op
     shown = "-" if target is None else f"{target:.2f}"
-    print(f"{'redis':<11}{shape.name:<7}{label:<16}{g:>9.2f}{rg:>11.2f}{g / rg:>8.2f}{shown:>8}",
-          flush=True)
+    print(
+        f"{'redis':<11}{shape.name:<7}{label:<16}{g:>9.2f}{rg:>11.2f}{g / rg:>8.2f}{shown:>8}",
+        flush=True,
+    )
 
 
 def _tier(shape: Shape, arena: Any, url: str, cluster: bool = False, **cfg: Any) -> RedisBackend:
-    tier = make_backend(RedisBackend, shape, arena, tiers=["local_cpu", "redis"], redis_url=url,
-                        redis_cluster=cluster, redis_timeout_s=60.0, **cfg)
+    tier = make_backend(
+        RedisBackend,
+        shape,
+        arena,
+        tiers=["local_cpu", "redis"],
+        redis_url=url,
+        redis_cluster=cluster,
+        redis_timeout_s=60.0,
+        **cfg,
+    )
     assert isinstance(tier, RedisBackend)
     return tier
 
@@ -194,8 +276,10 @@ class _Batch:
         self.nbytes = shape.meta.nbytes * shape.batch
 
     def items(self, r: int) -> list[Any]:
-        return [(self.keys.key(r.to_bytes(4, "little") + i.to_bytes(4, "little")), o)
-                for i, o in enumerate(self.objs)]
+        return [
+            (self.keys.key(r.to_bytes(4, "little") + i.to_bytes(4, "little")), o)
+            for i, o in enumerate(self.objs)
+        ]
 
     def read(self, t: RedisBackend, r: int) -> float:
         ks = [k for k, _ in self.items(r)]
@@ -230,8 +314,14 @@ def bench_redis(b: Bench, shape: Shape, server: PrivateRedis, cluster: PrivateRe
             if op == "write":  # like redis-benchmark's SETs, each round overwrites its values
                 tier.batched_put(batch.items(0))
             for r in range(b.repeat + 1):  # round 0 warms up
-                rg, cmd = redis_benchmark(server.port, "set" if op == "write" else "get", seg, conns,
-                                          batch.nbytes, keyspace)
+                rg, cmd = redis_benchmark(
+                    server.port,
+                    "set" if op == "write" else "get",
+                    seg,
+                    conns,
+                    batch.nbytes,
+                    keyspace,
+                )
                 if op == "read":
                     tier.batched_put(batch.items(r))
                 g = batch.write(tier, 0) if op == "write" else batch.read(tier, r)
@@ -241,8 +331,19 @@ def bench_redis(b: Bench, shape: Shape, server: PrivateRedis, cluster: PrivateRe
                     ours.append(g)
                     ref.append(rg)
             server.flush()
-            _rate_row(b, shape, op, ours, ref, TARGET, cmd, **extra,
-                      **({"target_gbps": READ_GBPS_TARGET} if op == "read" and shape.name == "8b" else {}))
+            _rate_row(
+                b,
+                shape,
+                op,
+                ours,
+                ref,
+                TARGET,
+                cmd,
+                **extra,
+                **(
+                    {"target_gbps": READ_GBPS_TARGET} if op == "read" and shape.name == "8b" else {}
+                ),
+            )
     finally:
         tier.close()
         batch.close()
@@ -258,8 +359,9 @@ def _bench_sealed(b: Bench, shape: Shape, server: PrivateRedis) -> None:
     plain = _tier(shape, batch.arena, server.url)
     sealed = _tier(shape, batch.arena, server.url, encryption_key=os.urandom(32).hex())
     try:
-        rates: dict[tuple[str, bool], list[float]] = {(op, s): [] for op in ("write", "read")
-                                                      for s in (False, True)}
+        rates: dict[tuple[str, bool], list[float]] = {
+            (op, s): [] for op in ("write", "read") for s in (False, True)
+        }
         for r in range(b.repeat + 1):
             for is_sealed, t in ((False, plain), (True, sealed)):
                 w = batch.write(t, r)
@@ -269,9 +371,18 @@ def _bench_sealed(b: Bench, shape: Shape, server: PrivateRedis) -> None:
                     rates[("write", is_sealed)].append(w)
                     rates[("read", is_sealed)].append(g)
         for op in ("write", "read"):
-            _rate_row(b, shape, op, rates[(op, True)], rates[(op, False)], None,
-                      "this tier without encryption_key, same rounds", variant="sealed",
-                      segment_bytes=plain.segment_bytes, connections=plain.nodes.connections)
+            _rate_row(
+                b,
+                shape,
+                op,
+                rates[(op, True)],
+                rates[(op, False)],
+                None,
+                "this tier without encryption_key, same rounds",
+                variant="sealed",
+                segment_bytes=plain.segment_bytes,
+                connections=plain.nodes.connections,
+            )
     finally:
         plain.close()
         sealed.close()
@@ -296,9 +407,18 @@ def _bench_cluster(b: Bench, shape: Shape, server: PrivateRedis, cluster: Privat
             if r:
                 ours.append(g3)
                 ref.append(g1)
-        _rate_row(b, big, "read", ours, ref, CLUSTER_TARGET,
-                  "this tier reading the same batch from one redis-server", variant="cluster-3",
-                  segment_bytes=one.segment_bytes, connections=one.nodes.connections)
+        _rate_row(
+            b,
+            big,
+            "read",
+            ours,
+            ref,
+            CLUSTER_TARGET,
+            "this tier reading the same batch from one redis-server",
+            variant="cluster-3",
+            segment_bytes=one.segment_bytes,
+            connections=one.nodes.connections,
+        )
     finally:
         one.close()
         three.close()

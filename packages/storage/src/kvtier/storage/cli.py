@@ -25,10 +25,16 @@ _DEFAULT_PREFIX = "kvtier:"
 def _parser(command: str, about: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"kvtier {command}", description=about)
     p.add_argument("--disk", metavar="PATH", help="a disk-tier directory (local_disk_path)")
-    p.add_argument("--redis", metavar="URL", help="a Redis/Valkey URL (redis://, rediss://, unix://)")
-    p.add_argument("--prefix", help=f"the Redis key prefix (default: the config's, else {_DEFAULT_PREFIX!r})")
+    p.add_argument(
+        "--redis", metavar="URL", help="a Redis/Valkey URL (redis://, rediss://, unix://)"
+    )
+    p.add_argument(
+        "--prefix", help=f"the Redis key prefix (default: the config's, else {_DEFAULT_PREFIX!r})"
+    )
     p.add_argument("--cluster", action="store_true", help="the Redis URL is a Redis Cluster node")
-    p.add_argument("--config", metavar="FILE", help="a kvtier config file (else $KVTIER_CONFIG_FILE)")
+    p.add_argument(
+        "--config", metavar="FILE", help="a kvtier config file (else $KVTIER_CONFIG_FILE)"
+    )
     who = p.add_mutually_exclusive_group()
     who.add_argument("--salt", help="only the chunks of this cache salt")
     who.add_argument("--salt-id", help="only the chunks of this salt id ('-': no salt)")
@@ -45,7 +51,9 @@ def _sources(args: argparse.Namespace) -> list[tuple[str, Any]]:
         disk = str(cfg.disk_path()) if "local_disk" in cfg.tiers else None
         url = cfg.redis_url if "redis" in cfg.tiers else None
         if disk is None and url is None:
-            raise ConfigError("tiers", cfg.tiers, "has neither local_disk nor redis: pass --disk or --redis")
+            raise ConfigError(
+                "tiers", cfg.tiers, "has neither local_disk nor redis: pass --disk or --redis"
+            )
     out: list[tuple[str, Any]] = []
     if disk is not None:
         out.append((f"disk {disk}", DiskInventory(disk)))
@@ -54,10 +62,17 @@ def _sources(args: argparse.Namespace) -> list[tuple[str, Any]]:
         if prefix is None:
             prefix = str(cfg.backend_options.get("redis", {}).get("key_prefix", _DEFAULT_PREFIX))
         if args.redis is not None:
-            load_config(args.config, overrides={"redis_url": url})  # the URL is checked like config's
-        inv = RedisInventory.connect(url, prefix, cluster=args.cluster or cfg.redis_cluster,
-                                     username=cfg.redis_username, password=cfg.redis_password,
-                                     timeout_s=max(cfg.redis_timeout_s, 5.0))
+            load_config(
+                args.config, overrides={"redis_url": url}
+            )  # the URL is checked like config's
+        inv = RedisInventory.connect(
+            url,
+            prefix,
+            cluster=args.cluster or cfg.redis_cluster,
+            username=cfg.redis_username,
+            password=cfg.redis_password,
+            timeout_s=max(cfg.redis_timeout_s, 5.0),
+        )
         out.append((f"redis {mask_url(url)} prefix {prefix!r}", inv))
     return out
 
@@ -119,12 +134,16 @@ def _stats(args: argparse.Namespace, label: str, inv: Any) -> dict[str, Any]:
         chunks = sum(r["chunks"] for r in rows)
         nbytes = sum(r["bytes"] for r in rows)
         print(f"# {label}: {chunks} chunks, {nbytes} bytes")
-        print(f"{'model':<32} {'salt id':<14} {'chunks':>8} {'bytes':>14} {'oldest':>8} {'newest':>8}")
+        print(
+            f"{'model':<32} {'salt id':<14} {'chunks':>8} {'bytes':>14} {'oldest':>8} {'newest':>8}"
+        )
         for r in rows:
             model = r["model"] if r["model"] is not None else "(unreadable)"
             salt = r["salt_id"] if r["salt_id"] is not None else ""
-            print(f"{model:<32} {salt:<14} {r['chunks']:>8} {r['bytes']:>14} "
-                  f"{_age(r['oldest_s']):>8} {_age(r['newest_s']):>8}")
+            print(
+                f"{model:<32} {salt:<14} {r['chunks']:>8} {r['bytes']:>14} "
+                f"{_age(r['oldest_s']):>8} {_age(r['newest_s']):>8}"
+            )
     return {"source": label, "groups": rows}
 
 
@@ -133,7 +152,9 @@ def _clear(args: argparse.Namespace, label: str, inv: Any) -> dict[str, Any]:
     removed = 0 if args.dry_run else inv.remove(entries)
     if not args.json:
         verb = "would remove" if args.dry_run else "removed"
-        print(f"{label}: {verb} {len(entries) if args.dry_run else removed} of {len(entries)} entries")
+        print(
+            f"{label}: {verb} {len(entries) if args.dry_run else removed} of {len(entries)} entries"
+        )
     return {"source": label, "matched": len(entries), "removed": removed}
 
 
@@ -142,10 +163,20 @@ def ls_main(argv: list[str]) -> int:
 
 
 def stats_main(argv: list[str]) -> int:
-    return _run("stats", "Chunks, bytes and ages per model and salt of a disk-tier directory or "
-                "Redis prefix.", argv, _stats)
+    return _run(
+        "stats",
+        "Chunks, bytes and ages per model and salt of a disk-tier directory or Redis prefix.",
+        argv,
+        _stats,
+    )
 
 
 def clear_main(argv: list[str]) -> int:
-    return _run("clear", "Remove chunks (all, or one salt or model) from a disk-tier directory or "
-                "Redis prefix, of a stopped or running deployment.", argv, _clear, dry_run=True)
+    return _run(
+        "clear",
+        "Remove chunks (all, or one salt or model) from a disk-tier directory or "
+        "Redis prefix, of a stopped or running deployment.",
+        argv,
+        _clear,
+        dry_run=True,
+    )

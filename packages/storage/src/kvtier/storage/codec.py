@@ -99,7 +99,12 @@ def _fingerprint(layout: KVLayout) -> str:
 
 
 def encode_header(
-    key: ChunkKey, meta: MemoryObjMeta, layout: KVLayout, *, align: int = 0, nonce: bytes | None = None,
+    key: ChunkKey,
+    meta: MemoryObjMeta,
+    layout: KVLayout,
+    *,
+    align: int = 0,
+    nonce: bytes | None = None,
     key_check: str | None = None,
 ) -> bytes:
     """The header (prefix + meta) of the chunk ``meta`` stored under ``key``; with ``nonce`` and
@@ -126,20 +131,28 @@ def encode_header(
 
 
 def seal(
-    key: ChunkKey, meta: MemoryObjMeta, layout: KVLayout, payload: memoryview, sealer: Sealer,
-    *, align: int = 0,
+    key: ChunkKey,
+    meta: MemoryObjMeta,
+    layout: KVLayout,
+    payload: memoryview,
+    sealer: Sealer,
+    *,
+    align: int = 0,
 ) -> tuple[bytes, bytes]:
     """``(header, sealed payload)`` of ``payload`` under ``key``, sealed with the key of the
     chunk's salt; store header + sealed payload + the trailer of both."""
     if payload.nbytes != meta.nbytes:
         raise ValueError(f"payload has {payload.nbytes} bytes, its meta says {meta.nbytes}")
     nonce = sealer.new_nonce()
-    header = encode_header(key, meta, layout, align=align, nonce=nonce,
-                           key_check=sealer.key_check(key.salt_id, nonce))
+    header = encode_header(
+        key, meta, layout, align=align, nonce=nonce, key_check=sealer.key_check(key.salt_id, nonce)
+    )
     return header, sealer.seal(key.salt_id, nonce, header, payload)
 
 
-def unseal_in_place(header: Header, data: memoryview, tag: bytes, key: ChunkKey, sealer: Sealer) -> None:
+def unseal_in_place(
+    header: Header, data: memoryview, tag: bytes, key: ChunkKey, sealer: Sealer
+) -> None:
     """Decrypt a sealed value's ciphertext ``data`` in place (``tag``: its last 16 bytes);
     ``PayloadError`` if the tag fails (``data`` then holds garbage)."""
     try:
@@ -270,7 +283,11 @@ def stored_key(buf: bytes | memoryview) -> str:
 
 
 def decode_header(
-    buf: bytes | memoryview, *, key: ChunkKey, layout: KVLayout, max_tokens: int,
+    buf: bytes | memoryview,
+    *,
+    key: ChunkKey,
+    layout: KVLayout,
+    max_tokens: int,
     sealer: Sealer | None = None,
 ) -> Header:
     """Check the header at the start of ``buf`` against what the reader asked for.
@@ -351,12 +368,18 @@ def verify(header: Header, payload: memoryview | bytes, trailer_bytes: bytes | m
 
 
 def decode(
-    blob: bytes | memoryview, *, key: ChunkKey, layout: KVLayout, max_tokens: int,
+    blob: bytes | memoryview,
+    *,
+    key: ChunkKey,
+    layout: KVLayout,
+    max_tokens: int,
     sealer: Sealer | None = None,
 ) -> tuple[Header, memoryview]:
     """Check a whole stored value; return its header and a view of its payload (no copy; a
     sealed payload is opened into new bytes)."""
-    header, payload, tail = split(blob, key=key, layout=layout, max_tokens=max_tokens, sealer=sealer)
+    header, payload, tail = split(
+        blob, key=key, layout=layout, max_tokens=max_tokens, sealer=sealer
+    )
     verify(header, payload, tail)
     if header.sealed:
         assert sealer is not None  # decode_header refuses a sealed value without one
@@ -378,15 +401,19 @@ def decode_into_object(
 
     Raises ``PayloadError`` for a bad value (nothing is kept); None when host memory is full.
     """
-    header, payload, tail = split(blob, key=key, layout=layout, max_tokens=max_tokens, sealer=sealer)
+    header, payload, tail = split(
+        blob, key=key, layout=layout, max_tokens=max_tokens, sealer=sealer
+    )
     if header.sealed:
         assert sealer is not None  # decode_header refuses a sealed value without one
         verify(header, payload, tail)
         payload = memoryview(unseal(header, payload, key, sealer))
         obj = allocate(header.meta)
         if obj is not None:
-            np.copyto(np.frombuffer(obj.byte_view(), dtype=np.uint8),
-                      np.frombuffer(payload, dtype=np.uint8))
+            np.copyto(
+                np.frombuffer(obj.byte_view(), dtype=np.uint8),
+                np.frombuffer(payload, dtype=np.uint8),
+            )
         return obj
     obj = allocate(header.meta)
     if obj is None:
@@ -394,7 +421,9 @@ def decode_into_object(
     cs = Checksum(header.crc_of_header)
     try:
         cs.add(payload)
-        np.copyto(np.frombuffer(obj.byte_view(), dtype=np.uint8), np.frombuffer(payload, dtype=np.uint8))
+        np.copyto(
+            np.frombuffer(obj.byte_view(), dtype=np.uint8), np.frombuffer(payload, dtype=np.uint8)
+        )
         cs.wait()
         check_trailer(cs.value(), tail)
     except BaseException:
@@ -405,7 +434,11 @@ def decode_into_object(
 
 
 def split(
-    blob: bytes | memoryview, *, key: ChunkKey, layout: KVLayout, max_tokens: int,
+    blob: bytes | memoryview,
+    *,
+    key: ChunkKey,
+    layout: KVLayout,
+    max_tokens: int,
     sealer: Sealer | None = None,
 ) -> tuple[Header, memoryview, memoryview]:
     """Check a whole stored value's header and length; return ``(header, payload, trailer)``

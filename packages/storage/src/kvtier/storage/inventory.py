@@ -153,8 +153,16 @@ class RedisInventory:
         self.prefix = prefix
 
     @classmethod
-    def connect(cls, url: str, prefix: str, *, cluster: bool = False, username: str | None = None,
-                password: str | None = None, timeout_s: float = 5.0) -> RedisInventory:
+    def connect(
+        cls,
+        url: str,
+        prefix: str,
+        *,
+        cluster: bool = False,
+        username: str | None = None,
+        password: str | None = None,
+        timeout_s: float = 5.0,
+    ) -> RedisInventory:
         try:
             import redis
         except ImportError:
@@ -166,7 +174,9 @@ class RedisInventory:
             kw["username"] = username
         if password is not None:
             kw["password"] = password
-        client = (redis.RedisCluster.from_url(url, **kw) if cluster else redis.Redis.from_url(url, **kw))
+        client = (
+            redis.RedisCluster.from_url(url, **kw) if cluster else redis.Redis.from_url(url, **kw)
+        )
         return cls(client, prefix)
 
     def _attribute(self, name: str, head: Any) -> ChunkKey | None:
@@ -174,7 +184,7 @@ class RedisInventory:
             key = _key_of_header(head)
             if key is not None:
                 return key
-        rest = name[len(self.prefix):]
+        rest = name[len(self.prefix) :]
         start = rest.find("{")
         end = rest.find("}", start + 1)
         if start >= 0 and end > start:
@@ -201,11 +211,14 @@ class RedisInventory:
                         head = self.client.getrange(raw, 0, header_len - 1)
                 except codec.PayloadError:
                     pass
-            out.append(Entry(
-                name, self._attribute(name, head),
-                size if isinstance(size, int) else 0,
-                float(idle) if isinstance(idle, int) else None,
-            ))
+            out.append(
+                Entry(
+                    name,
+                    self._attribute(name, head),
+                    size if isinstance(size, int) else 0,
+                    float(idle) if isinstance(idle, int) else None,
+                )
+            )
         return out
 
     def entries(self) -> Iterator[Entry]:
@@ -234,14 +247,19 @@ class RedisInventory:
 
 
 # -- selection and summary -------------------------------------------------------------------
-def select(entries: Iterable[Entry], *, salt_id: str | None = None,
-           model: str | None = None) -> list[Entry]:
+def select(
+    entries: Iterable[Entry], *, salt_id: str | None = None, model: str | None = None
+) -> list[Entry]:
     """The entries of one salt id and/or one model (both None: all, unreadable ones included)."""
     if salt_id is None and model is None:
         return list(entries)
-    return [e for e in entries if e.key is not None
-            and (salt_id is None or e.key.salt_id == salt_id)
-            and (model is None or e.key.model == model)]
+    return [
+        e
+        for e in entries
+        if e.key is not None
+        and (salt_id is None or e.key.salt_id == salt_id)
+        and (model is None or e.key.model == model)
+    ]
 
 
 def summarize(entries: Iterable[Entry]) -> list[dict[str, Any]]:
@@ -250,8 +268,18 @@ def summarize(entries: Iterable[Entry]) -> list[dict[str, Any]]:
     groups: dict[tuple[str | None, str | None], dict[str, Any]] = {}
     for e in entries:
         g: tuple[str | None, str | None] = (e.key.model, e.key.salt_id) if e.key else (None, None)
-        row = groups.setdefault(g, {"model": g[0], "salt_id": g[1], "keys": set(), "entries": 0,
-                                    "bytes": 0, "oldest_s": None, "newest_s": None})
+        row = groups.setdefault(
+            g,
+            {
+                "model": g[0],
+                "salt_id": g[1],
+                "keys": set(),
+                "entries": 0,
+                "bytes": 0,
+                "oldest_s": None,
+                "newest_s": None,
+            },
+        )
         row["entries"] += 1
         row["bytes"] += e.nbytes
         if e.key is not None:

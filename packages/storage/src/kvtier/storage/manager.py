@@ -56,8 +56,13 @@ T = TypeVar("T")
 _PREFETCH_BATCH = 8
 
 __all__ = [
-    "BACKEND_GROUP", "HOST_TIER", "FlushReport", "TieredStorageManager", "build_tiers",
-    "create_storage_manager", "load_backend_class",
+    "BACKEND_GROUP",
+    "HOST_TIER",
+    "FlushReport",
+    "TieredStorageManager",
+    "build_tiers",
+    "create_storage_manager",
+    "load_backend_class",
 ]
 
 
@@ -83,7 +88,9 @@ class TieredStorageManager(StorageManager):
         self.tiers: list[StorageBackend] = list(tiers)
         self._close_timeout_s = close_timeout_s
         self._closed = False
-        self._writer = LowerTierWriter(self.lower, stats, queue_size=write_queue_size, threads=io_threads)
+        self._writer = LowerTierWriter(
+            self.lower, stats, queue_size=write_queue_size, threads=io_threads
+        )
         self._readers = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-reader")
 
     @property
@@ -114,7 +121,9 @@ class TieredStorageManager(StorageManager):
         try:
             return self.allocate(meta)
         except OutOfHostMemory as e:
-            warn_throttled("alloc-too-big", "kvtier: a stored chunk does not fit the host arena: %s", e)
+            warn_throttled(
+                "alloc-too-big", "kvtier: a stored chunk does not fit the host arena: %s", e
+            )
             return None
 
     # -- writes --------------------------------------------------------------------------------
@@ -149,7 +158,9 @@ class TieredStorageManager(StorageManager):
             if not unknown:
                 break
             sub = [keys[i] for i in unknown]
-            hits = self._tier_call(tier, "contains", partial(tier.contains, sub), [False] * len(sub))
+            hits = self._tier_call(
+                tier, "contains", partial(tier.contains, sub), [False] * len(sub)
+            )
             still = []
             for i, hit in zip(unknown, hits, strict=True):
                 if hit:
@@ -178,7 +189,9 @@ class TieredStorageManager(StorageManager):
 
     def _lower_get(self, tier: StorageBackend, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
         miss: list[MemoryObj | None] = [None] * len(keys)
-        return self._tier_call(tier, "get", partial(tier.batched_get, keys, self._allocate_for_read), miss)
+        return self._tier_call(
+            tier, "get", partial(tier.batched_get, keys, self._allocate_for_read), miss
+        )
 
     def _write_back(self, tier: StorageBackend, items: list[tuple[ChunkKey, MemoryObj]]) -> None:
         if items:
@@ -284,8 +297,11 @@ class TieredStorageManager(StorageManager):
                 logger.exception("kvtier: tier %s failed to close", tier.name)
         alive = self._writer.busy_threads()
         if alive:
-            logger.warning("kvtier: writer threads %s still busy after close; they exit after their "
-                           "current write", alive)
+            logger.warning(
+                "kvtier: writer threads %s still busy after close; they exit after their "
+                "current write",
+                alive,
+            )
 
 
 def create_storage_manager(
@@ -295,12 +311,16 @@ def create_storage_manager(
     stats = StorageStats()
     tiers = build_tiers(config, arena, layout, namespace, stats)
     return TieredStorageManager(
-        tiers, arena=arena, stats=stats, write_queue_size=config.write_queue_size,
+        tiers,
+        arena=arena,
+        stats=stats,
+        write_queue_size=config.write_queue_size,
         io_threads=config.io_threads,
         close_timeout_s=max(5.0, config.redis_timeout_s + config.redis_connect_timeout_s + 1.0),
     )
 
 
-def _dropped_from(listener: Callable[[str, list[str], list[str]], None], tier: str,
-                  digests: list[str]) -> None:
+def _dropped_from(
+    listener: Callable[[str, list[str], list[str]], None], tier: str, digests: list[str]
+) -> None:
     listener(tier, [], digests)

@@ -37,7 +37,9 @@ def _aead() -> Any:
     try:
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
     except ImportError:
-        raise MissingExtraError("encryption at rest (the cryptography package)", "encryption") from None
+        raise MissingExtraError(
+            "encryption at rest (the cryptography package)", "encryption"
+        ) from None
     return AESGCM
 
 
@@ -64,8 +66,12 @@ class Sealer:
                 from cryptography.hazmat.primitives import hashes
                 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-                key = HKDF(algorithm=hashes.SHA256(), length=2 * KEY_BYTES, salt=None,
-                           info=_INFO + salt_id.encode()).derive(self._master)
+                key = HKDF(
+                    algorithm=hashes.SHA256(),
+                    length=2 * KEY_BYTES,
+                    salt=None,
+                    info=_INFO + salt_id.encode(),
+                ).derive(self._master)
                 self._subkeys[salt_id] = key
             return key
 
@@ -76,7 +82,9 @@ class Sealer:
         """A short value in a sealed header that says, without touching the payload, whether
         this sealer's key for the salt sealed it (so a lookup does not count a chunk sealed
         under another key as a hit)."""
-        mac = hmac.new(self._derived(salt_id)[KEY_BYTES:], b"kvtier-kcv\x00" + nonce, hashlib.sha256)
+        mac = hmac.new(
+            self._derived(salt_id)[KEY_BYTES:], b"kvtier-kcv\x00" + nonce, hashlib.sha256
+        )
         return mac.hexdigest()[:16]
 
     def _cipher(self, salt_id: str) -> Any:
@@ -96,8 +104,15 @@ class Sealer:
         """``payload`` encrypted, followed by its 16-byte tag."""
         return self._cipher(salt_id).encrypt(nonce, payload, aad)  # type: ignore[no-any-return]
 
-    def open_in_place(self, salt_id: str, nonce: bytes, aad: bytes, data: memoryview, tag: bytes,
-                      piece: int = 1 << 20) -> None:
+    def open_in_place(
+        self,
+        salt_id: str,
+        nonce: bytes,
+        aad: bytes,
+        data: memoryview,
+        tag: bytes,
+        piece: int = 1 << 20,
+    ) -> None:
         """Decrypt ``data`` (the ciphertext) in place, a piece at a time, then check ``tag``;
         ``SealError`` if it fails (``data`` then holds garbage: the caller drops it)."""
         from cryptography.exceptions import InvalidTag

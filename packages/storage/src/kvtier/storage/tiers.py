@@ -27,12 +27,15 @@ def load_backend_class(name: str, allow: Sequence[str] | None = None) -> type[St
     if name not in eps:
         hint = " (it is not in the plugins allow-list)" if allow else ""
         raise ConfigError(
-            "tiers", name,
+            "tiers",
+            name,
             f"no storage backend named {name!r}{hint}; installed: {', '.join(sorted(eps)) or 'none'}",
         )
     cls = load_object(eps[name].value)
     if not (isinstance(cls, type) and issubclass(cls, StorageBackend)):
-        raise ConfigError("tiers", name, f"backend {name!r} points at {eps[name].value!r}, not a StorageBackend")
+        raise ConfigError(
+            "tiers", name, f"backend {name!r} points at {eps[name].value!r}, not a StorageBackend"
+        )
     return cls
 
 
@@ -43,7 +46,8 @@ def build_tiers(
     are closed before it propagates."""
     if not config.tiers or config.tiers[0] != HOST_TIER:
         raise ConfigError(
-            "tiers", config.tiers,
+            "tiers",
+            config.tiers,
             f"must start with {HOST_TIER!r}: every chunk passes through host memory",
         )
     key = config.encryption_key_bytes()
@@ -54,13 +58,19 @@ def build_tiers(
             cls = load_backend_class(name, config.plugins)
             if sealer is not None and not (cls.keeps_host_objects or cls.seals_payloads):
                 raise ConfigError(
-                    "encryption_key", "***",
+                    "encryption_key",
+                    "***",
                     f"the {name!r} tier cannot seal its payloads yet: payloads would leave the "
                     f"process unencrypted; remove {name!r} from tiers or unset the key",
                 )
             ctx = BackendContext(
-                config=config, layout=layout, namespace=namespace, arena=arena, stats=stats,
-                options=dict(config.backend_options.get(name, {})), sealer=sealer,
+                config=config,
+                layout=layout,
+                namespace=namespace,
+                arena=arena,
+                stats=stats,
+                options=dict(config.backend_options.get(name, {})),
+                sealer=sealer,
             )
             built.append(cls(ctx))
     except BaseException:

@@ -167,16 +167,23 @@ class LowerTierWriter:
                     self._pending_cv.wait(left)
                 pending = self._pending
             now = {n: v for n, v in self.stats.snapshot().items() if _is_loss(n)}
-            lost = {n: v - self._loss_base.get(n, 0) for n, v in now.items()
-                    if v != self._loss_base.get(n, 0)}
+            lost = {
+                n: v - self._loss_base.get(n, 0)
+                for n, v in now.items()
+                if v != self._loss_base.get(n, 0)
+            }
             self._loss_base = now
             report = FlushReport(pending, lost)
             self.last_flush = report
         if pending:
-            logger.warning("kvtier: flush timed out with %d lower-tier write(s) still queued", pending)
+            logger.warning(
+                "kvtier: flush timed out with %d lower-tier write(s) still queued", pending
+            )
         if lost:
-            logger.warning("kvtier: flush: chunks not stored in a lower tier since the last flush: %s",
-                           ", ".join(f"{n}={v}" for n, v in sorted(lost.items())))
+            logger.warning(
+                "kvtier: flush: chunks not stored in a lower tier since the last flush: %s",
+                ", ".join(f"{n}={v}" for n, v in sorted(lost.items())),
+            )
         return report
 
     def stop(self, deadline: float) -> None:
@@ -195,8 +202,11 @@ class LowerTierWriter:
         if dropped:
             self._done_pending(dropped)
             self.stats.add("write_queue.dropped_at_close", dropped)
-            logger.warning("kvtier: close dropped %d queued lower-tier write(s); call flush() "
-                           "before close() to keep them", dropped)
+            logger.warning(
+                "kvtier: close dropped %d queued lower-tier write(s); call flush() "
+                "before close() to keep them",
+                dropped,
+            )
 
     def busy_threads(self) -> list[str]:
         """Names of writer threads still running (after ``stop``: finishing their current write)."""

@@ -31,8 +31,9 @@ from kvtier.core.config import default_cache_dir
 from kvtier.vllm_integration.model import ModelSpec, build_model
 from kvtier.vllm_integration.workload import Engine, build_requests, require_extras, results_dir
 
-BENCH_MODEL = ModelSpec(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=8,
-                        intermediate_size=2816)
+BENCH_MODEL = ModelSpec(
+    hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=8, intermediate_size=2816
+)
 MODES = ("no_connector", "prefix_cache", "kvtier")
 
 
@@ -41,12 +42,19 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", help="directory for e2e.json and e2e.png (default benchmarks/results)")
     p.add_argument("--docs", type=int, default=4)
     p.add_argument("--doc-tokens", type=int, default=3000)
-    p.add_argument("--gap-s", type=float, default=0.0,
-                   help="pause between a document's cold and warm request (default 0: the warm "
-                        "request comes at once, while kvtier may still be saving the cold one)")
+    p.add_argument(
+        "--gap-s",
+        type=float,
+        default=0.0,
+        help="pause between a document's cold and warm request (default 0: the warm "
+        "request comes at once, while kvtier may still be saving the cold one)",
+    )
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
-    p.add_argument("--cache-dir", default=os.path.join(default_cache_dir(), "bench-e2e"),
-                   help="where the benchmark model is built (default ~/.cache/kvtier/bench-e2e)")
+    p.add_argument(
+        "--cache-dir",
+        default=os.path.join(default_cache_dir(), "bench-e2e"),
+        help="where the benchmark model is built (default ~/.cache/kvtier/bench-e2e)",
+    )
     return p.parse_args(argv)
 
 
@@ -66,7 +74,8 @@ def main(argv: list[str]) -> int:
     try:
         for mode in modes:
             engine = Engine(
-                str(model_dir), prefix_caching=mode == "prefix_cache",
+                str(model_dir),
+                prefix_caching=mode == "prefix_cache",
                 kvtier={"local_disk_path": str(disk)} if mode == "kvtier" else None,
                 max_model_len=max(4096, args.doc_tokens + 256),
             )
@@ -82,12 +91,16 @@ def main(argv: list[str]) -> int:
                     res = engine.run(tokens, 1)
                     warm.append(res.ttft_s)
                     hits.append(res.loaded_tokens)
-                    print(f"{mode:>13} doc {d[0].doc}: cold {cold[-1]:.3f} s, warm {warm[-1]:.3f} s")
+                    print(
+                        f"{mode:>13} doc {d[0].doc}: cold {cold[-1]:.3f} s, warm {warm[-1]:.3f} s"
+                    )
                 results[mode] = {
-                    "ttft_cold_s": statistics.mean(cold), "ttft_warm_s": statistics.mean(warm),
+                    "ttft_cold_s": statistics.mean(cold),
+                    "ttft_warm_s": statistics.mean(warm),
                     "ttft_cold_median_s": statistics.median(cold),
                     "ttft_warm_median_s": statistics.median(warm),
-                    "ttft_cold_all_s": cold, "ttft_warm_all_s": warm,
+                    "ttft_cold_all_s": cold,
+                    "ttft_warm_all_s": warm,
                 }
                 if mode == "kvtier":
                     results[mode]["warm_hit_tokens"] = hits
@@ -99,19 +112,27 @@ def main(argv: list[str]) -> int:
     for r in results.values():
         r["warm_over_cold"] = r["ttft_warm_s"] / r["ttft_cold_s"]
     report: dict[str, Any] = {
-        "model": {"hidden_size": BENCH_MODEL.hidden_size, "num_layers": BENCH_MODEL.num_layers,
-                  "num_heads": BENCH_MODEL.num_heads, "num_kv_heads": BENCH_MODEL.num_kv_heads,
-                  "dtype": "bfloat16"},
-        "prompt_tokens": prompt_tokens, "docs": args.docs, "max_tokens": 1, "gap_s": args.gap_s,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cpus", **results,
+        "model": {
+            "hidden_size": BENCH_MODEL.hidden_size,
+            "num_layers": BENCH_MODEL.num_layers,
+            "num_heads": BENCH_MODEL.num_heads,
+            "num_kv_heads": BENCH_MODEL.num_kv_heads,
+            "dtype": "bfloat16",
+        },
+        "prompt_tokens": prompt_tokens,
+        "docs": args.docs,
+        "max_tokens": 1,
+        "gap_s": args.gap_s,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
+        **results,
     }
     if "kvtier" in results and "no_connector" in results:
         report["kvtier_no_hit_overhead"] = (
             results["kvtier"]["ttft_cold_s"] / results["no_connector"]["ttft_cold_s"] - 1
         )
         report["kvtier_no_hit_overhead_median"] = (
-            results["kvtier"]["ttft_cold_median_s"]
-            / results["no_connector"]["ttft_cold_median_s"] - 1
+            results["kvtier"]["ttft_cold_median_s"] / results["no_connector"]["ttft_cold_median_s"]
+            - 1
         )
     out = results_dir(args.out)
     (out / "e2e.json").write_text(json.dumps(report, indent=2))
@@ -119,10 +140,14 @@ def main(argv: list[str]) -> int:
 
     print(f"\n{'mode':>13} {'cold s':>8} {'warm s':>8} {'warm/cold':>9}")
     for mode, r in results.items():
-        print(f"{mode:>13} {r['ttft_cold_s']:8.3f} {r['ttft_warm_s']:8.3f} {r['warm_over_cold']:9.3f}")
+        print(
+            f"{mode:>13} {r['ttft_cold_s']:8.3f} {r['ttft_warm_s']:8.3f} {r['warm_over_cold']:9.3f}"
+        )
     if "kvtier_no_hit_overhead" in report:
-        print(f"kvtier no-hit overhead: {report['kvtier_no_hit_overhead']:+.1%} (means), "
-              f"{report['kvtier_no_hit_overhead_median']:+.1%} (medians)")
+        print(
+            f"kvtier no-hit overhead: {report['kvtier_no_hit_overhead']:+.1%} (means), "
+            f"{report['kvtier_no_hit_overhead_median']:+.1%} (medians)"
+        )
     print(f"wrote {out / 'e2e.json'} and {out / 'e2e.png'}")
     return 0
 

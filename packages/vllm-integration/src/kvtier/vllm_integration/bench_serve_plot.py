@@ -31,8 +31,11 @@ class Scrape:
 
     def total(self, name: str, **labels: str) -> float:
         """The sum of ``name``'s samples whose labels include ``labels``."""
-        return sum(v for (n, lab), v in self.samples.items()
-                   if n == name and all(dict(lab).get(k) == x for k, x in labels.items()))
+        return sum(
+            v
+            for (n, lab), v in self.samples.items()
+            if n == name and all(dict(lab).get(k) == x for k, x in labels.items())
+        )
 
     def has(self, name: str) -> bool:
         return any(n == name for n, _ in self.samples)
@@ -56,8 +59,9 @@ class Scrape:
         if not self.has(name):
             return None
         now, then = self.by_label(name, "le"), before.by_label(name, "le")
-        buckets = sorted(((float(le), now[le] - then.get(le, 0.0)) for le in now),
-                         key=lambda b: b[0])
+        buckets = sorted(
+            ((float(le), now[le] - then.get(le, 0.0)) for le in now), key=lambda b: b[0]
+        )
         if not buckets or buckets[-1][1] <= 0:
             return None
         rank = q * buckets[-1][1]
@@ -82,8 +86,7 @@ def chart(results: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     workloads = sorted({r["workload"] for r in results})
-    fig, axes = plt.subplots(len(workloads), 2, figsize=(10, 3.6 * len(workloads)),
-                             squeeze=False)
+    fig, axes = plt.subplots(len(workloads), 2, figsize=(10, 3.6 * len(workloads)), squeeze=False)
     for row, w in zip(axes, workloads, strict=True):
         rows = [r for r in results if r["workload"] == w]
         for mode in dict.fromkeys(r["mode"] for r in rows):

@@ -61,8 +61,10 @@ def runtime_dir() -> Path:
     except FileExistsError:
         pass
     except OSError as e:
-        raise UnsafeRuntimeDir(f"kvtier cannot create its lookup socket directory {d}: {e}; set "
-                               f"KVTIER_RUNTIME_DIR to a directory of yours") from None
+        raise UnsafeRuntimeDir(
+            f"kvtier cannot create its lookup socket directory {d}: {e}; set "
+            f"KVTIER_RUNTIME_DIR to a directory of yours"
+        ) from None
     st = os.lstat(d)
     problem = None
     if not stat.S_ISDIR(st.st_mode):
@@ -191,15 +193,17 @@ class LookupServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), name="kvtier-lookup-conn",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(conn,), name="kvtier-lookup-conn", daemon=True
+            ).start()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             uid = peer_uid(conn)
             if uid is not None and uid != os.getuid():
-                logger.warning("kvtier lookup channel %s: refused a connection from user id %d",
-                               self.path, uid)
+                logger.warning(
+                    "kvtier lookup channel %s: refused a connection from user id %d", self.path, uid
+                )
                 return
             while not self._closed.is_set():
                 try:

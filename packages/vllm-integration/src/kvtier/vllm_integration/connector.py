@@ -75,7 +75,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self.block_size = int(vllm_config.cache_config.block_size)
         if self.config.chunk_size % self.block_size:
             raise ConfigError(
-                "chunk_size", self.config.chunk_size,
+                "chunk_size",
+                self.config.chunk_size,
                 f"must be a multiple of vLLM's block size {self.block_size}",
             )
         engine_id = str(self._kv_transfer_config.engine_id)
@@ -83,15 +84,20 @@ class KVTierConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
-                self.config, block_size=self.block_size, engine_id=engine_id,
+                self.config,
+                block_size=self.block_size,
+                engine_id=engine_id,
                 num_workers=int(vllm_config.parallel_config.world_size),
                 load_failure_policy=str(self._kv_transfer_config.kv_load_failure_policy),
-                kv_events=bool(vllm_config.kv_events_config
-                               and vllm_config.kv_events_config.enable_kv_cache_events),
+                kv_events=bool(
+                    vllm_config.kv_events_config
+                    and vllm_config.kv_events_config.enable_kv_cache_events
+                ),
             )
         else:
-            self._worker = WorkerSide(self.config, vllm_config, block_size=self.block_size,
-                                      engine_id=engine_id)
+            self._worker = WorkerSide(
+                self.config, vllm_config, block_size=self.block_size, engine_id=engine_id
+            )
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -214,7 +220,10 @@ class KVTierConnector(KVConnectorBase_V1):
         self.worker_side.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
         meta = self._meta()

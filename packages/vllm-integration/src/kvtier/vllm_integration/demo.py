@@ -37,18 +37,26 @@ from kvtier.vllm_integration.workload import (
     results_dir,
 )
 
-DEMO_MODEL = ModelSpec(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
-                       intermediate_size=1024)
+DEMO_MODEL = ModelSpec(
+    hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1024
+)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvtier demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", help="directory for demo.json and demo.png (default: CACHE_DIR/results)")
+    p.add_argument(
+        "--out", help="directory for demo.json and demo.png (default: CACHE_DIR/results)"
+    )
     p.add_argument("--docs", type=int, default=4, help="number of documents (default 4)")
-    p.add_argument("--doc-tokens", type=int, default=3000, help="tokens per document (default 3000)")
+    p.add_argument(
+        "--doc-tokens", type=int, default=3000, help="tokens per document (default 3000)"
+    )
     p.add_argument("--max-tokens", type=int, default=16, help="answer length (default 16)")
-    p.add_argument("--cache-dir", default=os.path.join(default_cache_dir(), "demo"),
-                   help="model and disk-tier directory (default ~/.cache/kvtier/demo)")
+    p.add_argument(
+        "--cache-dir",
+        default=os.path.join(default_cache_dir(), "demo"),
+        help="model and disk-tier directory (default ~/.cache/kvtier/demo)",
+    )
     return p.parse_args(argv)
 
 
@@ -78,13 +86,17 @@ def main(argv: list[str]) -> int:
     answers: dict[str, dict[tuple[int, int], Result]] = {}
     by_tier: dict[str, dict[str, int]] = {}  # phase -> tier -> hit tokens, from vLLM's metrics
     with Progress(console=console, transient=False) as progress:
-        phases = [("kvtier", kvtier_cfg, "both"), ("kvtier after restart", kvtier_cfg, "first"),
-                  ("vLLM without kvtier", None, "both")]
+        phases = [
+            ("kvtier", kvtier_cfg, "both"),
+            ("kvtier after restart", kvtier_cfg, "first"),
+            ("vLLM without kvtier", None, "both"),
+        ]
         docs: list[list[Request]] = []
         for name, cfg, which in phases:
             task = progress.add_task(f"{name}: starting vLLM", total=None)
-            engine = Engine(str(model_dir), kvtier=cfg,
-                            max_model_len=max(4096, args.doc_tokens + 256))
+            engine = Engine(
+                str(model_dir), kvtier=cfg, max_model_len=max(4096, args.doc_tokens + 256)
+            )
             try:
                 if not docs:
                     docs = build_requests(engine.tokenizer, args.docs, args.doc_tokens)
@@ -106,19 +118,23 @@ def main(argv: list[str]) -> int:
     rows = []
     for d in docs:
         q1, q2 = d[0], d[1]
-        rows.append({
-            "doc": q1.doc, "prompt_tokens": len(q2.tokens),
-            "ttft_no_kvtier_s": base[(q2.doc, 1)].ttft_s,
-            "ttft_cold_s": kv[(q1.doc, 0)].ttft_s,
-            "ttft_warm_s": kv[(q2.doc, 1)].ttft_s,
-            "ttft_restart_s": restart[(q1.doc, 0)].ttft_s,
-            "hit_tokens_warm": kv[(q2.doc, 1)].loaded_tokens,
-            "hit_tokens_restart": restart[(q1.doc, 0)].loaded_tokens,
-        })
+        rows.append(
+            {
+                "doc": q1.doc,
+                "prompt_tokens": len(q2.tokens),
+                "ttft_no_kvtier_s": base[(q2.doc, 1)].ttft_s,
+                "ttft_cold_s": kv[(q1.doc, 0)].ttft_s,
+                "ttft_warm_s": kv[(q2.doc, 1)].ttft_s,
+                "ttft_restart_s": restart[(q1.doc, 0)].ttft_s,
+                "hit_tokens_warm": kv[(q2.doc, 1)].loaded_tokens,
+                "hit_tokens_restart": restart[(q1.doc, 0)].loaded_tokens,
+            }
+        )
     mismatches = [
         {"phase": name, "doc": key[0], "question": key[1] + 1}
         for name, got in (("kvtier", kv), ("kvtier after restart", restart))
-        for key, res in got.items() if res.tokens != base[key].tokens
+        for key, res in got.items()
+        if res.tokens != base[key].tokens
     ]
     warm_prompt = sum(len(d[1].tokens) for d in docs)
     summary = {
@@ -133,29 +149,58 @@ def main(argv: list[str]) -> int:
     summary["warm_over_cold"] = summary["ttft_warm_s"] / summary["ttft_cold_s"]
 
     table = Table(title="kvtier demo: time to first token (s), one request at a time")
-    for col in ("doc", "prompt tokens", "no kvtier", "kvtier cold", "kvtier warm (memory)",
-                "after restart (disk)", "hit tokens"):
+    for col in (
+        "doc",
+        "prompt tokens",
+        "no kvtier",
+        "kvtier cold",
+        "kvtier warm (memory)",
+        "after restart (disk)",
+        "hit tokens",
+    ):
         table.add_column(col, justify="right")
     for row in rows:
-        table.add_row(str(row["doc"]), str(row["prompt_tokens"]), f"{row['ttft_no_kvtier_s']:.3f}",
-                      f"{row['ttft_cold_s']:.3f}", f"{row['ttft_warm_s']:.3f}",
-                      f"{row['ttft_restart_s']:.3f}",
-                      f"{row['hit_tokens_warm']} / {row['hit_tokens_restart']}")
-    table.add_row("mean", "", f"{summary['ttft_no_kvtier_s']:.3f}", f"{summary['ttft_cold_s']:.3f}",
-                  f"{summary['ttft_warm_s']:.3f}", f"{summary['ttft_restart_s']:.3f}",
-                  f"{summary['hit_rate_warm']:.0%} / {summary['hit_rate_restart']:.0%}")
+        table.add_row(
+            str(row["doc"]),
+            str(row["prompt_tokens"]),
+            f"{row['ttft_no_kvtier_s']:.3f}",
+            f"{row['ttft_cold_s']:.3f}",
+            f"{row['ttft_warm_s']:.3f}",
+            f"{row['ttft_restart_s']:.3f}",
+            f"{row['hit_tokens_warm']} / {row['hit_tokens_restart']}",
+        )
+    table.add_row(
+        "mean",
+        "",
+        f"{summary['ttft_no_kvtier_s']:.3f}",
+        f"{summary['ttft_cold_s']:.3f}",
+        f"{summary['ttft_warm_s']:.3f}",
+        f"{summary['ttft_restart_s']:.3f}",
+        f"{summary['hit_rate_warm']:.0%} / {summary['hit_rate_restart']:.0%}",
+    )
     console.print(table)
-    console.print(f"warm/cold TTFT: {summary['warm_over_cold']:.3f}; answers identical to vLLM "
-                  f"without kvtier: {'yes' if not mismatches else 'NO'}")
-    console.print("hit tokens by tier (vllm:kvtier_lookup_hit_tokens): " + "; ".join(
-        f"{phase}: " + (", ".join(f"{t} {n}" for t, n in tiers.items()) or "none")
-        for phase, tiers in by_tier.items()))
+    console.print(
+        f"warm/cold TTFT: {summary['warm_over_cold']:.3f}; answers identical to vLLM "
+        f"without kvtier: {'yes' if not mismatches else 'NO'}"
+    )
+    console.print(
+        "hit tokens by tier (vllm:kvtier_lookup_hit_tokens): "
+        + "; ".join(
+            f"{phase}: " + (", ".join(f"{t} {n}" for t, n in tiers.items()) or "none")
+            for phase, tiers in by_tier.items()
+        )
+    )
 
     out = results_dir(args.out or os.path.join(args.cache_dir, "results"))
     report: dict[str, Any] = {
-        "model": {"path": str(model_dir), **DEMO_MODEL.__dict__}, "docs": args.docs,
-        "doc_tokens": args.doc_tokens, "machine": platform.machine(), "cpus": os.cpu_count(),
-        "rows": rows, "summary": summary, "mismatches": mismatches,
+        "model": {"path": str(model_dir), **DEMO_MODEL.__dict__},
+        "docs": args.docs,
+        "doc_tokens": args.doc_tokens,
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "rows": rows,
+        "summary": summary,
+        "mismatches": mismatches,
         "hit_tokens_by_tier": by_tier,
     }
     (out / "demo.json").write_text(json.dumps(report, indent=2))
@@ -173,8 +218,12 @@ def _chart(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series = [("no kvtier", "ttft_no_kvtier_s"), ("kvtier cold", "ttft_cold_s"),
-              ("kvtier warm (memory)", "ttft_warm_s"), ("after restart (disk)", "ttft_restart_s")]
+    series = [
+        ("no kvtier", "ttft_no_kvtier_s"),
+        ("kvtier cold", "ttft_cold_s"),
+        ("kvtier warm (memory)", "ttft_warm_s"),
+        ("after restart (disk)", "ttft_restart_s"),
+    ]
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(series)
     for i, (label, key) in enumerate(series):

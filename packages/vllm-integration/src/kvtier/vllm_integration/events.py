@@ -59,8 +59,9 @@ class _Chunk:
 class EventLog:
     """Pending and published chunk events of the scheduler side (see the module docstring)."""
 
-    def __init__(self, block_size: int, enabled: bool,
-                 digest: Callable[[bytes, Scope], str | None]) -> None:
+    def __init__(
+        self, block_size: int, enabled: bool, digest: Callable[[bytes, Scope], str | None]
+    ) -> None:
         """``digest(chunk_hash, scope)``: rank 0's key digest of a chunk (None until rank 0
         has reported its key namespace)."""
         self.block_size = block_size
@@ -70,8 +71,9 @@ class EventLog:
         self._unnamed: list[tuple[bytes, Scope, _Chunk]] = []  # expected before rank 0 reported
         self._events: list[KVCacheEvent] = []
 
-    def expect(self, request: Request, spans: Sequence[tuple[bytes, int, int]],
-               scope: Scope) -> None:
+    def expect(
+        self, request: Request, spans: Sequence[tuple[bytes, int, int]], scope: Scope
+    ) -> None:
         """A save of ``request`` was asked for: ``(chunk hash, start, end)`` per chunk."""
         if not self.enabled:
             return
@@ -86,7 +88,8 @@ class EventLog:
                 [maybe_convert_block_hash(h) for h in hashes[start // bs : end // bs]],
                 maybe_convert_block_hash(hashes[start // bs - 1]) if start else None,
                 np.asarray(tokens[start:end], dtype=np.int64),
-                lora.adapter_id if lora else None, lora.name if lora else None,
+                lora.adapter_id if lora else None,
+                lora.name if lora else None,
             )
             self._unnamed.append((chunk_hash, scope, chunk))
         self._name()
@@ -114,11 +117,18 @@ class EventLog:
             if c is None or medium in c.media:
                 continue
             c.media.add(medium)
-            self._events.append(BlockStored(
-                block_hashes=c.block_hashes, parent_block_hash=c.parent,
-                token_ids=c.token_ids.tolist(), block_size=self.block_size, lora_id=c.lora_id,
-                medium=medium, lora_name=c.lora_name, ownership=OWNER,
-            ))
+            self._events.append(
+                BlockStored(
+                    block_hashes=c.block_hashes,
+                    parent_block_hash=c.parent,
+                    token_ids=c.token_ids.tolist(),
+                    block_size=self.block_size,
+                    lora_id=c.lora_id,
+                    medium=medium,
+                    lora_name=c.lora_name,
+                    ownership=OWNER,
+                )
+            )
 
     def removed(self, tier: str, digests: Iterable[str]) -> None:
         """Rank 0 reports these chunks gone from ``tier``."""
@@ -128,8 +138,9 @@ class EventLog:
             if c is None or medium not in c.media:
                 continue
             c.media.discard(medium)
-            self._events.append(BlockRemoved(block_hashes=c.block_hashes, medium=medium,
-                                             ownership=OWNER))
+            self._events.append(
+                BlockRemoved(block_hashes=c.block_hashes, medium=medium, ownership=OWNER)
+            )
             if not c.media:
                 del self._chunks[d]
 

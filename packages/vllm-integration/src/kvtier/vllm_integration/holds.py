@@ -50,8 +50,9 @@ class _Entry:
 class HoldTable:
     """The worker's holds by request id (see the module docstring for their life cycle)."""
 
-    def __init__(self, engine: CacheEngine, ttl_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, engine: CacheEngine, ttl_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"hold ttl_s must be > 0, got {ttl_s}")
         self.engine = engine
@@ -67,8 +68,12 @@ class HoldTable:
         self.expire()
         with self._lock:
             e = self._entries.get(req_id)
-            if (e is not None and e.hold_id == hold_id and e.salt == salt
-                    and np.array_equal(e.tokens, tokens)):
+            if (
+                e is not None
+                and e.hold_id == hold_id
+                and e.salt == salt
+                and np.array_equal(e.tokens, tokens)
+            ):
                 e.last_used = self._clock()
                 self._reuses += 1
                 return e.hold.num_tokens
@@ -115,8 +120,12 @@ class HoldTable:
         for e in gone:
             e.hold.release()
         if gone:
-            logger.warning("kvtier: %d lookup hold(s) expired unused after %.0f s (requests %s)",
-                           len(gone), self.ttl_s, ", ".join(old[:5]))
+            logger.warning(
+                "kvtier: %d lookup hold(s) expired unused after %.0f s (requests %s)",
+                len(gone),
+                self.ttl_s,
+                ", ".join(old[:5]),
+            )
         return len(gone)
 
     def sources(self, req_id: str) -> list[list[Any]]:
@@ -126,8 +135,10 @@ class HoldTable:
             e = self._entries.get(req_id)
             if e is None:
                 return []
-            return [[sp.start, sp.end, tier]
-                    for sp, tier in zip(e.hold.spans, e.hold.sources, strict=False)]
+            return [
+                [sp.start, sp.end, tier]
+                for sp, tier in zip(e.hold.spans, e.hold.sources, strict=False)
+            ]
 
     def stats(self) -> dict[str, int]:
         """``holds`` and ``held_objects`` now; ``hold_expiries`` and ``hold_reuses`` so far."""

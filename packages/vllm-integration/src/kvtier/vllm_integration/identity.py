@@ -110,7 +110,8 @@ def adapter_identity(lora_request: Any) -> str | None:
     if path and os.path.isdir(path):
         stamp = tuple(
             (p.name, p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(Path(path).iterdir()) if p.is_file()
+            for p in sorted(Path(path).iterdir())
+            if p.is_file()
         )
         digest = _adapter_digest(path, stamp)
     return f"{name}|{path}|{digest}"
@@ -118,8 +119,11 @@ def adapter_identity(lora_request: Any) -> str | None:
 
 def request_scope(request: Request, generation: str | None) -> KeyScope:
     """The scope that seeds a request's hash chain."""
-    return KeyScope(salt=request.cache_salt, adapter=adapter_identity(request.lora_request),
-                    generation=generation)
+    return KeyScope(
+        salt=request.cache_salt,
+        adapter=adapter_identity(request.lora_request),
+        generation=generation,
+    )
 
 
 def cacheable(request: Request) -> bool:

@@ -80,8 +80,11 @@ def build_layout(
     caches = ordered_caches(kv_caches)
     first = caches[0]
     paged = detect_paged_layout(
-        tuple(first.shape), block_size=block_size, num_kv_heads=1 if use_mla else num_kv_heads,
-        head_size=head_size, use_mla=use_mla,
+        tuple(first.shape),
+        block_size=block_size,
+        num_kv_heads=1 if use_mla else num_kv_heads,
+        head_size=head_size,
+        use_mla=use_mla,
     )
     for c in caches[1:]:
         if c.shape != first.shape or c.dtype != first.dtype or c.device != first.device:

@@ -55,15 +55,15 @@ class KVTierMetadata(KVConnectorMetadata):
     generation: str | None = None
 
 
-def slot_mapping(block_ids: list[int], block_size: int, length: int, start: int, end: int) -> np.ndarray:
+def slot_mapping(
+    block_ids: list[int], block_size: int, length: int, start: int, end: int
+) -> np.ndarray:
     """Slots of tokens ``[start, end)`` (from the request's block table), ``-1`` elsewhere."""
     slots = np.full(length, -1, dtype=np.int64)
     if end > start:
         pos = np.arange(start, end, dtype=np.int64)
         blocks = np.asarray(block_ids, dtype=np.int64)
         if len(blocks) * block_size < end:
-            raise ValueError(
-                f"{len(blocks)} blocks of {block_size} cannot hold tokens up to {end}"
-            )
+            raise ValueError(f"{len(blocks)} blocks of {block_size} cannot hold tokens up to {end}")
         slots[start:end] = blocks[pos // block_size] * block_size + pos % block_size
     return slots

@@ -78,10 +78,17 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
             if mine is None:
                 merged[rank] = rep
             else:
-                merged[rank] = RankReport(rank, rep.namespace, rep.complete, rep.capacity,
-                                          mine.added + rep.added, mine.answers + rep.answers,
-                                          mine.evicted + rep.evicted, rep.host_only,
-                                          mine.tier_events + rep.tier_events)
+                merged[rank] = RankReport(
+                    rank,
+                    rep.namespace,
+                    rep.complete,
+                    rep.capacity,
+                    mine.added + rep.added,
+                    mine.answers + rep.answers,
+                    mine.evicted + rep.evicted,
+                    rep.host_only,
+                    mine.tier_events + rep.tier_events,
+                )
         return KVTierWorkerMeta(merged)
 
 
@@ -225,16 +232,26 @@ class PresenceFeed:
     def take(self) -> KVTierWorkerMeta | None:
         """This step's report (None when there is nothing new to say)."""
         with self._lock:
-            if self._sent_once and not (self._added or self._answers or self._evicted
-                                        or self._tier_events):
+            if self._sent_once and not (
+                self._added or self._answers or self._evicted or self._tier_events
+            ):
                 return None
             tier_events, self._tier_events = self._tier_events, []
             added, self._added = self._added, []
             answers, self._answers = self._answers, []
             evicted, self._evicted = self._evicted, []
             self._sent_once = True
-        report = RankReport(self.rank, self._namespace, self._complete, self._capacity,
-                            added, answers, evicted, self._host_only, tier_events)
+        report = RankReport(
+            self.rank,
+            self._namespace,
+            self._complete,
+            self._capacity,
+            added,
+            answers,
+            evicted,
+            self._host_only,
+            tier_events,
+        )
         return KVTierWorkerMeta({self.rank: report})
 
 

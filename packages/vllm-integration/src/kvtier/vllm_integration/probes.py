@@ -65,8 +65,9 @@ class Probe:
 class PromptHashes:
     """One prompt's chunk hashes under its scope, as ``CacheEngine`` keys them."""
 
-    def __init__(self, tokens: np.ndarray, scope: KeyScope, chunk_size: int, block_size: int,
-                 tails: bool) -> None:
+    def __init__(
+        self, tokens: np.ndarray, scope: KeyScope, chunk_size: int, block_size: int, tails: bool
+    ) -> None:
         self.arr = token_bytes(tokens)
         self.scope = scope
         self.chunk_size = chunk_size
@@ -82,8 +83,9 @@ class PromptHashes:
         out = self._tails.get(index)
         if out is None:
             prev = self.full[index - 1] if index else salt_seed(self.scope)
-            out = self._tails[index] = tail_hashes(self.arr, index * self.chunk_size,
-                                                   self.chunk_size, self.block_size, prev)
+            out = self._tails[index] = tail_hashes(
+                self.arr, index * self.chunk_size, self.chunk_size, self.block_size, prev
+            )
         return out
 
     def indexed_hit(self, index: PresenceIndex) -> int:
@@ -156,8 +158,12 @@ class Prober:
     """A worker's probe threads: ``probe(spec) -> (hit, sources)`` runs off the step thread and
     each answer goes to ``answer``; a probe that raises answers 0 (a miss), never nothing."""
 
-    def __init__(self, probe: Callable[[ProbeSpec], tuple[int, list[list[Any]]]],
-                 answer: Callable[[ProbeAnswer], None], threads: int = 2) -> None:
+    def __init__(
+        self,
+        probe: Callable[[ProbeSpec], tuple[int, list[list[Any]]]],
+        answer: Callable[[ProbeAnswer], None],
+        threads: int = 2,
+    ) -> None:
         self._probe = probe
         self._answer = answer
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-probe")
@@ -172,8 +178,12 @@ class Prober:
         except Exception:
             logger.exception("kvtier: probe of request %s failed; a miss", spec.req_id)
             hit, sources = 0, []
-        logger.debug("kvtier: probe of %s: %d tokens in %.1f ms", spec.req_id, hit,
-                     1e3 * (time.perf_counter() - t0))
+        logger.debug(
+            "kvtier: probe of %s: %d tokens in %.1f ms",
+            spec.req_id,
+            hit,
+            1e3 * (time.perf_counter() - t0),
+        )
         self._answer(ProbeAnswer(spec.req_id, spec.hold_id, hit, sources))
 
     def close(self) -> None:

@@ -105,8 +105,9 @@ class Saver:
                 job.abandoned = True
             return False
 
-    def wait_related(self, tokens: np.ndarray, scope: KeyScope, chunk_size: int,
-                     timeout_s: float) -> bool:
+    def wait_related(
+        self, tokens: np.ndarray, scope: KeyScope, chunk_size: int, timeout_s: float
+    ) -> bool:
         """Let in-flight saves of the same prefix land before a lookup answers.
 
         Saves run after the step that computed them, so a request repeated as soon as the
@@ -117,7 +118,8 @@ class Saver:
 
         def related() -> bool:
             return any(
-                j.spec.scope == scope and len(j.spec.tokens) >= k
+                j.spec.scope == scope
+                and len(j.spec.tokens) >= k
                 and np.array_equal(j.spec.tokens[:k], tokens[:k])
                 for j in self._inflight
             )

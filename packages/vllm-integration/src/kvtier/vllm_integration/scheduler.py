@@ -104,16 +104,25 @@ class _Request:
 class SchedulerSide:
     """Lookups, loads and saves decided on the scheduler (see the module docstring)."""
 
-    def __init__(self, config: KVTierConfig, *, block_size: int, engine_id: str,
-                 num_workers: int, load_failure_policy: str, kv_events: bool = False) -> None:
+    def __init__(
+        self,
+        config: KVTierConfig,
+        *,
+        block_size: int,
+        engine_id: str,
+        num_workers: int,
+        load_failure_policy: str,
+        kv_events: bool = False,
+    ) -> None:
         self.config = config
         self.block_size = block_size
         self.chunk_size = config.chunk_size
         self._reqs: dict[str, _Request] = {}
         self.num_workers = num_workers
         self.index = PresenceIndex(num_workers)
-        self.events = EventLog(block_size, kv_events,
-                               lambda h, scope: self.index.digest(0, h, scope))
+        self.events = EventLog(
+            block_size, kv_events, lambda h, scope: self.index.digest(0, h, scope)
+        )
         self.sightings = Sightings(config.store_threshold)
         self._next_hold_id = 0
         self._releases: list[tuple[str, int]] = []
@@ -124,8 +133,13 @@ class SchedulerSide:
         self.generation: str | None = None
         self._step_seconds = 0.0  # kvtier's time in the current scheduler step
         # Scheduler-process counters.
-        self.stats = {"lookups": 0, "lookup_failures": 0, "hit_tokens": 0, "uncacheable": 0,
-                      "probes": 0}
+        self.stats = {
+            "lookups": 0,
+            "lookup_failures": 0,
+            "hit_tokens": 0,
+            "uncacheable": 0,
+            "probes": 0,
+        }
         # A request's last lookup: its hit (the minimum over ranks) and where each chunk was found
         # (rank 0's hold: ``[[start, end, tier], ...]``), for ``hit_sources``.
         self._hit_spans: dict[str, tuple[int, list[list[Any]]]] = {}
@@ -135,15 +149,17 @@ class SchedulerSide:
                 "kvtier: kv_load_failure_policy=%r: a load whose lookup hold expired (no load "
                 "within %.0f s of the lookup) and whose chunks were evicted meanwhile fails the "
                 "request; set kv_load_failure_policy='recompute' to recompute it instead",
-                load_failure_policy, hold_ttl_s(config),
+                load_failure_policy,
+                hold_ttl_s(config),
             )
 
     def _state(self, request: Request) -> _Request:
         state = self._reqs.get(request.request_id)
         if state is None:
             prompt = identity_tokens(request, request.prompt_token_ids or [])
-            state = _Request(request, adapter_identity(request.lora_request), prompt,
-                             self.generation)
+            state = _Request(
+                request, adapter_identity(request.lora_request), prompt, self.generation
+            )
             self._reqs[request.request_id] = state
             if self.sightings.threshold > 1:
                 self.sightings.see(self._hashes(state))
@@ -160,8 +176,13 @@ class SchedulerSide:
 
     def _hashes(self, state: _Request) -> PromptHashes:
         if state.hashes is None:
-            state.hashes = PromptHashes(state.prompt, state.scope, self.chunk_size,
-                                        self.block_size, self.config.save_unfull_chunk)
+            state.hashes = PromptHashes(
+                state.prompt,
+                state.scope,
+                self.chunk_size,
+                self.block_size,
+                self.config.save_unfull_chunk,
+            )
         return state.hashes
 
     def _may_hit(self, state: _Request, num_computed_tokens: int, most: int) -> bool:
@@ -203,10 +224,14 @@ class SchedulerSide:
         if now - probe.sent_at < self.config.lookup_timeout_s:
             return None
         self.stats["lookup_failures"] += 1
-        logger.warning("kvtier: %d of %d worker(s) did not answer the lookup of request %s in "
-                       "%.1f s (lookup_timeout_s); treating it as a miss", self.num_workers -
-                       len(probe.answers), self.num_workers, state.request.request_id,
-                       self.config.lookup_timeout_s)
+        logger.warning(
+            "kvtier: %d of %d worker(s) did not answer the lookup of request %s in "
+            "%.1f s (lookup_timeout_s); treating it as a miss",
+            self.num_workers - len(probe.answers),
+            self.num_workers,
+            state.request.request_id,
+            self.config.lookup_timeout_s,
+        )
         probe.expired = True
         return probe
 
@@ -256,10 +281,18 @@ class SchedulerSide:
         # Not scheduled until the load is reported: it goes out with the next step's metadata.
         start = state.computed_at_lookup
         end = start + num_external_tokens
-        self._async_loads.append(LoadSpec(
-            request.request_id, state.prompt, list(blocks.get_block_ids()[0]), start, end,
-            state.scope, hold_id, load_async=True,
-        ))
+        self._async_loads.append(
+            LoadSpec(
+                request.request_id,
+                state.prompt,
+                list(blocks.get_block_ids()[0]),
+                start,
+                end,
+                state.scope,
+                hold_id,
+                load_async=True,
+            )
+        )
         state.external = 0
         state.saved_upto = max(state.saved_upto, end // self.chunk_size * self.chunk_size)
 
@@ -314,8 +347,11 @@ class SchedulerSide:
         if state.external:
             end = computed
             start = end - state.external
-            meta.loads.append(LoadSpec(rid, state.prompt, list(state.block_ids), start, end,
-                                       state.scope, state.hold_id))
+            meta.loads.append(
+                LoadSpec(
+                    rid, state.prompt, list(state.block_ids), start, end, state.scope, state.hold_id
+                )
+            )
             state.hold_id = None
             # Everything before the loaded chunk's start is stored already.
             state.saved_upto = max(state.saved_upto, end // self.chunk_size * self.chunk_size)
@@ -325,9 +361,13 @@ class SchedulerSide:
             meta.saves.append(spec)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
-        meta = KVTierMetadata(preempted=set(scheduler_output.preempted_req_ids or ()),
-                              releases=self._releases, generation=self.generation,
-                              loads=self._async_loads, probes=self._probes)
+        meta = KVTierMetadata(
+            preempted=set(scheduler_output.preempted_req_ids or ()),
+            releases=self._releases,
+            generation=self.generation,
+            loads=self._async_loads,
+            probes=self._probes,
+        )
         self._releases, self._async_loads, self._probes = [], [], []
         for rid in meta.preempted:
             state = self._reqs.get(rid)
@@ -341,8 +381,12 @@ class SchedulerSide:
             if state is None:
                 continue
             state.block_ids = list(new.block_ids[0])
-            self._schedule(meta, new.req_id, new.num_computed_tokens,
-                           scheduler_output.num_scheduled_tokens.get(new.req_id, 0))
+            self._schedule(
+                meta,
+                new.req_id,
+                new.num_computed_tokens,
+                scheduler_output.num_scheduled_tokens.get(new.req_id, 0),
+            )
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             state = self._reqs.get(rid)
@@ -353,8 +397,12 @@ class SchedulerSide:
                 state.block_ids = list(new_blocks[0]) if new_blocks is not None else []
             elif new_blocks is not None:
                 state.block_ids.extend(new_blocks[0])
-            self._schedule(meta, rid, cached.num_computed_tokens[i],
-                           scheduler_output.num_scheduled_tokens.get(rid, 0))
+            self._schedule(
+                meta,
+                rid,
+                cached.num_computed_tokens[i],
+                scheduler_output.num_scheduled_tokens.get(rid, 0),
+            )
         return meta
 
     def end_step(self) -> None:
@@ -383,7 +431,9 @@ class SchedulerSide:
         the last lookup): ``{tier name: tokens}``; tokens of no known tier under ``""``."""
         hit, spans = self._hit_spans.get(request.request_id, (0, []))
         # The loaded tokens end where the reported hit ends (see get_num_new_matched_tokens).
-        end = min(hit, (len(request.prompt_token_ids or ()) - 1) // self.block_size * self.block_size)
+        end = min(
+            hit, (len(request.prompt_token_ids or ()) - 1) // self.block_size * self.block_size
+        )
         end -= end % self.block_size
         start = end - num_external_tokens
         out: dict[str, int] = {}

@@ -71,28 +71,56 @@ class ServeConfig:
     seed: int = 0
 
 
-def server_args(mode: str, cfg: ServeConfig, *, kvtier: dict[str, Any] | None = None,
-                lmcache_port: int | None = None, engine_id: str = "kvtier-bench-serve") -> list[str]:
+def server_args(
+    mode: str,
+    cfg: ServeConfig,
+    *,
+    kvtier: dict[str, Any] | None = None,
+    lmcache_port: int | None = None,
+    engine_id: str = "kvtier-bench-serve",
+) -> list[str]:
     """``vllm serve`` flags (after the model) for ``mode``."""
     if mode not in MODES:
         raise ValueError(f"mode: {mode!r} is not one of {MODES}")
-    args = ["--enforce-eager", "--dtype", "bfloat16", "--block-size", str(cfg.block_size),
-            "--kv-cache-memory-bytes", str(cfg.kv_cache_bytes),
-            "--max-model-len", str(cfg.max_model_len), "--max-num-seqs", str(cfg.max_num_seqs),
-            "--seed", str(cfg.seed), "--served-model-name", "bench"]
+    args = [
+        "--enforce-eager",
+        "--dtype",
+        "bfloat16",
+        "--block-size",
+        str(cfg.block_size),
+        "--kv-cache-memory-bytes",
+        str(cfg.kv_cache_bytes),
+        "--max-model-len",
+        str(cfg.max_model_len),
+        "--max-num-seqs",
+        str(cfg.max_num_seqs),
+        "--seed",
+        str(cfg.seed),
+        "--served-model-name",
+        "bench",
+    ]
     if mode == "none":
         args.append("--no-enable-prefix-caching")
     elif mode == "kvtier_eager":
-        transfer = {"kv_connector": "KVTierConnector", "kv_role": "kv_both",
-                    "engine_id": engine_id, "kv_load_failure_policy": "recompute",
-                    "kv_connector_extra_config": kvtier or {}}
+        transfer = {
+            "kv_connector": "KVTierConnector",
+            "kv_role": "kv_both",
+            "engine_id": engine_id,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": kvtier or {},
+        }
         args += ["--kv-transfer-config", json.dumps(transfer)]
     elif mode == "lmcache":
         if lmcache_port is None:
             raise ValueError("lmcache_port: the lmcache mode needs the LMCache server's port")
-        transfer = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-                    "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
-                                                  "lmcache.mp.port": lmcache_port}}
+        transfer = {
+            "kv_connector": "LMCacheMPConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "lmcache.mp.host": "tcp://127.0.0.1",
+                "lmcache.mp.port": lmcache_port,
+            },
+        }
         args += ["--kv-transfer-config", json.dumps(transfer)]
     return args
 
@@ -100,10 +128,18 @@ def server_args(mode: str, cfg: ServeConfig, *, kvtier: dict[str, Any] | None = 
 def _server_env(extra: dict[str, str] | None) -> dict[str, str]:
     # The caller's KVTIER_* settings (a config file, tiers) must not leak into the server.
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "TOKENIZERS_PARALLELISM": "false",
-                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-                "LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1"})
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "LMCACHE_TRACK_USAGE": "false",
+            "LMCACHE_DISABLE_BANNER": "1",
+        }
+    )
     env.update(extra or {})
     return env
 
@@ -141,9 +177,14 @@ class Process:
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(self.cmd, env=_server_env(self.env), stdout=out,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.cmd,
+                env=_server_env(self.env),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     def start_then(self, ready: Callable[[], object]) -> None:
         """Start, then wait with ``ready()``; stop again if that fails (or is interrupted)."""
@@ -186,29 +227,58 @@ def wait_http(process: Process, url: str, timeout_s: float, what: str) -> None:
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(1.0)
-    raise ServerError(f"{what} not ready after {timeout_s:.0f} s; log {process.log}:\n"
-                      f"{process.tail()}")
+    raise ServerError(
+        f"{what} not ready after {timeout_s:.0f} s; log {process.log}:\n{process.tail()}"
+    )
 
 
 class LMCacheServer:
     """LMCache's multiprocess server on 127.0.0.1, engine-driven transfers (what vLLM's
     ``LMCacheMPConnector`` uses on CPU), host memory ``l1_size_gb``; a context manager."""
 
-    def __init__(self, python: str, log: Path, *, l1_size_gb: float = 0.5,
-                 start_timeout_s: float = START_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        python: str,
+        log: Path,
+        *,
+        l1_size_gb: float = 0.5,
+        start_timeout_s: float = START_TIMEOUT_S,
+    ) -> None:
         self.port, self.http_port = free_port(), free_port()
         self.start_timeout_s = start_timeout_s
-        cmd = [python, "-c", "import sys; from lmcache.cli.main import main; sys.exit(main())",
-               "server", "--host", "127.0.0.1", "--port", str(self.port),
-               "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
-               "--prometheus-port", str(free_port()), "--supported-transfer-mode",
-               "engine_driven", "--l1-size-gb", str(l1_size_gb), "--eviction-policy", "LRU"]
+        cmd = [
+            python,
+            "-c",
+            "import sys; from lmcache.cli.main import main; sys.exit(main())",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            str(self.http_port),
+            "--prometheus-port",
+            str(free_port()),
+            "--supported-transfer-mode",
+            "engine_driven",
+            "--l1-size-gb",
+            str(l1_size_gb),
+            "--eviction-policy",
+            "LRU",
+        ]
         self.process = Process(cmd, log)
 
     def __enter__(self) -> LMCacheServer:
-        self.process.start_then(lambda: wait_http(
-            self.process, f"http://127.0.0.1:{self.http_port}/healthcheck", self.start_timeout_s,
-            "lmcache server"))
+        self.process.start_then(
+            lambda: wait_http(
+                self.process,
+                f"http://127.0.0.1:{self.http_port}/healthcheck",
+                self.start_timeout_s,
+                "lmcache server",
+            )
+        )
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -218,15 +288,23 @@ class LMCacheServer:
 class VLLMServer:
     """``vllm serve MODEL ARGS`` on 127.0.0.1; a context manager that always stops it."""
 
-    def __init__(self, model: str, args: list[str], log: Path, *,
-                 env: dict[str, str] | None = None, python: str | None = None,
-                 start_timeout_s: float = START_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        model: str,
+        args: list[str],
+        log: Path,
+        *,
+        env: dict[str, str] | None = None,
+        python: str | None = None,
+        start_timeout_s: float = START_TIMEOUT_S,
+    ) -> None:
         """``python``: the interpreter of another environment with vLLM (default this one)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.start_timeout_s = start_timeout_s
-        cmd = vllm_command("serve", model, "--host", "127.0.0.1", "--port", str(self.port), *args,
-                           python=python)
+        cmd = vllm_command(
+            "serve", model, "--host", "127.0.0.1", "--port", str(self.port), *args, python=python
+        )
         if python is not None:
             env = {**foreign_python_env(), **(env or {})}
         self.process = Process(cmd, log, env)
@@ -246,8 +324,11 @@ class VLLMServer:
             return str(r.read().decode())
 
     def post(self, path: str, body: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             out: dict[str, Any] = json.loads(r.read())
             return out
@@ -275,8 +356,14 @@ class BenchClient:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
             self.process.proc = subprocess.Popen(
-                self.process.cmd, env=_server_env(None), stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.PIPE, start_new_session=True, pass_fds=(self._write_fd,))
+                self.process.cmd,
+                env=_server_env(None),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.PIPE,
+                start_new_session=True,
+                pass_fds=(self._write_fd,),
+            )
         os.close(self._write_fd)
         return self
 
@@ -287,8 +374,9 @@ class BenchClient:
     def run(self, argv: list[str], timeout_s: float) -> None:
         proc = self.process.proc
         if proc is None or proc.stdin is None or not self.process.alive():
-            raise ServerError(f"the benchmark client is not running; log {self.log}:\n"
-                              f"{self.process.tail()}")
+            raise ServerError(
+                f"the benchmark client is not running; log {self.log}:\n{self.process.tail()}"
+            )
         proc.stdin.write((json.dumps(argv) + "\n").encode())
         proc.stdin.flush()
         ready, _, _ = select.select([self._read_fd], [], [], timeout_s)
@@ -297,8 +385,10 @@ class BenchClient:
             raise ServerError(f"vllm bench serve did not finish in {timeout_s:.0f} s")
         reply = os.read(self._read_fd, 64).decode().strip()
         if reply != "0":
-            raise ServerError(f"vllm bench serve failed ({reply or 'client exited'}); log "
-                              f"{self.log}:\n{self.process.tail()}")
+            raise ServerError(
+                f"vllm bench serve failed ({reply or 'client exited'}); log "
+                f"{self.log}:\n{self.process.tail()}"
+            )
 
 
 def _bench_loop(done_fd: int) -> None:

@@ -141,8 +141,11 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         self._bound: dict[tuple[int, str, str], Any] = {}
         for name, spec in METRICS.items():
             labels = [*labelnames, "tier"] if spec.tiered else list(labelnames)
-            kwargs: dict[str, Any] = {"name": PROM_PREFIX + name, "documentation": spec.doc,
-                                      "labelnames": labels}
+            kwargs: dict[str, Any] = {
+                "name": PROM_PREFIX + name,
+                "documentation": spec.doc,
+                "labelnames": labels,
+            }
             if spec.kind == COUNTER:
                 cls: Any = self._counter_cls
             elif spec.kind == GAUGE:

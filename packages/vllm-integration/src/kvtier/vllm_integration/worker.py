@@ -71,8 +71,9 @@ SAVE_DRAIN_TIMEOUT_S = 60.0
 class WorkerSide:
     """Loads and saves on one worker (see the module docstring)."""
 
-    def __init__(self, config: KVTierConfig, vllm_config: VllmConfig, *, block_size: int,
-                 engine_id: str) -> None:
+    def __init__(
+        self, config: KVTierConfig, vllm_config: VllmConfig, *, block_size: int, engine_id: str
+    ) -> None:
         self.config = config
         self.block_size = block_size
         self.chunk_size = config.chunk_size
@@ -94,16 +95,22 @@ class WorkerSide:
         self._generation: str | None = None
         self._stats_lock = threading.Lock()
         self.stats = {
-            "load_requests": 0, "load_tokens_requested": 0, "loaded_tokens": 0,
-            "load_failed_blocks": 0, "loads_without_hold": 0, "save_jobs": 0, "saved_tokens": 0,
-            "save_errors": 0, "saves_abandoned": 0, "generation_resets": 0,
+            "load_requests": 0,
+            "load_tokens_requested": 0,
+            "loaded_tokens": 0,
+            "load_failed_blocks": 0,
+            "loads_without_hold": 0,
+            "save_jobs": 0,
+            "saved_tokens": 0,
+            "save_errors": 0,
+            "saves_abandoned": 0,
+            "generation_resets": 0,
         }
 
         self.metrics = StatsTracker()
 
     # The worker's counters that are also metrics (``kvtier.core.metrics.METRICS``).
-    _METRIC_STATS = ("load_failed_blocks", "loads_without_hold", "save_errors",
-                     "saves_abandoned")
+    _METRIC_STATS = ("load_failed_blocks", "loads_without_hold", "save_errors", "saves_abandoned")
 
     def get_kv_connector_stats(self) -> KVTierStats | None:
         """What changed since the last call (``stats.py``); vLLM calls it after every step."""
@@ -127,9 +134,11 @@ class WorkerSide:
         mc = vc.model_config
         use_mla = bool(getattr(mc, "use_mla", False))
         layout = build_layout(
-            kv_caches, block_size=self.block_size,
+            kv_caches,
+            block_size=self.block_size,
             num_kv_heads=mc.get_num_kv_heads(vc.parallel_config),
-            head_size=mc.get_head_size(), use_mla=use_mla,
+            head_size=mc.get_head_size(),
+            use_mla=use_mla,
             cache_dtype=str(vc.cache_config.cache_dtype),
         )
         caches = ordered_caches(kv_caches)
@@ -138,10 +147,17 @@ class WorkerSide:
         # The lookup socket is per worker; the key's rank collapses MLA's identical TP shards.
         _, worker = engine_rank(vc, use_mla=False)
         key_world, key_rank = engine_rank(vc, use_mla)
-        platform = get_platform(self.config.platform or caches[0].device.type, self.config.plugins,
-                                device_index=caches[0].device.index)
+        platform = get_platform(
+            self.config.platform or caches[0].device.type,
+            self.config.plugins,
+            device_index=caches[0].device.index,
+        )
         self.engine = CacheEngine(
-            self.config, layout, model=model_identity(vc), world_size=key_world, rank=key_rank,
+            self.config,
+            layout,
+            model=model_identity(vc),
+            world_size=key_world,
+            rank=key_rank,
             platform=platform,
         )
         self.engine.register_kv_caches(caches)
@@ -150,11 +166,17 @@ class WorkerSide:
         self._saver = Saver(self._store, self._saved)
         self._loader = Loader(self._load, self._spec_blocks)
         kv_events = vc.kv_events_config
-        self._feed = PresenceFeed(worker, self.engine, tier_events=bool(
-            kv_events and kv_events.enable_kv_cache_events))
+        self._feed = PresenceFeed(
+            worker, self.engine, tier_events=bool(kv_events and kv_events.enable_kv_cache_events)
+        )
         self._prober = Prober(self._probe, self._feed.answer)
-        logger.info("kvtier: %s layout %s, tiers %s, lookup channel %s", layout.paged_layout.value,
-                    layout.fingerprint(), self.config.tiers, self._server.path)
+        logger.info(
+            "kvtier: %s layout %s, tiers %s, lookup channel %s",
+            layout.paged_layout.value,
+            layout.fingerprint(),
+            self.config.tiers,
+            self._server.path,
+        )
 
     def _serve(self, header: dict[str, Any], tokens: np.ndarray | None) -> dict[str, Any]:
         assert self.engine is not None and self._holds is not None and self._saver is not None
@@ -176,8 +198,9 @@ class WorkerSide:
         """One probe on a probe thread: hold what the tiers have of the prompt."""
         assert self._holds is not None and self._saver is not None
         # A save of the same prefix still copying would be missed: give it a moment.
-        if not self._saver.wait_related(spec.tokens, spec.scope, self.chunk_size,
-                                        self.config.lookup_timeout_s / 2):
+        if not self._saver.wait_related(
+            spec.tokens, spec.scope, self.chunk_size, self.config.lookup_timeout_s / 2
+        ):
             logger.warning("kvtier: lookup answered before a save of the same prefix finished")
         t0 = time.perf_counter()
         hit = self._holds.lookup(spec.req_id, spec.hold_id, spec.tokens, spec.scope)
@@ -196,8 +219,11 @@ class WorkerSide:
             self._holds.close()
         dropped = self.engine.storage.drop_host()
         self._count(generation_resets=1)
-        logger.info("kvtier: new weights generation %s: %d host-memory chunk(s) dropped",
-                    meta.generation, dropped)
+        logger.info(
+            "kvtier: new weights generation %s: %d host-memory chunk(s) dropped",
+            meta.generation,
+            dropped,
+        )
 
     # -- loads ---------------------------------------------------------------------------------
     def _spec_blocks(self, spec: LoadSpec) -> set[int]:
@@ -209,16 +235,22 @@ class WorkerSide:
         """Count a load; return the blocks it left unfilled (reported to vLLM)."""
         want = mask[spec.start : spec.end]
         loaded = int(want.sum())
-        self._count(load_requests=1, load_tokens_requested=spec.end - spec.start,
-                    loaded_tokens=loaded)
+        self._count(
+            load_requests=1, load_tokens_requested=spec.end - spec.start, loaded_tokens=loaded
+        )
         if loaded == spec.end - spec.start:
             return set()
         missing = (~want).nonzero().squeeze(1) + spec.start
         blocks = {spec.block_ids[int(i) // self.block_size] for i in missing}
-        logger.warning("kvtier: request %s: %d of %d tokens could not be loaded; %d block(s) "
-                       "reported failed to vLLM (its kv_load_failure_policy recomputes them or "
-                       "fails the request)", spec.req_id, spec.end - spec.start - loaded,
-                       spec.end - spec.start, len(blocks))
+        logger.warning(
+            "kvtier: request %s: %d of %d tokens could not be loaded; %d block(s) "
+            "reported failed to vLLM (its kv_load_failure_policy recomputes them or "
+            "fails the request)",
+            spec.req_id,
+            spec.end - spec.start - loaded,
+            spec.end - spec.start,
+            len(blocks),
+        )
         self._count(load_failed_blocks=len(blocks))
         return blocks
 
@@ -231,8 +263,9 @@ class WorkerSide:
         """One whole load on the loader thread (the caller releases the hold)."""
         assert self.engine is not None
         t0 = time.perf_counter()
-        mask = self.engine.retrieve(spec.tokens, self._load_slots(spec), salt=spec.scope,
-                                    hold=hold, ready=ready)
+        mask = self.engine.retrieve(
+            spec.tokens, self._load_slots(spec), salt=spec.scope, hold=hold, ready=ready
+        )
         self.metrics.observe("load_seconds", time.perf_counter() - t0)
         return self._check_loaded(spec, mask)
 
@@ -260,8 +293,9 @@ class WorkerSide:
                 # The retrieval takes its own references to the held objects: the hold can go
                 # as soon as it is planned, also for a layer-wise load still to run.
                 if self.config.use_layerwise:
-                    job = self.engine.retrieve_layerwise(spec.tokens, slots, salt=spec.scope,
-                                                         hold=hold)
+                    job = self.engine.retrieve_layerwise(
+                        spec.tokens, slots, salt=spec.scope, hold=hold
+                    )
                     self._failed_blocks |= self._check_loaded(spec, job.mask)
                     self._load_jobs.append(job)
                 else:
@@ -299,8 +333,9 @@ class WorkerSide:
     def _store(self, spec: SaveSpec, ready: Marker, keep: Any) -> int:
         assert self.engine is not None
         t0 = time.perf_counter()
-        n = self.engine.store(spec.tokens, self._save_slots(spec), salt=spec.scope,
-                              ready=ready, keep=keep)
+        n = self.engine.store(
+            spec.tokens, self._save_slots(spec), salt=spec.scope, ready=ready, keep=keep
+        )
         self.metrics.observe("save_seconds", time.perf_counter() - t0)
         return n
 
@@ -344,8 +379,11 @@ class WorkerSide:
             return
         if not self._saver.drain(SAVE_DRAIN_TIMEOUT_S):
             self._count(saves_abandoned=1)
-            logger.error("kvtier: saves did not finish in %.0f s before blocks were reused; "
-                         "the unfinished ones are abandoned", SAVE_DRAIN_TIMEOUT_S)
+            logger.error(
+                "kvtier: saves did not finish in %.0f s before blocks were reused; "
+                "the unfinished ones are abandoned",
+                SAVE_DRAIN_TIMEOUT_S,
+            )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``(saves done, async loads done)``; the failed blocks of the loads reported here go

@@ -17,8 +17,16 @@ from typing import Any
 
 from kvtier.vllm_integration.model import synthetic_text
 
-_TOPICS = ("the river system", "the national market", "the energy network", "the first season",
-           "the village church", "the storage engine", "the county station", "the music album")
+_TOPICS = (
+    "the river system",
+    "the national market",
+    "the energy network",
+    "the first season",
+    "the village church",
+    "the storage engine",
+    "the county station",
+    "the music album",
+)
 
 
 @dataclass(frozen=True)
@@ -29,8 +37,9 @@ class Request:
     doc_tokens: int
 
 
-def build_requests(tokenizer: Any, num_docs: int, doc_tokens: int, questions: int = 2,
-                   seed: int = 0) -> list[list[Request]]:
+def build_requests(
+    tokenizer: Any, num_docs: int, doc_tokens: int, questions: int = 2, seed: int = 0
+) -> list[list[Request]]:
     """``num_docs`` documents of exactly ``doc_tokens`` tokens, each with ``questions`` questions."""
     rng = random.Random(seed)
     out = []
@@ -40,8 +49,10 @@ def build_requests(tokenizer: Any, num_docs: int, doc_tokens: int, questions: in
         reqs = []
         for q in range(questions):
             topic = _TOPICS[(d * questions + q) % len(_TOPICS)]
-            ask = tokenizer(f"\nQuestion {q + 1}: what does the document say about {topic}?"
-                            f"\nAnswer:", add_special_tokens=False).input_ids
+            ask = tokenizer(
+                f"\nQuestion {q + 1}: what does the document say about {topic}?\nAnswer:",
+                add_special_tokens=False,
+            ).input_ids
             reqs.append(Request(d, q, doc + ask, len(doc)))
         out.append(reqs)
     return out
@@ -78,14 +89,23 @@ class Engine:
         kwargs: dict[str, Any] = {}
         if self.kvtier is not None:
             kwargs["kv_transfer_config"] = {
-                "kv_connector": "KVTierConnector", "kv_role": "kv_both",
-                "engine_id": self.engine_id, "kv_load_failure_policy": "recompute",
+                "kv_connector": "KVTierConnector",
+                "kv_role": "kv_both",
+                "engine_id": self.engine_id,
+                "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": self.kvtier,
             }
         self.llm = LLM(
-            model=self.model, enforce_eager=True, block_size=32, dtype="bfloat16",
-            kv_cache_memory_bytes=self.kv_cache_bytes, max_model_len=self.max_model_len,
-            enable_prefix_caching=self.prefix_caching, disable_log_stats=False, seed=0, **kwargs,
+            model=self.model,
+            enforce_eager=True,
+            block_size=32,
+            dtype="bfloat16",
+            kv_cache_memory_bytes=self.kv_cache_bytes,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=self.prefix_caching,
+            disable_log_stats=False,
+            seed=0,
+            **kwargs,
         )
         self.tokenizer = self.llm.get_tokenizer()
 
@@ -147,8 +167,11 @@ def require_extras() -> None:
 
     from kvtier.core.errors import MissingExtraError
 
-    for module, what in (("vllm", "vLLM"), ("rich", "rich (kvtier-vllm[demo])"),
-                         ("matplotlib", "matplotlib (kvtier-vllm[demo])")):
+    for module, what in (
+        ("vllm", "vLLM"),
+        ("rich", "rich (kvtier-vllm[demo])"),
+        ("matplotlib", "matplotlib (kvtier-vllm[demo])"),
+    ):
         if importlib.util.find_spec(module) is None:
             raise MissingExtraError(what, "vllm")
 

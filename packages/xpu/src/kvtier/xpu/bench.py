@@ -66,8 +66,12 @@ def run_shape(name: str, device: torch.device, chunks: int, chunk: int, repeat: 
     layout = KVLayout(layers, heads, head, "bfloat16", 16, PagedLayout.FLASH_NHD)
     tokens = chunks * chunk
     num_blocks = 2 * tokens // layout.block_size
-    caches = [torch.randn(layout.expected_cache_shape(num_blocks), device=device,
-                          dtype=layout.torch_dtype) for _ in range(layers)]
+    caches = [
+        torch.randn(
+            layout.expected_cache_shape(num_blocks), device=device, dtype=layout.torch_dtype
+        )
+        for _ in range(layers)
+    ]
     nbytes = layout.chunk_nbytes(tokens)
     pinned = device.type != "cpu"
     arena = HostArena.create(nbytes + 256 * chunks, pin_memory=pinned)  # + alignment slack
@@ -75,8 +79,10 @@ def run_shape(name: str, device: torch.device, chunks: int, chunk: int, repeat: 
     objs = [arena.allocate(meta) for _ in range(chunks)]
     assert all(o is not None for o in objs)
     slots = torch.randperm(num_blocks * layout.block_size, device=device)[:tokens]
-    transfers = [Transfer(o, slots[i * chunk:(i + 1) * chunk])  # type: ignore[arg-type]
-                 for i, o in enumerate(objs)]
+    transfers = [
+        Transfer(o, slots[i * chunk : (i + 1) * chunk])  # type: ignore[arg-type]
+        for i, o in enumerate(objs)
+    ]
 
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -94,10 +100,21 @@ def run_shape(name: str, device: torch.device, chunks: int, chunk: int, repeat: 
         }
         for op, (fn, ref) in cases.items():
             t = _best_of(fn, device, repeat)
-            rows.append({"shape": name, "op": op, "staging": staging, "chunks": chunks,
-                         "chunk_tokens": chunk, "bytes": nbytes, "seconds": t,
-                         "gb_per_s": nbytes / t / 1e9, "reference_s": ref,
-                         "reference_gb_per_s": nbytes / ref / 1e9, "ratio": ref / t})
+            rows.append(
+                {
+                    "shape": name,
+                    "op": op,
+                    "staging": staging,
+                    "chunks": chunks,
+                    "chunk_tokens": chunk,
+                    "bytes": nbytes,
+                    "seconds": t,
+                    "gb_per_s": nbytes / t / 1e9,
+                    "reference_s": ref,
+                    "reference_gb_per_s": nbytes / ref / 1e9,
+                    "ratio": ref / t,
+                }
+            )
     for o in objs:
         o.release()  # type: ignore[union-attr]
     return rows
@@ -116,23 +133,31 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     print(f"device: {device}  (reference: one contiguous pinned copy of the same bytes)")
-    print(f"{'shape':>6} {'op':>16} {'staging':>8} {'MiB':>6} {'GB/s':>7} {'ref GB/s':>9} {'ratio':>6}")
+    print(
+        f"{'shape':>6} {'op':>16} {'staging':>8} {'MiB':>6} {'GB/s':>7} {'ref GB/s':>9} {'ratio':>6}"
+    )
     for shape in args.shapes:
         for r in run_shape(shape, device, args.chunks, args.chunk_size, args.repeat):
             rows.append(r)
-            print(f"{r['shape']:>6} {r['op']:>16} {('on' if r['staging'] else 'off'):>8} "
-                  f"{r['bytes'] / 2**20:>6.0f} {r['gb_per_s']:>7.2f} "
-                  f"{r['reference_gb_per_s']:>9.2f} {r['ratio']:>6.2f}")
+            print(
+                f"{r['shape']:>6} {r['op']:>16} {('on' if r['staging'] else 'off'):>8} "
+                f"{r['bytes'] / 2**20:>6.0f} {r['gb_per_s']:>7.2f} "
+                f"{r['reference_gb_per_s']:>9.2f} {r['ratio']:>6.2f}"
+            )
 
     name = f"xpu-{device.type}"
     args.out.mkdir(parents=True, exist_ok=True)
     device_name = str(device)
     if device.type != "cpu":
         device_name = getattr(torch, device.type).get_device_name(device)
-    result = {"benchmark": "xpu connector", "device": device_name, "torch": torch.__version__,
-              "machine": platform.machine(),
-              "reference": "one contiguous pinned host<->device copy of the same bytes",
-              "results": rows}
+    result = {
+        "benchmark": "xpu connector",
+        "device": device_name,
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "reference": "one contiguous pinned host<->device copy of the same bytes",
+        "results": rows,
+    }
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, args.out / f"{name}.png")
     print(f"wrote {args.out / (name + '.json')}")
@@ -156,10 +181,16 @@ def plot(result: dict, path: Path) -> None:
         sub = [r for r in rows if r["shape"] == shape]
         ops = list(dict.fromkeys(r["op"] for r in sub))
         for k, staging in enumerate((True, False)):
-            vals = [next(r["ratio"] for r in sub if r["op"] == op and r["staging"] == staging)
-                    for op in ops]
-            ax.bar([i + 0.4 * k for i in range(len(ops))], vals, width=0.4,
-                   label=f"staging {'on' if staging else 'off'}")
+            vals = [
+                next(r["ratio"] for r in sub if r["op"] == op and r["staging"] == staging)
+                for op in ops
+            ]
+            ax.bar(
+                [i + 0.4 * k for i in range(len(ops))],
+                vals,
+                width=0.4,
+                label=f"staging {'on' if staging else 'off'}",
+            )
         ax.set_xticks([i + 0.2 for i in range(len(ops))], ops, rotation=20)
         ax.set_ylabel("throughput / contiguous copy")
         ax.set_title(f"{shape} on {result['device']}")

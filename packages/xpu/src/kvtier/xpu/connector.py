@@ -57,7 +57,9 @@ class _Lane:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in (self.staging, self.whole) if b is not None)
+        return sum(
+            b.numel() * b.element_size() for b in (self.staging, self.whole) if b is not None
+        )
 
 
 @dataclass
@@ -207,7 +209,9 @@ class XPUPagedConnector(TorchPagedConnector):
         """The parts of a layer slice that are contiguous in a memory object (K and V for MHA)."""
         return (t,) if self.layout.use_mla else (t[0], t[1])
 
-    def _copy_to_host(self, dst: torch.Tensor, rows: torch.Tensor | None, src: torch.Tensor) -> None:
+    def _copy_to_host(
+        self, dst: torch.Tensor, rows: torch.Tensor | None, src: torch.Tensor
+    ) -> None:
         if rows is not None:
             # Scattering into some rows of a host tensor is a host op: core's path brings the
             # values over with a copy synchronous with the (transfer) stream first.
@@ -272,8 +276,9 @@ class XPUPagedConnector(TorchPagedConnector):
             self.scatter(layer, plan.merged, values)
 
     # -- the moves, on the lanes' streams ------------------------------------------------------
-    def _run_store(self, transfers: Sequence[Transfer], layers: Sequence[int],
-                   layerwise: bool) -> Iterator[int]:
+    def _run_store(
+        self, transfers: Sequence[Transfer], layers: Sequence[int], layerwise: bool
+    ) -> Iterator[int]:
         compute = self.streams.current_stream()
         stream = self._store_lane.stream
         try:
@@ -293,8 +298,9 @@ class XPUPagedConnector(TorchPagedConnector):
             # The caller reads (or, on failure, frees) the host objects next.
             stream.synchronize()
 
-    def _run_load(self, transfers: Sequence[Transfer], layers: Sequence[int],
-                  layerwise: bool) -> Iterator[int]:
+    def _run_load(
+        self, transfers: Sequence[Transfer], layers: Sequence[int], layerwise: bool
+    ) -> Iterator[int]:
         compute = self.streams.current_stream()
         stream = self._load_lane.stream
         try:

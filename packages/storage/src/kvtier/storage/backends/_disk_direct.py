@@ -37,13 +37,15 @@ class DirectIO:
         try:
             fd, tmp = create_temp(directory, ".odirect", os.O_DIRECT)
         except OSError as e:
-            raise ConfigError("local_disk_o_direct", True,
-                              f"the file system of {directory} refuses O_DIRECT: {e}") from None
+            raise ConfigError(
+                "local_disk_o_direct", True, f"the file system of {directory} refuses O_DIRECT: {e}"
+            ) from None
         try:
             os.write(fd, mmap.mmap(-1, PAGE))
         except OSError as e:
-            raise ConfigError("local_disk_o_direct", True,
-                              f"the file system of {directory} refuses O_DIRECT: {e}") from None
+            raise ConfigError(
+                "local_disk_o_direct", True, f"the file system of {directory} refuses O_DIRECT: {e}"
+            ) from None
         finally:
             os.close(fd)
             remove_entry(directory / tmp)
@@ -66,8 +68,10 @@ class DirectIO:
         cs = codec.Checksum(zlib.crc32(header))
         try:
             cs.add(payload)
-            np.copyto(np.frombuffer(buf[len(header) : end], dtype=np.uint8),
-                      np.frombuffer(payload, dtype=np.uint8))
+            np.copyto(
+                np.frombuffer(buf[len(header) : end], dtype=np.uint8),
+                np.frombuffer(payload, dtype=np.uint8),
+            )
         finally:
             cs.wait()  # the helpers must be done with the buffer
         buf[end:total] = codec.TRAILER.pack(cs.value())
@@ -76,8 +80,15 @@ class DirectIO:
         os.ftruncate(fd, total)
 
     def read(
-        self, fd: int, size: int, *, key: ChunkKey, layout: KVLayout, max_tokens: int,
-        allocate: Callable[[MemoryObjMeta], MemoryObj | None], sealer: Sealer | None = None,
+        self,
+        fd: int,
+        size: int,
+        *,
+        key: ChunkKey,
+        layout: KVLayout,
+        max_tokens: int,
+        allocate: Callable[[MemoryObjMeta], MemoryObj | None],
+        sealer: Sealer | None = None,
     ) -> MemoryObj | None:
         """The chunk in the O_DIRECT file ``fd`` of ``size`` bytes (the caller bounds ``size``).
         Raises ``PayloadError`` for a bad file; None when host memory is full."""
@@ -90,5 +101,11 @@ class DirectIO:
             done += n
         if done != size:
             raise codec.PayloadError(f"truncated: read {done} of {size} bytes")
-        return codec.decode_into_object(buf[:size], key=key, layout=layout, max_tokens=max_tokens,
-                                        allocate=allocate, sealer=sealer)
+        return codec.decode_into_object(
+            buf[:size],
+            key=key,
+            layout=layout,
+            max_tokens=max_tokens,
+            allocate=allocate,
+            sealer=sealer,
+        )

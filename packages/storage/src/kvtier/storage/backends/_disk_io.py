@@ -46,9 +46,14 @@ class NotRegular(OSError):
 
 
 def kind_of(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symlink"),
-                       (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
-                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
+    for test, name in (
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISLNK, "symlink"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+    ):
         if test(mode):
             return name
     return "special file"
@@ -165,19 +170,28 @@ _HEAD_GUESS = 4096
 
 
 def read_header(
-    fd: int, size: int, *, key: ChunkKey, layout: KVLayout, max_tokens: int, sealer: Sealer | None = None
+    fd: int,
+    size: int,
+    *,
+    key: ChunkKey,
+    layout: KVLayout,
+    max_tokens: int,
+    sealer: Sealer | None = None,
 ) -> codec.Header:
     """Check the header of the open chunk file ``fd`` of ``size`` bytes against ``key``; the
     file's length must be exactly what the header says. Raises ``PayloadError``."""
     head = os.pread(fd, _HEAD_GUESS, 0)  # a header is a few hundred bytes: one read, mostly
     header_len, payload_len = codec.prefix_lengths(head)
     if size != header_len + payload_len + codec.TRAILER.size:
-        raise codec.PayloadError(f"truncated: file of {size} bytes, header says "
-                                 f"{header_len + payload_len + codec.TRAILER.size}")
+        raise codec.PayloadError(
+            f"truncated: file of {size} bytes, header says "
+            f"{header_len + payload_len + codec.TRAILER.size}"
+        )
     if header_len > len(head):
         head = os.pread(fd, header_len, 0)
-    return codec.decode_header(head[:header_len], key=key, layout=layout, max_tokens=max_tokens,
-                               sealer=sealer)
+    return codec.decode_header(
+        head[:header_len], key=key, layout=layout, max_tokens=max_tokens, sealer=sealer
+    )
 
 
 def _read_sealed(fd: int, dst: memoryview, header: codec.Header) -> bytes:
@@ -206,8 +220,14 @@ def _read_sealed(fd: int, dst: memoryview, header: codec.Header) -> bytes:
 
 
 def read_chunk(
-    fd: int, size: int, *, key: ChunkKey, layout: KVLayout, max_tokens: int,
-    allocate: Callable[[MemoryObjMeta], MemoryObj | None], sealer: Sealer | None = None,
+    fd: int,
+    size: int,
+    *,
+    key: ChunkKey,
+    layout: KVLayout,
+    max_tokens: int,
+    allocate: Callable[[MemoryObjMeta], MemoryObj | None],
+    sealer: Sealer | None = None,
 ) -> MemoryObj | None:
     """The chunk in the open file ``fd`` of ``size`` bytes (bounded by the caller), read into a
     new host object and checked (a sealed one read as ciphertext, checked, then decrypted in
@@ -224,8 +244,9 @@ def read_chunk(
         else:
             cs = codec.Checksum(header.crc_of_header)
             read_checksummed(fd, obj.byte_view(), header.header_len, cs)
-            codec.check_trailer(cs.value(), os.pread(fd, codec.TRAILER.size,
-                                                     header.header_len + header.payload_len))
+            codec.check_trailer(
+                cs.value(), os.pread(fd, codec.TRAILER.size, header.header_len + header.payload_len)
+            )
     except BaseException:
         obj.release()
         raise

@@ -81,6 +81,7 @@ _STALE_TMP_S = 300.0
 # After ENOSPC the budget is capped at what the tier held then, for this long.
 _FS_FULL_CAP_S = 60.0
 
+
 def namespace_dir(root: Path, namespace: str) -> Path:
     """The directory of one namespace under the tier's root."""
     return root / hashlib.blake2b(namespace.encode(), digest_size=10).hexdigest()
@@ -117,9 +118,11 @@ class LocalDiskBackend(StorageBackend):
         cfg = ctx.config
         if ctx.options:
             opt = sorted(ctx.options)[0]
-            raise ConfigError(f"backend_options.local_disk.{opt}", ctx.options[opt],
-                              "unknown option: the local_disk tier takes none (see the config keys "
-                              "local_disk_*)")
+            raise ConfigError(
+                f"backend_options.local_disk.{opt}",
+                ctx.options[opt],
+                "unknown option: the local_disk tier takes none (see the config keys local_disk_*)",
+            )
         self.budget = int(cfg.local_disk_size_gb * GiB)
         self.max_tokens = cfg.chunk_size
         self.root = cfg.disk_path()
@@ -134,8 +137,12 @@ class LocalDiskBackend(StorageBackend):
         self.o_direct = cfg.local_disk_o_direct
         self._direct = DirectIO(self.dir) if self.o_direct else None
         # The largest file a chunk of this layout can make: nothing larger is read.
-        self.max_file = (codec.PREFIX.size + codec.MAX_META + ctx.layout.chunk_nbytes(self.max_tokens)
-                         + codec.TRAILER.size)
+        self.max_file = (
+            codec.PREFIX.size
+            + codec.MAX_META
+            + ctx.layout.chunk_nbytes(self.max_tokens)
+            + codec.TRAILER.size
+        )
         self._index = DiskIndex(self.budget, _FS_FULL_CAP_S)
         self._removal_listeners: list[Callable[[list[str]], None]] = []
         self._rebuild_index()
@@ -160,8 +167,12 @@ class LocalDiskBackend(StorageBackend):
         found.sort()
         self._index.load([(name, size) for _, name, size in found])
         if found:
-            logger.info("kvtier disk tier %s: %d chunk file(s), %d bytes", self.dir, len(found),
-                        self._index.used)
+            logger.info(
+                "kvtier disk tier %s: %d chunk file(s), %d bytes",
+                self.dir,
+                len(found),
+                self._index.used,
+            )
         self._evict(self._index.evict_to_budget())
 
     @property
@@ -184,8 +195,12 @@ class LocalDiskBackend(StorageBackend):
     def _unlink(self, name: str) -> None:
         try:
             if not remove_entry(self.dir / name):
-                warn_throttled("disk-unlink", "kvtier disk tier: cannot delete %s (a non-empty "
-                               "directory); that key is bypassed", name)
+                warn_throttled(
+                    "disk-unlink",
+                    "kvtier disk tier: cannot delete %s (a non-empty "
+                    "directory); that key is bypassed",
+                    name,
+                )
         except OSError as e:
             warn_throttled("disk-unlink", "kvtier disk tier: cannot delete %s: %s", name, e)
 
@@ -208,8 +223,12 @@ class LocalDiskBackend(StorageBackend):
     def _bad_entry(self, name: str, kind: str) -> None:
         """Something not a chunk file sits at a chunk path: a miss; remove it (or bypass it)."""
         self.ctx.stats.add(f"{self.name}.corrupt")
-        warn_throttled("disk-bad-entry", "kvtier disk tier: %s is a %s, not a chunk file; "
-                       "treated as a miss and removed", self.dir / name, kind)
+        warn_throttled(
+            "disk-bad-entry",
+            "kvtier disk tier: %s is a %s, not a chunk file; treated as a miss and removed",
+            self.dir / name,
+            kind,
+        )
         self._index.forget(name)
         self._unlink(name)
 
@@ -243,8 +262,14 @@ class LocalDiskBackend(StorageBackend):
             self.ctx.stats.add(f"{self.name}.errors")
             return False
         try:
-            read_header(fd, st.st_size, key=key, layout=self.ctx.layout, max_tokens=self.max_tokens,
-                        sealer=self.ctx.sealer)
+            read_header(
+                fd,
+                st.st_size,
+                key=key,
+                layout=self.ctx.layout,
+                max_tokens=self.max_tokens,
+                sealer=self.ctx.sealer,
+            )
         except codec.PayloadError as e:
             self._reject(name, e)
             return False
@@ -279,15 +304,22 @@ class LocalDiskBackend(StorageBackend):
         size = len(header) + payload.nbytes + codec.TRAILER.size
         if size > self.budget:
             self.ctx.stats.add(f"{self.name}.store_skipped")
-            warn_throttled("disk-budget", "kvtier disk tier: a %d-byte chunk exceeds the budget "
-                           "local_disk_size_gb=%s; not stored", size, self.ctx.config.local_disk_size_gb)
+            warn_throttled(
+                "disk-budget",
+                "kvtier disk tier: a %d-byte chunk exceeds the budget "
+                "local_disk_size_gb=%s; not stored",
+                size,
+                self.ctx.config.local_disk_size_gb,
+            )
             return False
         reserved, victims = self._index.reserve(size)
         self._evict(victims)
         if not reserved:
             self.ctx.stats.add(f"{self.name}.store_skipped")
-            warn_throttled("disk-full-budget", "kvtier disk tier: budget full of chunks being "
-                           "read; chunk not stored")
+            warn_throttled(
+                "disk-full-budget",
+                "kvtier disk tier: budget full of chunks being read; chunk not stored",
+            )
             return False
         st: os.stat_result | None = None
         try:
@@ -301,8 +333,10 @@ class LocalDiskBackend(StorageBackend):
             self.ctx.stats.add(f"{self.name}.store_skipped")
             full = e.errno in (errno.ENOSPC, errno.EDQUOT)
             warn_throttled(
-                "disk-write", "kvtier disk tier: %s writing %s; chunk not stored",
-                "disk full (nothing left to evict)" if full else e, self.dir,
+                "disk-write",
+                "kvtier disk tier: %s writing %s; chunk not stored",
+                "disk full (nothing left to evict)" if full else e,
+                self.dir,
             )
         finally:
             self._index.unreserve(size)
@@ -319,9 +353,14 @@ class LocalDiskBackend(StorageBackend):
         cap, victims = self._index.cap_at_used()
         self._evict(victims)
         if victims:
-            warn_throttled("disk-enospc", "kvtier disk tier: file system full below the budget; "
-                           "evicted %d file(s) and capped the budget at %d bytes for %.0f s",
-                           len(victims), cap, _FS_FULL_CAP_S)
+            warn_throttled(
+                "disk-enospc",
+                "kvtier disk tier: file system full below the budget; "
+                "evicted %d file(s) and capped the budget at %d bytes for %.0f s",
+                len(victims),
+                cap,
+                _FS_FULL_CAP_S,
+            )
         return bool(victims)
 
     def _write_file(self, name: str, header: bytes, payload: memoryview) -> os.stat_result:
@@ -348,7 +387,8 @@ class LocalDiskBackend(StorageBackend):
             except OSError as e:
                 # something planted at the name (a directory): remove it if it can be, once
                 if e.errno not in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST) or not remove_entry(
-                        self.dir / name):
+                    self.dir / name
+                ):
                     raise
                 os.replace(self.dir / tmp, self.dir / name)
         except BaseException:
@@ -389,19 +429,38 @@ class LocalDiskBackend(StorageBackend):
             self._index.end_read(name)
 
     def _read(
-        self, fd: int, st: os.stat_result, key: ChunkKey, name: str,
+        self,
+        fd: int,
+        st: os.stat_result,
+        key: ChunkKey,
+        name: str,
         allocate: Callable[[MemoryObjMeta], MemoryObj | None],
     ) -> MemoryObj | None:
         try:
             if st.st_size > self.max_file:
-                raise codec.PayloadError(f"corrupt: file of {st.st_size} bytes is larger than any chunk")
+                raise codec.PayloadError(
+                    f"corrupt: file of {st.st_size} bytes is larger than any chunk"
+                )
             if self._direct is not None:
-                obj = self._direct.read(fd, st.st_size, key=key, layout=self.ctx.layout,
-                                        max_tokens=self.max_tokens, allocate=allocate,
-                                        sealer=self.ctx.sealer)
+                obj = self._direct.read(
+                    fd,
+                    st.st_size,
+                    key=key,
+                    layout=self.ctx.layout,
+                    max_tokens=self.max_tokens,
+                    allocate=allocate,
+                    sealer=self.ctx.sealer,
+                )
             else:
-                obj = read_chunk(fd, st.st_size, key=key, layout=self.ctx.layout,
-                                 max_tokens=self.max_tokens, allocate=allocate, sealer=self.ctx.sealer)
+                obj = read_chunk(
+                    fd,
+                    st.st_size,
+                    key=key,
+                    layout=self.ctx.layout,
+                    max_tokens=self.max_tokens,
+                    allocate=allocate,
+                    sealer=self.ctx.sealer,
+                )
         except codec.PayloadError as e:
             self._reject(name, e)
             return None

@@ -105,9 +105,13 @@ class RedisBackend(StorageBackend):
         super().__init__(ctx)
         cfg = ctx.config
         if not cfg.redis_url:
-            raise ConfigError("redis_url", cfg.redis_url, "the redis tier is enabled but has no URL")
+            raise ConfigError(
+                "redis_url", cfg.redis_url, "the redis tier is enabled but has no URL"
+            )
         if cfg.redis_cluster and cfg.redis_url.startswith("unix://"):
-            raise ConfigError("redis_url", cfg.redis_url, "a Redis Cluster is reached over TCP, not unix://")
+            raise ConfigError(
+                "redis_url", cfg.redis_url, "a Redis Cluster is reached over TCP, not unix://"
+            )
         opts = options(dict(ctx.options))
         self.prefix = str(opts["key_prefix"]).encode()
         self.segment_bytes = int(opts["segment_bytes"])
@@ -116,14 +120,20 @@ class RedisBackend(StorageBackend):
         self.timeout_s = cfg.redis_timeout_s
         self.ttl = cfg.redis_ttl_s or None
         self.max_tokens = cfg.chunk_size
-        full = MemoryObjMeta(ctx.layout.chunk_shape(cfg.chunk_size), ctx.layout.torch_dtype, cfg.chunk_size)
+        full = MemoryObjMeta(
+            ctx.layout.chunk_shape(cfg.chunk_size), ctx.layout.torch_dtype, cfg.chunk_size
+        )
         # a sealed payload is a tag longer (and may be one we cannot open, removed all the same)
         self._max_segments = max(1, -(-(full.nbytes + TAG_BYTES) // self.segment_bytes))
-        self.nodes = Nodes(parse_url(cfg.redis_url, cfg.redis_username, cfg.redis_password),
-                           cluster=cfg.redis_cluster, connect_timeout_s=cfg.redis_connect_timeout_s,
-                           retry_interval_s=self.retry_interval_s, connections=int(opts["connections"]),
-                           on_error=lambda: self.ctx.stats.add(f"{self.name}.errors"),
-                           on_reconnect=lambda: self.ctx.stats.add(f"{self.name}.reconnects"))
+        self.nodes = Nodes(
+            parse_url(cfg.redis_url, cfg.redis_username, cfg.redis_password),
+            cluster=cfg.redis_cluster,
+            connect_timeout_s=cfg.redis_connect_timeout_s,
+            retry_interval_s=self.retry_interval_s,
+            connections=int(opts["connections"]),
+            on_error=lambda: self.ctx.stats.add(f"{self.name}.errors"),
+            on_reconnect=lambda: self.ctx.stats.add(f"{self.name}.reconnects"),
+        )
 
     # -- keys and routing ----------------------------------------------------------------------
     def _deadline(self, nbytes: int = 0) -> Deadline:
@@ -145,14 +155,17 @@ class RedisBackend(StorageBackend):
         n = min(self.nodes.connections, len(items))
         return [(address, items[i::n]) for i in range(n)]
 
-    def _replies(self, groups: dict[str, list[int]], packed: Callable[[int], bytes],
-                 deadline: Deadline) -> dict[int, object]:
+    def _replies(
+        self, groups: dict[str, list[int]], packed: Callable[[int], bytes], deadline: Deadline
+    ) -> dict[int, object]:
         """Send one small command per index, pipelined per server; each index's reply (or the
         exception its server's job ended with)."""
+
         def job(idxs: list[int]) -> Callable[[Connection, Deadline], list[object]]:
             def run(conn: Connection, dl: Deadline) -> list[object]:
                 conn.send([b"".join(packed(i) for i in idxs)], dl)
                 return [conn.read_reply(dl) for _ in idxs]
+
             return run
 
         jobs: list[Job[list[object]]] = [(a, job(idxs)) for a, idxs in groups.items()]
@@ -170,10 +183,16 @@ class RedisBackend(StorageBackend):
         dl = self._deadline()
         if self.ctx.sealer is not None:
             return self._contains_sealed(keys, heads, dl)
-        replies = self._replies(self._by_node(heads, dl), lambda i: command(b"STRLEN", heads[i]), dl)
-        return [isinstance(r, int) and r > MIN_HEAD for r in (replies.get(i) for i in range(len(keys)))]
+        replies = self._replies(
+            self._by_node(heads, dl), lambda i: command(b"STRLEN", heads[i]), dl
+        )
+        return [
+            isinstance(r, int) and r > MIN_HEAD for r in (replies.get(i) for i in range(len(keys)))
+        ]
 
-    def _contains_sealed(self, keys: Sequence[ChunkKey], heads: list[bytes], dl: Deadline) -> list[bool]:
+    def _contains_sealed(
+        self, keys: Sequence[ChunkKey], heads: list[bytes], dl: Deadline
+    ) -> list[bool]:
         """With ``encryption_key``: whole heads are read and checked (a plain head, or one sealed
         under another key, is not a hit a lookup may count on; it is rejected as a read would)."""
         replies = self._replies(self._by_node(heads, dl), lambda i: command(b"GET", heads[i]), dl)
@@ -214,23 +233,33 @@ class RedisBackend(StorageBackend):
         finally:
             for cs in sums:  # the caller's buffers must not be read after we return
                 cs.wait()
-        if any(isinstance(why, RespError) and why.kind in ("MOVED", "ASK") for why in failed.values()):
+        if any(
+            isinstance(why, RespError) and why.kind in ("MOVED", "ASK") for why in failed.values()
+        ):
             self.nodes.topology_changed()  # slots moved: read the map again before the next call
         if failed:
             self.ctx.stats.add(f"{self.name}.store_skipped", len(failed))
-            warn_throttled("redis-set", "kvtier redis tier: %d chunk(s) not stored: %s",
-                           len(failed), next(iter(failed.values())))
+            warn_throttled(
+                "redis-set",
+                "kvtier redis tier: %d chunk(s) not stored: %s",
+                len(failed),
+                next(iter(failed.values())),
+            )
             # a head may have landed after a refused segment: take such chunks back
             self.remove([items[i][0] for i, why in failed.items() if isinstance(why, RespError)])
         self.ctx.stats.add(f"{self.name}.stored", len(items) - len(failed))
 
-    def _payloads(self, items: Sequence[tuple[ChunkKey, MemoryObj]]) -> tuple[list[bytes], list[memoryview]]:
+    def _payloads(
+        self, items: Sequence[tuple[ChunkKey, MemoryObj]]
+    ) -> tuple[list[bytes], list[memoryview]]:
         """Each chunk's codec header and the payload to store: a view of its object, or (with
         ``encryption_key``) its ciphertext and tag, a new buffer."""
         sealer = self.ctx.sealer
         if sealer is None:
-            return ([codec.encode_header(k, obj.meta, self.ctx.layout) for k, obj in items],
-                    [obj.byte_view() for _, obj in items])
+            return (
+                [codec.encode_header(k, obj.meta, self.ctx.layout) for k, obj in items],
+                [obj.byte_view() for _, obj in items],
+            )
         headers, views = [], []
         for k, obj in items:
             header, sealed = codec.seal(k, obj.meta, self.ctx.layout, obj.byte_view(), sealer)
@@ -238,8 +267,14 @@ class RedisBackend(StorageBackend):
             views.append(memoryview(sealed))
         return headers, views
 
-    def _put_job(self, chunks: list[int], views: list[memoryview], heads: list[bytes],
-                 headers: list[bytes], sums: list[codec.Checksum]) -> Callable[[Connection, Deadline], list[object]]:
+    def _put_job(
+        self,
+        chunks: list[int],
+        views: list[memoryview],
+        heads: list[bytes],
+        headers: list[bytes],
+        sums: list[codec.Checksum],
+    ) -> Callable[[Connection, Deadline], list[object]]:
         """SET each chunk's segments, then its head, on one connection (the server applies one
         connection's commands in order, so a head is never there before its segments); for each
         chunk, None or the first reply that was not OK."""
@@ -274,6 +309,7 @@ class RedisBackend(StorageBackend):
                 if reply != "OK":
                     bad.setdefault(i, reply)
             return [bad.get(i) for i in chunks]
+
         return run
 
     # -- reads ---------------------------------------------------------------------------------
@@ -298,7 +334,9 @@ class RedisBackend(StorageBackend):
         try:
             # the segments are a second round trip with its own deadline: a server that failed
             # the first is marked down by now and costs nothing here
-            self._get_segments(reads, heads, groups, self._deadline(sum(r.head.payload_len for r in reads)))
+            self._get_segments(
+                reads, heads, groups, self._deadline(sum(r.head.payload_len for r in reads))
+            )
             for r in reads:
                 r.verify(keys[r.index], self.ctx.sealer)
                 if r.failed is None:
@@ -316,8 +354,9 @@ class RedisBackend(StorageBackend):
             self._reject(keys, bad)
         return out
 
-    def _head(self, i: int, key: ChunkKey, reply: object,
-              bad: dict[int, str]) -> tuple[codec.Header, bytes, int] | None:
+    def _head(
+        self, i: int, key: ChunkKey, reply: object, bad: dict[int, str]
+    ) -> tuple[codec.Header, bytes, int] | None:
         """Chunk ``i``'s head, checked (``parse_head``); None for a miss (``bad`` says why when
         the entry must go)."""
         if isinstance(reply, RespError):
@@ -327,14 +366,25 @@ class RedisBackend(StorageBackend):
         if reply is None or isinstance(reply, BaseException):  # a miss, or its server failed
             return None
         try:
-            return parse_head(reply, key=key, layout=self.ctx.layout, max_tokens=self.max_tokens,
-                              sealer=self.ctx.sealer)
+            return parse_head(
+                reply,
+                key=key,
+                layout=self.ctx.layout,
+                max_tokens=self.max_tokens,
+                sealer=self.ctx.sealer,
+            )
         except codec.PayloadError as e:
             bad[i] = e.reason
             return None
 
-    def _open(self, i: int, key: ChunkKey, reply: object,
-              allocate: Callable[[MemoryObjMeta], MemoryObj | None], bad: dict[int, str]) -> ChunkRead | None:
+    def _open(
+        self,
+        i: int,
+        key: ChunkKey,
+        reply: object,
+        allocate: Callable[[MemoryObjMeta], MemoryObj | None],
+        bad: dict[int, str],
+    ) -> ChunkRead | None:
         """Check chunk ``i``'s head and allocate its object; None for a miss."""
         parsed = self._head(i, key, reply, bad)
         if parsed is None:
@@ -346,8 +396,9 @@ class RedisBackend(StorageBackend):
             return None
         return ChunkRead(i, head, trailer, obj, seg)
 
-    def _get_segments(self, reads: list[ChunkRead], heads: list[bytes], groups: dict[str, list[int]],
-                      dl: Deadline) -> None:
+    def _get_segments(
+        self, reads: list[ChunkRead], heads: list[bytes], groups: dict[str, list[int]], dl: Deadline
+    ) -> None:
         """Read every segment of ``reads`` straight into its object; mark the chunks that fail."""
         by_index = {r.index: r for r in reads}
         jobs: list[Job[None]] = []
@@ -368,7 +419,9 @@ class RedisBackend(StorageBackend):
                 for r, _, _ in lane:
                     r.fail(_UNREACHABLE)
 
-    def _get_job(self, lane: list[tuple[ChunkRead, bytes, memoryview]]) -> Callable[[Connection, Deadline], None]:
+    def _get_job(
+        self, lane: list[tuple[ChunkRead, bytes, memoryview]]
+    ) -> Callable[[Connection, Deadline], None]:
         cmds = [command(b"GET", k) for _, k, _ in lane]
         window = _IN_FLIGHT
 
@@ -388,6 +441,7 @@ class RedisBackend(StorageBackend):
                     if state and got.kind in ("MOVED", "ASK"):  # type: ignore[union-attr]
                         self.nodes.topology_changed()
                 r.landed(problem)  # the last one starts the chunk's checksum on helper threads
+
         return run
 
     def _reject(self, keys: Sequence[ChunkKey], bad: dict[int, str]) -> None:
@@ -397,7 +451,11 @@ class RedisBackend(StorageBackend):
                 self.ctx.stats.add(f"{self.name}.corrupt")
                 if why.startswith(("sealed", "unsealed")):  # codec's reasons for a failed seal
                     self.ctx.stats.add(f"{self.name}.sealed_rejected")
-                logger.warning("kvtier redis tier: value of %s rejected (%s); deleted", keys[i].to_string(), why)
+                logger.warning(
+                    "kvtier redis tier: value of %s rejected (%s); deleted",
+                    keys[i].to_string(),
+                    why,
+                )
         if gone:
             self.remove(gone)
 
@@ -406,8 +464,11 @@ class RedisBackend(StorageBackend):
             return
         heads = [head_key(self.prefix, k) for k in keys]
         dl = self._deadline()
-        self._replies(self._by_node(heads, dl),
-                      lambda i: command(b"DEL", heads[i], *segment_keys(heads[i], self._max_segments)), dl)
+        self._replies(
+            self._by_node(heads, dl),
+            lambda i: command(b"DEL", heads[i], *segment_keys(heads[i], self._max_segments)),
+            dl,
+        )
 
     def close(self) -> None:
         self.nodes.close()

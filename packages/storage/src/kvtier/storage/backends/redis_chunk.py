@@ -27,8 +27,9 @@ class ChunkRead:
     ``landed`` is called once per segment (from the thread that read it); ``verify`` checks the
     whole chunk once every segment has landed (or failed). ``failed`` says why it is a miss."""
 
-    def __init__(self, index: int, head: codec.Header, trailer: bytes, obj: MemoryObj,
-                 segment_bytes: int) -> None:
+    def __init__(
+        self, index: int, head: codec.Header, trailer: bytes, obj: MemoryObj, segment_bytes: int
+    ) -> None:
         self.index = index
         self.head = head
         self.trailer = trailer

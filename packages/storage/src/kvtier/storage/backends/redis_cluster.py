@@ -52,8 +52,13 @@ class SlotMap:
         return cls([address] * SLOTS)
 
     @classmethod
-    def load(cls, seed: Endpoint, connect_timeout_s: float, deadline: Deadline,
-             known: list[tuple[str, int]]) -> SlotMap:
+    def load(
+        cls,
+        seed: Endpoint,
+        connect_timeout_s: float,
+        deadline: Deadline,
+        known: list[tuple[str, int]],
+    ) -> SlotMap:
         """The map from the first node (the URL's, then ``known`` ones) that answers."""
         errors: list[str] = []
         for host, port in [(seed.host, seed.port), *known]:

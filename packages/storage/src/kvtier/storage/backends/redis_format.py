@@ -19,8 +19,13 @@ TAIL = struct.Struct("<I4s")  # after the codec trailer: the segment size, the m
 MAGIC = b"KVRS"
 MIN_SEGMENT, MAX_SEGMENT = 1 << 10, 512 << 20
 MIN_HEAD = codec.PREFIX.size + codec.TRAILER.size + TAIL.size
-DEFAULTS: dict[str, Any] = {"key_prefix": "kvtier:", "retry_interval_s": 1.0,
-                            "segment_bytes": 1 << 20, "connections": 2, "min_throughput_mb_s": 50.0}
+DEFAULTS: dict[str, Any] = {
+    "key_prefix": "kvtier:",
+    "retry_interval_s": 1.0,
+    "segment_bytes": 1 << 20,
+    "connections": 2,
+    "min_throughput_mb_s": 50.0,
+}
 
 
 def head_key(prefix: bytes, key: ChunkKey) -> bytes:
@@ -38,8 +43,9 @@ def encode_head(header: bytes, checksum: int, segment_bytes: int) -> bytes:
     return header + codec.TRAILER.pack(checksum) + TAIL.pack(segment_bytes, MAGIC)
 
 
-def parse_head(blob: object, *, key: ChunkKey, layout: KVLayout, max_tokens: int,
-               sealer: Sealer | None = None) -> tuple[codec.Header, bytes, int]:
+def parse_head(
+    blob: object, *, key: ChunkKey, layout: KVLayout, max_tokens: int, sealer: Sealer | None = None
+) -> tuple[codec.Header, bytes, int]:
     """``(header, trailer, segment_bytes)`` of a head read for ``key``; ``PayloadError`` unless
     every codec check passes (with ``sealer``: a sealed head whose key check matches this key;
     without: a plain head)."""
@@ -51,8 +57,9 @@ def parse_head(blob: object, *, key: ChunkKey, layout: KVLayout, max_tokens: int
     header_len, _ = codec.prefix_lengths(blob)
     if len(blob) != header_len + codec.TRAILER.size + TAIL.size:
         raise codec.PayloadError(f"truncated: head of {len(blob)} bytes")
-    header = codec.decode_header(blob[:header_len], key=key, layout=layout, max_tokens=max_tokens,
-                                 sealer=sealer)
+    header = codec.decode_header(
+        blob[:header_len], key=key, layout=layout, max_tokens=max_tokens, sealer=sealer
+    )
     return header, blob[header_len : header_len + codec.TRAILER.size], seg
 
 
@@ -60,13 +67,20 @@ def options(opts: dict[str, Any]) -> dict[str, Any]:
     """``backend_options.redis`` with defaults filled in; a ``ConfigError`` naming the option."""
     unknown = set(opts) - set(DEFAULTS)
     if unknown:
-        raise ConfigError("backend_options.redis", sorted(unknown),
-                          f"unknown redis option(s); known: {sorted(DEFAULTS)}")
+        raise ConfigError(
+            "backend_options.redis",
+            sorted(unknown),
+            f"unknown redis option(s); known: {sorted(DEFAULTS)}",
+        )
     out = {**DEFAULTS, **opts}
     checks: dict[str, tuple[type, Callable[[Any], bool], str]] = {
         "key_prefix": (str, lambda v: "{" not in v and "}" not in v, "a string without '{' or '}'"),
         "retry_interval_s": (float, lambda v: 0 <= v < math.inf, "a number of seconds >= 0"),
-        "segment_bytes": (int, lambda v: MIN_SEGMENT <= v <= MAX_SEGMENT, "an integer in [1 KiB, 512 MiB]"),
+        "segment_bytes": (
+            int,
+            lambda v: MIN_SEGMENT <= v <= MAX_SEGMENT,
+            "an integer in [1 KiB, 512 MiB]",
+        ),
         "connections": (int, lambda v: 1 <= v <= 64, "an integer in [1, 64]"),
         "min_throughput_mb_s": (float, lambda v: 0 < v < math.inf, "a positive number of MB/s"),
     }

@@ -35,9 +35,17 @@ class NodeDown(ConnectionError):
 class Nodes:
     """See the module docstring. Thread-safe."""
 
-    def __init__(self, seed: Endpoint, *, cluster: bool, connect_timeout_s: float,
-                 retry_interval_s: float, connections: int, on_error: Callable[[], None],
-                 on_reconnect: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        seed: Endpoint,
+        *,
+        cluster: bool,
+        connect_timeout_s: float,
+        retry_interval_s: float,
+        connections: int,
+        on_error: Callable[[], None],
+        on_reconnect: Callable[[], None] | None = None,
+    ) -> None:
         self.seed = seed
         self.cluster = cluster
         self.connect_timeout_s = connect_timeout_s
@@ -79,8 +87,9 @@ class Nodes:
             return slots
         known = [(h, p) for a in self._pools for h, _, p in [a.rpartition(":")] if p.isdigit()]
         try:
-            slots = SlotMap.load(self.seed, self.connect_timeout_s, deadline,
-                                 [(h, int(p)) for h, p in known])
+            slots = SlotMap.load(
+                self.seed, self.connect_timeout_s, deadline, [(h, int(p)) for h, p in known]
+            )
         except OSError as e:
             self._on_error()
             self._mark_down("<slots>", e)
@@ -115,14 +124,17 @@ class Nodes:
             first = self._run_one(jobs[0], deadline)
         finally:  # even if a job raised: no job may still be running once this returns
             wait([f for f in futures if isinstance(f, Future)])
-        return [first, *(f.result() if isinstance(f, Future) else self._run_one(f, deadline)
-                         for f in futures)]
+        return [
+            first,
+            *(f.result() if isinstance(f, Future) else self._run_one(f, deadline) for f in futures),
+        ]
 
     def _pool_executor(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(max(4, 4 * self.connections),
-                                                    thread_name_prefix="kvtier-redis")
+                self._executor = ThreadPoolExecutor(
+                    max(4, 4 * self.connections), thread_name_prefix="kvtier-redis"
+                )
             return self._executor
 
     def _run_one(self, job: Job[T], deadline: Deadline) -> T | BaseException:
@@ -158,8 +170,12 @@ class Nodes:
                 if self.cluster:
                     host, _, port = address.rpartition(":")
                     ep = self.seed.at(host, int(port))
-                pool = self._pools[address] = Pool(ep, self.connect_timeout_s, 2 * self.connections,
-                                                   on_connect=lambda: self._connected(address))
+                pool = self._pools[address] = Pool(
+                    ep,
+                    self.connect_timeout_s,
+                    2 * self.connections,
+                    on_connect=lambda: self._connected(address),
+                )
             return pool
 
     # -- health --------------------------------------------------------------------------------
@@ -188,7 +204,12 @@ class Nodes:
         if first:
             logger.warning(
                 "kvtier redis tier: %s is unreachable (%s: %s); its keys answer misses, retrying "
-                "every %.1fs", address, type(err).__name__, err, self.retry_interval_s)
+                "every %.1fs",
+                address,
+                type(err).__name__,
+                err,
+                self.retry_interval_s,
+            )
 
     def _mark_up(self, address: str) -> None:
         if address in self._down:

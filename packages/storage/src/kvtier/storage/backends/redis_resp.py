@@ -86,14 +86,18 @@ def parse_url(url: str, username: str | None, password: str | None) -> Endpoint:
     ``username``/``password`` (the config's) override the URL's."""
     parts = urlsplit(url)
     query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-    user = username if username is not None else (unquote(parts.username) if parts.username else None)
+    user = (
+        username if username is not None else (unquote(parts.username) if parts.username else None)
+    )
     pw = password if password is not None else (unquote(parts.password) if parts.password else None)
     safe = _masked(url)
     try:
         if parts.scheme == "unix":
             if not parts.path:
                 raise ValueError("no socket path")
-            return Endpoint(path=parts.path, username=user, password=pw, db=int(query.get("db", "0")))
+            return Endpoint(
+                path=parts.path, username=user, password=pw, db=int(query.get("db", "0"))
+            )
         if parts.scheme not in ("redis", "rediss"):
             raise ValueError(f"unknown scheme {parts.scheme!r}")
         port = parts.port or 6379  # raises ValueError for a port out of range
@@ -218,7 +222,9 @@ class Connection:
                     return self.sock.sendmsg(views[:512])
                 return self.sock.send(views[0])
             except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError) as e:
-                self._wait(not isinstance(e, ssl.SSLWantReadError), deadline)  # TLS may need to read
+                self._wait(
+                    not isinstance(e, ssl.SSLWantReadError), deadline
+                )  # TLS may need to read
 
     # -- sending -------------------------------------------------------------------------------
     def send(self, parts: Sequence[bytes | memoryview], deadline: Deadline) -> None:
@@ -353,8 +359,13 @@ class Pool:
     never returned. ``close`` wakes every call blocked on this server. ``on_connect`` is called
     after each new connection is established (``Nodes`` counts reconnects with it)."""
 
-    def __init__(self, ep: Endpoint, connect_timeout_s: float, max_idle: int,
-                 on_connect: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        ep: Endpoint,
+        connect_timeout_s: float,
+        max_idle: int,
+        on_connect: Callable[[], None] | None = None,
+    ) -> None:
         self.ep = ep
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle
