@@ -32,6 +32,8 @@ PROMPTS = {  # salt -> tokens (3 full chunks + a 1-block tail each: 4 chunk entr
     None: list(range(9000, 9000 + 3 * CHUNK + BLOCK)),
 }
 PER_PROMPT = 4
+ALIASES = 3  # one alias entry per full chunk (its first block: kvtier.core.aliases)
+ENTRIES = PER_PROMPT + ALIASES
 
 
 def engine(tmp_path, **cfg) -> CacheEngine:
@@ -84,7 +86,8 @@ def check_stats(result, files_bytes: int | None = None) -> None:
     assert set(groups) == {salt_id(s) for s in PROMPTS}
     for g in groups.values():
         assert g["model"] == model_id(MODEL)
-        assert g["chunks"] == PER_PROMPT and g["entries"] >= PER_PROMPT
+        assert g["chunks"] == PER_PROMPT and g["entries"] >= ENTRIES
+        assert g["aliases"] == ALIASES
         assert g["bytes"] > PER_PROMPT * LAYOUT.chunk_nbytes(BLOCK)
         assert g["oldest_s"] is not None and g["newest_s"] is not None
     if files_bytes is not None:
@@ -103,9 +106,10 @@ def test_disk_stats_ls_and_clear_one_salt_on_a_running_deployment(tmp_path, caps
 
         rc, result = run(capsys, "ls", "--disk", disk, "--json", "--salt", "tenant-a")
         (source,) = result
-        assert rc == 0 and len(source["entries"]) == PER_PROMPT
+        assert rc == 0 and len(source["entries"]) == ENTRIES
         assert {x["salt_id"] for x in source["entries"]} == {salt_id("tenant-a")}
-        assert {x["key"] for x in source["entries"]} == {
+        chunk_keys = {x["key"] for x in source["entries"] if "@alias-" not in x["key"]}
+        assert chunk_keys == {
             s.key.to_string() for s in e.store_spans(PROMPTS["tenant-a"], "tenant-a")
         }
 
@@ -115,11 +119,11 @@ def test_disk_stats_ls_and_clear_one_salt_on_a_running_deployment(tmp_path, caps
         rc, result = run(
             capsys, "clear", "--disk", disk, "--salt", "tenant-a", "--dry-run", "--json"
         )
-        assert result[0]["matched"] == PER_PROMPT and result[0]["removed"] == 0
+        assert result[0]["matched"] == ENTRIES and result[0]["removed"] == 0
         assert lower_hits(e, "tenant-a") == PER_PROMPT
 
         rc, result = run(capsys, "clear", "--disk", disk, "--salt", "tenant-a", "--json")
-        assert rc == 0 and result[0]["removed"] == PER_PROMPT
+        assert rc == 0 and result[0]["removed"] == ENTRIES
         # the running engine's disk tier no longer reports them; the other salts are untouched
         assert lower_hits(e, "tenant-a") == 0
         assert lower_hits(e, "tenant-b") == PER_PROMPT
@@ -150,9 +154,9 @@ def test_disk_stats_ls_and_clear_one_salt_on_a_running_deployment(tmp_path, caps
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    assert f"removed {PER_PROMPT} of {PER_PROMPT}" in out.stdout
+    assert f"removed {ENTRIES} of {ENTRIES}" in out.stdout
     rc, result = run(capsys, "clear", "--disk", disk, "--json")
-    assert result[0]["removed"] == PER_PROMPT  # tenant-b's
+    assert result[0]["removed"] == ENTRIES  # tenant-b's
     assert not list((tmp_path / "disk").rglob("*.kvc"))
 
 
@@ -169,7 +173,7 @@ def test_disk_lists_unreadable_entries_and_refuses_a_missing_directory(tmp_path,
     groups = groups_by_salt(result)
     assert groups[None]["entries"] == 2 and groups[None]["chunks"] == 0
     rc, result = run(capsys, "clear", "--disk", str(tmp_path / "disk"), "--json")
-    assert result[0]["removed"] == 3 * PER_PROMPT + 2
+    assert result[0]["removed"] == 3 * ENTRIES + 2
     rc, _ = run(capsys, "stats", "--disk", str(tmp_path / "nowhere"))
     assert rc == 2
 

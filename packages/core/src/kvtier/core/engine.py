@@ -1,12 +1,11 @@
 """CacheEngine: the engine-facing API (lookup, store, retrieve) over a StorageManager.
 
-Chunking: a prompt is cut into full chunks of ``chunk_size`` tokens; with ``save_unfull_chunk``
-the tail after the last full chunk is also stored, one block per span, each chained onto the
-previous key. A lookup takes the contiguous run of full-chunk hits and then, at the first
-full-chunk miss, the contiguous run of stored tail blocks there. A repeated prompt therefore
-recomputes less than a block, and a prompt that shares only part of a stored tail (same
-document, another question) still hits every whole block it shares, without shrinking the chunk
-size for everything.
+Chunking (``kvtier.core.spans``): a prompt is cut into full chunks of ``chunk_size`` tokens;
+with ``save_unfull_chunk`` the tail after the last full chunk is also stored, one block per span,
+each chained onto the previous key; every full chunk stored also gets alias entries for its
+leading blocks (``kvtier.core.aliases``). A lookup takes the run of full-chunk hits and then,
+at the first full-chunk miss, every whole block there that a stored tail or alias holds: a
+prompt hits every whole block it shares with a stored one, wherever they diverge.
 
 Holds: ``hold(tokens)`` looks a prompt up *and* keeps its hit objects in host memory (fetching
 lower-tier hits now, like a prefetch) until the hold is released, so a load that follows the
@@ -23,34 +22,30 @@ engine already has it, or it is past what the engine asked for).
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterator, Sequence
 
-import numpy as np
 import torch
 
+from kvtier.core.aliases import Alias, alias_objects
 from kvtier.core.config import KVTierConfig
 from kvtier.core.connector import DeviceConnector, Transfer
 from kvtier.core.errors import ConfigError, KVTierError
 from kvtier.core.handles import ChunkSpan, EngineStats, Hold, RetrieveJob, prefix_digest
-from kvtier.core.keys import (
-    ChunkKey,
-    KeyFactory,
-    Scope,
-    TokenIds,
-    chain_hash,
-    salt_seed,
-    tail_hashes,
-    token_bytes,
-)
+from kvtier.core.keys import ChunkKey, KeyFactory, Scope, TokenIds, token_bytes
 from kvtier.core.layout import KVLayout
 from kvtier.core.memory import MemoryObj, MemoryObjMeta
 from kvtier.core.platform import Marker, Platform, get_platform
+from kvtier.core.slots import checked_slots
+from kvtier.core.sources import TierHits, chunk_sources
+from kvtier.core.spans import SpanPlanner
 from kvtier.core.storage import StorageManager, create_storage_manager
 
 logger = logging.getLogger("kvtier")
 
 GiB = 1 << 30
+
+# The alias entries to write with each full chunk a store commits (by the chunk's key).
+AliasPlan = dict[ChunkKey, list[tuple[ChunkKey, Alias]]]
 
 
 class CacheEngine:
@@ -85,10 +80,16 @@ class CacheEngine:
             namespace = self.keys.key(b"").namespace()
             storage = create_storage_manager(config, arena, layout, namespace)
         self.storage = storage
+        self.spans = SpanPlanner(
+            self.keys,
+            storage,
+            chunk_size=self.chunk_size,
+            block_size=layout.block_size,
+            tails=config.save_unfull_chunk,
+        )
         self.connector: DeviceConnector | None = None
         self.stats = EngineStats()
-        self._hit_tokens_by_tier: dict[str, int] = {}
-        self._tier_lock = threading.Lock()
+        self._tier_hits = TierHits()
         self._store_listeners: list[Callable[[list[ChunkKey]], None]] = []
 
     # -- setup ---------------------------------------------------------------------------------
@@ -111,17 +112,8 @@ class CacheEngine:
 
     # -- chunking ------------------------------------------------------------------------------
     def full_spans(self, tokens: TokenIds, salt: Scope = None) -> list[ChunkSpan]:
-        arr = token_bytes(tokens)
-        c = self.chunk_size
-        prev = salt_seed(salt)
-        spans = []
-        for start in range(0, len(arr) - c + 1, c):
-            prev = chain_hash(prev, arr[start : start + c])
-            spans.append(ChunkSpan(start, start + c, self.keys.key(prev, salt)))
-        return spans
-
-    def _prev_hash(self, spans: Sequence[ChunkSpan], index: int, salt: Scope) -> bytes:
-        return bytes.fromhex(spans[index - 1].key.chunk_hash) if index else salt_seed(salt)
+        """The full chunks of ``tokens`` (``keys.prefix_hashes``)."""
+        return self.spans.full(token_bytes(tokens), salt)
 
     def tail_spans(
         self,
@@ -131,42 +123,18 @@ class CacheEngine:
         spans: Sequence[ChunkSpan] | None = None,
     ) -> list[ChunkSpan]:
         """Block-sized spans after full chunk ``index - 1``: whole blocks of ``tokens`` up to one
-        block short of a chunk, each keyed by chaining its block onto the previous key.
-
-        Keying the tail block by block lets a prompt that shares only part of a stored tail
-        (same document, different question) hit every block it shares. A tail key can never
-        equal a full-chunk key: their hash inputs differ in length.
-        """
-        arr = token_bytes(tokens)
-        if spans is None:
-            spans = self.full_spans(arr[: index * self.chunk_size], salt)
-        bs = self.layout.block_size
-        start = index * self.chunk_size
-        hashes = tail_hashes(arr, start, self.chunk_size, bs, self._prev_hash(spans, index, salt))
-        return [
-            ChunkSpan(start + i * bs, start + (i + 1) * bs, self.keys.key(h, salt))
-            for i, h in enumerate(hashes)
-        ]
+        block short of a chunk, each keyed by chaining its block onto the previous key (a tail
+        key never equals a full-chunk key: their hash inputs differ in length)."""
+        return self.spans.tail(token_bytes(tokens), index, salt, spans)
 
     def hit_spans(self, tokens: TokenIds, salt: Scope = None) -> list[ChunkSpan]:
-        """The contiguous run of stored spans covering a prefix of ``tokens``."""
-        arr = token_bytes(tokens)
-        spans = self.full_spans(arr, salt)
-        n_hit = self.storage.prefix_hits([s.key for s in spans])
-        hits = spans[:n_hit]
-        if self.config.save_unfull_chunk:
-            tail = self.tail_spans(arr, n_hit, salt, spans)
-            if tail:
-                hits.extend(tail[: self.storage.prefix_hits([s.key for s in tail])])
-        return hits
+        """The contiguous run of stored spans covering a prefix of ``tokens`` (full chunks, then
+        tail blocks or an alias into a stored chunk: ``kvtier.core.spans``)."""
+        return self.spans.hits(token_bytes(tokens), salt)
 
     def store_spans(self, tokens: TokenIds, salt: Scope = None) -> list[ChunkSpan]:
         """Spans ``store`` would save for ``tokens``: full chunks, then the tail block by block."""
-        arr = token_bytes(tokens)
-        spans = self.full_spans(arr, salt)
-        if self.config.save_unfull_chunk:
-            spans.extend(self.tail_spans(arr, len(spans), salt, spans))
-        return spans
+        return self.spans.store(token_bytes(tokens), salt)
 
     # -- API -----------------------------------------------------------------------------------
     def lookup(self, tokens: TokenIds, salt: Scope = None) -> int:
@@ -187,7 +155,7 @@ class CacheEngine:
         for i, (span, obj) in enumerate(zip(spans, objs, strict=True)):
             if obj is None:
                 continue
-            if len(kept) == i and obj.num_tokens == span.num_tokens:
+            if len(kept) == i and obj.num_tokens == span.object_tokens:
                 kept.append(obj)
             else:
                 obj.release()
@@ -208,81 +176,23 @@ class CacheEngine:
             sources=sources[: len(spans)],
         )
         self.stats.add(lookups=1, lookup_hit_tokens=hold.num_tokens)
-        self._count_tier_hits(spans, hold.sources)
+        self._tier_hits.count(spans, hold.sources)
         return hold
 
     def chunk_sources(self, keys: Sequence[ChunkKey]) -> list[str]:
-        """The tier name holding each of ``keys`` (all stored), host memory first; for metrics
-        and vLLM's hit sources. The host tier's index is asked first; lower tiers but the last
-        only with more than one lower tier (disk: a stat per chunk not in host memory); a key
-        none of them holds is labelled with the last tier. A chunk that moves between tiers
-        meanwhile may be labelled either way (metrics only; what is loaded is the held data)."""
-        host = getattr(self.storage, "host", None)
-        lower = list(getattr(self.storage, "lower", ()))
-        if host is None:
-            return ["local_cpu"] * len(keys)
-        out = [str(host.name) if h else "" for h in host.contains(keys)] if keys else []
-        rest = [i for i, name in enumerate(out) if not name]
-        for tier in lower[:-1]:
-            if not rest:
-                break
-            found = tier.contains([keys[i] for i in rest])
-            for i, f in zip(rest, found, strict=True):
-                if f:
-                    out[i] = str(tier.name)
-            rest = [i for i in rest if not out[i]]
-        last = str(lower[-1].name) if lower else "unknown"
-        for i in rest:
-            out[i] = last
-        return out
-
-    def _count_tier_hits(self, spans: Sequence[ChunkSpan], sources: Sequence[str]) -> None:
-        with self._tier_lock:
-            for span, tier in zip(spans, sources, strict=True):
-                self._hit_tokens_by_tier[tier] = (
-                    self._hit_tokens_by_tier.get(tier, 0) + span.num_tokens
-                )
+        """The tier name holding each of ``keys`` (``kvtier.core.sources.chunk_sources``)."""
+        return chunk_sources(self.storage, keys)
 
     def hit_tokens_by_tier(self) -> dict[str, int]:
         """Tokens found by ``hold`` so far, by the tier that held each chunk."""
-        with self._tier_lock:
-            return dict(self._hit_tokens_by_tier)
+        return self._tier_hits.snapshot()
 
     def _slots(self, slot_mapping: torch.Tensor | Sequence[int], n_tokens: int) -> torch.Tensor:
-        """``slot_mapping`` as a long tensor, checked: integers, one per token, each -1 or a slot
-        of the registered cache (``ValueError`` naming the bad entry otherwise)."""
-        if isinstance(slot_mapping, torch.Tensor):
-            bad_dtype = (
-                slot_mapping.is_floating_point()
-                or slot_mapping.is_complex()
-                or slot_mapping.dtype == torch.bool
-            )
-            dtype_name = str(slot_mapping.dtype)
-        else:
-            kind = np.asarray(slot_mapping).dtype
-            bad_dtype, dtype_name = len(slot_mapping) > 0 and kind.kind not in "iu", str(kind)
-        if bad_dtype:
-            raise ValueError(f"slot_mapping must hold integers, got {dtype_name}")
-        slots = torch.as_tensor(slot_mapping, dtype=torch.long)
-        if slots.dim() != 1 or slots.numel() != n_tokens:
-            raise ValueError(
-                f"slot_mapping must have one entry per token ({n_tokens}), got shape {tuple(slots.shape)}"
-            )
-        if slots.numel():
-            lo, hi = (int(v) for v in torch.aminmax(slots))
-            num_slots = (
-                self.connector.num_blocks * self.layout.block_size
-                if self.connector is not None
-                else None
-            )
-            if lo < -1:
-                raise ValueError(f"slot_mapping entry {lo} is invalid: a slot is -1 (none) or >= 0")
-            if num_slots is not None and hi >= num_slots:
-                raise ValueError(
-                    f"slot_mapping entry {hi} is out of range: the registered KV cache "
-                    f"has {num_slots} slots"
-                )
-        return slots
+        """``slot_mapping`` checked against the registered cache (``checked_slots``)."""
+        c = self.connector
+        return checked_slots(
+            slot_mapping, n_tokens, c.num_blocks * self.layout.block_size if c else None
+        )
 
     def _meta(self, num_tokens: int) -> MemoryObjMeta:
         return MemoryObjMeta(
@@ -291,17 +201,20 @@ class CacheEngine:
 
     def _plan_store(
         self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], salt: Scope
-    ) -> list[tuple[ChunkSpan, Transfer]]:
+    ) -> tuple[list[tuple[ChunkSpan, Transfer]], AliasPlan]:
+        """The spans to copy out of the cache now, and the alias entries of each full chunk
+        among them (written when the chunk is committed)."""
         arr = token_bytes(tokens)
         slots = self._slots(slot_mapping, len(arr))
         cpu_slots = slots.cpu()
-        spans = [
-            s for s in self.store_spans(arr, salt) if bool((cpu_slots[s.start : s.end] >= 0).all())
-        ]
+        every = self.store_spans(arr, salt)
+        spans = [s for s in every if bool((cpu_slots[s.start : s.end] >= 0).all())]
         if not spans:
-            return []
+            return [], {}
         present = self.storage.contains([s.key for s in spans])
         plan: list[tuple[ChunkSpan, Transfer]] = []
+        aliases: AliasPlan = {}
+        full = every[: len(arr) // self.chunk_size]
         for span, have in zip(spans, present, strict=True):
             if have:
                 continue
@@ -313,16 +226,28 @@ class CacheEngine:
                 self.stats.add(store_skipped_chunks=len(spans) - len(plan))
                 break
             plan.append((span, Transfer(obj, slots[span.start : span.end])))
-        return plan
+            if span.num_tokens == self.chunk_size:
+                aliases[span.key] = self.spans.aliases(
+                    arr, span.start // self.chunk_size, salt, full
+                )
+        return plan, aliases
 
-    def _commit_store(self, plan: Sequence[tuple[ChunkSpan, Transfer]]) -> int:
+    def _commit_store(self, plan: Sequence[tuple[ChunkSpan, Transfer]], aliases: AliasPlan) -> int:
         stored = 0
+        keys: list[ChunkKey] = []
         for span, t in plan:
-            with t.obj:
-                self.storage.put(span.key, t.obj)
+            entries, skipped = alias_objects(aliases.get(span.key, ()), self.storage.allocate)
+            if skipped:
+                self.stats.add(aliases_skipped=skipped)
+            try:
+                with t.obj:
+                    self.storage.put_with_aliases(span.key, t.obj, entries)
+            finally:
+                self._abort([obj for _, obj in entries])
             stored += span.num_tokens
+            keys.append(span.key)
+            keys.extend(k for k, _ in entries)
         self.stats.add(stored_tokens=stored)
-        keys = [span.key for span, _ in plan]
         for listener in self._store_listeners:
             listener(keys)
         return stored
@@ -354,7 +279,7 @@ class CacheEngine:
         are dropped, nothing is stored (the engine's blocks may have been reused meanwhile).
         """
         connector = self._require_connector()
-        plan = self._plan_store(tokens, slot_mapping, salt)
+        plan, aliases = self._plan_store(tokens, slot_mapping, salt)
         if not plan:
             return 0
         try:
@@ -367,14 +292,14 @@ class CacheEngine:
             self._abort([t.obj for _, t in plan])
             self.stats.add(store_abandoned_chunks=len(plan))
             return 0
-        return self._commit_store(plan)
+        return self._commit_store(plan, aliases)
 
     def store_layerwise(
         self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], *, salt: Scope = None
     ) -> Iterator[int]:
         """Like ``store``, one layer per ``next()``; the chunks are saved when it is exhausted."""
         connector = self._require_connector()
-        plan = self._plan_store(tokens, slot_mapping, salt)
+        plan, aliases = self._plan_store(tokens, slot_mapping, salt)
         try:
             if plan:
                 yield from connector.store_layerwise([t for _, t in plan])
@@ -383,7 +308,7 @@ class CacheEngine:
         except BaseException:
             self._abort([t.obj for _, t in plan])
             raise
-        self._commit_store(plan)
+        self._commit_store(plan, aliases)
 
     def _plan_retrieve(
         self,
@@ -415,7 +340,12 @@ class CacheEngine:
             spans, objs = [s for s, _ in pairs], [o for _, o in pairs]
         transfers = []
         for span, obj in zip(spans, objs, strict=True):
-            transfers.append(Transfer(obj, slots[span.start : span.end]))
+            span_slots = slots[span.start : span.end]
+            if span.object_tokens > span.num_tokens:
+                # A prefix of a stored chunk (an alias hit): the rest of its tokens are skipped.
+                skip = span_slots.new_full((span.object_tokens - span.num_tokens,), -1)
+                span_slots = torch.cat([span_slots, skip])
+            transfers.append(Transfer(obj, span_slots))
             mask[span.start : span.end] = cpu_slots[span.start : span.end] >= 0
         return transfers, mask
 

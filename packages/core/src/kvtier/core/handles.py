@@ -16,15 +16,25 @@ from kvtier.core.memory import MemoryObj
 
 @dataclass(frozen=True)
 class ChunkSpan:
-    """Tokens ``[start, end)`` of a prompt, stored under ``key``."""
+    """Tokens ``[start, end)`` of a prompt, stored under ``key``.
+
+    ``stored_tokens``: how many tokens the object under ``key`` holds when that is more than the
+    span (an alias hit: the span is the first blocks of a stored chunk); 0 means exactly the
+    span's."""
 
     start: int
     end: int
     key: ChunkKey
+    stored_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
+
+    @property
+    def object_tokens(self) -> int:
+        """Tokens of the stored object the span is loaded from (its first ``num_tokens``)."""
+        return max(self.stored_tokens, self.num_tokens)
 
 
 @dataclass
@@ -36,6 +46,7 @@ class EngineStats:
     retrieved_tokens: int = 0
     retrieve_misses: int = 0
     store_abandoned_chunks: int = 0
+    aliases_skipped: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **counts: int) -> None:

@@ -24,6 +24,10 @@ import torch
 
 HASH_VERSION = b"kvtier-chunk-v2"
 DIGEST_SIZE = 16
+# An alias key's chunk-hash field: this prefix, then the hex tail hash it stands for. No chunk
+# or tail key can be one (theirs is bare hex), so a tier, the codec and ``kvtier ls`` can tell
+# an alias entry from KV by its key alone.
+ALIAS_PREFIX = "alias-"
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -179,6 +183,11 @@ class ChunkKey:
         ws, _, rank = ws_rank.partition("x")
         return cls(model, layout_fp, int(ws), int(rank), salt_id, chunk_hash)
 
+    @property
+    def is_alias(self) -> bool:
+        """Whether this key names an alias entry (``kvtier.core.aliases``), not KV."""
+        return self.chunk_hash.startswith(ALIAS_PREFIX)
+
     def namespace(self) -> str:
         """Everything but the chunk hash: the prefix under which a tier keeps this engine's chunks."""
         return self.to_string().rsplit("@", 1)[0]
@@ -220,4 +229,15 @@ class KeyFactory:
             self.rank,
             salt_id(salt),
             chunk_hash.hex(),
+        )
+
+    def alias_key(self, tail_hash: bytes, salt: Scope = None) -> ChunkKey:
+        """The key of the alias entry for the tail hash ``tail_hash`` (see ``ALIAS_PREFIX``)."""
+        return ChunkKey(
+            model_id(self.model),
+            self.layout_fp,
+            self.world_size,
+            self.rank,
+            salt_id(salt),
+            ALIAS_PREFIX + tail_hash.hex(),
         )

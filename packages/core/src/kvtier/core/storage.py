@@ -58,6 +58,16 @@ class StorageManager(ABC):
     def put(self, key: ChunkKey, obj: MemoryObj) -> None:
         """Keep ``obj`` under ``key`` (host tier now, lower tiers asynchronously)."""
 
+    def put_with_aliases(
+        self, key: ChunkKey, obj: MemoryObj, aliases: Sequence[tuple[ChunkKey, MemoryObj]]
+    ) -> None:
+        """``put`` a chunk and its alias entries (``kvtier.core.aliases``): small ordinary
+        entries, kept wherever the chunk is. A tiered manager writes them to the lower tiers
+        together with the chunk, as one queued write."""
+        self.put(key, obj)
+        for alias_key, alias_obj in aliases:
+            self.put(alias_key, alias_obj)
+
     @abstractmethod
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """Whether each key is held by some tier."""

@@ -4,20 +4,15 @@
 
     prefix   "<4sHHIQ": magic b"KVTC", format version, flags, meta_len, payload_len
     meta     meta_len bytes: UTF-8 JSON {"key", "layout", "dtype", "shape", "tokens"} (and
-             "nonce", "kcv" when sealed), padded with spaces so the payload starts at a
-             multiple of ``align`` when asked
+             "nonce", "kcv" when sealed; "kind": "alias" for an alias entry), padded with
+             spaces so the payload starts at a multiple of ``align`` when asked
     payload  payload_len bytes: the chunk's tensor bytes ([2, layers, tokens, hidden] or MLA);
              with flag ``SEALED`` (``encryption_key``) the AES-256-GCM ciphertext of those bytes
              and its 16-byte tag, the header being the authenticated data (``sealing``)
     trailer  "<I": the checksum: CRC-32 over prefix, meta and then the little-endian XXH3-64 of
              each 512 KiB segment of the payload (the last one may be shorter)
 
-XXH3 hashes the payload at memory speed (about 24 GB/s a core here, against 4.4 for CRC-32),
-so checking a value read from the page cache costs a fraction of reading it. Segment hashes are
-independent, so ``Checksum`` computes them on helper threads in parallel (one
-chunk's check is not bound to one core) and while the payload is written, sent, read or copied,
-or (``add_now``) on a reading thread right after each segment lands, while it is in cache;
-the checksum trails the payload so a writer never waits for it before sending. A
+The checksum (``checksum.Checksum``) trails the payload so a writer never waits for it. A
 decoder accepts a payload only if *every* field agrees with what the reader asked for: the full
 key string (so a value swapped between keys, or written by another model, layout or rank, is
 foreign), the layout fingerprint, the dtype, the shape (which must be the layout's chunk shape
@@ -26,26 +21,31 @@ memory, and the checksum last. Anything else raises ``PayloadError``: the caller
 a miss, counts it, logs it, and removes the entry. The checksum catches storage and transfer
 corruption (it is not a defence against an adversary who can write to the tier: such a writer
 could also write well-formed wrong KV).
+
+Two payload kinds exist, told apart by the key asked for: a chunk key (``ChunkKey.is_alias``
+false) only ever decodes to KV (the layout's chunk shape and dtype); an alias key only to an
+alias record (``kvtier.core.aliases``: ``"kind": "alias"``, a short uint8 vector), so neither can
+be served as the other.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import os
 import struct
-import threading
 import zlib
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-import xxhash
+import torch
 
 from kvtier.core.layout import dtype_name
 from kvtier.core.memory import MemoryObj, MemoryObjMeta
+from kvtier.storage.checksum import SEGMENT as SEGMENT
+from kvtier.storage.checksum import SEGMENT_DIGEST as SEGMENT_DIGEST
+from kvtier.storage.checksum import Checksum
 from kvtier.storage.sealing import NONCE_BYTES, TAG_BYTES, SealError
 
 if TYPE_CHECKING:
@@ -57,12 +57,14 @@ MAGIC = b"KVTC"
 FORMAT_VERSION = 2  # 2: payload segments hashed with XXH3-64 (1: CRC-32)
 PREFIX = struct.Struct("<4sHHIQ")
 TRAILER = struct.Struct("<I")
-SEGMENT_DIGEST = struct.Struct("<Q")
 # A meta section is a few hundred bytes; a larger one is not ours. Alignment padding is
 # bounded by the largest alignment we write (one page for O_DIRECT).
 MAX_META = 64 * 1024
 # flags
 SEALED = 0x1
+# The largest alias payload a reader accepts (a record is a few dozen bytes).
+MAX_ALIAS_PAYLOAD = 4096
+ALIAS_KIND = "alias"
 
 
 class PayloadError(ValueError):
@@ -116,6 +118,10 @@ def encode_header(
         "shape": list(meta.shape),
         "tokens": meta.num_tokens,
     }
+    if key.is_alias:
+        if meta.dtype != torch.uint8 or len(meta.shape) != 1 or meta.nbytes > MAX_ALIAS_PAYLOAD:
+            raise ValueError(f"an alias entry is a short uint8 vector, got {meta}")
+        fields["kind"] = ALIAS_KIND
     flags, payload_len = 0, meta.nbytes
     if nonce is not None:
         fields["nonce"] = nonce.hex()
@@ -185,68 +191,6 @@ def encode(
         raise ValueError(f"payload has {payload.nbytes} bytes, its meta says {meta.nbytes}")
     header = encode_header(key, meta, layout, align=align)
     return header, trailer(header, payload)
-
-
-SEGMENT = 512 << 10
-
-_crc_pool: ThreadPoolExecutor | None = None
-_crc_pool_lock = threading.Lock()
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _crc_pool
-    with _crc_pool_lock:
-        if _crc_pool is None:
-            workers = max(2, min(8, os.cpu_count() or 2))
-            _crc_pool = ThreadPoolExecutor(workers, thread_name_prefix="kvtier-crc")
-        return _crc_pool
-
-
-class Checksum:
-    """The trailer checksum of one value, its payload segments hashed on helper threads.
-
-    ``add`` payload bytes in order, in pieces whose sizes are multiples of ``SEGMENT`` (except
-    the last piece). The segment hashes run on helper threads, so the caller overlaps its own I/O
-    or copies with the hashing. The caller must keep the added buffers alive and unchanged until
-    ``value()`` or ``wait()`` returns; call ``wait()`` in a ``finally`` on error paths.
-    """
-
-    def __init__(self, header_crc: int) -> None:
-        self._start = header_crc
-        self._parts: list[Future[int] | int] = []
-        self._tail = False
-
-    def _segments(self, data: memoryview | bytes) -> list[memoryview]:
-        view = memoryview(data).cast("B")
-        if self._tail:
-            raise ValueError("payload pieces after a partial segment")
-        segs = [view[start : start + SEGMENT] for start in range(0, view.nbytes, SEGMENT)]
-        if segs:
-            self._tail = segs[-1].nbytes < SEGMENT
-        return segs
-
-    def add(self, data: memoryview | bytes) -> None:
-        for seg in self._segments(data):
-            self._parts.append(_pool().submit(xxhash.xxh3_64_intdigest, seg))
-
-    def add_now(self, data: memoryview | bytes) -> None:
-        """Like ``add``, but hashed on the calling thread before it returns: for bytes that
-        just landed in this core's cache (a reader hashing each segment as it reads it), which
-        a helper thread would read again from memory."""
-        for seg in self._segments(data):
-            self._parts.append(xxhash.xxh3_64_intdigest(seg))
-
-    def wait(self) -> None:
-        for part in self._parts:
-            if not isinstance(part, int):
-                part.exception()
-
-    def value(self) -> int:
-        crc = self._start
-        for part in self._parts:
-            digest = part if isinstance(part, int) else part.result()
-            crc = zlib.crc32(SEGMENT_DIGEST.pack(digest), crc)
-        return crc
 
 
 def prefix_lengths(prefix: bytes | memoryview) -> tuple[int, int]:
@@ -321,13 +265,9 @@ def decode_header(
         raise PayloadError(f"foreign: stored under {str(stored_key)[:200]!r}, asked for {want!r}")
     if fp != _fingerprint(layout):
         raise PayloadError(f"stale: layout {fp!r}, expected {_fingerprint(layout)!r}")
-    if dtype != layout.dtype:
-        raise PayloadError(f"stale: dtype {dtype!r}, expected {layout.dtype!r}")
     if not isinstance(tokens, int) or isinstance(tokens, bool) or not 0 < tokens <= max_tokens:
         raise PayloadError(f"corrupt: token count {tokens!r}")
-    if shape != layout.chunk_shape(tokens):
-        raise PayloadError(f"corrupt: shape {shape}, expected {layout.chunk_shape(tokens)}")
-    meta = MemoryObjMeta(shape, layout.torch_dtype, tokens)
+    meta = _payload_meta(key, layout, fields.get("kind"), dtype, shape, tokens)
     need = meta.nbytes + (TAG_BYTES if sealed else 0)
     if payload_len != need:
         raise PayloadError(f"corrupt: payload length {payload_len}, shape needs {need}")
@@ -344,6 +284,31 @@ def decode_header(
             raise PayloadError("sealed: encrypted under another key (key check)")
     raw = bytes(view[:header_len])
     return Header(want, meta, header_len, payload_len, zlib.crc32(raw), sealed, nonce, raw)
+
+
+def _payload_meta(
+    key: ChunkKey,
+    layout: KVLayout,
+    kind: object,
+    dtype: object,
+    shape: tuple[int, ...],
+    tokens: int,
+) -> MemoryObjMeta:
+    """The payload's meta, if its kind, dtype and shape are what ``key`` holds: KV in the
+    layout's chunk shape for a chunk key, a short uint8 alias record for an alias key."""
+    if key.is_alias:
+        if kind != ALIAS_KIND:
+            raise PayloadError(f"foreign: an alias key holds a payload of kind {kind!r}")
+        if dtype != "uint8" or len(shape) != 1 or not 0 < shape[0] <= MAX_ALIAS_PAYLOAD:
+            raise PayloadError(f"corrupt: alias of dtype {dtype!r} and shape {shape}")
+        return MemoryObjMeta(shape, torch.uint8, tokens)
+    if kind is not None:
+        raise PayloadError(f"foreign: a chunk key holds a payload of kind {kind!r}")
+    if dtype != layout.dtype:
+        raise PayloadError(f"stale: dtype {dtype!r}, expected {layout.dtype!r}")
+    if shape != layout.chunk_shape(tokens):
+        raise PayloadError(f"corrupt: shape {shape}, expected {layout.chunk_shape(tokens)}")
+    return MemoryObjMeta(shape, layout.torch_dtype, tokens)
 
 
 def check_trailer(crc: int, trailer_bytes: bytes | memoryview) -> None:

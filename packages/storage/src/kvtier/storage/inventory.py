@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.core.keys import ChunkKey
+from kvtier.core.keys import ALIAS_PREFIX, ChunkKey
 from kvtier.storage import codec
 from kvtier.storage.backends._disk_io import open_regular, remove_entry
 from kvtier.storage.backends.local_disk import SUFFIX
@@ -263,8 +263,9 @@ def select(
 
 
 def summarize(entries: Iterable[Entry]) -> list[dict[str, Any]]:
-    """One row per (model, salt id): chunks (distinct keys), entries, bytes, oldest and newest
-    age; unreadable entries in a row of their own (model and salt None)."""
+    """One row per (model, salt id): chunks (distinct chunk keys), aliases (distinct alias keys,
+    ``kvtier.core.aliases``), entries, bytes, oldest and newest age; unreadable entries in a row
+    of their own (model and salt None)."""
     groups: dict[tuple[str | None, str | None], dict[str, Any]] = {}
     for e in entries:
         g: tuple[str | None, str | None] = (e.key.model, e.key.salt_id) if e.key else (None, None)
@@ -291,6 +292,8 @@ def summarize(entries: Iterable[Entry]) -> list[dict[str, Any]]:
     for g in sorted(groups, key=lambda t: (t[0] is None, t[0] or "", t[1] or "")):
         row = groups[g]
         keys = row.pop("keys")
-        row["chunks"] = len(keys) if g != (None, None) else 0
+        aliases = sum(1 for k in keys if k.rsplit("@", 1)[-1].startswith(ALIAS_PREFIX))
+        row["chunks"] = len(keys) - aliases if g != (None, None) else 0
+        row["aliases"] = aliases
         rows.append(row)
     return rows

@@ -135,6 +135,20 @@ class TieredStorageManager(StorageManager):
             return
         self._writer.submit(key, obj)
 
+    def put_with_aliases(
+        self, key: ChunkKey, obj: MemoryObj, aliases: Sequence[tuple[ChunkKey, MemoryObj]]
+    ) -> None:
+        """``put`` a chunk and its alias entries: all into the host tier now, and to the lower
+        tiers as one queued write (aliases never take queue room from chunks)."""
+        self._check_open()
+        self.host.batched_put([(key, obj), *aliases])
+        self.stats.add("put.chunks")
+        if aliases:
+            self.stats.add("put.aliases", len(aliases))
+        if not self.lower:
+            return
+        self._writer.submit(key, obj, aliases)
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait (up to ``timeout`` s) for queued lower-tier writes; True only if all of them are
         done and every chunk put since the previous flush landed in every lower tier. The

@@ -2,7 +2,8 @@
 background threads, through a bounded queue, and ``flush`` reports what did not land.
 
 - ``submit`` never blocks: when the queue (``write_queue_size``) is full the lower-tier copy is
-  dropped and counted (``write_queue.dropped``).
+  dropped and counted (``write_queue.dropped``). A chunk's alias entries (``kvtier.core.aliases``)
+  ride in its queue slot and are written with it; counters count chunks, not aliases.
 - Each writer thread takes up to ``_WRITE_BATCH`` queued chunks and hands them to every lower
   tier in order; a tier that raises is counted (``<tier>.errors``, ``<tier>.write_failed``) and
   the others still get the batch.
@@ -67,7 +68,8 @@ class LowerTierWriter:
     ) -> None:
         self.lower = list(lower)
         self.stats = stats
-        self._queue: queue.Queue[tuple[ChunkKey, MemoryObj]] = queue.Queue(maxsize=queue_size)
+        # one entry per chunk: the chunk first, then its alias entries
+        self._queue: queue.Queue[list[tuple[ChunkKey, MemoryObj]]] = queue.Queue(maxsize=queue_size)
         self._pending = 0
         self._pending_cv = threading.Condition()
         self._stop = threading.Event()
@@ -87,15 +89,22 @@ class LowerTierWriter:
         holds now (it is asked: a tier may skip a chunk without raising)."""
         self._listeners.append(listener)
 
-    def submit(self, key: ChunkKey, obj: MemoryObj) -> None:
-        """Queue a share of ``obj`` for the lower tiers, or drop it (counted) if the queue is full."""
-        mine = obj.share()
+    def submit(
+        self,
+        key: ChunkKey,
+        obj: MemoryObj,
+        aliases: Sequence[tuple[ChunkKey, MemoryObj]] = (),
+    ) -> None:
+        """Queue a share of ``obj`` (and of its ``aliases``' objects) for the lower tiers, or
+        drop them (counted as one chunk) if the queue is full."""
+        mine = [(key, obj.share())] + [(k, o.share()) for k, o in aliases]
         with self._pending_cv:
             self._pending += 1
         try:
-            self._queue.put_nowait((key, mine))
+            self._queue.put_nowait(mine)
         except queue.Full:
-            mine.release()
+            for _, o in mine:
+                o.release()
             self._done_pending(1)
             self.stats.add("write_queue.dropped")
             warn_throttled(
@@ -111,7 +120,7 @@ class LowerTierWriter:
             if self._pending == 0:
                 self._pending_cv.notify_all()
 
-    def _next_batch(self) -> list[tuple[ChunkKey, MemoryObj]]:
+    def _next_batch(self) -> list[list[tuple[ChunkKey, MemoryObj]]]:
         try:
             first = self._queue.get(timeout=_POLL_S)
         except queue.Empty:
@@ -129,17 +138,21 @@ class LowerTierWriter:
             batch = self._next_batch()
             if not batch:
                 continue
+            items = [item for group in batch for item in group]
             try:
                 for tier in self.lower:
-                    self._write(tier, batch)
+                    self._write(tier, items, len(batch))
             finally:
-                for _, obj in batch:
+                for _, obj in items:
                     obj.release()
                 self._done_pending(len(batch))
 
-    def _write(self, tier: StorageBackend, batch: list[tuple[ChunkKey, MemoryObj]]) -> None:
+    def _write(
+        self, tier: StorageBackend, batch: list[tuple[ChunkKey, MemoryObj]], chunks: int
+    ) -> None:
+        """Write ``batch`` (``chunks`` chunks and their aliases) to ``tier``."""
         if self._stop.is_set():
-            self.stats.add(f"{tier.name}.dropped_at_close", len(batch))
+            self.stats.add(f"{tier.name}.dropped_at_close", chunks)
             return
         try:
             tier.batched_put(batch)
@@ -151,7 +164,7 @@ class LowerTierWriter:
                     listener(tier.name, landed, [])
         except Exception:
             self.stats.add(f"{tier.name}.errors")
-            self.stats.add(f"{tier.name}.write_failed", len(batch))
+            self.stats.add(f"{tier.name}.write_failed", chunks)
             logger.exception("kvtier: tier %s failed a write; chunks skipped", tier.name)
 
     def flush(self, timeout: float | None = None) -> FlushReport:
@@ -194,10 +207,11 @@ class LowerTierWriter:
         dropped = 0
         while True:
             try:
-                _, obj = self._queue.get_nowait()
+                group = self._queue.get_nowait()
             except queue.Empty:
                 break
-            obj.release()
+            for _, obj in group:
+                obj.release()
             dropped += 1
         if dropped:
             self._done_pending(dropped)
