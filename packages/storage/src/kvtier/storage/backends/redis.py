@@ -14,12 +14,8 @@ whole chunk, or a miss. The key string carries the engine's namespace (model, la
 fingerprint, world size, rank, salt), so engines of different models or layouts share a server
 without meeting.
 
-Data path (``redis_resp``): segments are read with ``recv_into`` straight into the arena object
-that will hold the chunk and written with ``sendmsg`` from it (no intermediate copy); a batch's
-segments are pipelined over ``connections`` connections per server (default 2), and in a
-cluster every shard is served in parallel, two segments in flight per connection. The checksum
-of a chunk runs on helper threads as soon as its last segment lands, while the others are still
-arriving.
+Data path: ``redis_jobs`` (segments read straight into the arena object, written from it,
+pipelined over ``connections`` connections per server, every cluster shard in parallel).
 
 A read accepts a chunk only if the head passes every ``codec`` check (key, layout, dtype, shape,
 length), every segment has exactly its length, and the checksum over header and payload
@@ -58,6 +54,7 @@ import logging
 import zlib
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvtier.core.errors import ConfigError
@@ -68,12 +65,12 @@ from kvtier.storage.backends.base import BackendContext, StorageBackend
 from kvtier.storage.backends.redis_chunk import ChunkRead
 from kvtier.storage.backends.redis_format import (
     MIN_HEAD,
-    encode_head,
     head_key,
     options,
     parse_head,
     segment_keys,
 )
+from kvtier.storage.backends.redis_jobs import UNREACHABLE, get_job, put_job
 from kvtier.storage.backends.redis_nodes import Job, Nodes
 from kvtier.storage.backends.redis_resp import (
     Connection,
@@ -81,7 +78,6 @@ from kvtier.storage.backends.redis_resp import (
     RespError,
     command,
     parse_url,
-    set_command,
 )
 from kvtier.storage.sealing import TAG_BYTES
 
@@ -90,9 +86,6 @@ if TYPE_CHECKING:
     from kvtier.core.memory import MemoryObj
 
 logger = logging.getLogger("kvtier.storage")
-
-_IN_FLIGHT = 2  # segments asked for and not yet read, per connection
-_UNREACHABLE = "its server failed or refused the read"
 
 
 class RedisBackend(StorageBackend):
@@ -219,12 +212,13 @@ class RedisBackend(StorageBackend):
                 cs.add(view)  # hashed on helper threads while the segments are sent
             jobs: list[Job[list[object]]] = []
             lanes: list[list[int]] = []
+            job = partial(put_job, views=views, heads=heads, headers=headers, sums=sums)
             for address, idxs in groups.items():
                 for i in idxs:
                     failed.pop(i)
                 for addr, lane in self._lanes(address, idxs):  # whole chunks per connection
                     lanes.append(lane)
-                    jobs.append((addr, self._put_job(lane, views, heads, headers, sums)))
+                    jobs.append((addr, job(lane, segment_bytes=self.segment_bytes, ttl=self.ttl)))
             for lane, result in zip(lanes, self.nodes.run(jobs, dl), strict=True):
                 for n, i in enumerate(lane):
                     why = result if isinstance(result, BaseException) else result[n]
@@ -266,51 +260,6 @@ class RedisBackend(StorageBackend):
             headers.append(header)
             views.append(memoryview(sealed))
         return headers, views
-
-    def _put_job(
-        self,
-        chunks: list[int],
-        views: list[memoryview],
-        heads: list[bytes],
-        headers: list[bytes],
-        sums: list[codec.Checksum],
-    ) -> Callable[[Connection, Deadline], list[object]]:
-        """SET each chunk's segments, then its head, on one connection (the server applies one
-        connection's commands in order, so a head is never there before its segments); for each
-        chunk, None or the first reply that was not OK."""
-        seg = self.segment_bytes
-        plan: list[tuple[int, list[bytes | memoryview] | None]] = []  # None: the chunk's head
-        for i in chunks:
-            n = max(1, -(-views[i].nbytes // seg))
-            for s, k in enumerate(segment_keys(heads[i], n)):
-                view = views[i][s * seg : (s + 1) * seg]
-                cmd_head, cmd_tail = set_command(k, view.nbytes, self.ttl)
-                plan.append((i, [cmd_head, view, cmd_tail]))
-            plan.append((i, None))
-
-        def parts(entry: tuple[int, list[bytes | memoryview] | None]) -> list[bytes | memoryview]:
-            i, cmd = entry
-            if cmd is not None:
-                return cmd
-            body = encode_head(headers[i], sums[i].value(), seg)  # waits for the checksum
-            cmd_head, cmd_tail = set_command(heads[i], len(body), self.ttl)
-            return [cmd_head + body + cmd_tail]
-
-        def run(conn: Connection, dl: Deadline) -> list[object]:
-            # two commands in flight, as for reads: a whole lane at once lands in the server's
-            # query buffers first (measured slower: docs/storage-redis.md)
-            bad: dict[int, object] = {}
-            sent = 0
-            for n, (i, _) in enumerate(plan):
-                while sent < min(len(plan), n + _IN_FLIGHT):
-                    conn.send(parts(plan[sent]), dl)
-                    sent += 1
-                reply = conn.read_reply(dl)
-                if reply != "OK":
-                    bad.setdefault(i, reply)
-            return [bad.get(i) for i in chunks]
-
-        return run
 
     # -- reads ---------------------------------------------------------------------------------
     def batched_get(
@@ -413,41 +362,16 @@ class RedisBackend(StorageBackend):
                     segs.append((r, k, r.segment_view(s)))
             for addr, lane in self._lanes(address, segs):
                 lanes.append(lane)
-                jobs.append((addr, self._get_job(lane)))
+                jobs.append((addr, get_job(lane, self.nodes.topology_changed)))
         for lane, result in zip(lanes, self.nodes.run(jobs, dl), strict=True):
             if isinstance(result, BaseException):
                 for r, _, _ in lane:
-                    r.fail(_UNREACHABLE)
-
-    def _get_job(
-        self, lane: list[tuple[ChunkRead, bytes, memoryview]]
-    ) -> Callable[[Connection, Deadline], None]:
-        cmds = [command(b"GET", k) for _, k, _ in lane]
-        window = _IN_FLIGHT
-
-        def run(conn: Connection, dl: Deadline) -> None:
-            # Two segments in flight, not the whole lane: a server asked for many large values
-            # at once copies them all into its output buffers first, out of its cache (measured
-            # slower: docs/storage-redis.md).
-            conn.send([b"".join(cmds[:window])], dl)
-            for n, (r, _, view) in enumerate(lane):
-                if n + window < len(cmds):
-                    conn.send([cmds[n + window]], dl)
-                got = conn.read_into(view, dl)
-                problem = None
-                if got != view.nbytes:
-                    state = isinstance(got, RespError) and got.kind != "WRONGTYPE"
-                    problem = _UNREACHABLE if state else _segment_problem(got, view.nbytes)
-                    if state and got.kind in ("MOVED", "ASK"):  # type: ignore[union-attr]
-                        self.nodes.topology_changed()
-                r.landed(problem)  # the last one starts the chunk's checksum on helper threads
-
-        return run
+                    r.fail(UNREACHABLE)
 
     def _reject(self, keys: Sequence[ChunkKey], bad: dict[int, str]) -> None:
-        gone = [keys[i] for i, why in bad.items() if why != _UNREACHABLE]
+        gone = [keys[i] for i, why in bad.items() if why != UNREACHABLE]
         for i, why in bad.items():
-            if why != _UNREACHABLE:
+            if why != UNREACHABLE:
                 self.ctx.stats.add(f"{self.name}.corrupt")
                 if why.startswith(("sealed", "unsealed")):  # codec's reasons for a failed seal
                     self.ctx.stats.add(f"{self.name}.sealed_rejected")
@@ -472,11 +396,3 @@ class RedisBackend(StorageBackend):
 
     def close(self) -> None:
         self.nodes.close()
-
-
-def _segment_problem(got: int | RespError | None, want: int) -> str:
-    if got is None:
-        return "a segment is missing"
-    if isinstance(got, RespError):
-        return f"segment: {got}"
-    return f"truncated: a segment of {got} bytes, expected {want}"

@@ -1,0 +1,116 @@
+"""The per-connection jobs of the Redis tier's writes and reads (run by ``redis_nodes.Nodes``).
+
+A write job SETs each chunk's segments, then its head, on one connection; a read job GETs
+segments straight into the host objects that will hold them. Both keep ``IN_FLIGHT`` commands
+outstanding per connection, not a whole lane: a server asked for many large values at once copies
+them all into its buffers first, out of its cache (measured slower: docs/storage-redis.md).
+
+Data path (``redis_resp``): segments are read with ``recv_into`` straight into the arena object
+that will hold the chunk and written with ``sendmsg`` from it (no intermediate copy); a batch's
+segments are pipelined over ``connections`` connections per server (default 2), and in a
+cluster every shard is served in parallel, two segments in flight per connection. The checksum
+of a chunk runs on helper threads as soon as its last segment lands, while the others are still
+arriving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvtier.storage import codec
+from kvtier.storage.backends.redis_chunk import ChunkRead
+from kvtier.storage.backends.redis_format import encode_head, segment_keys
+from kvtier.storage.backends.redis_resp import (
+    Connection,
+    Deadline,
+    RespError,
+    command,
+    set_command,
+)
+
+IN_FLIGHT = 2  # segments asked for and not yet read, per connection
+UNREACHABLE = "its server failed or refused the read"
+
+
+def put_job(
+    chunks: list[int],
+    views: list[memoryview],
+    heads: list[bytes],
+    headers: list[bytes],
+    sums: list[codec.Checksum],
+    *,
+    segment_bytes: int,
+    ttl: int | None,
+) -> Callable[[Connection, Deadline], list[object]]:
+    """SET each chunk's segments, then its head, on one connection (the server applies one
+    connection's commands in order, so a head is never there before its segments); for each
+    chunk, None or the first reply that was not OK."""
+    seg = segment_bytes
+    plan: list[tuple[int, list[bytes | memoryview] | None]] = []  # None: the chunk's head
+    for i in chunks:
+        n = max(1, -(-views[i].nbytes // seg))
+        for s, k in enumerate(segment_keys(heads[i], n)):
+            view = views[i][s * seg : (s + 1) * seg]
+            cmd_head, cmd_tail = set_command(k, view.nbytes, ttl)
+            plan.append((i, [cmd_head, view, cmd_tail]))
+        plan.append((i, None))
+
+    def parts(entry: tuple[int, list[bytes | memoryview] | None]) -> list[bytes | memoryview]:
+        i, cmd = entry
+        if cmd is not None:
+            return cmd
+        body = encode_head(headers[i], sums[i].value(), seg)  # waits for the checksum
+        cmd_head, cmd_tail = set_command(heads[i], len(body), ttl)
+        return [cmd_head + body + cmd_tail]
+
+    def run(conn: Connection, dl: Deadline) -> list[object]:
+        # two commands in flight, as for reads: a whole lane at once lands in the server's
+        # query buffers first (measured slower: docs/storage-redis.md)
+        bad: dict[int, object] = {}
+        sent = 0
+        for n, (i, _) in enumerate(plan):
+            while sent < min(len(plan), n + IN_FLIGHT):
+                conn.send(parts(plan[sent]), dl)
+                sent += 1
+            reply = conn.read_reply(dl)
+            if reply != "OK":
+                bad.setdefault(i, reply)
+        return [bad.get(i) for i in chunks]
+
+    return run
+
+
+def get_job(
+    lane: list[tuple[ChunkRead, bytes, memoryview]], on_moved: Callable[[], None]
+) -> Callable[[Connection, Deadline], None]:
+    """GET each segment of ``lane`` on one connection straight into its view; each chunk is told
+    when its segment landed, or why not. ``on_moved``: a reply said the slot moved (cluster)."""
+    cmds = [command(b"GET", k) for _, k, _ in lane]
+    window = IN_FLIGHT
+
+    def run(conn: Connection, dl: Deadline) -> None:
+        # Two segments in flight, not the whole lane: a server asked for many large values
+        # at once copies them all into its output buffers first, out of its cache (measured
+        # slower: docs/storage-redis.md).
+        conn.send([b"".join(cmds[:window])], dl)
+        for n, (r, _, view) in enumerate(lane):
+            if n + window < len(cmds):
+                conn.send([cmds[n + window]], dl)
+            got = conn.read_into(view, dl)
+            problem = None
+            if got != view.nbytes:
+                state = isinstance(got, RespError) and got.kind != "WRONGTYPE"
+                problem = UNREACHABLE if state else segment_problem(got, view.nbytes)
+                if state and got.kind in ("MOVED", "ASK"):  # type: ignore[union-attr]
+                    on_moved()
+            r.landed(problem)  # the last one starts the chunk's checksum on helper threads
+
+    return run
+
+
+def segment_problem(got: int | RespError | None, want: int) -> str:
+    if got is None:
+        return "a segment is missing"
+    if isinstance(got, RespError):
+        return f"segment: {got}"
+    return f"truncated: a segment of {got} bytes, expected {want}"
