@@ -26,6 +26,8 @@ literally that. The spec:
   subscriber bound on 127.0.0.1:p) and receives them as a router would; ``{"op": "kv_events"}`` -> the events received since
   the last such step (once none arrived for a second), as ``{type, block_hashes,
   parent_block_hash, token_ids, medium, ownership}``.
+- ``"num_gpu_blocks_override": n`` gives vLLM's KV cache exactly ``n`` blocks of 32 tokens
+  (block 0 is vLLM's null block); ``"max_model_len": n`` (default 4096) must fit in them.
 - ``"log_stats": true`` turns vLLM's stats on (``disable_log_stats=False``);
   ``{"op": "metrics", "prefixes": [...]}`` -> ``llm.get_metrics()`` rows whose name starts with
   one of the prefixes (default ``vllm:kvtier_``) as ``{name, labels, value}`` (histograms:
@@ -158,17 +160,17 @@ def _abort_during_load(llm, params, step: dict) -> bool:
 
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    loader = get_kv_transfer_group().worker_side._loader
+    worker = get_kv_transfer_group().worker_side
     outputs: dict = {}
     with _delayed_loads(step["delay_s"]):
         llm.llm_engine.add_request("doomed", {"prompt_token_ids": step["prompt"]}, params)
         deadline = time.monotonic() + 60
-        while loader.in_flight == 0 and time.monotonic() < deadline:
+        while worker.loads_in_flight == 0 and time.monotonic() < deadline:
             llm.llm_engine.step()
-        assert loader.in_flight == 1, "the load never started"
+        assert worker.loads_in_flight == 1, "the load never started"
         llm.llm_engine.abort_request(["doomed"])
         _step_until_done(llm, outputs)
-        while loader.in_flight and time.monotonic() < deadline:
+        while worker.loads_in_flight and time.monotonic() < deadline:
             llm.llm_engine.step()  # the finished load is reported, its blocks freed
         llm.llm_engine.step()
     return bool(llm.reset_prefix_cache())
@@ -360,12 +362,14 @@ def main(spec_path: str, out_path: str) -> None:
             enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}"
         )
         listener = _EventListener(f"tcp://127.0.0.1:{port}")
+    if spec.get("num_gpu_blocks_override"):
+        kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks_override"]
     llm = LLM(
         model=spec["model"],
         enforce_eager=True,
         block_size=32,
         kv_cache_memory_bytes=64 << 20,
-        max_model_len=4096,
+        max_model_len=spec.get("max_model_len", 4096),
         enable_prefix_caching=bool(spec.get("prefix_caching")),
         dtype="bfloat16",
         seed=0,

@@ -5,6 +5,12 @@ memory), each with the worker's ``HoldTable`` and ``PresenceFeed``: what vLLM's 
 does between them (metadata down, worker reports up through ``KVConnectorOutput``) is done
 here in-line, so tests can stop between any two steps. Probes run synchronously when a step's
 metadata is delivered, unless ``deliver`` is told not to answer them.
+
+With ``pool_blocks`` the scheduler is bound to a real vLLM ``BlockPool`` with prefix caching
+(what lazy offload walks and touches); ``run`` and ``finish`` play vLLM's part for a request
+(allocate blocks, cache their block hashes, free them in vLLM's order when it finishes), and
+the lazy saves of a delivered step are copied from those blocks (unless ``copy`` is False: the
+copy is then still running until ``copy_lazy``).
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 from vllm import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
@@ -22,11 +31,20 @@ from vllm.v1.request import Request
 from kvtier.core import CacheEngine, HostArena, HostMemoryStorageManager, KVLayout, load_config
 from kvtier.core.platforms.cpu import CPUPlatform
 from kvtier.vllm_integration.holds import HoldTable
-from kvtier.vllm_integration.metadata import KVTierMetadata
+from kvtier.vllm_integration.lazy import LazyWorkerMeta
+from kvtier.vllm_integration.metadata import KVTierMetadata, SaveSpec, slot_mapping
 from kvtier.vllm_integration.presence import KVTierWorkerMeta, PresenceFeed, ProbeAnswer
 from kvtier.vllm_integration.scheduler import SchedulerSide
 
 BLOCK, CHUNK = 32, 64
+CACHE_BLOCKS = 64  # blocks of the fake paged cache each rank's engine reads
+
+
+def block_hasher():
+    """vLLM's request block hasher (sha256), for requests whose blocks a ``BlockPool`` caches."""
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(BLOCK, hash_fn)
 
 
 def request(tokens, *, salt=None, **kw) -> Request:
@@ -52,13 +70,22 @@ class Harness:
     sched: SchedulerSide
     ranks: list[Rank]
     held: list[KVTierMetadata] = field(default_factory=list)  # metadata not delivered yet
+    pool: BlockPool | None = None
+    in_copy: list[SaveSpec] = field(default_factory=list)  # lazy saves delivered, not copied
+    copied: dict[int, list[str]] = field(default_factory=dict)  # for the next report
 
     @classmethod
     def create(
-        cls, world_size: int = 1, kv_events: bool = False, report_first: bool = True, **overrides
+        cls,
+        world_size: int = 1,
+        kv_events: bool = False,
+        report_first: bool = True,
+        pool_blocks: int | None = None,
+        max_num_batched_tokens: int = 2048,
+        **overrides,
     ) -> Harness:
         """``report_first``: the workers' first report (after vLLM's first step) has reached
-        the scheduler already."""
+        the scheduler already. ``pool_blocks``: bind a vLLM block pool of that many blocks."""
         layout = KVLayout(
             num_layers=2,
             num_kv_heads=2,
@@ -87,7 +114,8 @@ class Harness:
                 storage=storage,
             )
             caches = [
-                torch.randn(layout.expected_cache_shape(64)).to(torch.bfloat16) for _ in range(2)
+                torch.randn(layout.expected_cache_shape(CACHE_BLOCKS)).to(torch.bfloat16)
+                for _ in range(2)
             ]
             engine.register_kv_caches(caches)
             ranks.append(
@@ -98,12 +126,16 @@ class Harness:
         sched = SchedulerSide(
             config,
             block_size=BLOCK,
-            engine_id=f"h-{uuid.uuid4().hex[:6]}",
             num_workers=world_size,
             load_failure_policy="recompute",
             kv_events=kv_events,
+            max_num_batched_tokens=max_num_batched_tokens,
         )
         harness = cls(sched, ranks)
+        if pool_blocks is not None:
+            assert pool_blocks <= CACHE_BLOCKS
+            harness.pool = BlockPool(pool_blocks, enable_caching=True, hash_block_size=BLOCK)
+            sched.bind_gpu_block_pool(harness.pool)
         if report_first:
             harness.report()
         return harness
@@ -116,11 +148,18 @@ class Harness:
             if mine is None:
                 continue
             meta = mine if meta is None else meta.aggregate(mine)  # type: ignore[assignment]
+        if self.copied:
+            lazy = LazyWorkerMeta(meta.reports if meta is not None else {}, self.copied)
+            meta, self.copied = lazy, {}
         self.sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=meta))
 
-    def deliver(self, meta: KVTierMetadata, answer: bool = True) -> None:
+    def deliver(self, meta: KVTierMetadata, answer: bool = True, copy: bool = True) -> None:
         """What the workers do with a step's metadata: releases, then probes (answered now
-        unless ``answer`` is False: the answer then never comes)."""
+        unless ``answer`` is False: the answer then never comes), then lazy saves (copied now
+        unless ``copy`` is False)."""
+        self.in_copy.extend(meta.lazy_saves)
+        if copy:
+            self.copy_lazy()
         for rank in self.ranks:
             for rid, hold_id in meta.releases:
                 rank.holds.release(rid, hold_id)
@@ -130,12 +169,42 @@ class Harness:
                 n = rank.holds.lookup(p.req_id, p.hold_id, p.tokens, p.scope)
                 rank.feed.answer(ProbeAnswer(p.req_id, p.hold_id, n, rank.holds.sources(p.req_id)))
 
-    def step(self, answer: bool = True) -> KVTierMetadata:
+    def copy_lazy(self) -> None:
+        """Every rank copies the lazy saves delivered so far from their blocks (reported with
+        the next report)."""
+        specs, self.in_copy = self.in_copy, []
+        for i, rank in enumerate(self.ranks):
+            for spec in specs:
+                n = len(spec.tokens)
+                slots = slot_mapping(spec.block_ids, BLOCK, n, spec.skip, n)
+                rank.engine.store(spec.tokens, torch.from_numpy(slots), salt=spec.scope)
+                self.copied.setdefault(i, []).append(spec.req_id)
+
+    def step(self, answer: bool = True, copy: bool = True) -> KVTierMetadata:
         """An empty scheduler step: its metadata reaches the workers, their reports come back."""
         meta = self.sched.build_connector_meta(empty_output())
-        self.deliver(meta, answer)
+        self.deliver(meta, answer, copy)
         self.report()
         return meta
+
+    def run(self, req: Request, copy: bool = True) -> list[KVCacheBlock]:
+        """vLLM runs ``req`` with its prefix cache: new blocks from the pool (the head of its
+        free queue is evicted), the full ones cached under the request's block hashes, the
+        prompt computed in one step (whose metadata the workers get). Returns the blocks."""
+        assert self.pool is not None
+        n = len(req.prompt_token_ids or ())
+        blocks = self.pool.get_new_blocks(-(-n // BLOCK))
+        self.pool.cache_full_blocks(req, blocks, 0, n // BLOCK, BLOCK, 0)
+        self.deliver(self.prefill(req, [b.block_id for b in blocks]), copy=copy)
+        self.report()
+        return blocks
+
+    def finish(self, req: Request, blocks: list[KVCacheBlock]) -> None:
+        """``req`` finishes: the connector is told, vLLM frees its blocks (tail first)."""
+        assert self.pool is not None
+        req.num_computed_tokens = len(req.prompt_token_ids or ())
+        assert not self.sched.request_finished(req, [b.block_id for b in blocks])
+        self.pool.free_blocks(reversed(blocks))
 
     def hit(self, req: Request, computed: int = 0) -> int:
         """vLLM's view: ask, and while the answer is "not yet", run a step and ask again."""
@@ -146,10 +215,11 @@ class Harness:
             self.step()
         raise AssertionError("the lookup was never answered")
 
-    def prefill(self, req: Request) -> KVTierMetadata:
-        """One scheduler step that computes the whole prompt (no load); its metadata."""
+    def prefill(self, req: Request, blocks: list[int] | None = None) -> KVTierMetadata:
+        """One scheduler step that computes the whole prompt (no load) into ``blocks`` (default
+        0, 1, ...); its metadata."""
         n = len(req.prompt_token_ids or ())
-        blocks = list(range(-(-n // BLOCK)))
+        blocks = blocks if blocks is not None else list(range(-(-n // BLOCK)))
         self.sched.update_state_after_alloc(req, None, 0)  # type: ignore[arg-type]
         out = SchedulerOutput(
             scheduled_new_reqs=[NewRequestData.from_request(req, (blocks,))],

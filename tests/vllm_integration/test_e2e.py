@@ -38,18 +38,52 @@ def kvtier_config(tmp_path, **extra) -> dict:
     return {"local_disk_path": str(tmp_path / "disk"), "local_cpu_size_gb": 0.25, **extra}
 
 
+# Lazy offload needs vLLM's prefix cache, which would answer every repeat itself: the engine
+# gets 80 blocks, and before each request after the first a prompt filling all of them (a new
+# one each time) evicts everything else; lazy offload copies the blocks first.
+LAZY_BLOCKS = 80
+LAZY_ENGINE = {
+    "prefix_caching": True,
+    "num_gpu_blocks_override": LAZY_BLOCKS,
+    "max_model_len": (LAZY_BLOCKS - 1) * 32,
+}
+
+
+def with_fillers(steps: list[dict]) -> tuple[list[dict], set[int]]:
+    """``steps`` with a cache-filling request before every generate or corrupt step but the
+    first; and the indices of the fillers' results."""
+    out: list[dict] = []
+    fillers: set[int] = set()
+    for step in steps:
+        if step["op"] in ("generate", "corrupt") and out:
+            k = len(fillers) + 1
+            n = (LAZY_BLOCKS - 1) * 32 - 8
+            fillers.add(len(out))
+            out.append(
+                {**gen([3 + (7919 * i + 104729 * k) % 2990 for i in range(n)]), "max_tokens": 1}
+            )
+        out.append(step)
+    return out, fillers
+
+
 @pytest.mark.parametrize(
-    ("layerwise", "load_async"),
-    [(False, True), (False, False), (True, False)],
-    ids=["whole-async", "whole-sync", "layerwise"],
+    ("layerwise", "load_async", "offload"),
+    [
+        (False, True, "eager"),
+        (False, False, "eager"),
+        (True, False, "eager"),
+        (False, True, "lazy"),
+    ],
+    ids=["whole-async", "whole-sync", "layerwise", "lazy"],
 )
 def test_outputs_match_and_hits_are_used(
-    run_engine, reference, partial_tolerance, layerwise, load_async
+    run_engine, reference, partial_tolerance, layerwise, load_async, offload
 ) -> None:
     """vLLM's default kv_load_failure_policy ("fail"), a small host tier only. Between the full
     hit's lookup and its load, other chunks are put until the tier is full (as other requests'
     saves would): without the lookup's hold they evict every chunk of the prompt and the load
-    fails the request; the hold keeps them, so it neither fails nor recomputes."""
+    fails the request; the hold keeps them, so it neither fails nor recomputes. ``lazy``: the
+    same with lazy offload (see ``LAZY_ENGINE``)."""
     steps = [
         gen(DOC),
         STATS,  # cold
@@ -74,8 +108,14 @@ def test_outputs_match_and_hits_are_used(
         "local_cpu_size_gb": 0.1,
         "use_layerwise": layerwise,
         "load_async": load_async,
+        "offload": offload,
     }
-    out = run_engine({"kvtier": config, "steps": steps})
+    if offload == "lazy":
+        steps, fillers = with_fillers(steps)
+        out = run_engine({"kvtier": config, **LAZY_ENGINE, "steps": steps})
+        out = [r for i, r in enumerate(out) if i not in fillers]
+    else:
+        out = run_engine({"kvtier": config, "steps": steps})
     evict = out[2].pop("evict")
     # Chunks [0,256) [256,512) and tail blocks [512,672) were stored; filling the tier evicted
     # other chunks, never held ones.

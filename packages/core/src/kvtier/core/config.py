@@ -124,6 +124,12 @@ class KVTierConfig:
         "one-off prompts then cost no copies.",
         default=1,
     )
+    offload: str = _doc(
+        "vLLM: when a computed chunk is copied off the device. eager: as soon as it is "
+        "computed. lazy: only when vLLM is about to evict its blocks from its prefix cache (a "
+        "prompt vLLM keeps cached moves no bytes); needs vLLM's prefix caching.",
+        default="eager",
+    )
     use_layerwise: bool = _doc(
         "Load/store layer by layer, overlapping with the forward pass.", default=False
     )
@@ -190,6 +196,7 @@ _POSITIVE_FLOAT = (
     "redis_timeout_s",
     "lookup_timeout_s",
 )
+_OFFLOAD_MODES = ("eager", "lazy")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -266,6 +273,8 @@ def _validated(cfg: KVTierConfig) -> KVTierConfig:
             raise _error(name, getattr(cfg, name), "must be positive")
     if cfg.redis_ttl_s < 0:
         raise ConfigError("redis_ttl_s", cfg.redis_ttl_s, "must be >= 0 (0 = no expiry)")
+    if cfg.offload not in _OFFLOAD_MODES:
+        raise ConfigError("offload", cfg.offload, f"must be one of {', '.join(_OFFLOAD_MODES)}")
     if cfg.log_level.upper() not in _LOG_LEVELS:
         raise ConfigError("log_level", cfg.log_level, f"must be one of {', '.join(_LOG_LEVELS)}")
     if not cfg.tiers:

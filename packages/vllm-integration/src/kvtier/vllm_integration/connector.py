@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -79,6 +80,13 @@ class KVTierConnector(KVConnectorBase_V1):
                 self.config.chunk_size,
                 f"must be a multiple of vLLM's block size {self.block_size}",
             )
+        if self.config.offload == "lazy" and not vllm_config.cache_config.enable_prefix_caching:
+            raise ConfigError(
+                "offload",
+                self.config.offload,
+                "needs vLLM's prefix caching (lazy offload copies blocks vLLM's prefix cache is "
+                "about to evict); turn prefix caching on or use offload=eager",
+            )
         engine_id = str(self._kv_transfer_config.engine_id)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -86,8 +94,8 @@ class KVTierConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(
                 self.config,
                 block_size=self.block_size,
-                engine_id=engine_id,
                 num_workers=int(vllm_config.parallel_config.world_size),
+                max_num_batched_tokens=int(vllm_config.scheduler_config.max_num_batched_tokens),
                 load_failure_policy=str(self._kv_transfer_config.kv_load_failure_policy),
                 kv_events=bool(
                     vllm_config.kv_events_config
@@ -110,6 +118,10 @@ class KVTierConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             raise RuntimeError("called a scheduler-side method on the worker-side connector")
         return self._scheduler
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        """vLLM's block pool, bound once its cache manager exists (lazy offload uses it)."""
+        self.scheduler_side.bind_gpu_block_pool(gpu_block_pool)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -138,7 +150,7 @@ class KVTierConnector(KVConnectorBase_V1):
         """Keep the blocks until the worker's saves of this request are done (``get_finished``)."""
         side = self.scheduler_side
         with side.timed():
-            return side.request_finished(request), None
+            return side.request_finished(request, block_ids), None
 
     def reset_cache(self) -> bool | None:
         return self.scheduler_side.reset_cache()

@@ -9,6 +9,8 @@ any error), kills the whole process group (the front end and its EngineCore proc
 - ``none``: vLLM without prefix caching (``--no-enable-prefix-caching``);
 - ``prefix_cache``: vLLM's own prefix cache (its default);
 - ``kvtier_eager``: vLLM's prefix cache + ``KVTierConnector`` (kv_both) on the given tiers;
+- ``kvtier_lazy``: the same with ``offload: lazy`` (chunks copied only as vLLM nears evicting
+  them);
 - ``lmcache``: vLLM's prefix cache + vLLM's ``LMCacheMPConnector`` talking to an LMCache
   multiprocess server the caller starts (``lmcache_server_cmd``).
 
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-MODES = ("none", "prefix_cache", "kvtier_eager", "lmcache")
+MODES = ("none", "prefix_cache", "kvtier_eager", "kvtier_lazy", "lmcache")
 START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 15.0
 
@@ -101,13 +103,14 @@ def server_args(
     ]
     if mode == "none":
         args.append("--no-enable-prefix-caching")
-    elif mode == "kvtier_eager":
+    elif mode in ("kvtier_eager", "kvtier_lazy"):
+        offload = mode.removeprefix("kvtier_")
         transfer = {
             "kv_connector": "KVTierConnector",
             "kv_role": "kv_both",
             "engine_id": engine_id,
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": kvtier or {},
+            "kv_connector_extra_config": {**(kvtier or {}), "offload": offload},
         }
         args += ["--kv-transfer-config", json.dumps(transfer)]
     elif mode == "lmcache":

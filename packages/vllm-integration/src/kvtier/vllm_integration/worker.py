@@ -52,12 +52,13 @@ from kvtier.vllm_integration.channel import LookupServer, socket_path
 from kvtier.vllm_integration.holds import HoldTable
 from kvtier.vllm_integration.identity import engine_rank, model_identity
 from kvtier.vllm_integration.layout import build_layout, layer_index, ordered_caches
+from kvtier.vllm_integration.lazy import LazyWorkerMeta
 from kvtier.vllm_integration.loader import Loader
+from kvtier.vllm_integration.lookups import hold_ttl_s
 from kvtier.vllm_integration.metadata import KVTierMetadata, LoadSpec, SaveSpec, slot_mapping
 from kvtier.vllm_integration.presence import KVTierWorkerMeta, PresenceFeed
 from kvtier.vllm_integration.probes import Prober, ProbeSpec
 from kvtier.vllm_integration.saver import Saver
-from kvtier.vllm_integration.scheduler import hold_ttl_s
 from kvtier.vllm_integration.stats import KVTierStats, StatsTracker
 
 if TYPE_CHECKING:
@@ -91,6 +92,8 @@ class WorkerSide:
         self._feed: PresenceFeed | None = None
         self._prober: Prober | None = None
         self._saving_reqs: set[str] = set()  # requests that had a save (their blocks are held)
+        self._lazy_saves: set[str] = set()  # lazy saves submitted, not yet reported copied
+        self._rank = 0  # this worker's engine-local rank (set by register_kv_caches)
         self._finishing: set[str] = set()
         self._generation: str | None = None
         self._stats_lock = threading.Lock()
@@ -146,6 +149,7 @@ class WorkerSide:
         self._layer_of = {name: first.index(layer_index(name)) for name in kv_caches}
         # The lookup socket is per worker; the key's rank collapses MLA's identical TP shards.
         _, worker = engine_rank(vc, use_mla=False)
+        self._rank = worker
         key_world, key_rank = engine_rank(vc, use_mla)
         platform = get_platform(
             self.config.platform or caches[0].device.type,
@@ -207,8 +211,21 @@ class WorkerSide:
         self.metrics.observe("lookup_seconds", time.perf_counter() - t0)
         return hit, self._holds.sources(spec.req_id)
 
+    @property
+    def loads_in_flight(self) -> int:
+        """Asynchronous loads submitted to the loader thread and not finished yet."""
+        return self._loader.in_flight if self._loader is not None else 0
+
     def build_connector_worker_meta(self) -> KVTierWorkerMeta | None:
-        return self._feed.take() if self._feed is not None else None
+        """This step's report; with lazy offload always a ``LazyWorkerMeta`` (so every rank's
+        object aggregates the lazy saves copied), naming those whose copies are done."""
+        report = self._feed.take() if self._feed is not None else None
+        if self.config.offload != "lazy" or self._saver is None:
+            return report
+        done = self._lazy_saves - self._saver.pending(self._lazy_saves)
+        self._lazy_saves -= done
+        reports = report.reports if report is not None else {}
+        return LazyWorkerMeta(reports, {self._rank: sorted(done)} if done else {})
 
     def _new_generation(self, meta: KVTierMetadata) -> None:
         """Drop host-memory chunks of older weights when the scheduler starts a generation."""
@@ -358,6 +375,11 @@ class WorkerSide:
         self._finish_loads()
         if meta is None or self.engine is None or self._saver is None:
             return
+        if meta.lazy_saves:
+            # Blocks of finished requests, touched by the scheduler until reported copied; the
+            # marker orders the copy after any device work still writing them.
+            self._lazy_saves.update(spec.req_id for spec in meta.lazy_saves)
+            self._saver.submit(meta.lazy_saves, self.engine.platform.record_marker())
         # The scheduler holds the blocks of every request with a save until get_finished says so.
         self._saving_reqs.update(spec.req_id for spec in meta.saves)
         if self.config.use_layerwise:

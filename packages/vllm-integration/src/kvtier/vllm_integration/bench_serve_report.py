@@ -1,0 +1,198 @@
+"""``kvtier bench serve``'s results: one row per run (from vLLM's client and the server's
+``/metrics``), ratios to vLLM's prefix cache, issue 19's targets, the console table.
+
+Bytes moved: ``kvtier_saved_bytes`` is the KV kvtier copied off the device during the run
+(``vllm:kvtier_saved_bytes``), ``saved_bytes_per_request`` that over the completed requests;
+they compare the offload modes (``kvtier_eager`` copies every computed prompt, ``kvtier_lazy``
+only what vLLM is about to evict).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from kvtier.vllm_integration.bench_serve_plot import Scrape
+
+SCHED_HISTOGRAM = "vllm:kvtier_scheduler_seconds"
+REFERENCE = "prefix_cache"
+KVTIER_MODES = ("kvtier_eager", "kvtier_lazy")
+# Row field -> name of its ratio to the reference mode (``<name>_vs_prefix_cache``).
+RATIOS = {
+    "ttft_mean_s": "ttft_mean",
+    "ttft_p99_s": "ttft_p99",
+    "req_per_s": "req_per_s",
+    "tok_per_s": "tok_per_s",
+}
+
+
+def row(
+    mode: str, workload: str, concurrency: int, res: dict[str, Any], before: Scrape, after: Scrape
+) -> dict[str, Any]:
+    """One run's row: vLLM's client's result ``res`` and the server's metrics around it."""
+    prompt = after.delta(before, "vllm:prompt_tokens_total")
+    cached = after.delta(before, "vllm:prompt_tokens_cached_total")
+    external = after.delta(
+        before, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+    )
+    p50 = after.quantile(before, SCHED_HISTOGRAM, 0.5)
+    p99 = after.quantile(before, SCHED_HISTOGRAM, 0.99)
+    hits = {
+        tier: after.delta(before, "vllm:kvtier_lookup_hit_tokens_total", tier=tier)
+        for tier in after.by_label("vllm:kvtier_lookup_hit_tokens_total", "tier")
+    }
+    saved_bytes = after.delta(before, "vllm:kvtier_saved_bytes_total")
+    return {
+        "workload": workload,
+        "mode": mode,
+        "concurrency": concurrency,
+        "ttft_mean_s": res["mean_ttft_ms"] / 1e3,
+        "ttft_p99_s": res["p99_ttft_ms"] / 1e3,
+        "ttft_median_s": res["median_ttft_ms"] / 1e3,
+        "itl_mean_s": res["mean_itl_ms"] / 1e3,
+        "req_per_s": res["request_throughput"],
+        "tok_per_s": res["total_token_throughput"],
+        "output_tok_per_s": res["output_throughput"],
+        "completed": res["completed"],
+        "failed": res["failed"],
+        "duration_s": res["duration"],
+        "hit_rate": cached / prompt if prompt else None,
+        "external_hit_rate": external / prompt if prompt else None,
+        "kvtier_hit_tokens": {t: n for t, n in hits.items() if n},
+        "kvtier_loaded_tokens": after.delta(before, "vllm:kvtier_loaded_tokens_total"),
+        "kvtier_saved_tokens": after.delta(before, "vllm:kvtier_saved_tokens_total"),
+        "kvtier_saved_bytes": saved_bytes,
+        "saved_bytes_per_request": saved_bytes / res["completed"] if res["completed"] else None,
+        "preemptions": after.delta(before, "vllm:num_preemptions_total"),
+        "sched_p50_ms": None if p50 is None else p50 * 1e3,
+        "sched_p99_ms": None if p99 is None else p99 * 1e3,
+    }
+
+
+def add_ratios(results: list[dict[str, Any]]) -> None:
+    ref = {(r["workload"], r["concurrency"]): r for r in results if r["mode"] == REFERENCE}
+    for r in results:
+        base = ref.get((r["workload"], r["concurrency"]))
+        if base is None or r["mode"] == REFERENCE:
+            continue
+        for key, name in RATIOS.items():
+            if base[key]:
+                r[f"{name}_vs_{REFERENCE}"] = r[key] / base[key]
+
+
+def targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 19's targets, each with what this run measured (None where a row is missing)."""
+    by = {(r["workload"], r["mode"], r["concurrency"]): r for r in results}
+    out = []
+    for c in (4, 16):
+        k, lm = by.get(("A", "kvtier_eager", c)), by.get(("A", "lmcache", c))
+        for key, goal, better in (
+            ("ttft_mean_vs_prefix_cache", 0.5, "le"),
+            ("req_per_s_vs_prefix_cache", 1.5, "ge"),
+        ):
+            v = k.get(key) if k else None
+            met = None if v is None else (v <= goal if better == "le" else v >= goal)
+            out.append(
+                {
+                    "target": f"A c={c} kvtier {key} {'<=' if better == 'le' else '>='} {goal}",
+                    "measured": v,
+                    "met": met,
+                }
+            )
+        if k and lm:
+            out.append(
+                {
+                    "target": f"A c={c} kvtier beats lmcache on mean TTFT and req/s",
+                    "measured": [
+                        k["ttft_mean_s"],
+                        lm["ttft_mean_s"],
+                        k["req_per_s"],
+                        lm["req_per_s"],
+                    ],
+                    "met": k["ttft_mean_s"] < lm["ttft_mean_s"]
+                    and k["req_per_s"] > lm["req_per_s"],
+                }
+            )
+    for c in sorted({r["concurrency"] for r in results if r["workload"] == "B"}):
+        k = by.get(("B", "kvtier_eager", c))
+        for key, lo in (("req_per_s_vs_prefix_cache", 0.97), ("ttft_p99_vs_prefix_cache", None)):
+            v = k.get(key) if k else None
+            met = None if v is None else (v >= 0.97 if lo else v <= 1.03)
+            out.append({"target": f"B c={c} kvtier {key} within 3%", "measured": v, "met": met})
+    return out
+
+
+def source_revision() -> str | None:
+    """The checkout's commit (``+dirty`` with uncommitted changes) when kvtier runs from one."""
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty=+dirty"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def cpu_flags() -> str:
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split()
+    except (OSError, IndexError):
+        return "cpu flags unknown"
+    return "AVX-512" if "avx512f" in flags else ("AVX2 only" if "avx2" in flags else "no AVX2")
+
+
+def table(console: Any, results: list[dict[str, Any]], skipped: dict[str, str]) -> None:
+    from rich.table import Table
+
+    t = Table(title="kvtier bench serve (vLLM's own client)")
+    for col in (
+        "wl",
+        "mode",
+        "conc",
+        "TTFT mean s",
+        "TTFT p99 s",
+        "ITL ms",
+        "req/s",
+        "tok/s",
+        "hit rate",
+        "TTFT/pc",
+        "req/s/pc",
+        "sched p50/p99 ms",
+        "saved KiB/req",
+    ):
+        t.add_column(col, justify="right")
+    for r in results:
+        sched = (
+            "-" if r["sched_p50_ms"] is None else f"{r['sched_p50_ms']:.3f}/{r['sched_p99_ms']:.3f}"
+        )
+        t.add_row(
+            r["workload"],
+            r["mode"],
+            str(r["concurrency"]),
+            f"{r['ttft_mean_s']:.3f}",
+            f"{r['ttft_p99_s']:.3f}",
+            f"{r['itl_mean_s'] * 1e3:.1f}",
+            f"{r['req_per_s']:.2f}",
+            f"{r['tok_per_s']:.0f}",
+            "-" if r["hit_rate"] is None else f"{r['hit_rate']:.2f}",
+            _fmt(r.get("ttft_mean_vs_prefix_cache")),
+            _fmt(r.get("req_per_s_vs_prefix_cache")),
+            sched,
+            _kib(r.get("saved_bytes_per_request")),
+        )
+    console.print(t)
+    for mode, why in skipped.items():
+        console.print(f"skipped {mode}: {why[:300]}")
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _kib(x: float | None) -> str:
+    return "-" if x is None else f"{x / 1024:.0f}"

@@ -1,0 +1,175 @@
+"""The scheduler side's lookups: per-request state, and the probe state machine.
+
+A waiting request is first checked against the index of stored chunks (``presence.py``); if
+it may hit beyond what vLLM already has, a *probe* (``probes.py``) goes to the workers with the
+next step's metadata and the lookup answers "not yet" until every rank has answered or
+``lookup_timeout_s`` has passed (a miss). The answer is the minimum hit over ranks; each rank's
+hold keeps the chunks it found until the load (or a release) reaches it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvtier.core.config import KVTierConfig
+from kvtier.core.keys import KeyScope
+from kvtier.vllm_integration.presence import PresenceIndex, ProbeAnswer
+from kvtier.vllm_integration.probes import Probe, ProbeSpec, PromptHashes
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvtier")
+
+HOLD_TTL_MIN_S = 30.0
+
+
+def hold_ttl_s(config: KVTierConfig) -> float:
+    """How long the worker keeps a probe's hold with no load: 10x ``lookup_timeout_s``, at
+    least 30 s. A load normally follows its probe within a step or two, and a request waiting
+    longer than half of this is probed again, so only a lost hold (a decision the worker never
+    heard of) lives this long."""
+    return max(HOLD_TTL_MIN_S, 10.0 * config.lookup_timeout_s)
+
+
+@dataclass
+class RequestState:
+    """What the scheduler side tracks for one live request."""
+
+    request: Request
+    adapter: str | None
+    prompt: np.ndarray  # identity tokens of the prompt
+    generation: str | None  # the generation its KV is computed under
+    block_ids: list[int] = field(default_factory=list)
+    external: int = 0  # tokens to load in the request's next scheduled step
+    hold_id: int | None = None  # the worker's hold those tokens are loaded from
+    probe: Probe | None = None  # the lookup in flight or answered, not yet used by a load
+    hashes: PromptHashes | None = None
+    indexed: tuple[int, int] = (-1, 0)  # (index version, tokens it said) at the last lookup
+    computed_at_lookup: int = 0  # tokens vLLM already had (its prefix cache) at the lookup
+    load_async: bool = False  # what the last lookup answered
+    saved_upto: int = 0  # tokens handed to the worker for saving
+    prompt_saved: bool = False
+    had_save: bool = False
+
+    @property
+    def scope(self) -> KeyScope:
+        return KeyScope(self.request.cache_salt, self.adapter, self.generation)
+
+
+class Lookups:
+    """Probes: which to send, which are answered, which holds to release."""
+
+    def __init__(self, config: KVTierConfig, index: PresenceIndex, num_workers: int) -> None:
+        self.config = config
+        self.index = index
+        self.num_workers = num_workers
+        self._next_hold_id = 0
+        self.releases: list[tuple[str, int]] = []  # holds not to be loaded, for the next step
+        self.probes: list[ProbeSpec] = []  # lookups for the next step's metadata
+        self.sent = 0
+        self.failures = 0  # probes not answered within lookup_timeout_s
+
+    def hashes(self, state: RequestState, chunk_size: int, block_size: int) -> PromptHashes:
+        if state.hashes is None:
+            state.hashes = PromptHashes(
+                state.prompt, state.scope, chunk_size, block_size, self.config.save_unfull_chunk
+            )
+        return state.hashes
+
+    def take(self) -> tuple[list[tuple[str, int]], list[ProbeSpec]]:
+        """The releases and probes for the step being built."""
+        out = (self.releases, self.probes)
+        self.releases, self.probes = [], []
+        return out
+
+    def _may_hit(self, state: RequestState, hashes: PromptHashes, computed: int, most: int) -> bool:
+        """Whether a probe may find more than vLLM has: the index says so, or a tier it cannot
+        list (or a worker that has not reported yet) might."""
+        if not self.index.complete:
+            return True
+        version, hit = state.indexed
+        if version != self.index.version:  # a waiting request is asked every step: hash once
+            hit = hashes.indexed_hit(self.index)
+            state.indexed = (self.index.version, hit)
+        hit = min(hit, most)
+        return hit - hit % hashes.block_size > computed
+
+    def release(self, state: RequestState) -> None:
+        """Let the worker drop the request's probe hold (it will not be loaded)."""
+        if state.probe is not None:
+            self.releases.append((state.request.request_id, state.probe.hold_id))
+            state.probe = None
+
+    def probe(
+        self, state: RequestState, hashes: PromptHashes, computed: int, most: int
+    ) -> Probe | None:
+        """The request's answered probe; None while there is none yet (one is sent if the
+        request may hit) or it is in flight."""
+        now = time.monotonic()
+        probe = state.probe
+        if probe is not None and now - probe.sent_at > hold_ttl_s(self.config) / 2:
+            self.release(state)  # its hold is about to expire: look again
+            probe = None
+        if probe is None:
+            if not self._may_hit(state, hashes, computed, most):
+                return Probe(-1, now, expired=True)  # a miss, nothing held
+            rid = state.request.request_id
+            probe = state.probe = Probe(self._next_hold_id, now)
+            self._next_hold_id += 1
+            self.probes.append(ProbeSpec(rid, probe.hold_id, state.prompt, state.scope))
+            self.sent += 1
+            return None
+        if probe.answered(self.num_workers):
+            return probe
+        if now - probe.sent_at < self.config.lookup_timeout_s:
+            return None
+        self.failures += 1
+        logger.warning(
+            "kvtier: %d of %d worker(s) did not answer the lookup of request %s in "
+            "%.1f s (lookup_timeout_s); treating it as a miss",
+            self.num_workers - len(probe.answers),
+            self.num_workers,
+            state.request.request_id,
+            self.config.lookup_timeout_s,
+        )
+        probe.expired = True
+        return probe
+
+    def answer(
+        self, state: RequestState | None, hashes: PromptHashes | None, rank: int, ans: ProbeAnswer
+    ) -> None:
+        """A rank's answer to a probe (ignored if the request is gone or was probed again)."""
+        probe = state.probe if state is not None else None
+        if probe is None or probe.hold_id != ans.hold_id or probe.expired or hashes is None:
+            return  # a request gone or probed again since: its hold was released
+        probe.answers[rank] = ans.hit
+        if rank == 0:
+            probe.sources = ans.sources
+        # What the index promised beyond the hit is gone on that rank: stop promising it.
+        self.index.forget(rank, hashes.missing_after(ans.hit), hashes.scope)
+
+
+def hit_sources(
+    hit: int, spans: list[list[Any]], prompt_len: int, block_size: int, loaded: int
+) -> dict[str, int]:
+    """The ``loaded`` tokens by the tier each came from (rank 0's hold at the last lookup, whose
+    hit was ``hit``): ``{tier name: tokens}``; tokens of no known tier under ``""``."""
+    # The loaded tokens end where the reported hit ends (see get_num_new_matched_tokens).
+    end = min(hit, (prompt_len - 1) // block_size * block_size)
+    end -= end % block_size
+    start = end - loaded
+    out: dict[str, int] = {}
+    for s, e, tier in spans:
+        n = min(int(e), end) - max(int(s), start)
+        if n > 0:
+            out[str(tier)] = out.get(str(tier), 0) + n
+    rest = loaded - sum(out.values())
+    if rest > 0:
+        out[""] = rest
+    return out

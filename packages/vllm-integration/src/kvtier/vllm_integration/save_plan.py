@@ -1,0 +1,78 @@
+"""Which tokens of a request a save stores, decided on the scheduler side.
+
+Mid-prefill, the full chunks computed so far; once the prompt is computed, the whole prompt
+(the engine stores its block-aligned tail as tail blocks with ``save_unfull_chunk``); with
+``save_decode_cache``, chunks filled by generated tokens too. ``store_threshold`` cuts a save
+to the chunks enough requests contained. A save never repeats what an earlier one (or the
+request's load) already covered (``RequestState.saved_upto``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvtier.core.config import KVTierConfig
+from kvtier.vllm_integration.identity import cacheable, identity_tokens
+from kvtier.vllm_integration.lookups import RequestState
+from kvtier.vllm_integration.metadata import SaveSpec
+from kvtier.vllm_integration.probes import PromptHashes, Sightings
+
+
+class SavePlanner:
+    """Turns "tokens ``[0, end)`` of this request have KV" into the ``SaveSpec`` to send."""
+
+    def __init__(
+        self,
+        config: KVTierConfig,
+        block_size: int,
+        sightings: Sightings,
+        hashes: Callable[[RequestState], PromptHashes],
+    ) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.chunk_size = config.chunk_size
+        self.sightings = sightings
+        self._hashes = hashes
+
+    @property
+    def step(self) -> int:
+        """The granularity the engine stores at: blocks with tail blocks, else chunks."""
+        return self.block_size if self.config.save_unfull_chunk else self.chunk_size
+
+    def plan(
+        self, rid: str, state: RequestState, end: int, generation: str | None
+    ) -> SaveSpec | None:
+        """The save tokens ``[0, end)`` make possible (None: nothing new to store); updates
+        the request's save progress."""
+        req = state.request
+        if not cacheable(req) or state.generation != generation:
+            return None
+        prompt_len = req.num_prompt_tokens
+        c = self.chunk_size
+        if end < prompt_len:
+            save_end = end // c * c  # mid-prefill: full chunks only
+        elif not state.prompt_saved:
+            state.prompt_saved = True
+            save_end = prompt_len  # the engine stores the block-aligned tail as a partial chunk
+            if self.config.save_decode_cache:
+                save_end = max(save_end, min(end, len(req.all_token_ids)) // c * c)
+        elif self.config.save_decode_cache:
+            save_end = min(end, len(req.all_token_ids)) // c * c
+        else:
+            return None
+        if self.sightings.threshold > 1 and save_end <= len(state.prompt):
+            # Only chunks enough requests contained (store_threshold).
+            save_end = min(save_end, self.sightings.storable(self._hashes(state)))
+        # Nothing the engine would store (whole chunks, or blocks with save_unfull_chunk) means
+        # no save, so no blocks are held.
+        if save_end - save_end % self.step <= state.saved_upto:
+            return None
+        skip = state.saved_upto // c * c
+        state.saved_upto = save_end
+        state.had_save = True
+        n_blocks = -(-save_end // self.block_size)
+        if save_end <= len(state.prompt):
+            tokens = state.prompt[:save_end]
+        else:
+            tokens = identity_tokens(req, req.all_token_ids[:save_end])
+        return SaveSpec(rid, tokens, list(state.block_ids[:n_blocks]), skip, state.scope)
