@@ -2,7 +2,8 @@
 
 A 700-token prompt stores chunks [0,256) [256,512) and the block-aligned tail [512,672); a repeat
 loads 672 tokens (the most that leaves the last token to recompute). SHARED shares DOC's first
-400 tokens: it hits DOC's first chunk only (it diverges inside the second).
+400 tokens: it hits DOC's first chunk and, through the second chunk's aliases, the 4 whole blocks
+of the second it shares (it diverges inside it).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ DOC = [RNG.randrange(3, 3000) for _ in range(700)]
 SHARED = DOC[:400] + [RNG.randrange(3, 3000) for _ in range(200)]  # shares 400 tokens with DOC
 OTHER = [RNG.randrange(3, 3000) for _ in range(500)]
 FULL_HIT = (len(DOC) - 1) // 32 * 32  # 672
-PARTIAL_HIT = 256  # SHARED matches DOC's first chunk only (it diverges inside the second)
+PARTIAL_HIT = 384  # SHARED's whole blocks in common with DOC (it diverges inside DOC's 2nd chunk)
 
 
 TOLERANCE_FLOOR = 5e-3  # where the prefix cache moves nothing, a partial hit may still move a bit

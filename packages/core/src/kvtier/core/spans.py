@@ -39,6 +39,9 @@ class SpanPlanner:
         self.chunk_size = chunk_size
         self.block_size = block_size
         self.tails = tails  # save_unfull_chunk: tail blocks are stored as their own entries
+        # Whether a store writes each full chunk's alias entries (off: only to measure what
+        # they cost; hits inside chunks then need the stored prompt's tail entries).
+        self.write_aliases = True
 
     # -- spans -------------------------------------------------------------------------------
     def full(self, arr: np.ndarray, salt: Scope) -> list[ChunkSpan]:
@@ -79,7 +82,9 @@ class SpanPlanner:
         self, arr: np.ndarray, index: int, salt: Scope, spans: Sequence[ChunkSpan]
     ) -> list[tuple[ChunkKey, Alias]]:
         """The alias entries of full chunk ``index`` of ``arr`` (``spans``: its full chunks):
-        one per leading run of 1 .. n-1 of its blocks."""
+        one per leading run of 1 .. n-1 of its blocks (none when ``write_aliases`` is off)."""
+        if not self.write_aliases:
+            return []
         target = bytes.fromhex(spans[index].key.chunk_hash)
         bs = self.block_size
         out = []

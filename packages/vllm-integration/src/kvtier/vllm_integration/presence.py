@@ -7,7 +7,8 @@ connector metadata (``build_connector_worker_meta`` -> ``update_connector_output
 - once, its key namespace (model, layout fingerprint, world size, key rank), so the scheduler
   can compute that rank's chunk keys from token ids alone;
 - what its local tiers held at start (host memory and disk: a restarted engine hits its disk),
-  and then the key of every chunk a save commits;
+  and then the key of every chunk a save commits, and of the chunk's alias entries
+  (``kvtier.core.aliases``: an alias lets a prompt hit the first blocks of a stored chunk);
 - whether every tier can list its chunks (``complete``): a tier other engines also write
   (Redis) cannot, and then any prompt may hit there;
 - the answers to the scheduler's probes (``probes.py``).
@@ -92,6 +93,12 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
         return KVTierWorkerMeta(merged)
 
 
+class AliasHash(bytes):
+    """A tail hash standing for its alias entry (``KeyFactory.alias_key``) rather than for a
+    tail-block entry: ``PresenceIndex`` digests it as the alias's key, so expectations and
+    forgetting (``expect``, ``forget``) take chunk, tail and alias hashes in one list."""
+
+
 class _RankIndex:
     """One rank's chunk keys (digests), oldest first, at most ``capacity``."""
 
@@ -109,6 +116,8 @@ class _RankIndex:
             self.digests.popitem(last=False)
 
     def digest(self, chunk_hash: bytes, scope: Scope) -> str:
+        if isinstance(chunk_hash, AliasHash):
+            return self.keys.alias_key(chunk_hash, scope).digest()
         return self.keys.key(chunk_hash, scope).digest()
 
 
@@ -156,6 +165,17 @@ class PresenceIndex:
                     return i
         return len(hashes)
 
+    def longest(self, hashes: Sequence[bytes], scope: Scope) -> int:
+        """The largest ``j`` such that every rank stores ``hashes[j - 1]`` (0: none, or not
+        ready): the longest alias of a prompt's tail the index knows."""
+        if not self.ready:
+            return 0
+        for j in range(len(hashes), 0, -1):
+            h = hashes[j - 1]
+            if all(r.digest(h, scope) in r.digests for r in self._ranks.values()):
+                return j
+        return 0
+
     def expect(self, hashes: Sequence[bytes], scope: Scope) -> None:
         """Count chunks a save was just asked for on every rank (the workers report them once
         committed; a request arriving meanwhile is probed, and the probe waits for the save)."""
@@ -177,12 +197,14 @@ class PresenceIndex:
 
 
 def index_capacity(engine: CacheEngine) -> int:
-    """How many chunk keys the scheduler keeps for one rank: four times what host memory and the
-    disk tier hold in full chunks (tail blocks are smaller), at least 4096."""
+    """How many keys the scheduler keeps for one rank: four times what host memory and the disk
+    tier hold in full chunks (tail blocks are smaller), times the entries each full chunk comes
+    with (itself and an alias per block but the last), at least 4096."""
     cfg = engine.config
     size_gb = cfg.local_cpu_size_gb + (cfg.local_disk_size_gb if "local_disk" in cfg.tiers else 0)
     chunk = max(1, engine.layout.chunk_nbytes(engine.chunk_size))
-    return max(4096, 4 * int(size_gb * (1 << 30) / chunk))
+    per_chunk = max(1, engine.chunk_size // engine.layout.block_size)
+    return max(4096, 4 * per_chunk * int(size_gb * (1 << 30) / chunk))
 
 
 class PresenceFeed:

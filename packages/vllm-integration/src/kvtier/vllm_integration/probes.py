@@ -10,7 +10,8 @@ every rank has answered, vLLM's next call gets the hit (the minimum over ranks),
 reads exactly the held chunks. A probe not answered within ``lookup_timeout_s`` is a miss.
 
 ``PromptHashes`` computes a prompt's chunk hashes on the scheduler the way ``CacheEngine``
-does (full chunks, then block-sized tail spans), once per request.
+does (full chunks, then block-sized tail spans, and the alias keys those tail hashes name:
+``kvtier.core.aliases``), once per request, so the index predicts the hit a probe finds.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.core.keys import KeyScope, prefix_hashes, salt_seed, tail_hashes, token_bytes
-from kvtier.vllm_integration.presence import PresenceIndex, ProbeAnswer
+from kvtier.vllm_integration.presence import AliasHash, PresenceIndex, ProbeAnswer
 
 logger = logging.getLogger("kvtier")
 
@@ -76,10 +77,9 @@ class PromptHashes:
         self.full = prefix_hashes(self.arr, chunk_size, scope)
         self._tails: dict[int, list[bytes]] = {}
 
-    def tail(self, index: int) -> list[bytes]:
-        """Hashes of the tail blocks after full chunk ``index - 1``."""
-        if not self.tails:
-            return []
+    def tail_keys(self, index: int) -> list[bytes]:
+        """The tail hashes after full chunk ``index - 1`` (the keys of its tail blocks, and of
+        the aliases a stored chunk there may have), whether or not tails are stored."""
         out = self._tails.get(index)
         if out is None:
             prev = self.full[index - 1] if index else salt_seed(self.scope)
@@ -88,14 +88,34 @@ class PromptHashes:
             )
         return out
 
+    def tail(self, index: int) -> list[bytes]:
+        """Hashes of the stored tail blocks after full chunk ``index - 1`` (none without
+        ``tails``)."""
+        return self.tail_keys(index) if self.tails else []
+
+    def aliases(self, index: int) -> list[bytes]:
+        """The alias hashes a prompt looks up after full chunk ``index - 1``."""
+        return [AliasHash(h) for h in self.tail_keys(index)]
+
     def indexed_hit(self, index: PresenceIndex) -> int:
-        """Tokens the index says every rank stores: the run of full chunks, then tail blocks."""
+        """Tokens the index says every rank stores: the run of full chunks, then the longer of
+        the run of tail blocks and the longest alias (as ``CacheEngine.hit_spans`` finds them)."""
         n = index.leading(self.full, self.scope)
         tokens = n * self.chunk_size
         tail = self.tail(n)
-        if tail:
-            tokens += index.leading(tail, self.scope) * self.block_size
-        return tokens
+        run = index.leading(tail, self.scope) if tail else 0
+        aliases = self.aliases(n)
+        alias = index.longest(aliases, self.scope) if aliases else 0
+        return tokens + max(run, alias) * self.block_size
+
+    def saved_aliases(self, skip: int, end: int) -> list[bytes]:
+        """The alias hashes a save of tokens ``[0, end)`` stores from token ``skip`` on (those
+        of its full chunks), for ``PresenceIndex.expect``."""
+        c = self.chunk_size
+        out: list[bytes] = []
+        for i in range(skip // c, end // c):
+            out.extend(self.aliases(i)[: c // self.block_size - 1])
+        return out
 
     def saved_spans(self, skip: int, end: int) -> list[tuple[bytes, int, int]]:
         """``(hash, start, end)`` of the spans a save of tokens ``[0, end)`` stores from token
@@ -108,13 +128,15 @@ class PromptHashes:
         return out
 
     def missing_after(self, hit: int) -> list[bytes]:
-        """The hashes of the spans that would have extended a hit of ``hit`` tokens."""
+        """The hashes of the entries that would have extended a hit of ``hit`` tokens: the next
+        full chunk, the next tail block, and every longer alias."""
         n, rest = divmod(hit, self.chunk_size)
         out = [self.full[n]] if rest == 0 and n < len(self.full) else []
         k = rest // self.block_size
         tail = self.tail(n)
         if k < len(tail):
             out.append(tail[k])
+        out.extend(self.aliases(n)[k:])
         return out
 
 
