@@ -18,6 +18,9 @@ another process), that its header is this key's and its length the header's; a f
 is a miss, deleted. A file this process wrote or fully read is trusted while its inode, size and
 mtime stay the same. Payload bit rot is found by the checksum on the read (a miss, counted).
 
+A batch read runs on up to four threads, each reading whole chunks and hashing every segment as
+it lands (``_disk_readers``).
+
 Every open refuses symlinks and never blocks (``_disk_io.open_regular``): a FIFO, directory,
 device or socket at a chunk path is a miss for that key, removed (a non-empty directory is
 bypassed), counted as ``local_disk.corrupt``. Every read is bounded by the file's size, which is
@@ -38,12 +41,9 @@ file system without O_DIRECT support is a config error at start.
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 import stat
-import time
-import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -52,18 +52,26 @@ from kvtier.core.errors import ConfigError
 from kvtier.storage import codec
 from kvtier.storage._log import warn_throttled
 from kvtier.storage.backends._disk_direct import DirectIO
+from kvtier.storage.backends._disk_files import (
+    NAMESPACE_FILE,
+    SUFFIX,
+    TMP_SUFFIX,
+    namespace_dir,
+    scan_chunks,
+    write_chunk_file,
+    write_marker,
+)
 from kvtier.storage.backends._disk_index import DiskIndex
 from kvtier.storage.backends._disk_io import (
     NotRegular,
-    create_temp,
     kind_of,
     make_private_dirs,
     open_regular,
     read_chunk,
     read_header,
     remove_entry,
-    write_all,
 )
+from kvtier.storage.backends._disk_readers import BatchReaders
 from kvtier.storage.backends.base import BackendContext, StorageBackend
 
 if TYPE_CHECKING:
@@ -72,39 +80,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvtier.storage")
 
+# The file layout's names stay importable from here.
+__all__ = ["NAMESPACE_FILE", "SUFFIX", "TMP_SUFFIX", "LocalDiskBackend", "namespace_dir"]
+
 GiB = 1 << 30
-SUFFIX = ".kvc"
-TMP_SUFFIX = ".tmp"
-NAMESPACE_FILE = "NAMESPACE"
-# Temporary files older than this at start-up belong to a writer that died mid-write.
-_STALE_TMP_S = 300.0
 # After ENOSPC the budget is capped at what the tier held then, for this long.
 _FS_FULL_CAP_S = 60.0
-
-
-def namespace_dir(root: Path, namespace: str) -> Path:
-    """The directory of one namespace under the tier's root."""
-    return root / hashlib.blake2b(namespace.encode(), digest_size=10).hexdigest()
-
-
-def _write_marker(directory: Path, namespace: str) -> None:
-    """The namespace's name in ``NAMESPACE`` (read by ``kvtier ls``), written like a chunk."""
-    try:
-        if stat.S_ISREG(os.lstat(directory / NAMESPACE_FILE).st_mode):
-            return
-    except FileNotFoundError:
-        pass
-    fd, tmp = create_temp(directory, NAMESPACE_FILE)
-    try:
-        try:
-            write_all(fd, [(namespace + "\n").encode()])
-        finally:
-            os.close(fd)
-        remove_entry(directory / NAMESPACE_FILE)
-        os.replace(directory / tmp, directory / NAMESPACE_FILE)
-    except BaseException:
-        remove_entry(directory / tmp)
-        raise
 
 
 class LocalDiskBackend(StorageBackend):
@@ -131,7 +112,7 @@ class LocalDiskBackend(StorageBackend):
             make_private_dirs(self.dir)
             if not stat.S_ISDIR(os.lstat(self.dir).st_mode):
                 raise NotADirectoryError(f"{self.dir} is not a directory")
-            _write_marker(self.dir, ctx.namespace)
+            write_marker(self.dir, ctx.namespace)
         except OSError as e:
             raise ConfigError("local_disk_path", str(self.root), f"cannot be used: {e}") from None
         self.o_direct = cfg.local_disk_o_direct
@@ -144,26 +125,15 @@ class LocalDiskBackend(StorageBackend):
             + codec.TRAILER.size
         )
         self._index = DiskIndex(self.budget, _FS_FULL_CAP_S)
+        self._readers = BatchReaders()
         self._removal_listeners: list[Callable[[list[str]], None]] = []
         self._rebuild_index()
 
     # -- index ---------------------------------------------------------------------------------
     def _rebuild_index(self) -> None:
-        now = time.time()
-        found: list[tuple[float, str, int]] = []
-        with os.scandir(self.dir) as it:
-            for entry in it:
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if entry.name.endswith(SUFFIX):
-                    if stat.S_ISREG(st.st_mode):
-                        found.append((st.st_mtime, entry.name, st.st_size))
-                    else:
-                        self._bad_entry(entry.name, kind_of(st.st_mode))
-                elif entry.name.endswith(TMP_SUFFIX) and now - st.st_mtime > _STALE_TMP_S:
-                    remove_entry(self.dir / entry.name)
+        found, bad = scan_chunks(self.dir)
+        for name, kind in bad:
+            self._bad_entry(name, kind)
         found.sort()
         self._index.load([(name, size) for _, name, size in found])
         if found:
@@ -232,6 +202,10 @@ class LocalDiskBackend(StorageBackend):
         self._index.forget(name)
         self._unlink(name)
 
+    def _io_error(self, path: Path, err: OSError) -> None:
+        warn_throttled("disk-read", "kvtier disk tier: cannot read %s: %s", path, err)
+        self.ctx.stats.add(f"{self.name}.errors")
+
     def _check(self, key: ChunkKey, name: str) -> bool:
         """Whether a read of ``key`` can deliver: a regular file whose header is ``key``'s."""
         path = self.dir / name
@@ -251,34 +225,29 @@ class LocalDiskBackend(StorageBackend):
             return True
         try:
             fd, st = open_regular(path)
+            try:
+                read_header(
+                    fd,
+                    st.st_size,
+                    key=key,
+                    layout=self.ctx.layout,
+                    max_tokens=self.max_tokens,
+                    sealer=self.ctx.sealer,
+                )
+            finally:
+                os.close(fd)
         except FileNotFoundError:
             self._index.forget(name)
             return False
         except NotRegular as e:
             self._bad_entry(name, e.kind)
             return False
-        except OSError as e:
-            warn_throttled("disk-read", "kvtier disk tier: cannot read %s: %s", path, e)
-            self.ctx.stats.add(f"{self.name}.errors")
-            return False
-        try:
-            read_header(
-                fd,
-                st.st_size,
-                key=key,
-                layout=self.ctx.layout,
-                max_tokens=self.max_tokens,
-                sealer=self.ctx.sealer,
-            )
         except codec.PayloadError as e:
             self._reject(name, e)
             return False
         except OSError as e:
-            warn_throttled("disk-read", "kvtier disk tier: cannot read %s: %s", path, e)
-            self.ctx.stats.add(f"{self.name}.errors")
+            self._io_error(path, e)
             return False
-        finally:
-            os.close(fd)
         self._index.record(name, st)
         return True
 
@@ -324,11 +293,11 @@ class LocalDiskBackend(StorageBackend):
         st: os.stat_result | None = None
         try:
             try:
-                st = self._write_file(name, header, payload)
+                st = write_chunk_file(self.dir, name, header, payload, self._direct)
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._make_room(size):
                     raise
-                st = self._write_file(name, header, payload)
+                st = write_chunk_file(self.dir, name, header, payload, self._direct)
         except OSError as e:
             self.ctx.stats.add(f"{self.name}.store_skipped")
             full = e.errno in (errno.ENOSPC, errno.EDQUOT)
@@ -363,45 +332,12 @@ class LocalDiskBackend(StorageBackend):
             )
         return bool(victims)
 
-    def _write_file(self, name: str, header: bytes, payload: memoryview) -> os.stat_result:
-        """Write the chunk file ``name`` atomically; the new file's ``fstat``."""
-        fd, tmp = create_temp(self.dir, name, os.O_DIRECT if self.o_direct else 0)
-        try:
-            try:
-                if self._direct is not None:
-                    self._direct.write(fd, header, payload)
-                else:
-                    cs = codec.Checksum(zlib.crc32(header))
-                    try:
-                        cs.add(payload)
-                        write_all(fd, [header, payload])
-                    finally:
-                        cs.wait()  # the helpers must be done with the buffer
-                    write_all(fd, [codec.TRAILER.pack(cs.value())])
-                os.fsync(fd)
-                st = os.fstat(fd)
-            finally:
-                os.close(fd)
-            try:
-                os.replace(self.dir / tmp, self.dir / name)
-            except OSError as e:
-                # something planted at the name (a directory): remove it if it can be, once
-                if e.errno not in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST) or not remove_entry(
-                    self.dir / name
-                ):
-                    raise
-                os.replace(self.dir / tmp, self.dir / name)
-        except BaseException:
-            self._unlink(tmp)
-            raise
-        return st
-
     def batched_get(
         self,
         keys: Sequence[ChunkKey],
         allocate: Callable[[MemoryObjMeta], MemoryObj | None],
     ) -> list[MemoryObj | None]:
-        return [self._get_one(k, allocate) for k in keys]
+        return self._readers.map(lambda i: self._get_one(keys[i], allocate), len(keys))
 
     def _get_one(
         self, key: ChunkKey, allocate: Callable[[MemoryObjMeta], MemoryObj | None]
@@ -422,8 +358,7 @@ class LocalDiskBackend(StorageBackend):
             finally:
                 os.close(fd)
         except OSError as e:
-            warn_throttled("disk-read", "kvtier disk tier: cannot read %s: %s", name, e)
-            self.ctx.stats.add(f"{self.name}.errors")
+            self._io_error(self.dir / name, e)
             return None
         finally:
             self._index.end_read(name)
@@ -441,26 +376,16 @@ class LocalDiskBackend(StorageBackend):
                 raise codec.PayloadError(
                     f"corrupt: file of {st.st_size} bytes is larger than any chunk"
                 )
-            if self._direct is not None:
-                obj = self._direct.read(
-                    fd,
-                    st.st_size,
-                    key=key,
-                    layout=self.ctx.layout,
-                    max_tokens=self.max_tokens,
-                    allocate=allocate,
-                    sealer=self.ctx.sealer,
-                )
-            else:
-                obj = read_chunk(
-                    fd,
-                    st.st_size,
-                    key=key,
-                    layout=self.ctx.layout,
-                    max_tokens=self.max_tokens,
-                    allocate=allocate,
-                    sealer=self.ctx.sealer,
-                )
+            read = self._direct.read if self._direct is not None else read_chunk
+            obj = read(
+                fd,
+                st.st_size,
+                key=key,
+                layout=self.ctx.layout,
+                max_tokens=self.max_tokens,
+                allocate=allocate,
+                sealer=self.ctx.sealer,
+            )
         except codec.PayloadError as e:
             self._reject(name, e)
             return None
@@ -478,6 +403,9 @@ class LocalDiskBackend(StorageBackend):
         self._index.forget(name)
         self._unlink(name)
         self._dropped([name])
+
+    def close(self) -> None:
+        self._readers.close()
 
     def remove(self, keys: Sequence[ChunkKey]) -> None:
         for key in keys:
