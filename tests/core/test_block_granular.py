@@ -189,3 +189,22 @@ def test_full_spans_are_the_prefix_hashes() -> None:
         token_bytes(tokens), CHUNK, "s"
     )
     engine.close()
+
+
+def test_a_held_chunk_keeps_its_aliases_through_eviction() -> None:
+    """Eviction skips held chunks; their aliases (tiny entries of their own) must survive with
+    them, or a prompt diverging inside a held chunk would lose the blocks it shares."""
+    per_chunk = LAYOUT.chunk_nbytes(CHUNK)
+    engine = make_engine(LAYOUT, arena_bytes=4 * per_chunk)
+    engine.register_kv_caches(random_caches(LAYOUT))
+    doc = list(range(2 * CHUNK))
+    engine.store(doc, slots_for(len(doc), seed=1))
+    diverging = doc[: CHUNK + 2 * BLOCK] + [9] * CHUNK
+    with engine.hold(doc) as hold:
+        assert hold.num_tokens == 2 * CHUNK
+        for i in range(6):  # more than the arena: everything not held is evicted
+            other = list(range(1000 * (i + 1), 1000 * (i + 1) + CHUNK))
+            engine.store(other, slots_for(CHUNK, seed=i + 5))
+        assert engine.lookup(diverging) == CHUNK + 2 * BLOCK
+    engine.close()
+    assert engine.storage.arena.used_bytes == 0  # type: ignore[attr-defined]

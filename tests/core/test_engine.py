@@ -293,7 +293,8 @@ def test_tail_is_keyed_block_by_block() -> None:
 def test_hold_keeps_the_prefix_through_eviction() -> None:
     layout = make_layout(PagedLayout.VLLM_CPU)
     per_chunk = layout.chunk_nbytes(CHUNK)
-    engine = make_engine(layout, arena_bytes=3 * per_chunk)
+    # three chunks, and room for the alias entries of the held ones (a few hundred bytes each)
+    engine = make_engine(layout, arena_bytes=3 * per_chunk + 8 * 256)
     caches = random_caches(layout)
     ref = [c.clone() for c in caches]
     engine.register_kv_caches(caches)

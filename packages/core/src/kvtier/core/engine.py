@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from kvtier.core.aliases import Alias, alias_objects
@@ -174,10 +175,17 @@ class CacheEngine:
             objs,
             prefix_digest(arr[: spans[-1].end if spans else 0], salt),
             sources=sources[: len(spans)],
+            pins=self._alias_pins(arr, spans, salt),
         )
         self.stats.add(lookups=1, lookup_hit_tokens=hold.num_tokens)
         self._tier_hits.count(spans, hold.sources)
         return hold
+
+    def _alias_pins(self, arr: np.ndarray, spans: list[ChunkSpan], salt: Scope) -> list[MemoryObj]:
+        """Host handles on the held full chunks' alias entries (which marks them recently used:
+        aliases age with their chunk)."""
+        keys = self.spans.alias_keys_of(arr, spans, salt)
+        return [o for o in self.storage.host_get(keys) if o is not None] if keys else []
 
     def chunk_sources(self, keys: Sequence[ChunkKey]) -> list[str]:
         """The tier name holding each of ``keys`` (``kvtier.core.sources.chunk_sources``)."""

@@ -77,10 +77,14 @@ class Hold:
         objs: list[MemoryObj],
         digest: bytes,
         sources: list[str] | None = None,
+        pins: list[MemoryObj] | None = None,
     ) -> None:
         self.spans = spans
         self.objs = objs
         self.digest = digest
+        # Other entries kept in host memory while held (the held chunks' alias entries: a chunk
+        # that survives eviction because it is held keeps its aliases too); never loaded.
+        self.pins: list[MemoryObj] = list(pins) if pins is not None else []
         # The tier each held chunk was found in (``CacheEngine.chunk_sources``), for metrics.
         self.sources: list[str] = list(sources) if sources is not None else []
         self._lock = threading.Lock()
@@ -99,7 +103,7 @@ class Hold:
             if self._released:
                 return
             self._released = True
-        for obj in self.objs:
+        for obj in self.objs + self.pins:
             obj.release()
 
     def __enter__(self) -> Hold:

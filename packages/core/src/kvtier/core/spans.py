@@ -93,6 +93,13 @@ class SpanPlanner:
             out.append((self.keys.alias_key(t, salt), Alias(t, target, j * bs)))
         return out
 
+    def alias_keys_of(
+        self, arr: np.ndarray, spans: Sequence[ChunkSpan], salt: Scope
+    ) -> list[ChunkKey]:
+        """The alias keys of the full chunks among ``spans`` (a hit, from token 0)."""
+        full = [s for s in spans if s.num_tokens == self.chunk_size]
+        return [k for i in range(len(full)) for k, _ in self.aliases(arr, i, salt, full)]
+
     # -- hits --------------------------------------------------------------------------------
     def hits(self, arr: np.ndarray, salt: Scope) -> list[ChunkSpan]:
         """The contiguous run of stored spans covering a prefix of ``arr``."""

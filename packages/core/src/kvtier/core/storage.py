@@ -83,6 +83,10 @@ class StorageManager(ABC):
     def get(self, key: ChunkKey) -> MemoryObj | None:
         return self.batched_get([key])[0]
 
+    def host_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
+        """Like ``batched_get``, from the host-memory tier only (no lower-tier reads)."""
+        return self.batched_get(keys)
+
     def get_non_blocking(self, key: ChunkKey) -> Future[MemoryObj | None]:
         fut: Future[MemoryObj | None] = Future()
         fut.set_result(self.get(key))

@@ -235,6 +235,11 @@ class TieredStorageManager(StorageManager):
         self.stats.add("misses", len(missing))
         return result
 
+    def host_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
+        """Objects the host tier holds for ``keys`` (no lower tier is asked)."""
+        self._check_open()
+        return self.host.batched_get(keys)
+
     def get_non_blocking(self, key: ChunkKey) -> Future[MemoryObj | None]:
         """A future of ``get(key)`` run on a reader thread (write-back included).
 
