@@ -12,6 +12,13 @@ Model: a random Llama large enough that a cold 3000-token prefill takes about 2 
 
 ``kvtier_no_hit_overhead`` = kvtier's cold TTFT / no_connector's cold TTFT - 1 (what kvtier adds
 to a request it cannot help: the lookup and the save). Writes ``e2e.json`` and ``e2e.png``.
+
+``--workload doc-question`` (issue 20): each document gets two questions; the first question is
+cold, the second (same document, another question: the prompts diverge inside a chunk) warm.
+Modes ``prefix_cache``, ``kvtier`` and ``kvtier_restart`` (a fresh kvtier engine after the
+``kvtier`` one stopped: the second questions hit its disk tier; their cold reference is the
+``kvtier`` engine's first questions). Writes ``e2e-docq.json`` and ``e2e-docq.png``, with each
+mode's warm/cold over ``prefix_cache``'s.
 """
 
 from __future__ import annotations
@@ -35,13 +42,15 @@ BENCH_MODEL = ModelSpec(
     hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=8, intermediate_size=2816
 )
 MODES = ("no_connector", "prefix_cache", "kvtier")
+DOCQ_MODES = ("prefix_cache", "kvtier", "kvtier_restart")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvtier bench e2e", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="directory for e2e.json and e2e.png (default benchmarks/results)")
-    p.add_argument("--docs", type=int, default=4)
-    p.add_argument("--doc-tokens", type=int, default=3000)
+    p.add_argument("--workload", choices=("repeat", "doc-question"), default="repeat")
+    p.add_argument("--docs", type=int, default=None, help="default 4 (doc-question: 3)")
+    p.add_argument("--doc-tokens", type=int, default=None, help="default 3000 (doc-question: 2000)")
     p.add_argument(
         "--gap-s",
         type=float,
@@ -49,13 +58,20 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="pause between a document's cold and warm request (default 0: the warm "
         "request comes at once, while kvtier may still be saving the cold one)",
     )
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
+    p.add_argument(
+        "--modes", default=None, help=f"comma-separated subset of {MODES} or {DOCQ_MODES}"
+    )
     p.add_argument(
         "--cache-dir",
         default=os.path.join(default_cache_dir(), "bench-e2e"),
         help="where the benchmark model is built (default ~/.cache/kvtier/bench-e2e)",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    docq = args.workload == "doc-question"
+    args.docs = args.docs if args.docs is not None else (3 if docq else 4)
+    args.doc_tokens = args.doc_tokens if args.doc_tokens is not None else (2000 if docq else 3000)
+    args.modes = args.modes or ",".join(DOCQ_MODES if docq else MODES)
+    return args
 
 
 def main(argv: list[str]) -> int:
@@ -63,10 +79,15 @@ def main(argv: list[str]) -> int:
     require_extras()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     modes = [m for m in args.modes.split(",") if m]
-    unknown = set(modes) - set(MODES)
+    known = DOCQ_MODES if args.workload == "doc-question" else MODES
+    unknown = set(modes) - set(known)
     if unknown:
-        print(f"kvtier bench e2e: unknown mode(s) {sorted(unknown)}; known: {MODES}")
+        print(f"kvtier bench e2e: unknown mode(s) {sorted(unknown)}; known: {known}")
         return 2
+    if args.workload == "doc-question":
+        from kvtier.vllm_integration.bench_docq import run_doc_question
+
+        return run_doc_question(args, modes, BENCH_MODEL)
     model_dir = build_model(Path(args.cache_dir).expanduser() / "model", BENCH_MODEL)
     disk = Path(tempfile.mkdtemp(prefix="kvtier-bench-disk-"))
     results: dict[str, Any] = {}
