@@ -146,6 +146,40 @@ def test_a_request_finishing_into_a_short_free_queue_is_taken_at_once() -> None:
         h.close()
 
 
+def test_worker_reports_of_copies_done_aggregate_over_ranks() -> None:
+    """vLLM aggregates every worker's report into one: each rank's finished copies survive,
+    with or without the ranks' index reports, and a lazy save counts as copied only once every
+    rank reported it."""
+    from kvtier.vllm_integration.lazy import LazyWorkerMeta
+    from kvtier.vllm_integration.presence import KVTierWorkerMeta, RankReport
+
+    report = RankReport(1, ("m", "fp", 2, 1), True, 10, added=["d"])
+    merged = LazyWorkerMeta({}, {0: ["a", "b"]}).aggregate(LazyWorkerMeta({1: report}, {1: ["a"]}))
+    assert isinstance(merged, LazyWorkerMeta)
+    assert merged.saved == {0: ["a", "b"], 1: ["a"]}
+    assert merged.reports[1].added == ["d"]
+    plain = LazyWorkerMeta({}, {0: ["a"]}).aggregate(KVTierWorkerMeta({1: report}))
+    assert isinstance(plain, LazyWorkerMeta) and plain.saved == {0: ["a"]}
+
+    h = Harness.create(
+        world_size=2, pool_blocks=12, max_num_batched_tokens=TARGET_TOKENS, offload="lazy"
+    )
+    try:
+        a = request(PROMPT, block_hasher=block_hasher())
+        blocks = h.run(a)
+        h.finish(a, blocks)  # a short free queue: its save starts now
+        meta = h.step(copy=False)
+        (spec,) = meta.lazy_saves
+        h.copied = {0: [spec.req_id]}  # rank 0 is done, rank 1 still copying
+        h.report()
+        assert h.sched.has_pending_block_frees() and blocks[0].ref_cnt == 1
+        h.copied = {1: [spec.req_id]}
+        h.report()
+        assert not h.sched.has_pending_block_frees() and blocks[0].ref_cnt == 0
+    finally:
+        h.close()
+
+
 def test_eager_mode_saves_while_the_request_runs() -> None:
     """The control: eager offload copies the prompt in its first step, evicted or not."""
     h = Harness.create(pool_blocks=40, max_num_batched_tokens=TARGET_TOKENS)
@@ -199,3 +233,19 @@ def test_a_cached_prompt_moves_no_bytes_and_an_evicted_one_is_served(
 def test_lazy_offload_without_prefix_caching_fails_at_start(run_engine) -> None:
     with pytest.raises(AssertionError, match="offload"):
         run_engine({"kvtier": {"offload": "lazy"}, "prefix_caching": False, "steps": []})
+
+
+# -- what a save tells the index before it lands (eager and lazy saves alike) -------------------
+
+
+def test_a_save_in_flight_makes_a_prompt_diverging_inside_its_chunk_probed() -> None:
+    """The scheduler counts what a save it asked for will store, aliases included: a prompt
+    that shares only the first block of the first chunk is probed (and its probe waits for the
+    save) instead of answered 0 before the workers report the chunk."""
+    h = Harness.create()
+    try:
+        h.prefill(request(PROMPT))  # the save is asked for; nothing stored or reported yet
+        diverging = PROMPT[: BLOCK + 5] + [7] * (2 * CHUNK)
+        assert h.sched.get_num_new_matched_tokens(request(diverging), 0) == (None, False)
+    finally:
+        h.close()

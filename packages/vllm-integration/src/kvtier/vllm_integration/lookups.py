@@ -37,6 +37,18 @@ def hold_ttl_s(config: KVTierConfig) -> float:
     return max(HOLD_TTL_MIN_S, 10.0 * config.lookup_timeout_s)
 
 
+def warn_load_failure_policy(policy: str, config: KVTierConfig) -> None:
+    """Say what vLLM's ``kv_load_failure_policy`` other than "recompute" risks."""
+    if policy != "recompute":
+        logger.warning(
+            "kvtier: kv_load_failure_policy=%r: a load whose lookup hold expired (no load "
+            "within %.0f s of the lookup) and whose chunks were evicted meanwhile fails the "
+            "request; set kv_load_failure_policy='recompute' to recompute it instead",
+            policy,
+            hold_ttl_s(config),
+        )
+
+
 @dataclass
 class RequestState:
     """What the scheduler side tracks for one live request."""

@@ -34,7 +34,12 @@ from kvtier.core.config import KVTierConfig
 from kvtier.vllm_integration.events import EventLog
 from kvtier.vllm_integration.identity import adapter_identity, cacheable, identity_tokens
 from kvtier.vllm_integration.lazy import LazyOffload, LazyWorkerMeta, target_blocks
-from kvtier.vllm_integration.lookups import Lookups, RequestState, hit_sources, hold_ttl_s
+from kvtier.vllm_integration.lookups import (
+    Lookups,
+    RequestState,
+    hit_sources,
+    warn_load_failure_policy,
+)
 from kvtier.vllm_integration.metadata import KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.vllm_integration.presence import KVTierWorkerMeta, PresenceIndex, RankReport
 from kvtier.vllm_integration.probes import PromptHashes, Sightings
@@ -49,8 +54,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("kvtier")
-
-__all__ = ["SchedulerSide", "hold_ttl_s"]
 
 
 class SchedulerSide:
@@ -92,14 +95,7 @@ class SchedulerSide:
         # (rank 0's hold: ``[[start, end, tier], ...]``), for ``hit_sources``.
         self._hit_spans: dict[str, tuple[int, list[list[Any]]]] = {}
         self.metrics = StatsTracker()
-        if load_failure_policy != "recompute":
-            logger.warning(
-                "kvtier: kv_load_failure_policy=%r: a load whose lookup hold expired (no load "
-                "within %.0f s of the lookup) and whose chunks were evicted meanwhile fails the "
-                "request; set kv_load_failure_policy='recompute' to recompute it instead",
-                load_failure_policy,
-                hold_ttl_s(config),
-            )
+        warn_load_failure_policy(load_failure_policy, config)
 
     @property
     def stats(self) -> dict[str, int]:
@@ -195,9 +191,12 @@ class SchedulerSide:
         state.saved_upto = max(state.saved_upto, end // self.chunk_size * self.chunk_size)
 
     def _expect(self, state: RequestState, skip: int, end: int) -> None:
-        """Tell the index (and the KV event log) what a save just asked for will store."""
-        spans = self._hashes(state).saved_spans(skip, end)
-        self.index.expect([h for h, _, _ in spans], state.scope)
+        """Tell the index (and the KV event log) what a save just asked for will store: its
+        chunks and tail blocks, and the aliases of its full chunks (a prompt diverging inside
+        one of them hits its first blocks)."""
+        hashes = self._hashes(state)
+        spans = hashes.saved_spans(skip, end)
+        self.index.expect([h for h, _, _ in spans] + hashes.saved_aliases(skip, end), state.scope)
         self.events.expect(state.request, spans, state.scope)
 
     def _save_spec(

@@ -11,7 +11,7 @@ prompt up in every tier and keeps what it finds as a *hold* (``holds.py``), read
 hits into host memory now; the answer goes back with a later step's output. The load that
 follows reads exactly the held chunks, so a chunk evicted between probe and load is still
 loaded; the hold is released right after. The one way a load can still come up short is a hold
-that expired before its load (``scheduler.hold_ttl_s``); such a load reads the tiers again and
+that expired before its load (``lookups.hold_ttl_s``); such a load reads the tiers again and
 may miss chunks evicted meanwhile. A short load is reported through
 ``get_block_ids_with_load_errors``: with ``kv_load_failure_policy="recompute"`` vLLM recomputes
 those blocks, with "fail" the request fails. Synchronous loads run in ``start_load_kv`` before
