@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         shapes = [Shape(s.name, s.layout, s.tokens, max(1, s.batch // 2)) for s in shapes]
     b = Bench(repeat)
+    load_start = os.getloadavg()[0]  # a shared machine's load moves every figure: record it
     server = cluster = None
     redis_note = None
     if "redis" in args.tiers:
@@ -182,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "redis_server": redis_note,
             "torch_threads": torch.get_num_threads(),
+            "load_average_1m": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
         },
         "params": {
             "repeat": repeat,
@@ -217,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         b.rows = kept + b.rows
         doc["results"] = b.rows
         doc["merged_tiers"] = sorted({r["tier"] for r in kept})
+        if "redis" not in args.tiers:  # the kept redis rows' server
+            doc["machine"]["redis_server"] = old.get("machine", {}).get("redis_server")
     (args.out / "storage.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {args.out / 'storage.json'}")
     if b.rows:
