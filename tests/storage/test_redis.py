@@ -370,3 +370,20 @@ def test_close_during_a_hung_read_is_bounded_and_leaks_nothing(make_manager, red
     assert futs[0].cancelled() or futs[0].result(10) == 0
     assert futs[1].cancelled() or futs[1].result(10) is None
     assert m.arena.used_bytes == 0
+
+
+def test_a_parsed_url_never_shows_its_password():
+    from kvtier.core.errors import ConfigError
+    from kvtier.storage.backends.redis_url import parse_url
+
+    for url, password in (
+        ("redis://kv:s3cret@127.0.0.1:6379/0", None),
+        ("rediss://127.0.0.1:6380/1?ssl_cert_reqs=none", "s3cret"),
+        ("unix:///tmp/r.sock?db=2", "s3cret"),
+    ):
+        ep = parse_url(url, None, password)
+        assert ep.password == "s3cret"
+        assert "s3cret" not in repr(ep)
+    with pytest.raises(ConfigError) as bad:
+        parse_url("redis://kv:s3cret@127.0.0.1:99999/0", None, None)
+    assert "s3cret" not in str(bad.value)

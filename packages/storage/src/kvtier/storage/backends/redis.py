@@ -77,8 +77,8 @@ from kvtier.storage.backends.redis_resp import (
     Deadline,
     RespError,
     command,
-    parse_url,
 )
+from kvtier.storage.backends.redis_url import parse_url
 from kvtier.storage.sealing import TAG_BYTES
 
 if TYPE_CHECKING:
