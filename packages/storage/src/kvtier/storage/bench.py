@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             if s is not None:
                 s.close()
     args.out.mkdir(parents=True, exist_ok=True)
-    doc = {
+    doc: dict[str, Any] = {
         "benchmark": "storage",
         "machine": {
             "system": platform.platform(),
