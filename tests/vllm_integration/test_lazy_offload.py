@@ -180,6 +180,30 @@ def test_worker_reports_of_copies_done_aggregate_over_ranks() -> None:
         h.close()
 
 
+def test_remembered_saves_are_bounded_by_the_size_of_vllms_cache() -> None:
+    """Saves of more blocks than twice vLLM's cache are of blocks it has reused since: the
+    oldest are forgotten, so finished prompts never pile up."""
+    h = lazy_harness(pool_blocks=40)
+    try:
+        hasher = block_hasher()
+        a = request(PROMPT, block_hasher=hasher)
+        blocks = h.run(a)
+        h.finish(a, blocks)
+        assert h.pool is not None
+        for _ in range(11):  # the same prompt again: vLLM's prefix cache gives it the blocks
+            r = request(PROMPT, block_hasher=hasher)
+            h.pool.touch(blocks)
+            h.deliver(h.prefill(r, [b.block_id for b in blocks]))
+            h.finish(r, blocks)
+        lazy = h.sched.lazy
+        assert lazy is not None
+        # 8 blocks watched per prompt, at most 80 blocks: 10 prompts remembered, 2 forgotten.
+        assert (lazy.remembered, lazy.stats["lazy_forgotten"]) == (10, 2)
+        assert stored_tokens(h) == 0
+    finally:
+        h.close()
+
+
 def test_eager_mode_saves_while_the_request_runs() -> None:
     """The control: eager offload copies the prompt in its first step, evicted or not."""
     h = Harness.create(pool_blocks=40, max_num_batched_tokens=TARGET_TOKENS)

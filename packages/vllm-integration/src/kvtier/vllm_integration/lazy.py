@@ -48,6 +48,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvtier")
 
 CAPACITY = 8192  # finished requests remembered at most (the oldest are forgotten)
+# Blocks remembered at most, as a multiple of vLLM's cache: saves of more blocks than the cache
+# holds are of blocks vLLM has reused since, so the oldest are forgotten (bounds the memory the
+# remembered prompts take).
+CACHE_MULTIPLE = 2
 
 
 def target_blocks(max_num_batched_tokens: int, block_size: int) -> int:
@@ -100,10 +104,21 @@ class LazyOffload:
         self._next = 0
         self._inflight: dict[str, _InFlight] = {}  # lazy save id -> its touched blocks
         self._started: list[tuple[SaveSpec, Any]] = []  # touched, not yet sent to the workers
-        self.stats = {"lazy_saves": 0, "lazy_reused_blocks": 0, "lazy_dropped": 0}
+        self._blocks = 0  # blocks watched by remembered saves
+        self.stats = {
+            "lazy_saves": 0,
+            "lazy_reused_blocks": 0,
+            "lazy_dropped": 0,
+            "lazy_forgotten": 0,
+        }
 
     def bind(self, pool: BlockPool) -> None:
         self.pool = pool
+
+    @property
+    def remembered(self) -> int:
+        """Finished requests whose saves wait for their blocks to near eviction."""
+        return len(self._cands)
 
     @property
     def pending(self) -> bool:
@@ -131,8 +146,11 @@ class LazyOffload:
         self._cands[cid] = _Candidate(spec, hashes, step, owner)
         for b in spec.block_ids[spec.skip // bs :]:
             self._by_block.setdefault(b, set()).add(cid)
-        while len(self._cands) > CAPACITY:
+        self._blocks += len(spec.block_ids) - spec.skip // bs
+        limit = CACHE_MULTIPLE * pool.num_gpu_blocks
+        while len(self._cands) > CAPACITY or (self._blocks > limit and len(self._cands) > 1):
             self._forget(next(iter(self._cands)))
+            self.stats["lazy_forgotten"] += 1
         if pool.get_num_free_blocks() < self.target:
             # vLLM frees these blocks after this call, into a free queue shorter than the
             # window: the next step could allocate them before its walk. Take them now.
@@ -148,6 +166,7 @@ class LazyOffload:
 
     def _forget(self, cid: int) -> _Candidate:
         cand = self._cands.pop(cid)
+        self._blocks -= len(cand.spec.block_ids) - cand.spec.skip // self.block_size
         for b in cand.spec.block_ids[cand.spec.skip // self.block_size :]:
             users = self._by_block.get(b)
             if users is not None:
@@ -222,3 +241,4 @@ class LazyOffload:
         already started still run; their chunks carry the old generation's keys."""
         self._cands.clear()
         self._by_block.clear()
+        self._blocks = 0

@@ -15,18 +15,19 @@ that expired before its load (``lookups.hold_ttl_s``); such a load reads the tie
 may miss chunks evicted meanwhile. A short load is reported through
 ``get_block_ids_with_load_errors``: with ``kv_load_failure_policy="recompute"`` vLLM recomputes
 those blocks, with "fail" the request fails. Synchronous loads run in ``start_load_kv`` before
-the forward pass, or layer by layer in ``wait_for_layer_load`` with ``use_layerwise``.
-
-Loads marked ``load_async`` go to the loader thread (``loader.py``) with a device marker of
-the forward pass and are reported through ``get_finished`` (their failed blocks through
-``get_block_ids_with_load_errors`` in the same step's output).
+the forward pass, or layer by layer in ``wait_for_layer_load`` with ``use_layerwise``; loads
+marked ``load_async`` go to the loader thread and are reported through ``get_finished`` (their
+failed blocks through ``get_block_ids_with_load_errors`` in the same step's output). The loads
+themselves: ``worker_loads.py``.
 
 Saves are asynchronous (``saver.py``): ``wait_for_save`` hands the step's saves to the saver
 thread with a device marker of the forward pass. The scheduler side keeps the blocks of every
 request that had a save until the worker reports, through ``get_finished``, that the request's
 saves are done. Before vLLM reuses the blocks of a preempted request (``handle_preemptions``)
 the saver is drained. With ``use_layerwise`` each layer is captured in ``save_kv_layer`` right
-after attention wrote it, so the saves are complete when the step ends.
+after attention wrote it, so the saves are complete when the step ends. Lazy saves
+(``lazy.py``: blocks of finished requests the scheduler touched) go to the same saver; each
+one's copy is reported done in the next ``LazyWorkerMeta``.
 
 A step whose metadata carries a new weights generation (``reset_cache`` on the scheduler)
 first drops the host-memory tier: its chunks were computed with the old weights.
@@ -45,7 +46,6 @@ import torch
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.engine import CacheEngine
-from kvtier.core.handles import Hold, RetrieveJob
 from kvtier.core.metrics import engine_values
 from kvtier.core.platform import Marker, get_platform
 from kvtier.vllm_integration.channel import LookupServer, socket_path
@@ -53,13 +53,13 @@ from kvtier.vllm_integration.holds import HoldTable
 from kvtier.vllm_integration.identity import engine_rank, model_identity
 from kvtier.vllm_integration.layout import build_layout, layer_index, ordered_caches
 from kvtier.vllm_integration.lazy import LazyWorkerMeta
-from kvtier.vllm_integration.loader import Loader
 from kvtier.vllm_integration.lookups import hold_ttl_s
-from kvtier.vllm_integration.metadata import KVTierMetadata, LoadSpec, SaveSpec, slot_mapping
+from kvtier.vllm_integration.metadata import KVTierMetadata, SaveSpec, slot_mapping
 from kvtier.vllm_integration.presence import KVTierWorkerMeta, PresenceFeed
 from kvtier.vllm_integration.probes import Prober, ProbeSpec
 from kvtier.vllm_integration.saver import Saver
 from kvtier.vllm_integration.stats import KVTierStats, StatsTracker
+from kvtier.vllm_integration.worker_loads import WorkerLoads
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -83,12 +83,10 @@ class WorkerSide:
         self.engine: CacheEngine | None = None
         self._server: LookupServer | None = None
         self._layer_of: dict[str, int] = {}
-        self._load_jobs: list[RetrieveJob] = []
         self._store_gens: list[Iterator[int]] = []
-        self._failed_blocks: set[int] = set()
         self._holds: HoldTable | None = None
         self._saver: Saver | None = None
-        self._loader: Loader | None = None
+        self._loads: WorkerLoads | None = None
         self._feed: PresenceFeed | None = None
         self._prober: Prober | None = None
         self._saving_reqs: set[str] = set()  # requests that had a save (their blocks are held)
@@ -168,7 +166,15 @@ class WorkerSide:
         self._holds = HoldTable(self.engine, hold_ttl_s(self.config))
         self._server = LookupServer(socket_path(self._engine_id, worker), self._serve)
         self._saver = Saver(self._store, self._saved)
-        self._loader = Loader(self._load, self._spec_blocks)
+        self._loads = WorkerLoads(
+            self.config,
+            self.engine,
+            self._holds,
+            block_size=self.block_size,
+            layer_of=self._layer_of,
+            count=self._count,
+            metrics=self.metrics,
+        )
         kv_events = vc.kv_events_config
         self._feed = PresenceFeed(
             worker, self.engine, tier_events=bool(kv_events and kv_events.enable_kv_cache_events)
@@ -214,7 +220,7 @@ class WorkerSide:
     @property
     def loads_in_flight(self) -> int:
         """Asynchronous loads submitted to the loader thread and not finished yet."""
-        return self._loader.in_flight if self._loader is not None else 0
+        return self._loads.in_flight if self._loads is not None else 0
 
     def build_connector_worker_meta(self) -> KVTierWorkerMeta | None:
         """This step's report; with lazy offload always a ``LazyWorkerMeta`` (so every rank's
@@ -242,52 +248,9 @@ class WorkerSide:
             dropped,
         )
 
-    # -- loads ---------------------------------------------------------------------------------
-    def _spec_blocks(self, spec: LoadSpec) -> set[int]:
-        """The blocks a load was to fill."""
-        first, last = spec.start // self.block_size, -(-spec.end // self.block_size)
-        return set(spec.block_ids[first:last])
-
-    def _check_loaded(self, spec: LoadSpec, mask: torch.Tensor) -> set[int]:
-        """Count a load; return the blocks it left unfilled (reported to vLLM)."""
-        want = mask[spec.start : spec.end]
-        loaded = int(want.sum())
-        self._count(
-            load_requests=1, load_tokens_requested=spec.end - spec.start, loaded_tokens=loaded
-        )
-        if loaded == spec.end - spec.start:
-            return set()
-        missing = (~want).nonzero().squeeze(1) + spec.start
-        blocks = {spec.block_ids[int(i) // self.block_size] for i in missing}
-        logger.warning(
-            "kvtier: request %s: %d of %d tokens could not be loaded; %d block(s) "
-            "reported failed to vLLM (its kv_load_failure_policy recomputes them or "
-            "fails the request)",
-            spec.req_id,
-            spec.end - spec.start - loaded,
-            spec.end - spec.start,
-            len(blocks),
-        )
-        self._count(load_failed_blocks=len(blocks))
-        return blocks
-
-    def _load_slots(self, spec: LoadSpec) -> torch.Tensor:
-        return torch.from_numpy(
-            slot_mapping(spec.block_ids, self.block_size, len(spec.tokens), spec.start, spec.end)
-        )
-
-    def _load(self, spec: LoadSpec, hold: Hold | None, ready: Marker) -> set[int]:
-        """One whole load on the loader thread (the caller releases the hold)."""
-        assert self.engine is not None
-        t0 = time.perf_counter()
-        mask = self.engine.retrieve(
-            spec.tokens, self._load_slots(spec), salt=spec.scope, hold=hold, ready=ready
-        )
-        self.metrics.observe("load_seconds", time.perf_counter() - t0)
-        return self._check_loaded(spec, mask)
-
+    # -- loads (worker_loads.py) ----------------------------------------------------------------
     def start_load_kv(self, meta: KVTierMetadata) -> None:
-        if self.engine is None or self._holds is None or self._loader is None:
+        if self._holds is None or self._loads is None:
             return
         self._new_generation(meta)
         for rid, hold_id in meta.releases:
@@ -296,51 +259,14 @@ class WorkerSide:
         if self._prober is not None:
             for probe in meta.probes:
                 self._prober.submit(probe)
-        marker = self.engine.platform.record_marker() if meta.loads else None
-        for spec in meta.loads:
-            slots = self._load_slots(spec)
-            hold = self._holds.take(spec.req_id, spec.hold_id)
-            if hold is None:
-                # Expired before its load: read the tiers (may come up short, see above).
-                self._count(loads_without_hold=1)
-            if spec.load_async:
-                self._loader.submit(spec, hold, marker)
-                continue
-            try:
-                # The retrieval takes its own references to the held objects: the hold can go
-                # as soon as it is planned, also for a layer-wise load still to run.
-                if self.config.use_layerwise:
-                    job = self.engine.retrieve_layerwise(
-                        spec.tokens, slots, salt=spec.scope, hold=hold
-                    )
-                    self._failed_blocks |= self._check_loaded(spec, job.mask)
-                    self._load_jobs.append(job)
-                else:
-                    t0 = time.perf_counter()
-                    mask = self.engine.retrieve(spec.tokens, slots, salt=spec.scope, hold=hold)
-                    self.metrics.observe("load_seconds", time.perf_counter() - t0)
-                    self._failed_blocks |= self._check_loaded(spec, mask)
-            finally:
-                if hold is not None:
-                    hold.release()
+        self._loads.run(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if not self._load_jobs:
-            return
-        for job in self._load_jobs:
-            next(job.layers, None)
-        if self._layer_of.get(layer_name) == len(self._layer_of) - 1:
-            self._finish_loads()
-
-    def _finish_loads(self) -> None:
-        jobs, self._load_jobs = self._load_jobs, []
-        for job in jobs:
-            for _ in job.layers:
-                pass
+        if self._loads is not None:
+            self._loads.wait_for_layer(layer_name)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        failed, self._failed_blocks = self._failed_blocks, set()
-        return failed
+        return self._loads.take_failed() if self._loads is not None else set()
 
     # -- saves ---------------------------------------------------------------------------------
     def _save_slots(self, spec: SaveSpec) -> torch.Tensor:
@@ -372,7 +298,8 @@ class WorkerSide:
             next(gen, None)
 
     def wait_for_save(self, meta: KVTierMetadata | None) -> None:
-        self._finish_loads()
+        if self._loads is not None:
+            self._loads.finish()
         if meta is None or self.engine is None or self._saver is None:
             return
         if meta.lazy_saves:
@@ -413,9 +340,8 @@ class WorkerSide:
         if self._holds is not None and finished_req_ids:
             self._holds.release_requests(finished_req_ids)
         recving: set[str] = set()
-        if self._loader is not None:
-            recving, failed = self._loader.take_finished()
-            self._failed_blocks |= failed
+        if self._loads is not None:
+            recving = self._loads.take_finished()
         self._finishing |= finished_req_ids & self._saving_reqs
         if not self._finishing or self._saver is None:
             return None, (recving or None)
@@ -428,9 +354,9 @@ class WorkerSide:
         if self._prober is not None:
             self._prober.close()
             self._prober = None
-        if self._loader is not None:
-            self._loader.close(SAVE_DRAIN_TIMEOUT_S)
-            self._loader = None
+        if self._loads is not None:
+            self._loads.close(SAVE_DRAIN_TIMEOUT_S)
+            self._loads = None
         if self._saver is not None:
             self._saver.close(SAVE_DRAIN_TIMEOUT_S)
             self._saver = None

@@ -1,0 +1,161 @@
+"""The worker's loads: from the probe's hold into vLLM's paged cache, counted and checked.
+
+Synchronous loads run before the forward pass (``run``), or layer by layer with
+``use_layerwise`` (``wait_for_layer``); loads marked ``load_async`` go to the loader thread
+(``loader.py``) with a device marker of the forward pass and come back through
+``take_finished``. A load that fills fewer tokens than asked reports the blocks it left
+unfilled (``take_failed``, vLLM's ``get_block_ids_with_load_errors``): with
+``kv_load_failure_policy="recompute"`` vLLM recomputes them, with "fail" the request fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvtier.core.config import KVTierConfig
+from kvtier.core.engine import CacheEngine
+from kvtier.core.handles import Hold, RetrieveJob
+from kvtier.core.platform import Marker
+from kvtier.vllm_integration.holds import HoldTable
+from kvtier.vllm_integration.loader import Loader
+from kvtier.vllm_integration.metadata import LoadSpec, slot_mapping
+from kvtier.vllm_integration.stats import StatsTracker
+
+logger = logging.getLogger("kvtier")
+
+
+class WorkerLoads:
+    """One worker's loads (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: KVTierConfig,
+        engine: CacheEngine,
+        holds: HoldTable,
+        *,
+        block_size: int,
+        layer_of: dict[str, int],
+        count: Callable[..., None],
+        metrics: StatsTracker,
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.holds = holds
+        self.block_size = block_size
+        self._layer_of = layer_of
+        self._count = count
+        self._metrics = metrics
+        self._jobs: list[RetrieveJob] = []
+        self._failed: set[int] = set()
+        self._loader = Loader(self._load, self._spec_blocks)
+
+    @property
+    def in_flight(self) -> int:
+        """Asynchronous loads submitted to the loader thread and not finished yet."""
+        return self._loader.in_flight
+
+    def _spec_blocks(self, spec: LoadSpec) -> set[int]:
+        """The blocks a load was to fill."""
+        first, last = spec.start // self.block_size, -(-spec.end // self.block_size)
+        return set(spec.block_ids[first:last])
+
+    def _check_loaded(self, spec: LoadSpec, mask: torch.Tensor) -> set[int]:
+        """Count a load; return the blocks it left unfilled (reported to vLLM)."""
+        want = mask[spec.start : spec.end]
+        loaded = int(want.sum())
+        self._count(
+            load_requests=1, load_tokens_requested=spec.end - spec.start, loaded_tokens=loaded
+        )
+        if loaded == spec.end - spec.start:
+            return set()
+        missing = (~want).nonzero().squeeze(1) + spec.start
+        blocks = {spec.block_ids[int(i) // self.block_size] for i in missing}
+        logger.warning(
+            "kvtier: request %s: %d of %d tokens could not be loaded; %d block(s) "
+            "reported failed to vLLM (its kv_load_failure_policy recomputes them or "
+            "fails the request)",
+            spec.req_id,
+            spec.end - spec.start - loaded,
+            spec.end - spec.start,
+            len(blocks),
+        )
+        self._count(load_failed_blocks=len(blocks))
+        return blocks
+
+    def _slots(self, spec: LoadSpec) -> torch.Tensor:
+        return torch.from_numpy(
+            slot_mapping(spec.block_ids, self.block_size, len(spec.tokens), spec.start, spec.end)
+        )
+
+    def _load(self, spec: LoadSpec, hold: Hold | None, ready: Marker) -> set[int]:
+        """One whole load on the loader thread (the caller releases the hold)."""
+        t0 = time.perf_counter()
+        mask = self.engine.retrieve(
+            spec.tokens, self._slots(spec), salt=spec.scope, hold=hold, ready=ready
+        )
+        self._metrics.observe("load_seconds", time.perf_counter() - t0)
+        return self._check_loaded(spec, mask)
+
+    def run(self, loads: list[LoadSpec]) -> None:
+        """This step's loads (``start_load_kv``), each from its probe's hold."""
+        marker = self.engine.platform.record_marker() if loads else None
+        for spec in loads:
+            slots = self._slots(spec)
+            hold = self.holds.take(spec.req_id, spec.hold_id)
+            if hold is None:
+                # Expired before its load: read the tiers (may come up short).
+                self._count(loads_without_hold=1)
+            if spec.load_async:
+                self._loader.submit(spec, hold, marker)
+                continue
+            try:
+                # The retrieval takes its own references to the held objects: the hold can go
+                # as soon as it is planned, also for a layer-wise load still to run.
+                if self.config.use_layerwise:
+                    job = self.engine.retrieve_layerwise(
+                        spec.tokens, slots, salt=spec.scope, hold=hold
+                    )
+                    self._failed |= self._check_loaded(spec, job.mask)
+                    self._jobs.append(job)
+                else:
+                    t0 = time.perf_counter()
+                    mask = self.engine.retrieve(spec.tokens, slots, salt=spec.scope, hold=hold)
+                    self._metrics.observe("load_seconds", time.perf_counter() - t0)
+                    self._failed |= self._check_loaded(spec, mask)
+            finally:
+                if hold is not None:
+                    hold.release()
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Layer-wise loads: this layer's KV is in place (all of it after the last layer)."""
+        if not self._jobs:
+            return
+        for job in self._jobs:
+            next(job.layers, None)
+        if self._layer_of.get(layer_name) == len(self._layer_of) - 1:
+            self.finish()
+
+    def finish(self) -> None:
+        """Run every layer-wise load to its end."""
+        jobs, self._jobs = self._jobs, []
+        for job in jobs:
+            for _ in job.layers:
+                pass
+
+    def take_failed(self) -> set[int]:
+        """Blocks loads left unfilled since the last call."""
+        failed, self._failed = self._failed, set()
+        return failed
+
+    def take_finished(self) -> set[str]:
+        """Requests whose asynchronous loads finished (their failed blocks join ``take_failed``)."""
+        done, failed = self._loader.take_finished()
+        self._failed |= failed
+        return done
+
+    def close(self, timeout_s: float) -> None:
+        self._loader.close(timeout_s)
