@@ -72,10 +72,17 @@ def scan_chunks(directory: Path) -> tuple[list[tuple[float, str, int]], list[tup
 
 
 def write_chunk_file(
-    directory: Path, name: str, header: bytes, payload: memoryview, direct: DirectIO | None
+    directory: Path,
+    name: str,
+    header: bytes,
+    payload: memoryview,
+    direct: DirectIO | None,
+    *,
+    durable: bool = True,
 ) -> os.stat_result:
     """Write the chunk file ``name`` atomically (with O_DIRECT through ``direct``); the new
-    file's ``fstat``. Raises ``OSError`` (the temporary file removed)."""
+    file's ``fstat``. Raises ``OSError`` (the temporary file removed). ``durable=False`` skips
+    the fsync: for alias entries, which a crash can only turn into a checksummed miss."""
     fd, tmp = create_temp(directory, name, os.O_DIRECT if direct is not None else 0)
     try:
         try:
@@ -89,7 +96,8 @@ def write_chunk_file(
                 finally:
                     cs.wait()  # the helpers must be done with the buffer
                 write_all(fd, [codec.TRAILER.pack(cs.value())])
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
             st = os.fstat(fd)
         finally:
             os.close(fd)

@@ -41,6 +41,7 @@ file system without O_DIRECT support is a config error at start.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import stat
@@ -291,13 +292,23 @@ class LocalDiskBackend(StorageBackend):
             )
             return False
         st: os.stat_result | None = None
+        # An alias is not fsync'ed: after a crash it is at worst a checksummed miss.
+        write = functools.partial(
+            write_chunk_file,
+            self.dir,
+            name,
+            header,
+            payload,
+            self._direct,
+            durable=not key.is_alias,
+        )
         try:
             try:
-                st = write_chunk_file(self.dir, name, header, payload, self._direct)
+                st = write()
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._make_room(size):
                     raise
-                st = write_chunk_file(self.dir, name, header, payload, self._direct)
+                st = write()
         except OSError as e:
             self.ctx.stats.add(f"{self.name}.store_skipped")
             full = e.errno in (errno.ENOSPC, errno.EDQUOT)
