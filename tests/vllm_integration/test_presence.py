@@ -247,12 +247,13 @@ def test_kv_events_for_the_disk_tier_follow_its_writes(tmp_path) -> None:
         harness.report()
         events = harness.sched.events.take()
         by_medium = {m: [e.block_hashes for e in events if e.medium == m] for m in ("CPU", "DISK")}
-        assert len(by_medium["CPU"]) == 4 and by_medium["DISK"] == by_medium["CPU"]
+        # the disk writer's threads finish chunks in any order: compare the sets
+        assert len(by_medium["CPU"]) == 4 and sorted(by_medium["DISK"]) == sorted(by_medium["CPU"])
         keys = [s.key for s in harness.ranks[0].engine.store_spans(DOC)]
         harness.ranks[0].engine.storage.lower[0].remove(keys[:1])
         harness.report()
         (removed,) = harness.sched.events.take()
-        assert (removed.medium, removed.block_hashes) == ("DISK", by_medium["DISK"][0])
+        assert (removed.medium, removed.block_hashes) == ("DISK", by_medium["CPU"][0])
     finally:
         harness.close()
 

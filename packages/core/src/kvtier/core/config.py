@@ -435,7 +435,8 @@ def reference_table() -> str:
         else:
             default = f.default_factory()  # type: ignore[misc,operator]
         type_name = str(hints[f.name]).replace("typing.", "")
-        if isinstance(hints[f.name], type):
+        # on 3.10 a generic alias such as list[str] is also a ``type``
+        if isinstance(hints[f.name], type) and get_origin(hints[f.name]) is None:
             type_name = hints[f.name].__name__
         type_name = type_name.replace(" | ", " or ")
         rows.append(
