@@ -93,7 +93,9 @@ def test_the_cache_engine_runs_on_the_cuda_platform(device, staging, layerwise):
     layout = make_layout(PagedLayout.FLASH_NHD, torch.float16)
     caches = make_caches(layout, device, seed=3)
     platform = CUDAPlatform()
-    arena = platform.create_arena(64 << 20) if device.type == "cuda" else HostArena.create(64 << 20)
+    # two 8B-shaped chunks fill 64 MiB; 1 MiB more holds their alias entries (kvtier.core.aliases)
+    size = (64 << 20) + (1 << 20)
+    arena = platform.create_arena(size) if device.type == "cuda" else HostArena.create(size)
     config = load_config(
         env={},
         overrides={
