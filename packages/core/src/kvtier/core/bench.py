@@ -19,7 +19,7 @@ import numpy as np
 from kvtier.core.keys import prefix_hashes, token_bytes
 
 
-def _best_of(fn, repeat: int) -> float:  # type: ignore[no-untyped-def]
+def _best_of(fn, repeat: int) -> float:
     best = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()

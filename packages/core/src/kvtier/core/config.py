@@ -433,7 +433,7 @@ def reference_table() -> str:
         if f.default is not dataclasses.MISSING:
             default = f.default
         else:
-            default = f.default_factory()  # type: ignore[misc,operator]
+            default = f.default_factory()  # type: ignore[operator]
         type_name = str(hints[f.name]).replace("typing.", "")
         # on 3.10 a generic alias such as list[str] is also a ``type``
         if isinstance(hints[f.name], type) and get_origin(hints[f.name]) is None:

@@ -66,7 +66,7 @@ def _measure_paired(
     repeat: int,
     warmup: int,
     stream_calls: int,
-    in_flight: int,  # type: ignore[no-untyped-def]
+    in_flight: int,
 ) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float]]:
     """The rows the targets are read from, measured together: seconds per call of the limit
     (``limit_calls``) and of ``conn`` (``store``, ``retrieve``, ``both``: one call each),
@@ -105,7 +105,7 @@ def _nothing() -> None:
     pass
 
 
-def _measure_connector(case: Case, conn, repeat: int, warmup: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def _measure_connector(case: Case, conn, repeat: int, warmup: int) -> dict[str, float]:
     """Median seconds per call of ``store`` and ``retrieve``."""
     calls = whole_calls(case, conn)
     return {
@@ -114,7 +114,7 @@ def _measure_connector(case: Case, conn, repeat: int, warmup: int) -> dict[str, 
     }
 
 
-def _two_threads(case: Case, conn, repeat: int, warmup: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def _two_threads(case: Case, conn, repeat: int, warmup: int) -> dict[str, float]:
     """Median seconds of a store and a load called at once from two threads (``both``)."""
     calls = whole_calls(case, conn)
     pair = Pair(calls["store"], calls["load"])

@@ -114,7 +114,7 @@ def release_case(case: Case) -> None:
         o.release()
 
 
-def check(case: Case, conn, name: str) -> None:  # type: ignore[no-untyped-def]
+def check(case: Case, conn, name: str) -> None:
     """The connector's bytes equal the torch reference's (store and load), or raise."""
     ref = TorchPagedConnector([c.clone() for c in case.caches], case.layout)
     conn.store(case.store_transfers())
@@ -171,7 +171,7 @@ class Pair:
             t.join(timeout=30)
 
 
-def whole_calls(case: Case, conn) -> dict[str, Callable[[], None]]:  # type: ignore[no-untyped-def]
+def whole_calls(case: Case, conn) -> dict[str, Callable[[], None]]:
     """The case's whole calls on ``conn``, each returning with its copies done: ``store``,
     ``load`` and ``both`` (``store_and_load_async`` from one thread, both waited)."""
     stores, loads = case.store_transfers(), case.load_transfers()
@@ -183,7 +183,7 @@ def whole_calls(case: Case, conn) -> dict[str, Callable[[], None]]:  # type: ign
     return {"store": lambda: conn.store(stores), "load": lambda: conn.load(loads), "both": both}
 
 
-def async_calls(case: Case, conn) -> dict[str, Callable[[], list[Any]]]:  # type: ignore[no-untyped-def]
+def async_calls(case: Case, conn) -> dict[str, Callable[[], list[Any]]]:
     """The case's calls through the ``_async`` API, keyed like ``_measure_connector``'s rows:
     each issues one call and returns its pending transfers (``wait()`` each)."""
     stores, loads = case.store_transfers(), case.load_transfers()

@@ -89,8 +89,8 @@ class SlotMap:
             start, end, master = entry[0], entry[1], entry[2]
             host = master[0].decode() if isinstance(master[0], bytes) else str(master[0])
             # an empty host means "the address you asked" (a node that does not know its own IP)
-            addr = (host or asked, int(master[1]))  # type: ignore[call-overload]
-            for s in range(int(start), int(end) + 1):  # type: ignore[call-overload]
+            addr = (host or asked, int(master[1]))
+            for s in range(int(start), int(end) + 1):
                 owners[s] = addr
         return cls(owners)
 
