@@ -324,7 +324,8 @@ class LocalDiskBackend(StorageBackend):
                 self._index.record(name, st)
         if st is None:
             return False
-        self.ctx.stats.add(f"{self.name}.stored")
+        # alias entries are counted apart: ``stored`` (tier_stored_chunks) counts chunks
+        self.ctx.stats.add(f"{self.name}.stored_aliases" if key.is_alias else f"{self.name}.stored")
         return True
 
     def _make_room(self, size: int) -> bool:
