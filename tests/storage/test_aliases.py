@@ -209,7 +209,7 @@ def test_aliases_ride_in_their_chunks_queue_slot(tmp_path) -> None:
         assert stats.get("write_queue.dropped") == 0
         assert stats.get("put.aliases") == 3 * (CHUNK // BLOCK - 1)
         assert stats.get("local_disk.stored") == 3  # chunks (tier_stored_chunks)
-        assert stats.get("local_disk.stored_aliases") == 3 * (CHUNK // BLOCK - 1)
+        assert stats.get("local_disk.alias_stored") == 3 * (CHUNK // BLOCK - 1)
     finally:
         e.close()
 

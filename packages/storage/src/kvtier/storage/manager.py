@@ -210,22 +210,17 @@ class TieredStorageManager(StorageManager):
     def _write_back(self, tier: StorageBackend, items: list[tuple[ChunkKey, MemoryObj]]) -> None:
         if items:
             self.host.batched_put(items)
-            self._count_hits(tier.name, [key for key, _ in items])
+            self.stats.add_entries(tier.name, "hits", (key for key, _ in items))
             self.stats.add("writeback.chunks", len(items))
-
-    def _count_hits(self, tier_name: str, keys: Sequence[ChunkKey]) -> None:
-        """``<tier>.hits`` (hit_chunks) counts chunks; alias entries go to ``<tier>.alias_hits``."""
-        aliases = sum(key.is_alias for key in keys)
-        self.stats.add(f"{tier_name}.hits", len(keys) - aliases)
-        if aliases:
-            self.stats.add(f"{tier_name}.alias_hits", aliases)
 
     def batched_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
         self._check_open()
         result = self.host.batched_get(keys)
         missing = [i for i, obj in enumerate(result) if obj is None]
-        self._count_hits(
-            self.host.name, [k for k, obj in zip(keys, result, strict=True) if obj is not None]
+        self.stats.add_entries(
+            self.host.name,
+            "hits",
+            (k for k, obj in zip(keys, result, strict=True) if obj is not None),
         )
         for tier in self.lower:
             if not missing:

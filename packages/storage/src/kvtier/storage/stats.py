@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Iterable
+
+from kvtier.core.keys import ChunkKey
 
 
 class StorageStats:
@@ -20,6 +23,14 @@ class StorageStats:
         if n:
             with self._lock:
                 self._counts[name] += n
+
+    def add_entries(self, tier: str, event: str, keys: Iterable[ChunkKey]) -> None:
+        """Count ``keys`` under ``<tier>.<event>`` (chunks: the ``hit_chunks``/``tier_stored_chunks``
+        metrics read these) and their alias entries apart, under ``<tier>.alias_<event>``."""
+        keys = list(keys)
+        aliases = sum(key.is_alias for key in keys)
+        self.add(f"{tier}.{event}", len(keys) - aliases)
+        self.add(f"{tier}.alias_{event}", aliases)
 
     def get(self, name: str) -> int:
         with self._lock:

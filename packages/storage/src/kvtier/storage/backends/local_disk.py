@@ -324,8 +324,7 @@ class LocalDiskBackend(StorageBackend):
                 self._index.record(name, st)
         if st is None:
             return False
-        # alias entries are counted apart: ``stored`` (tier_stored_chunks) counts chunks
-        self.ctx.stats.add(f"{self.name}.stored_aliases" if key.is_alias else f"{self.name}.stored")
+        self.ctx.stats.add_entries(self.name, "stored", [key])
         return True
 
     def _make_room(self, size: int) -> bool:

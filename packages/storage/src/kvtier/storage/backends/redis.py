@@ -241,12 +241,9 @@ class RedisBackend(StorageBackend):
             )
             # a head may have landed after a refused segment: take such chunks back
             self.remove([items[i][0] for i, why in failed.items() if isinstance(why, RespError)])
-        # alias entries are counted apart: ``stored`` (tier_stored_chunks) counts chunks
-        landed = [key for i, (key, _) in enumerate(items) if i not in failed]
-        aliases = sum(key.is_alias for key in landed)
-        self.ctx.stats.add(f"{self.name}.stored", len(landed) - aliases)
-        if aliases:
-            self.ctx.stats.add(f"{self.name}.stored_aliases", aliases)
+        self.ctx.stats.add_entries(
+            self.name, "stored", (key for i, (key, _) in enumerate(items) if i not in failed)
+        )
 
     def _payloads(
         self, items: Sequence[tuple[ChunkKey, MemoryObj]]
