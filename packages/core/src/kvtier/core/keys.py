@@ -222,22 +222,18 @@ class KeyFactory:
     rank: int = 0
 
     def key(self, chunk_hash: bytes, salt: Scope = None) -> ChunkKey:
-        return ChunkKey(
-            model_id(self.model),
-            self.layout_fp,
-            self.world_size,
-            self.rank,
-            salt_id(salt),
-            chunk_hash.hex(),
-        )
+        return self._key(chunk_hash.hex(), salt)
 
     def alias_key(self, tail_hash: bytes, salt: Scope = None) -> ChunkKey:
         """The key of the alias entry for the tail hash ``tail_hash`` (see ``ALIAS_PREFIX``)."""
+        return self._key(ALIAS_PREFIX + tail_hash.hex(), salt)
+
+    def _key(self, hash_field: str, salt: Scope) -> ChunkKey:
         return ChunkKey(
             model_id(self.model),
             self.layout_fp,
             self.world_size,
             self.rank,
             salt_id(salt),
-            ALIAS_PREFIX + tail_hash.hex(),
+            hash_field,
         )
