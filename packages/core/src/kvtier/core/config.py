@@ -5,59 +5,48 @@ Every field is declared once below with its type, default and meaning; the READM
 reference is generated from the same table (``python -m kvtier.core.config``). Unknown keys and
 bad values raise ``ConfigError`` naming the field and the value (secrets masked: the Redis
 password, and the password inside a Redis URL, never appear in an error or in ``repr``).
+Each value is turned into its field's type by ``kvtier.core.config_coerce`` and the whole config
+is checked by ``kvtier.core.config_checks``.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
-import math
 import os
-import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, get_args, get_origin, get_type_hints
+from typing import Any, get_origin, get_type_hints
 
 import yaml
 
+from kvtier.core.config_checks import (
+    config_error,
+    mask_url,
+    parse_key,
+    read_key_file,
+    shown,
+    validated,
+)
+from kvtier.core.config_coerce import coerce
 from kvtier.core.errors import ConfigError
+
+__all__ = [
+    "ENV_CONFIG_FILE",
+    "ENV_PREFIX",
+    "KNOWN_TIERS_DOC",
+    "KVTierConfig",
+    "default_cache_dir",
+    "env_overrides",
+    "load_config",
+    "mask_url",
+    "reference_table",
+    "shown",
+]
 
 ENV_PREFIX = "KVTIER_"
 ENV_CONFIG_FILE = "KVTIER_CONFIG_FILE"
 KNOWN_TIERS_DOC = "local_cpu, local_disk, redis (or any name registered in kvtier.backends)"
-
-
-_MASK = "***"
-
-
-def mask_url(url: str) -> str:
-    """``url`` with the password of its user-info part replaced by ``***``."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-    except ValueError:
-        return _MASK
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:{_MASK}@{host}"))
-
-
-def shown(name: str, value: Any) -> Any:
-    """``value`` as an error or ``repr`` may show it: secrets masked."""
-    if value is None:
-        return None
-    if "password" in name or "secret" in name or name == "encryption_key":
-        return _MASK
-    if "url" in name and isinstance(value, str):
-        return mask_url(value)
-    return value
-
-
-def _error(name: str, value: Any, reason: str) -> ConfigError:
-    return ConfigError(name, shown(name, value), reason)
 
 
 def default_cache_dir() -> str:
@@ -163,7 +152,7 @@ class KVTierConfig:
     )
 
     def __post_init__(self) -> None:
-        _validated(self)  # however it is built (load_config, replace, the constructor)
+        validated(self)  # however it is built (load_config, replace, the constructor)
 
     def __repr__(self) -> str:
         body = ", ".join(f"{f.name}={shown(f.name, getattr(self, f.name))!r}" for f in fields(self))
@@ -172,11 +161,11 @@ class KVTierConfig:
     def encryption_key_bytes(self) -> bytes | None:
         """The 32-byte encryption key (from ``encryption_key`` or its file); None when off."""
         if self.encryption_key:
-            return _parse_key("encryption_key", self.encryption_key)
+            return parse_key("encryption_key", self.encryption_key)
         if self.encryption_key_file:
-            return _parse_key(
+            return parse_key(
                 "encryption_key_file",
-                _read_key_file(self.encryption_key_file),
+                read_key_file(self.encryption_key_file),
                 shown_as=self.encryption_key_file,
             )
         return None
@@ -185,188 +174,7 @@ class KVTierConfig:
         return Path(self.local_disk_path or os.path.join(default_cache_dir(), "disk")).expanduser()
 
     def replace(self, **changes: Any) -> KVTierConfig:
-        return _validated(dataclasses.replace(self, **changes))
-
-
-_POSITIVE_INT = ("chunk_size", "write_queue_size", "io_threads", "store_threshold")
-_POSITIVE_FLOAT = (
-    "local_cpu_size_gb",
-    "local_disk_size_gb",
-    "redis_connect_timeout_s",
-    "redis_timeout_s",
-    "lookup_timeout_s",
-)
-_OFFLOAD_MODES = ("eager", "lazy")
-_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
-def _check_redis_url(url: str) -> None:
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise _error("redis_url", url, "must start with redis://, rediss:// or unix://")
-    try:
-        parts = urllib.parse.urlsplit(url)
-        port = parts.port
-    except ValueError as e:
-        raise _error("redis_url", url, f"has a bad port: {e}") from None
-    if parts.scheme == "unix":
-        if not parts.path:
-            raise _error("redis_url", url, "a unix:// URL needs a socket path")
-        return
-    if port == 0:
-        raise _error("redis_url", url, "has a bad port: 0")
-    db = parts.path.lstrip("/")
-    if db and not db.isdigit():
-        raise _error("redis_url", url, f"database {db!r} is not a number (redis://host:port/DB)")
-
-
-def _read_key_file(path: str) -> str:
-    try:
-        with open(os.path.expanduser(path)) as f:
-            return f.readline().strip()
-    except OSError as e:
-        raise ConfigError("encryption_key_file", path, f"cannot be read: {e.strerror}") from None
-
-
-def _parse_key(name: str, text: str, shown_as: str | None = None) -> bytes:
-    """A 32-byte key from 64 hex digits or base64; ``ConfigError`` (never showing the text)."""
-    text = text.strip()
-    try:
-        key = bytes.fromhex(text) if len(text) == 64 else base64.b64decode(text, validate=True)
-    except (ValueError, binascii.Error):
-        key = b""
-    if len(key) != 32:
-        raise ConfigError(
-            name,
-            shown_as if shown_as is not None else _MASK,
-            "must be 32 bytes written as 64 hex digits or base64 (e.g. the output "
-            "of `openssl rand -hex 32`)",
-        )
-    return key
-
-
-def _check_backend_options(options: dict[str, Any]) -> None:
-    for tier, opts in options.items():
-        if not isinstance(tier, str):
-            raise _error("backend_options", options, f"backend name {tier!r} is not a string")
-        if not isinstance(opts, Mapping):
-            raise _error(f"backend_options.{tier}", opts, "must be a mapping of option: value")
-        for opt, value in opts.items():
-            if not isinstance(opt, str):
-                raise _error(
-                    f"backend_options.{tier}", dict(opts), f"option name {opt!r} is not a string"
-                )
-            if isinstance(value, float) and not math.isfinite(value):
-                raise _error(f"backend_options.{tier}.{opt}", value, "must be a finite number")
-
-
-def _validated(cfg: KVTierConfig) -> KVTierConfig:
-    hints = _hints()
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        if hints[f.name] is float and not (isinstance(value, int | float) and math.isfinite(value)):
-            raise _error(f.name, value, "must be a finite number")
-    for name in _POSITIVE_INT:
-        if getattr(cfg, name) <= 0:
-            raise _error(name, getattr(cfg, name), "must be a positive integer")
-    for name in _POSITIVE_FLOAT:
-        if getattr(cfg, name) <= 0:
-            raise _error(name, getattr(cfg, name), "must be positive")
-    if cfg.redis_ttl_s < 0:
-        raise ConfigError("redis_ttl_s", cfg.redis_ttl_s, "must be >= 0 (0 = no expiry)")
-    if cfg.offload not in _OFFLOAD_MODES:
-        raise ConfigError("offload", cfg.offload, f"must be one of {', '.join(_OFFLOAD_MODES)}")
-    if cfg.log_level.upper() not in _LOG_LEVELS:
-        raise ConfigError("log_level", cfg.log_level, f"must be one of {', '.join(_LOG_LEVELS)}")
-    if not cfg.tiers:
-        raise ConfigError("tiers", cfg.tiers, "needs at least one tier")
-    if len(set(cfg.tiers)) != len(cfg.tiers):
-        raise ConfigError("tiers", cfg.tiers, "names a tier twice")
-    if "redis" in cfg.tiers and not cfg.redis_url:
-        raise ConfigError("redis_url", cfg.redis_url, "the redis tier is enabled but has no URL")
-    if cfg.redis_url:
-        _check_redis_url(cfg.redis_url)
-    if cfg.encryption_key and cfg.encryption_key_file:
-        raise _error(
-            "encryption_key_file",
-            cfg.encryption_key_file,
-            "give the key or a key file, not both (encryption_key is set too)",
-        )
-    cfg.encryption_key_bytes()  # a bad key, or an unreadable key file, fails here
-    _check_backend_options(cfg.backend_options)
-    return cfg
-
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
-def _coerce(name: str, value: Any, hint: Any) -> Any:
-    """Turn ``value`` (from YAML, env text, or a dict) into the field's type, or raise."""
-    origin, args = get_origin(hint), get_args(hint)
-    if args and type(None) in args:  # Optional[X]
-        if value is None or (
-            isinstance(value, str) and value.strip().lower() in ("", "none", "null")
-        ):
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(name, value, inner[0])
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-            return value.strip().lower() in _TRUE
-        raise _error(name, value, "must be a boolean (true/false)")
-    if hint is int:
-        if isinstance(value, bool):
-            raise _error(name, value, "must be an integer")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.strip())
-            except ValueError:
-                pass
-        raise _error(name, value, "must be an integer")
-    if hint is float:
-        if isinstance(value, bool):
-            raise _error(name, value, "must be a number")
-        number: float | None = None
-        if isinstance(value, int | float):
-            number = float(value)
-        elif isinstance(value, str):
-            try:
-                number = float(value.strip())
-            except ValueError:
-                pass
-        if number is None:
-            raise _error(name, value, "must be a number")
-        if not math.isfinite(number):
-            raise _error(name, value, "must be a finite number")
-        return number
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise _error(name, value, "must be a string")
-    if origin is list:
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, list | tuple):
-            raise _error(name, value, "must be a list (or a comma-separated string)")
-        return [_coerce(name, v, args[0]) for v in value]
-    if origin is dict:
-        if isinstance(value, str):
-            try:
-                value = yaml.safe_load(value)
-            except yaml.YAMLError as e:
-                raise _error(name, value, f"is not a YAML/JSON mapping: {e}") from None
-        if not isinstance(value, Mapping):
-            raise _error(name, value, "must be a mapping")
-        return dict(value)
-    raise _error(name, value, f"has an unsupported type {hint}")
+        return validated(dataclasses.replace(self, **changes))
 
 
 def _hints() -> dict[str, Any]:
@@ -377,8 +185,10 @@ def _apply(source: str, raw: Mapping[str, Any], into: dict[str, Any]) -> None:
     hints = _hints()
     for key, value in raw.items():
         if key not in hints:
-            raise _error(key, value, f"unknown key (from {source}); known keys: {', '.join(hints)}")
-        into[key] = _coerce(key, value, hints[key])
+            raise config_error(
+                key, value, f"unknown key (from {source}); known keys: {', '.join(hints)}"
+            )
+        into[key] = coerce(key, value, hints[key])
 
 
 def env_overrides(env: Mapping[str, str]) -> dict[str, str]:
@@ -422,7 +232,7 @@ def load_config(
     _apply("environment", env_overrides(env), values)
     if overrides:
         _apply("overrides", overrides, values)
-    return _validated(KVTierConfig(**values))
+    return validated(KVTierConfig(**values))
 
 
 def reference_table() -> str:

@@ -1,0 +1,168 @@
+"""Checks of a ``KVTierConfig`` beyond each field's type, and secret masking for their errors.
+
+``validated`` runs on every config however it is built (``load_config``, ``replace``, the
+constructor). A ``ConfigError`` names the field and shows its value with secrets masked: the
+Redis password, the encryption key, and the password inside a Redis URL never appear.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import os
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any, get_type_hints
+
+from kvtier.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvtier.core.config import KVTierConfig
+
+MASK = "***"
+
+_POSITIVE_INT = ("chunk_size", "write_queue_size", "io_threads", "store_threshold")
+_POSITIVE_FLOAT = (
+    "local_cpu_size_gb",
+    "local_disk_size_gb",
+    "redis_connect_timeout_s",
+    "redis_timeout_s",
+    "lookup_timeout_s",
+)
+_OFFLOAD_MODES = ("eager", "lazy")
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def mask_url(url: str) -> str:
+    """``url`` with the password of its user-info part replaced by ``***``."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return MASK
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:{MASK}@{host}"))
+
+
+def shown(name: str, value: Any) -> Any:
+    """``value`` as an error or ``repr`` may show it: secrets masked."""
+    if value is None:
+        return None
+    if "password" in name or "secret" in name or name == "encryption_key":
+        return MASK
+    if "url" in name and isinstance(value, str):
+        return mask_url(value)
+    return value
+
+
+def config_error(name: str, value: Any, reason: str) -> ConfigError:
+    """A ``ConfigError`` for field ``name`` showing ``value`` with secrets masked."""
+    return ConfigError(name, shown(name, value), reason)
+
+
+def check_redis_url(url: str) -> None:
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise config_error("redis_url", url, "must start with redis://, rediss:// or unix://")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise config_error("redis_url", url, f"has a bad port: {e}") from None
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise config_error("redis_url", url, "a unix:// URL needs a socket path")
+        return
+    if port == 0:
+        raise config_error("redis_url", url, "has a bad port: 0")
+    db = parts.path.lstrip("/")
+    if db and not db.isdigit():
+        raise config_error(
+            "redis_url", url, f"database {db!r} is not a number (redis://host:port/DB)"
+        )
+
+
+def read_key_file(path: str) -> str:
+    """The first line of the key file at ``path``; ``ConfigError`` when it cannot be read."""
+    try:
+        with open(os.path.expanduser(path)) as f:
+            return f.readline().strip()
+    except OSError as e:
+        raise ConfigError("encryption_key_file", path, f"cannot be read: {e.strerror}") from None
+
+
+def parse_key(name: str, text: str, shown_as: str | None = None) -> bytes:
+    """A 32-byte key from 64 hex digits or base64; ``ConfigError`` (never showing the text)."""
+    text = text.strip()
+    try:
+        key = bytes.fromhex(text) if len(text) == 64 else base64.b64decode(text, validate=True)
+    except (ValueError, binascii.Error):
+        key = b""
+    if len(key) != 32:
+        raise ConfigError(
+            name,
+            shown_as if shown_as is not None else MASK,
+            "must be 32 bytes written as 64 hex digits or base64 (e.g. the output "
+            "of `openssl rand -hex 32`)",
+        )
+    return key
+
+
+def check_backend_options(options: dict[str, Any]) -> None:
+    for tier, opts in options.items():
+        if not isinstance(tier, str):
+            raise config_error("backend_options", options, f"backend name {tier!r} is not a string")
+        if not isinstance(opts, Mapping):
+            raise config_error(
+                f"backend_options.{tier}", opts, "must be a mapping of option: value"
+            )
+        for opt, value in opts.items():
+            if not isinstance(opt, str):
+                raise config_error(
+                    f"backend_options.{tier}", dict(opts), f"option name {opt!r} is not a string"
+                )
+            if isinstance(value, float) and not math.isfinite(value):
+                raise config_error(
+                    f"backend_options.{tier}.{opt}", value, "must be a finite number"
+                )
+
+
+def validated(cfg: KVTierConfig) -> KVTierConfig:
+    """``cfg`` itself once every check passes; else the ``ConfigError`` of the first failure."""
+    hints = get_type_hints(type(cfg))
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if hints[f.name] is float and not (isinstance(value, int | float) and math.isfinite(value)):
+            raise config_error(f.name, value, "must be a finite number")
+    for name in _POSITIVE_INT:
+        if getattr(cfg, name) <= 0:
+            raise config_error(name, getattr(cfg, name), "must be a positive integer")
+    for name in _POSITIVE_FLOAT:
+        if getattr(cfg, name) <= 0:
+            raise config_error(name, getattr(cfg, name), "must be positive")
+    if cfg.redis_ttl_s < 0:
+        raise ConfigError("redis_ttl_s", cfg.redis_ttl_s, "must be >= 0 (0 = no expiry)")
+    if cfg.offload not in _OFFLOAD_MODES:
+        raise ConfigError("offload", cfg.offload, f"must be one of {', '.join(_OFFLOAD_MODES)}")
+    if cfg.log_level.upper() not in _LOG_LEVELS:
+        raise ConfigError("log_level", cfg.log_level, f"must be one of {', '.join(_LOG_LEVELS)}")
+    if not cfg.tiers:
+        raise ConfigError("tiers", cfg.tiers, "needs at least one tier")
+    if len(set(cfg.tiers)) != len(cfg.tiers):
+        raise ConfigError("tiers", cfg.tiers, "names a tier twice")
+    if "redis" in cfg.tiers and not cfg.redis_url:
+        raise ConfigError("redis_url", cfg.redis_url, "the redis tier is enabled but has no URL")
+    if cfg.redis_url:
+        check_redis_url(cfg.redis_url)
+    if cfg.encryption_key and cfg.encryption_key_file:
+        raise config_error(
+            "encryption_key_file",
+            cfg.encryption_key_file,
+            "give the key or a key file, not both (encryption_key is set too)",
+        )
+    cfg.encryption_key_bytes()  # a bad key, or an unreadable key file, fails here
+    check_backend_options(cfg.backend_options)
+    return cfg
