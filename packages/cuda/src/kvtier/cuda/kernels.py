@@ -5,17 +5,32 @@ of rows, see ``kvtier.cuda._triton_kernels``) or in the connector's ``bases`` (t
 address of each row index), so the launch itself takes only those two and the geometry. All
 sizes here are in *words*: the widest integer (8, 4, 2 or 1 bytes) that divides every row, block
 and address of the call, so the kernel copies bytes and never interprets the KV dtype.
+
+``LAUNCHES`` keeps each configuration's compiled kernel after its first launch and launches it
+again directly (``kvtier.cuda.direct_launch``: ``cuLaunchKernel`` through ctypes).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from kvtier.cuda.direct_launch import DirectLaunch, direct_launch_for, param_types
+
+__all__ = [
+    "LAUNCHES",
+    "RUN_WORDS",
+    "WORDS_ALIGN",
+    "RowGeometry",
+    "copy_runs",
+    "copy_words",
+    "param_types",
+    "word_bytes_for",
+]
 
 # Bytes one program moves: large enough to keep the memory system busy, small enough to stay in
 # registers (an 8B-shaped row of 2 KiB gives 8 tokens a program).
@@ -66,101 +81,6 @@ def _blocks(hd_words: int, word_bytes: int) -> tuple[int, int]:
     return block_t, block_d
 
 
-def param_types(
-    sizes: list[int] | None, runtime: tuple[int, ...], pointers: int
-) -> list[type] | None:
-    """The ctypes type of each parameter of a compiled Triton kernel, for ``cuLaunchKernel``.
-
-    ``sizes``: the parameters' byte sizes as the driver reports them; ``runtime``: the values of
-    the kernel's non-constexpr arguments in order, the first ``pointers`` of them addresses.
-    Triton passes those, then (by version) up to two scratch pointers. None where the sizes do
-    not fit that layout, and wherever an integer argument is 1 (Triton may pass a 1 as a
-    constant, dropping the parameter): the caller then launches through Triton.
-    """
-    if sizes is None:
-        return None
-    n = len(runtime)
-    extra = len(sizes) - n
-    if not 0 <= extra <= 2 or any(size != 8 for size in sizes[n:]):
-        return None
-    types: list[type] = []
-    for i, (value, size) in enumerate(zip(runtime, sizes, strict=False)):
-        if i < pointers:
-            if size != 8:
-                return None
-            types.append(ctypes.c_uint64)
-        elif value == 1:
-            return None
-        elif size == 4 and -(1 << 31) <= value < (1 << 31):
-            types.append(ctypes.c_int32)
-        elif size == 8:
-            types.append(ctypes.c_int64)
-        else:
-            return None
-    return types + [ctypes.c_uint64] * extra  # scratch pointers: null (the kernels use none)
-
-
-class _Direct:
-    """A kept compiled kernel launched with ``cuLaunchKernel`` through ctypes: its parameter
-    array is built once, and a launch sets the changing values and makes one driver call,
-    skipping Triton's Python ``__call__``, argument parsing and launch metadata."""
-
-    __slots__ = ("block_x", "drv", "function", "params", "shared", "values")
-
-    def __init__(
-        self, drv: Any, function: int, block_x: int, shared: int, types: list[type]
-    ) -> None:
-        self.drv, self.function, self.block_x, self.shared = drv, function, block_x, shared
-        self.values = [t() for t in types]
-        array = (ctypes.c_void_p * len(types))(*[ctypes.addressof(v) for v in self.values])
-        self.params = (array, ctypes.addressof(array))  # the array stays alive with its address
-
-    def __call__(self, grid: tuple[int, int, int], stream: int, runtime: tuple[int, ...]) -> None:
-        values = self.values
-        for i, value in enumerate(runtime):
-            values[i].value = value
-        self.drv.launch(self.function, grid, self.block_x, self.shared, stream, self.params[1])
-
-    def bound(self, runtime: tuple[int, ...]) -> _Direct:
-        """A copy with its own parameter values set to ``runtime``, for ``launch_first`` (a
-        connector's own launches, where only the first value changes)."""
-        copy = _Direct(
-            self.drv, self.function, self.block_x, self.shared, [type(v) for v in self.values]
-        )
-        for i, value in enumerate(runtime):
-            copy.values[i].value = value
-        return copy
-
-    def launch_first(self, grid: tuple[int, int, int], stream: int, first: int) -> None:
-        """Launch with the first parameter set to ``first`` and the others as they are."""
-        self.values[0].value = first
-        self.drv.launch(self.function, grid, self.block_x, self.shared, stream, self.params[1])
-
-
-def _direct_for(ck: Any, runtime: tuple[int, ...], pointers: int) -> _Direct | None:
-    """A ``_Direct`` for compiled kernel ``ck``, or None (launch through Triton) where it cannot
-    be sure of the parameter layout or the launch needs more than a plain ``cuLaunchKernel``."""
-    from kvtier.cuda._driver import driver
-
-    drv = driver()
-    md = getattr(ck, "metadata", None)
-    function = getattr(ck, "function", None)
-    if drv is None or md is None or not isinstance(function, int) or not function:
-        return None
-    if (
-        getattr(md, "num_ctas", 1) != 1
-        or getattr(md, "launch_cooperative_grid", False)
-        or getattr(md, "launch_pdl", False)
-        or getattr(md, "global_scratch_size", 0)
-        or getattr(md, "profile_scratch_size", 0)
-    ):
-        return None
-    types = param_types(drv.param_sizes(function), runtime, pointers)
-    if types is None:
-        return None
-    return _Direct(drv, function, 32 * int(md.num_warps), int(md.shared), types)
-
-
 class _Launches:
     """Launching a configuration again without ``JITFunction.run``.
 
@@ -180,8 +100,9 @@ class _Launches:
 
     def __init__(self) -> None:
         self.compiled: dict[tuple, Any] = {}
-        # Kept kernels launched with cuLaunchKernel (see _Direct); others through Triton's launcher.
-        self.direct: dict[tuple, _Direct] = {}
+        # Kept kernels launched with cuLaunchKernel (see DirectLaunch); others through Triton's
+        # launcher.
+        self.direct: dict[tuple, DirectLaunch] = {}
         self.knobs: Any = None
         self.usable: bool | None = None  # decided at the first launch on a GPU
 
@@ -210,7 +131,7 @@ class _Launches:
         *,
         to_paged: bool,
         stream: torch.cuda.Stream,
-        cache: dict[tuple, tuple[RowGeometry, torch.Tensor, _Direct, int]] | None = None,
+        cache: dict[tuple, tuple[RowGeometry, torch.Tensor, DirectLaunch, int]] | None = None,
     ) -> None:
         """Runs ``[start, stop)`` of the run table that starts ``offset`` int64s into the int64
         device buffer ``table`` (whose address is ``table_addr``: read once by the caller); at
@@ -221,7 +142,7 @@ class _Launches:
         change), holding a directly launched kernel per direction and table alignment with every
         parameter but the table's address already set: a launch is then one lookup, one value
         and one driver call (9.2 us of host time instead of 11.6 on one H200 host: the gain is the
-        key building and lookups skipped, see ``_Direct``)."""
+        key building and lookups skipped, see ``DirectLaunch``)."""
         runs = stop - start
         if runs <= 0 or max_tokens == 0 or max_rows == 0:
             return
@@ -313,7 +234,7 @@ class _Launches:
         constexprs included, as ``JITFunction.run`` passes them; the first ``runtime`` are the
         non-constexpr ones, two addresses first); without one, ``first()`` launches through
         ``kernel[grid]`` with ``stream`` made current, and its compiled kernel is kept (and,
-        where its parameter layout is certain, launched directly from then on: ``_Direct``)."""
+        where its parameter layout is certain, launched directly from then on: ``DirectLaunch``)."""
         direct = self.direct.get(key)
         if direct is not None:
             direct(grid, stream.cuda_stream, args[:runtime])
@@ -349,7 +270,7 @@ class _Launches:
             )
         ):
             self.compiled[key] = ck
-            direct = _direct_for(ck, args[:runtime], pointers=2)
+            direct = direct_launch_for(ck, args[:runtime], pointers=2)
             if direct is not None:
                 self.direct[key] = direct
 
