@@ -12,58 +12,24 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.core import CacheEngine, KVLayout, load_config
+from fixtures.tiered_engine import BLOCK, CHUNK, LAYOUT, caches, per_slot, tiered_engine
+from kvtier.core import CacheEngine
 from kvtier.core.aliases import alias_meta
 from kvtier.core.keys import ChunkKey
 from kvtier.core.memory import MemoryObjMeta
-from kvtier.core.platforms.cpu import CPUPlatform
 from kvtier.storage import codec
-from kvtier.storage.manager import TieredStorageManager
 
-BLOCK, CHUNK, NUM_BLOCKS = 16, 64, 48
-LAYOUT = KVLayout(
-    num_layers=2,
-    num_kv_heads=2,
-    head_size=8,
-    dtype="bfloat16",
-    block_size=BLOCK,
-    paged_layout="flash_nhd",
-)
+NUM_BLOCKS = 48
 DOC = list(range(1000, 1000 + 3 * CHUNK))  # the stored prompt: 3 full chunks
 
 
 def engine(path, **cfg) -> CacheEngine:
-    config = load_config(
-        env={},
-        overrides={
-            "chunk_size": CHUNK,
-            "local_cpu_size_gb": 0.01,
-            "local_disk_path": str(path / "disk"),
-            "redis_timeout_s": 1.0,
-            "save_unfull_chunk": False,
-            **cfg,
-        },
-    )
-    e = CacheEngine(config, LAYOUT, model="test/model", platform=CPUPlatform())
-    assert isinstance(e.storage, TieredStorageManager)
-    return e
-
-
-def caches(seed: int | None) -> list[torch.Tensor]:
-    shape = LAYOUT.expected_cache_shape(NUM_BLOCKS)
-    if seed is None:
-        return [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYOUT.num_layers)]
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(LAYOUT.num_layers)]
-
-
-def per_slot(cache: torch.Tensor) -> torch.Tensor:
-    return cache.permute(1, 2, 0, 3, 4).reshape(NUM_BLOCKS * BLOCK, -1)
+    return tiered_engine(path, **{"save_unfull_chunk": False, **cfg})
 
 
 def store_doc(path, **cfg) -> list[torch.Tensor]:
     """Store DOC from one engine (slots 0..), flush the lower tiers, close it; its caches."""
-    src = caches(0)
+    src = caches(0, NUM_BLOCKS)
     a = engine(path, **cfg)
     try:
         a.register_kv_caches(src)
@@ -79,7 +45,7 @@ def load_in_fresh_engine(path, tokens: list[int], src, **cfg) -> int:
     chunk, check the loaded KV is DOC's of the same positions; the hit."""
     b = engine(path, **cfg)
     try:
-        dst = caches(None)
+        dst = caches(None, NUM_BLOCKS)
         b.register_kv_caches(dst)
         n = b.lookup(tokens)
         slots = torch.arange(len(tokens)) + CHUNK
@@ -202,7 +168,7 @@ def test_a_dangling_alias_on_disk_is_a_miss(tmp_path) -> None:
 def test_aliases_ride_in_their_chunks_queue_slot(tmp_path) -> None:
     e = engine(tmp_path, tiers=["local_cpu", "local_disk"], write_queue_size=4)
     try:
-        e.register_kv_caches(caches(0))
+        e.register_kv_caches(caches(0, NUM_BLOCKS))
         assert e.store(DOC, torch.arange(len(DOC))) == len(DOC)
         assert e.storage.flush(30), e.storage.last_flush
         stats = e.storage.stats  # type: ignore[attr-defined]

@@ -11,44 +11,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.core import CacheEngine, KVLayout, load_config
+from kvtier.core import CacheEngine
 from kvtier.core.metrics import METRICS, EngineCollector
-from kvtier.core.platforms.cpu import CPUPlatform
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 pytest.importorskip("kvtier.storage")
+from fixtures.tiered_engine import CHUNK, LAYOUT, caches, tiered_engine  # noqa: E402
 
-BLOCK, CHUNK, NUM_BLOCKS = 16, 64, 24
-LAYOUT = KVLayout(
-    num_layers=2,
-    num_kv_heads=2,
-    head_size=8,
-    dtype="bfloat16",
-    block_size=BLOCK,
-    paged_layout="flash_nhd",
-)
+NUM_BLOCKS = 24
 TOKENS = list(range(1000, 1000 + 3 * CHUNK + 5))  # three full chunks (the tail is not saved)
 
 
 def engine(tmp_path, **cfg) -> CacheEngine:
-    config = load_config(
-        env={},
-        overrides={
-            "chunk_size": CHUNK,
-            "local_cpu_size_gb": 0.01,
-            "tiers": ["local_cpu", "local_disk"],
-            "local_disk_path": str(tmp_path / "disk"),
-            **cfg,
-        },
-    )
-    e = CacheEngine(config, LAYOUT, model="test/model", platform=CPUPlatform())
-    g = torch.Generator().manual_seed(0)
-    shape = LAYOUT.expected_cache_shape(NUM_BLOCKS)
-    e.register_kv_caches(
-        [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(LAYOUT.num_layers)]
-    )
+    e = tiered_engine(tmp_path, **cfg)  # host memory and disk unless cfg names other tiers
+    e.register_kv_caches(caches(0, NUM_BLOCKS))
     return e
 
 
