@@ -7,6 +7,9 @@ leading blocks (``kvtier.core.aliases``). A lookup takes the run of full-chunk h
 at the first full-chunk miss, every whole block there that a stored tail or alias holds: a
 prompt hits every whole block it shares with a stored one, wherever they diverge.
 
+Storing: ``kvtier.core.store_writer`` plans which spans a store copies and commits them (with
+their alias entries) once the copy is done.
+
 Holds: ``hold(tokens)`` looks a prompt up *and* keeps its hit objects in host memory (fetching
 lower-tier hits now, like a prefetch) until the hold is released, so a load that follows the
 lookup cannot come up short because a chunk was evicted in between.
@@ -21,32 +24,26 @@ engine already has it, or it is past what the engine asked for).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
-from kvtier.core.aliases import Alias, alias_objects
 from kvtier.core.config import KVTierConfig
 from kvtier.core.connector import DeviceConnector, Transfer
 from kvtier.core.errors import ConfigError, KVTierError
 from kvtier.core.handles import ChunkSpan, EngineStats, Hold, RetrieveJob, prefix_digest
 from kvtier.core.keys import ChunkKey, KeyFactory, Scope, TokenIds, token_bytes
 from kvtier.core.layout import KVLayout
-from kvtier.core.memory import MemoryObj, MemoryObjMeta
+from kvtier.core.memory import MemoryObj
 from kvtier.core.platform import Marker, Platform, get_platform
 from kvtier.core.slots import checked_slots
 from kvtier.core.sources import TierHits, chunk_sources
 from kvtier.core.spans import SpanPlanner
 from kvtier.core.storage import StorageManager, create_storage_manager
-
-logger = logging.getLogger("kvtier")
+from kvtier.core.store_writer import AliasPlan, StorePlan, StoreWriter, release_all
 
 GiB = 1 << 30
-
-# The alias entries to write with each full chunk a store commits (by the chunk's key).
-AliasPlan = dict[ChunkKey, list[tuple[ChunkKey, Alias]]]
 
 
 class CacheEngine:
@@ -91,7 +88,7 @@ class CacheEngine:
         self.connector: DeviceConnector | None = None
         self.stats = EngineStats()
         self._tier_hits = TierHits()
-        self._store_listeners: list[Callable[[list[ChunkKey]], None]] = []
+        self._writer = StoreWriter(storage, self.spans, layout, self.chunk_size, self.stats)
 
     # -- setup ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
@@ -104,7 +101,7 @@ class CacheEngine:
         """Call ``listener(keys)`` with the keys of the chunks every store commits, on the
         storing thread, after they are readable (the vLLM connector feeds its scheduler's index
         of stored chunks with it). It must be quick and must not raise."""
-        self._store_listeners.append(listener)
+        self._writer.listeners.append(listener)
 
     def _require_connector(self) -> DeviceConnector:
         if self.connector is None:
@@ -202,68 +199,11 @@ class CacheEngine:
             slot_mapping, n_tokens, c.num_blocks * self.layout.block_size if c else None
         )
 
-    def _meta(self, num_tokens: int) -> MemoryObjMeta:
-        return MemoryObjMeta(
-            self.layout.chunk_shape(num_tokens), self.layout.torch_dtype, num_tokens
-        )
-
     def _plan_store(
         self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], salt: Scope
-    ) -> tuple[list[tuple[ChunkSpan, Transfer]], AliasPlan]:
-        """The spans to copy out of the cache now, and the alias entries of each full chunk
-        among them (written when the chunk is committed)."""
+    ) -> tuple[StorePlan, AliasPlan]:
         arr = token_bytes(tokens)
-        slots = self._slots(slot_mapping, len(arr))
-        cpu_slots = slots.cpu()
-        every = self.store_spans(arr, salt)
-        spans = [s for s in every if bool((cpu_slots[s.start : s.end] >= 0).all())]
-        if not spans:
-            return [], {}
-        present = self.storage.contains([s.key for s in spans])
-        plan: list[tuple[ChunkSpan, Transfer]] = []
-        aliases: AliasPlan = {}
-        full = every[: len(arr) // self.chunk_size]
-        for span, have in zip(spans, present, strict=True):
-            if have:
-                continue
-            obj = self.storage.allocate(self._meta(span.num_tokens))
-            if obj is None:
-                logger.warning(
-                    "kvtier host memory is full: %d chunk(s) not stored", len(spans) - len(plan)
-                )
-                self.stats.add(store_skipped_chunks=len(spans) - len(plan))
-                break
-            plan.append((span, Transfer(obj, slots[span.start : span.end])))
-            if span.num_tokens == self.chunk_size:
-                aliases[span.key] = self.spans.aliases(
-                    arr, span.start // self.chunk_size, salt, full
-                )
-        return plan, aliases
-
-    def _commit_store(self, plan: Sequence[tuple[ChunkSpan, Transfer]], aliases: AliasPlan) -> int:
-        stored = 0
-        keys: list[ChunkKey] = []
-        for span, t in plan:
-            entries, skipped = alias_objects(aliases.get(span.key, ()), self.storage.allocate)
-            if skipped:
-                self.stats.add(aliases_skipped=skipped)
-            try:
-                with t.obj:
-                    self.storage.put_with_aliases(span.key, t.obj, entries)
-            finally:
-                self._abort([obj for _, obj in entries])
-            stored += span.num_tokens
-            keys.append(span.key)
-            keys.extend(k for k, _ in entries)
-        self.stats.add(stored_tokens=stored)
-        for listener in self._store_listeners:
-            listener(keys)
-        return stored
-
-    def _abort(self, objs: Sequence[MemoryObj]) -> None:
-        for obj in objs:
-            if not obj.released:
-                obj.release()
+        return self._writer.plan(arr, self._slots(slot_mapping, len(arr)), salt)
 
     def store(
         self,
@@ -294,13 +234,13 @@ class CacheEngine:
             self.platform.wait_marker(ready)
             connector.store([t for _, t in plan])
         except BaseException:
-            self._abort([t.obj for _, t in plan])
+            release_all([t.obj for _, t in plan])
             raise
         if keep is not None and not keep():
-            self._abort([t.obj for _, t in plan])
+            release_all([t.obj for _, t in plan])
             self.stats.add(store_abandoned_chunks=len(plan))
             return 0
-        return self._commit_store(plan, aliases)
+        return self._writer.commit(plan, aliases)
 
     def store_layerwise(
         self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], *, salt: Scope = None
@@ -314,9 +254,9 @@ class CacheEngine:
             else:
                 yield from range(self.layout.num_layers)
         except BaseException:
-            self._abort([t.obj for _, t in plan])
+            release_all([t.obj for _, t in plan])
             raise
-        self._commit_store(plan, aliases)
+        self._writer.commit(plan, aliases)
 
     def _plan_retrieve(
         self,
@@ -380,7 +320,7 @@ class CacheEngine:
                 self.platform.wait_marker(ready)
                 connector.load(transfers)
         finally:
-            self._abort([t.obj for t in transfers])
+            release_all([t.obj for t in transfers])
         self.stats.add(retrieved_tokens=int(mask.sum()))
         return mask
 
@@ -403,7 +343,7 @@ class CacheEngine:
                 else:
                     yield from range(self.layout.num_layers)
             finally:
-                self._abort([t.obj for t in transfers])
+                release_all([t.obj for t in transfers])
             self.stats.add(retrieved_tokens=int(mask.sum()))
 
         return RetrieveJob(mask, layers())

@@ -1,0 +1,115 @@
+"""The write side of ``CacheEngine.store``: which spans of a prompt to copy out of the paged
+cache into new host objects (``StoreWriter.plan``), and, once the device copy is done, putting
+them into storage with the alias entries of each full chunk (``StoreWriter.commit``).
+
+A plan's host objects are the caller's until ``commit`` (or ``release_all``, when the copy
+fails or is abandoned): ``commit`` hands each one to storage and releases what is left.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from kvtier.core.aliases import Alias, alias_objects
+from kvtier.core.connector import Transfer
+from kvtier.core.handles import ChunkSpan, EngineStats
+from kvtier.core.keys import ChunkKey, Scope
+from kvtier.core.layout import KVLayout
+from kvtier.core.memory import MemoryObj, MemoryObjMeta
+from kvtier.core.spans import SpanPlanner
+from kvtier.core.storage import StorageManager
+
+logger = logging.getLogger("kvtier")
+
+# The alias entries to write with each full chunk a store commits (by the chunk's key).
+AliasPlan = dict[ChunkKey, list[tuple[ChunkKey, Alias]]]
+StorePlan = list[tuple[ChunkSpan, Transfer]]
+
+
+def release_all(objs: Sequence[MemoryObj]) -> None:
+    """Release every object of ``objs`` not released yet."""
+    for obj in objs:
+        if not obj.released:
+            obj.release()
+
+
+class StoreWriter:
+    """Plans and commits the stores of one engine (its layout, chunk size and storage)."""
+
+    def __init__(
+        self,
+        storage: StorageManager,
+        spans: SpanPlanner,
+        layout: KVLayout,
+        chunk_size: int,
+        stats: EngineStats,
+    ) -> None:
+        self.storage = storage
+        self.spans = spans
+        self.layout = layout
+        self.chunk_size = chunk_size
+        self.stats = stats
+        self.listeners: list[Callable[[list[ChunkKey]], None]] = []
+
+    def _meta(self, num_tokens: int) -> MemoryObjMeta:
+        return MemoryObjMeta(
+            self.layout.chunk_shape(num_tokens), self.layout.torch_dtype, num_tokens
+        )
+
+    def plan(
+        self, arr: np.ndarray, slots: torch.Tensor, salt: Scope
+    ) -> tuple[StorePlan, AliasPlan]:
+        """The spans of ``arr`` (token bytes) to copy out of the cache now (those whose
+        ``slots`` are all valid and that storage does not hold yet), each with a new host
+        object, and the alias entries of each full chunk among them (written at commit)."""
+        cpu_slots = slots.cpu()
+        every = self.spans.store(arr, salt)
+        spans = [s for s in every if bool((cpu_slots[s.start : s.end] >= 0).all())]
+        if not spans:
+            return [], {}
+        present = self.storage.contains([s.key for s in spans])
+        plan: StorePlan = []
+        aliases: AliasPlan = {}
+        full = every[: len(arr) // self.chunk_size]
+        for span, have in zip(spans, present, strict=True):
+            if have:
+                continue
+            obj = self.storage.allocate(self._meta(span.num_tokens))
+            if obj is None:
+                logger.warning(
+                    "kvtier host memory is full: %d chunk(s) not stored", len(spans) - len(plan)
+                )
+                self.stats.add(store_skipped_chunks=len(spans) - len(plan))
+                break
+            plan.append((span, Transfer(obj, slots[span.start : span.end])))
+            if span.num_tokens == self.chunk_size:
+                aliases[span.key] = self.spans.aliases(
+                    arr, span.start // self.chunk_size, salt, full
+                )
+        return plan, aliases
+
+    def commit(self, plan: Sequence[tuple[ChunkSpan, Transfer]], aliases: AliasPlan) -> int:
+        """Put every copied span (and its alias entries) into storage, then tell the
+        listeners the keys; returns the tokens stored."""
+        stored = 0
+        keys: list[ChunkKey] = []
+        for span, t in plan:
+            entries, skipped = alias_objects(aliases.get(span.key, ()), self.storage.allocate)
+            if skipped:
+                self.stats.add(aliases_skipped=skipped)
+            try:
+                with t.obj:
+                    self.storage.put_with_aliases(span.key, t.obj, entries)
+            finally:
+                release_all([obj for _, obj in entries])
+            stored += span.num_tokens
+            keys.append(span.key)
+            keys.extend(k for k, _ in entries)
+        self.stats.add(stored_tokens=stored)
+        for listener in self.listeners:
+            listener(keys)
+        return stored
