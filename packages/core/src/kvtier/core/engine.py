@@ -8,7 +8,8 @@ at the first full-chunk miss, every whole block there that a stored tail or alia
 prompt hits every whole block it shares with a stored one, wherever they diverge.
 
 Storing: ``kvtier.core.store_writer`` plans which spans a store copies and commits them (with
-their alias entries) once the copy is done.
+their alias entries) once the copy is done; ``kvtier.core.load_plan`` builds a retrieve's
+transfers.
 
 Holds: ``hold(tokens)`` looks a prompt up *and* keeps its hit objects in host memory (fetching
 lower-tier hits now, like a prefetch) until the hold is released, so a load that follows the
@@ -35,6 +36,7 @@ from kvtier.core.errors import ConfigError, KVTierError
 from kvtier.core.handles import ChunkSpan, EngineStats, Hold, RetrieveJob, prefix_digest
 from kvtier.core.keys import ChunkKey, KeyFactory, Scope, TokenIds, token_bytes
 from kvtier.core.layout import KVLayout
+from kvtier.core.load_plan import held_objects, load_transfers
 from kvtier.core.memory import MemoryObj
 from kvtier.core.platform import Marker, Platform, get_platform
 from kvtier.core.slots import checked_slots
@@ -268,7 +270,6 @@ class CacheEngine:
         arr = token_bytes(tokens)
         slots = self._slots(slot_mapping, len(arr))
         cpu_slots = slots.cpu()
-        mask = torch.zeros(len(arr), dtype=torch.bool)
 
         def wanted(span: ChunkSpan) -> bool:
             return bool((cpu_slots[span.start : span.end] >= 0).any())
@@ -276,26 +277,8 @@ class CacheEngine:
         if hold is None:
             spans, objs = self._fetch_prefix([s for s in self.hit_spans(arr, salt) if wanted(s)])
         else:
-            if hold.released:
-                raise KVTierError("retrieve got a hold that was already released")
-            if hold.num_tokens > len(arr) or hold.digest != prefix_digest(
-                arr[: hold.num_tokens], salt
-            ):
-                raise ValueError("retrieve got a hold taken for other tokens or another salt")
-            pairs = [
-                (s, o.share()) for s, o in zip(hold.spans, hold.objs, strict=True) if wanted(s)
-            ]
-            spans, objs = [s for s, _ in pairs], [o for _, o in pairs]
-        transfers = []
-        for span, obj in zip(spans, objs, strict=True):
-            span_slots = slots[span.start : span.end]
-            if span.object_tokens > span.num_tokens:
-                # A prefix of a stored chunk (an alias hit): the rest of its tokens are skipped.
-                skip = span_slots.new_full((span.object_tokens - span.num_tokens,), -1)
-                span_slots = torch.cat([span_slots, skip])
-            transfers.append(Transfer(obj, span_slots))
-            mask[span.start : span.end] = cpu_slots[span.start : span.end] >= 0
-        return transfers, mask
+            spans, objs = held_objects(hold, arr, salt, wanted)
+        return load_transfers(spans, objs, slots, cpu_slots)
 
     def retrieve(
         self,
