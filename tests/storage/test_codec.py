@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import struct
+import zlib
 
 import pytest
 import torch
@@ -37,6 +39,26 @@ def test_aligned_header_puts_the_payload_on_a_page():
     blob = encode(align=4096)
     header, _ = decode(blob)
     assert header.header_len % 4096 == 0
+
+
+@pytest.mark.parametrize("tokens", [5, CHUNK])
+def test_a_header_decodes_alike_however_its_json_is_written(tokens):
+    """Another writer's spacing or field order (or padding) reads as the same chunk: the reader
+    checks the fields, not the bytes this kvtier happens to write."""
+    ours = codec.encode_header(key(4), meta(tokens), LAYOUT)
+    fields = json.loads(ours[codec.PREFIX.size :])
+    other = json.dumps(dict(reversed(fields.items())), indent=1).encode() + b"   "
+    theirs = (
+        codec.PREFIX.pack(codec.MAGIC, codec.FORMAT_VERSION, 0, len(other), meta(tokens).nbytes)
+        + other
+    )
+    got = [
+        codec.decode_header(h, key=key(4), layout=LAYOUT, max_tokens=CHUNK) for h in (ours, theirs)
+    ]
+    assert got[0].meta == got[1].meta == meta(tokens)
+    assert got[0].key == got[1].key == key(4).to_string()
+    assert (got[0].header_len, got[1].header_len) == (len(ours), len(theirs))
+    assert got[1].crc_of_header == zlib.crc32(theirs)
 
 
 def test_swapped_value_is_foreign():

@@ -63,6 +63,11 @@ class Checksum:
         """Like ``add``, but hashed on the calling thread before it returns: for bytes that
         just landed in this core's cache (a reader hashing each segment as it reads it), which
         a helper thread would read again from memory."""
+        n = len(data) if isinstance(data, bytes) else data.nbytes
+        if n <= SEGMENT and not self._tail:  # one segment (a reader's usual piece): no slicing
+            self._tail = n < SEGMENT
+            self._parts.append(xxhash.xxh3_64_intdigest(data))
+            return
         for seg in self._segments(data):
             self._parts.append(xxhash.xxh3_64_intdigest(seg))
 
@@ -72,8 +77,6 @@ class Checksum:
                 part.exception()
 
     def value(self) -> int:
-        crc = self._start
-        for part in self._parts:
-            digest = part if isinstance(part, int) else part.result()
-            crc = zlib.crc32(SEGMENT_DIGEST.pack(digest), crc)
-        return crc
+        digests = [part if isinstance(part, int) else part.result() for part in self._parts]
+        # the segment digests' little-endian bytes, in order (one crc32 call over them all)
+        return zlib.crc32(struct.pack(f"<{len(digests)}Q", *digests), self._start)

@@ -59,7 +59,7 @@ def kind_of(mode: int) -> str:
     return "special file"
 
 
-def open_regular(path: Path, extra_flags: int = 0) -> tuple[int, os.stat_result]:
+def open_regular(path: Path | str, extra_flags: int = 0) -> tuple[int, os.stat_result]:
     """Open ``path`` read-only without following a symlink or blocking; ``(fd, fstat)``.
 
     Raises ``FileNotFoundError`` when nothing is there, ``NotRegular`` for anything that is not
@@ -138,14 +138,23 @@ def write_all(fd: int, parts: Sequence[memoryview | bytes]) -> None:
             views[0] = views[0][n:]
 
 
-def read_into(fd: int, view: memoryview, offset: int) -> int:
-    """Read up to ``view.nbytes`` bytes at ``offset``; the count read (short at end of file)."""
+def read_into(fd: int, view: memoryview, offset: int, tail: memoryview | None = None) -> int:
+    """Read up to ``view.nbytes`` bytes at ``offset`` into ``view`` (and, with ``tail``, the
+    bytes after them into ``tail``, in the same ``preadv``); the count read (short at end of
+    file)."""
+    views = [view] if tail is None else [view, tail]
+    want = sum(v.nbytes for v in views)
     done = 0
-    while done < view.nbytes:
-        n = os.preadv(fd, [view[done:]], offset + done)
+    while done < want:
+        n = os.preadv(fd, views, offset + done)
         if n == 0:
             break
         done += n
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
     return done
 
 
@@ -153,15 +162,21 @@ def round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
-def read_checksummed(fd: int, view: memoryview, offset: int, cs: codec.Checksum) -> None:
+def read_checksummed(
+    fd: int, view: memoryview, offset: int, cs: codec.Checksum, trailer: memoryview
+) -> None:
     """Read ``view.nbytes`` bytes at ``offset`` into ``view``, one checksum segment at a time,
     each hashed into ``cs`` on this thread right after it is read, while it is still in this
     core's cache (hashing on helper threads afterwards reads every byte from memory a second
-    time, and their hand-offs cost more than the hash). Raises ``PayloadError`` if the file is
+    time, and their hand-offs cost more than the hash), and the ``trailer.nbytes`` bytes after
+    the payload into ``trailer`` with the last segment. Raises ``PayloadError`` if the file is
     short."""
+    last = max(0, (view.nbytes - 1) // codec.SEGMENT * codec.SEGMENT)
     for start in range(0, view.nbytes, codec.SEGMENT):
         seg = view[start : start + codec.SEGMENT]
-        if read_into(fd, seg, offset + start) != seg.nbytes:
+        tail = trailer if start == last else None
+        want = seg.nbytes + (trailer.nbytes if tail is not None else 0)
+        if read_into(fd, seg, offset + start, tail) != want:
             raise codec.PayloadError("truncated: file ended inside the payload")
         cs.add_now(seg)
 
@@ -228,25 +243,27 @@ def read_chunk(
     max_tokens: int,
     allocate: Callable[[MemoryObjMeta], MemoryObj | None],
     sealer: Sealer | None = None,
+    view_of: Callable[[MemoryObj], memoryview] | None = None,
 ) -> MemoryObj | None:
     """The chunk in the open file ``fd`` of ``size`` bytes (bounded by the caller), read into a
     new host object and checked (a sealed one read as ciphertext, checked, then decrypted in
-    place). Raises ``PayloadError`` for a bad file; None when host memory is full."""
+    place). ``view_of(obj)``: ``obj.byte_view()``, faster (``_views.ArenaBytes``). Raises
+    ``PayloadError`` for a bad file; None when host memory is full."""
     header = read_header(fd, size, key=key, layout=layout, max_tokens=max_tokens, sealer=sealer)
     obj = allocate(header.meta)
     if obj is None:
         return None
     try:
+        view = obj.byte_view() if view_of is None else view_of(obj)
         if header.sealed:
             assert sealer is not None  # read_header refuses a sealed file without one
-            tag = _read_sealed(fd, obj.byte_view(), header)
-            codec.unseal_in_place(header, obj.byte_view(), tag, key, sealer)
+            tag = _read_sealed(fd, view, header)
+            codec.unseal_in_place(header, view, tag, key, sealer)
         else:
             cs = codec.Checksum(header.crc_of_header)
-            read_checksummed(fd, obj.byte_view(), header.header_len, cs)
-            codec.check_trailer(
-                cs.value(), os.pread(fd, codec.TRAILER.size, header.header_len + header.payload_len)
-            )
+            trailer = memoryview(bytearray(codec.TRAILER.size))
+            read_checksummed(fd, view, header.header_len, cs, trailer)
+            codec.check_trailer(cs.value(), trailer)
     except BaseException:
         obj.release()
         raise

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING
 from kvtier.core.errors import ConfigError
 from kvtier.storage import codec
 from kvtier.storage._log import warn_throttled
+from kvtier.storage._views import ArenaBytes
 from kvtier.storage.backends._disk_direct import DirectIO
 from kvtier.storage.backends._disk_files import (
     NAMESPACE_FILE,
@@ -109,6 +110,7 @@ class LocalDiskBackend(StorageBackend):
         self.max_tokens = cfg.chunk_size
         self.root = cfg.disk_path()
         self.dir = namespace_dir(self.root, ctx.namespace)
+        self._dir_slash = f"{self.dir}{os.sep}"  # reads open by string: a Path join costs more
         try:
             make_private_dirs(self.dir)
             if not stat.S_ISDIR(os.lstat(self.dir).st_mode):
@@ -127,6 +129,7 @@ class LocalDiskBackend(StorageBackend):
         )
         self._index = DiskIndex(self.budget, _FS_FULL_CAP_S)
         self._readers = BatchReaders()
+        self._bytes = ArenaBytes(ctx.arena)
         self._removal_listeners: list[Callable[[list[str]], None]] = []
         self._rebuild_index()
 
@@ -265,7 +268,7 @@ class LocalDiskBackend(StorageBackend):
         name = self.file_name(key)
         if self._check(key, name):
             return True
-        payload = obj.byte_view()
+        payload = self._bytes.of(obj)
         if self.ctx.sealer is not None:
             header, sealed = codec.seal(key, obj.meta, self.ctx.layout, payload, self.ctx.sealer)
             payload = memoryview(sealed)
@@ -357,7 +360,7 @@ class LocalDiskBackend(StorageBackend):
         self._index.begin_read(name)
         try:
             try:
-                fd, st = open_regular(self.dir / name, os.O_DIRECT if self.o_direct else 0)
+                fd, st = open_regular(self._dir_slash + name, os.O_DIRECT if self.o_direct else 0)
             except FileNotFoundError:
                 self._index.forget(name)
                 return None
@@ -387,16 +390,27 @@ class LocalDiskBackend(StorageBackend):
                 raise codec.PayloadError(
                     f"corrupt: file of {st.st_size} bytes is larger than any chunk"
                 )
-            read = self._direct.read if self._direct is not None else read_chunk
-            obj = read(
-                fd,
-                st.st_size,
-                key=key,
-                layout=self.ctx.layout,
-                max_tokens=self.max_tokens,
-                allocate=allocate,
-                sealer=self.ctx.sealer,
-            )
+            if self._direct is not None:
+                obj = self._direct.read(
+                    fd,
+                    st.st_size,
+                    key=key,
+                    layout=self.ctx.layout,
+                    max_tokens=self.max_tokens,
+                    allocate=allocate,
+                    sealer=self.ctx.sealer,
+                )
+            else:
+                obj = read_chunk(
+                    fd,
+                    st.st_size,
+                    key=key,
+                    layout=self.ctx.layout,
+                    max_tokens=self.max_tokens,
+                    allocate=allocate,
+                    sealer=self.ctx.sealer,
+                    view_of=self._bytes.of,
+                )
         except codec.PayloadError as e:
             self._reject(name, e)
             return None

@@ -61,6 +61,7 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.memory import MemoryObjMeta
 from kvtier.storage import codec
 from kvtier.storage._log import warn_throttled
+from kvtier.storage._views import ArenaBytes
 from kvtier.storage.backends.base import BackendContext, StorageBackend
 from kvtier.storage.backends.redis_chunk import ChunkRead
 from kvtier.storage.backends.redis_format import (
@@ -113,6 +114,7 @@ class RedisBackend(StorageBackend):
         self.timeout_s = cfg.redis_timeout_s
         self.ttl = cfg.redis_ttl_s or None
         self.max_tokens = cfg.chunk_size
+        self._bytes = ArenaBytes(ctx.arena)
         full = MemoryObjMeta(
             ctx.layout.chunk_shape(cfg.chunk_size), ctx.layout.torch_dtype, cfg.chunk_size
         )
@@ -254,11 +256,11 @@ class RedisBackend(StorageBackend):
         if sealer is None:
             return (
                 [codec.encode_header(k, obj.meta, self.ctx.layout) for k, obj in items],
-                [obj.byte_view() for _, obj in items],
+                [self._bytes.of(obj) for _, obj in items],
             )
         headers, views = [], []
         for k, obj in items:
-            header, sealed = codec.seal(k, obj.meta, self.ctx.layout, obj.byte_view(), sealer)
+            header, sealed = codec.seal(k, obj.meta, self.ctx.layout, self._bytes.of(obj), sealer)
             headers.append(header)
             views.append(memoryview(sealed))
         return headers, views
@@ -345,7 +347,7 @@ class RedisBackend(StorageBackend):
         if obj is None:
             self.ctx.stats.add(f"{self.name}.no_host_memory")
             return None
-        return ChunkRead(i, head, trailer, obj, seg)
+        return ChunkRead(i, head, trailer, obj, seg, self._bytes.of(obj))
 
     def _get_segments(
         self, reads: list[ChunkRead], heads: list[bytes], groups: dict[str, list[int]], dl: Deadline

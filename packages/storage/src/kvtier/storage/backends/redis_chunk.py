@@ -28,13 +28,19 @@ class ChunkRead:
     whole chunk once every segment has landed (or failed). ``failed`` says why it is a miss."""
 
     def __init__(
-        self, index: int, head: codec.Header, trailer: bytes, obj: MemoryObj, segment_bytes: int
+        self,
+        index: int,
+        head: codec.Header,
+        trailer: bytes,
+        obj: MemoryObj,
+        segment_bytes: int,
+        view: memoryview,
     ) -> None:
         self.index = index
         self.head = head
         self.trailer = trailer
         self.obj = obj
-        self.view = obj.byte_view()
+        self.view = view  # obj's bytes
         self.segment_bytes = segment_bytes
         self.segments = max(1, -(-head.payload_len // segment_bytes))
         self.cs = codec.Checksum(head.crc_of_header)
