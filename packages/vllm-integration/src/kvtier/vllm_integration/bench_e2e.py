@@ -13,10 +13,11 @@ Model: a random Llama large enough that a cold 3000-token prefill takes about 2 
 ``kvtier_no_hit_overhead`` = kvtier's cold TTFT / no_connector's cold TTFT - 1 (what kvtier adds
 to a request it cannot help: the lookup and the save). Writes ``e2e.json`` and ``e2e.png``.
 
-``--workload doc-question`` (issue 20): each document gets two questions; the first question is
-cold, the second (same document, another question: the prompts diverge inside a chunk) warm.
-Modes ``prefix_cache``, ``kvtier`` and ``kvtier_restart`` (a fresh kvtier engine after the
-``kvtier`` one stopped: the second questions hit its disk tier; their cold reference is the
+``--workload doc-question`` (issue 20): each document gets ``1 + --warm-questions`` questions;
+the first question is cold, the later ones (same document, another question: the prompts
+diverge inside a chunk) warm. Modes ``prefix_cache``, ``kvtier`` and ``kvtier_restart`` (a fresh
+kvtier engine after the ``kvtier`` one stopped: the later questions hit its disk tier; their
+cold reference is the
 ``kvtier`` engine's first questions). Writes ``e2e-docq.json`` and ``e2e-docq.png``, with each
 mode's warm/cold over ``prefix_cache``'s.
 """
@@ -51,6 +52,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--workload", choices=("repeat", "doc-question"), default="repeat")
     p.add_argument("--docs", type=int, default=None, help="default 4 (doc-question: 3)")
     p.add_argument("--doc-tokens", type=int, default=None, help="default 3000 (doc-question: 2000)")
+    p.add_argument(
+        "--warm-questions",
+        type=int,
+        default=3,
+        help="doc-question: warm questions per document after the cold one (default 3)",
+    )
     p.add_argument(
         "--gap-s",
         type=float,
