@@ -64,22 +64,15 @@ def put_job(
         return [cmd_head + body + cmd_tail]
 
     def run(conn: Connection, dl: Deadline) -> list[object]:
-        # two segments in flight, as for reads: a whole lane at once lands in the server's
-        # query buffers first (measured slower: docs/storage-redis.md). A head is a few hundred
-        # bytes: it goes out with the segment after it and takes no place in the window, which
-        # would otherwise hold one segment instead of two for a third of a small chunk's time.
+        # two commands in flight, as for reads: a whole lane at once lands in the server's
+        # query buffers first (measured slower: docs/storage-redis.md)
         bad: dict[int, object] = {}
-        sent = segments = 0  # commands sent; segments sent and not yet answered
-        for i, cmd in plan:
-            out: list[bytes | memoryview] = []
-            while sent < len(plan) and (plan[sent][1] is None or segments < IN_FLIGHT):
-                segments += plan[sent][1] is not None
-                out += parts(plan[sent])
+        sent = 0
+        for n, (i, _) in enumerate(plan):
+            while sent < min(len(plan), n + IN_FLIGHT):
+                conn.send(parts(plan[sent]), dl)
                 sent += 1
-            if out:
-                conn.send(out, dl)
             reply = conn.read_reply(dl)
-            segments -= cmd is not None
             if reply != "OK":
                 bad.setdefault(i, reply)
         return [bad.get(i) for i in chunks]
