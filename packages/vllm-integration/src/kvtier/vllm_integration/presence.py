@@ -116,9 +116,7 @@ class _RankIndex:
             self.digests.popitem(last=False)
 
     def digest(self, chunk_hash: bytes, scope: Scope) -> str:
-        if isinstance(chunk_hash, AliasHash):
-            return self.keys.alias_key(chunk_hash, scope).digest()
-        return self.keys.key(chunk_hash, scope).digest()
+        return self.keys.digest(chunk_hash, scope, alias=isinstance(chunk_hash, AliasHash))
 
 
 class PresenceIndex:
