@@ -257,13 +257,17 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """Benchmarks: hashing, storage tiers, end-to-end TTFT, serving under load (without LMCache:
-    ``kvtier bench serve --lmcache-python`` adds it), and GPU transfer where a GPU exists."""
+    """Benchmarks: hashing, storage tiers, kvtier's scheduler step, end-to-end TTFT, serving under
+    load (without LMCache: ``kvtier bench serve --lmcache-python`` adds it), and GPU transfer
+    where a GPU exists."""
     _ensure_redis_server(session)
     _install(session, tuple(MEMBERS), vllm=True, extra=(*TOOL_DEPS, "redis>=5.0"))
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    which = session.posargs or ["hashing", "storage", "e2e", "serve", "transfer"]
+    which = session.posargs or ["hashing", "storage", "scheduler", "e2e", "serve", "transfer"]
     for name in which:
+        if name == "scheduler":  # kvtier's scheduler hooks per step (no engine needed)
+            session.run("python", "benchmarks/scheduler_step.py", env=env)
+            continue
         if name == "transfer" and not _has_nvidia_gpu():
             session.warn("kvtier bench transfer needs an NVIDIA GPU: skipped")
             continue
