@@ -175,9 +175,12 @@ def measure(
     length: int, repeat: int, running: int, step_tokens: int, seed: int
 ) -> dict[str, list[float]]:
     """Per-case times (ms) over ``repeat`` prompts of ``length`` tokens."""
-    sh.CACHE_BLOCKS = -(-length // sh.BLOCK) + 1
     # Host memory for a few prompts' chunks and aliases (each request's are freed after it).
-    harness = sh.Harness.create(chunk_size=256, arena_chunks=4 * (length // 256) + 16)
+    harness = sh.Harness.create(
+        chunk_size=256,
+        arena_chunks=4 * (length // 256) + 16,
+        cache_blocks=-(-length // sh.BLOCK) + 1,
+    )
     rng = np.random.default_rng(seed)
     times: dict[str, list[float]] = {
         k: []

@@ -83,11 +83,13 @@ class Harness:
         pool_blocks: int | None = None,
         max_num_batched_tokens: int = 2048,
         arena_chunks: int = 32,
+        cache_blocks: int = CACHE_BLOCKS,
         **overrides,
     ) -> Harness:
         """``report_first``: the workers' first report (after vLLM's first step) has reached
         the scheduler already. ``pool_blocks``: bind a vLLM block pool of that many blocks.
-        ``arena_chunks``: each rank's host memory, in chunks of the configured size."""
+        ``arena_chunks``: each rank's host memory, in chunks of the configured size;
+        ``cache_blocks``: blocks of each rank's fake paged cache."""
         layout = KVLayout(
             num_layers=2,
             num_kv_heads=2,
@@ -117,7 +119,7 @@ class Harness:
                 storage=storage,
             )
             caches = [
-                torch.randn(layout.expected_cache_shape(CACHE_BLOCKS)).to(torch.bfloat16)
+                torch.randn(layout.expected_cache_shape(cache_blocks)).to(torch.bfloat16)
                 for _ in range(2)
             ]
             engine.register_kv_caches(caches)
@@ -136,7 +138,7 @@ class Harness:
         )
         harness = cls(sched, ranks)
         if pool_blocks is not None:
-            assert pool_blocks <= CACHE_BLOCKS
+            assert pool_blocks <= cache_blocks
             harness.pool = BlockPool(pool_blocks, enable_caching=True, hash_block_size=BLOCK)
             sched.bind_gpu_block_pool(harness.pool)
         if report_first:
