@@ -156,3 +156,37 @@ def test_scrape_deltas_and_histogram_quantiles() -> None:
     assert after.quantile(before, "h", 0.99) == pytest.approx(0.01 + 0.09 * 9 / 10)
     assert after.quantile(after, "h", 0.5) is None  # nothing observed in between
     assert after.quantile(before, "missing", 0.5) is None
+
+
+def test_targets_are_judged_for_each_kvtier_mode() -> None:
+    """Issue 19's targets for every kvtier mode that ran (lazy offload too), from the rows'
+    ratios to vLLM's prefix cache; a missing row is 'not measured', never 'met'."""
+    from kvtier.vllm_integration.bench_serve_report import targets
+
+    def row(workload: str, mode: str, c: int, ttft: float, rps: float, p99: float) -> dict:
+        return {
+            "workload": workload,
+            "mode": mode,
+            "concurrency": c,
+            "ttft_mean_s": ttft,
+            "req_per_s": rps,
+            "ttft_mean_vs_prefix_cache": ttft,
+            "req_per_s_vs_prefix_cache": rps,
+            "ttft_p99_vs_prefix_cache": p99,
+        }
+
+    rows = [
+        row("A", "kvtier_eager", 4, 0.6, 2.0, 1.0),
+        row("A", "kvtier_lazy", 4, 0.4, 1.6, 1.0),
+        row("A", "lmcache", 4, 0.5, 1.8, 1.0),
+        row("B", "kvtier_eager", 1, 1.0, 0.95, 1.0),
+        row("B", "kvtier_lazy", 1, 1.0, 0.99, 1.02),
+    ]
+    got = {t["target"]: t["met"] for t in targets(rows)}
+    assert got["A c=4 kvtier_eager ttft_mean_vs_prefix_cache <= 0.5"] is False
+    assert got["A c=4 kvtier_lazy ttft_mean_vs_prefix_cache <= 0.5"] is True
+    assert got["A c=4 kvtier_lazy beats lmcache on mean TTFT and req/s"] is False
+    assert got["A c=16 kvtier_lazy req_per_s_vs_prefix_cache >= 1.5"] is None
+    assert got["B c=1 kvtier_eager req_per_s_vs_prefix_cache within 3%"] is False
+    assert got["B c=1 kvtier_lazy req_per_s_vs_prefix_cache within 3%"] is True
+    assert got["B c=1 kvtier_lazy ttft_p99_vs_prefix_cache within 3%"] is True
