@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm_integration"))
 
@@ -123,7 +124,7 @@ def _round(
         harness.deliver(meta)
         for rank in harness.ranks:
             for spec in meta.saves:
-                rank.engine.store(spec.tokens, np_arange(len(spec.tokens)), salt=spec.scope)
+                rank.engine.store(spec.tokens, torch.arange(len(spec.tokens)), salt=spec.scope)
     reports = [rank.feed.take() for rank in harness.ranks]
     _, ms = _timed(
         lambda: sched.update_connector_output(
@@ -192,12 +193,6 @@ def measure(
     finally:
         harness.close()
     return times
-
-
-def np_arange(n: int) -> Any:
-    import torch
-
-    return torch.arange(n)
 
 
 class _Blocks:

@@ -195,7 +195,12 @@ class ChunkKey:
 
     def digest(self) -> str:
         """A fixed-length hex name for the key (file names, short logs)."""
-        return hashlib.blake2b(self.to_string().encode(), digest_size=16).hexdigest()
+        return _digest(self.to_string())
+
+
+def _digest(key_string: str) -> str:
+    """``ChunkKey.digest`` of the key whose ``to_string`` is ``key_string``."""
+    return hashlib.blake2b(key_string.encode(), digest_size=16).hexdigest()
 
 
 def model_id(model: str) -> str:
@@ -234,13 +239,14 @@ class KeyFactory:
         the key: the scheduler's index digests every chunk, tail-block and alias hash of each
         prompt it sees, about 5x faster this way."""
         hash_field = (ALIAS_PREFIX if alias else "") + chunk_hash.hex()
-        text = f"{self._key_prefix}{salt_id(salt)}@{hash_field}"
-        return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+        return _digest(f"{self._key_prefix}{salt_id(salt)}@{hash_field}")
 
     @cached_property
     def _key_prefix(self) -> str:
-        """``ChunkKey.to_string`` up to the salt id."""
-        return f"kvtier@{model_id(self.model)}@{self.layout_fp}@{self.world_size}x{self.rank}@"
+        """``ChunkKey.to_string`` of this factory's keys up to the salt id (its last two
+        fields left empty, and the separator between them cut)."""
+        blank = ChunkKey(model_id(self.model), self.layout_fp, self.world_size, self.rank, "", "")
+        return blank.to_string()[:-1]
 
     def _key(self, hash_field: str, salt: Scope) -> ChunkKey:
         return ChunkKey(

@@ -16,7 +16,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import xxhash
 
-SEGMENT_DIGEST = struct.Struct("<Q")
 SEGMENT = 512 << 10
 
 _crc_pool: ThreadPoolExecutor | None = None

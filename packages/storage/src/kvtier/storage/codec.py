@@ -43,7 +43,6 @@ import torch
 from kvtier.core.layout import dtype_name
 from kvtier.core.memory import MemoryObj, MemoryObjMeta
 from kvtier.storage.checksum import SEGMENT as SEGMENT
-from kvtier.storage.checksum import SEGMENT_DIGEST as SEGMENT_DIGEST
 from kvtier.storage.checksum import Checksum
 from kvtier.storage.sealing import NONCE_BYTES, TAG_BYTES, SealError
 

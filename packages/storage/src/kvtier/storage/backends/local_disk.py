@@ -130,6 +130,11 @@ class LocalDiskBackend(StorageBackend):
         self._index = DiskIndex(self.budget, _FS_FULL_CAP_S)
         self._readers = BatchReaders()
         self._bytes = ArenaBytes(ctx.arena)
+        self._read_chunk = (
+            self._direct.read
+            if self._direct is not None
+            else functools.partial(read_chunk, view_of=self._bytes.of)
+        )
         self._removal_listeners: list[Callable[[list[str]], None]] = []
         self._rebuild_index()
 
@@ -390,27 +395,15 @@ class LocalDiskBackend(StorageBackend):
                 raise codec.PayloadError(
                     f"corrupt: file of {st.st_size} bytes is larger than any chunk"
                 )
-            if self._direct is not None:
-                obj = self._direct.read(
-                    fd,
-                    st.st_size,
-                    key=key,
-                    layout=self.ctx.layout,
-                    max_tokens=self.max_tokens,
-                    allocate=allocate,
-                    sealer=self.ctx.sealer,
-                )
-            else:
-                obj = read_chunk(
-                    fd,
-                    st.st_size,
-                    key=key,
-                    layout=self.ctx.layout,
-                    max_tokens=self.max_tokens,
-                    allocate=allocate,
-                    sealer=self.ctx.sealer,
-                    view_of=self._bytes.of,
-                )
+            obj = self._read_chunk(
+                fd,
+                st.st_size,
+                key=key,
+                layout=self.ctx.layout,
+                max_tokens=self.max_tokens,
+                allocate=allocate,
+                sealer=self.ctx.sealer,
+            )
         except codec.PayloadError as e:
             self._reject(name, e)
             return None
