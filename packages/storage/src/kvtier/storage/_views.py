@@ -1,9 +1,7 @@
 """The bytes of a tier's host objects as memoryviews cut from one view of its arena's buffer.
 
-``MemoryObj.byte_view()`` builds its view through three tensor ops and a numpy array (about
-10 us, several times that right after a 2 MiB copy has flushed the interpreter's data from the
-core's cache), once for every chunk a tier reads or writes; a slice of the arena's view is a
-pointer subtraction.
+``MemoryObj.byte_view()`` builds its view through three tensor ops and a numpy array, once for
+every chunk a tier reads or writes; a slice of the arena's view is a pointer subtraction.
 """
 
 from __future__ import annotations

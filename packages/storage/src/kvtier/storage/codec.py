@@ -74,8 +74,8 @@ class PayloadError(ValueError):
 
 
 class Header(NamedTuple):
-    """A parsed, checked header; ``header_len`` is where the payload starts. (A tuple: built
-    once per chunk read, where a frozen dataclass's construction cost a few microseconds.)"""
+    """A parsed, checked header; ``header_len`` is where the payload starts. (A tuple: it is
+    built once per chunk read, on the read path.)"""
 
     key: str
     meta: MemoryObjMeta
@@ -281,8 +281,8 @@ def decode_header(
     raw = bytes(view[:header_len])
     if not sealed and not key.is_alias:
         # A whole chunk's header as this kvtier writes it: every field is what this reader asks
-        # for, byte for byte, so parsing it would find nothing to refuse (a tenth of a small
-        # chunk's read time). Anything else (fewer tokens, another writer's spacing) is parsed.
+        # for, byte for byte, so parsing it would find nothing to refuse. Anything else (fewer
+        # tokens, another writer's spacing) is parsed.
         known = _chunk_fields(layout, max_tokens)
         if (
             known is not None
