@@ -31,7 +31,7 @@ Full disks: a chunk larger than the budget skips the store with a warning
 (``local_disk.store_skipped``). A file system that fills up below the budget (ENOSPC) makes the
 tier evict its least recently used files to make room and retry once; for a minute after, the
 tier's budget is capped at what it held when the file system filled, so later stores evict first
-instead of failing.
+instead of failing. The store path (budget, eviction, the retry) is ``_disk_writer``.
 
 ``local_disk_o_direct`` reads and writes files with O_DIRECT, bypassing the page cache (a large
 KV working set then does not push the engine's other files out of it); see ``_disk_direct``. A
@@ -40,7 +40,6 @@ file system without O_DIRECT support is a config error at start.
 
 from __future__ import annotations
 
-import errno
 import functools
 import logging
 import os
@@ -60,7 +59,6 @@ from kvtier.storage.backends._disk_files import (
     TMP_SUFFIX,
     namespace_dir,
     scan_chunks,
-    write_chunk_file,
     write_marker,
 )
 from kvtier.storage.backends._disk_index import DiskIndex
@@ -74,6 +72,7 @@ from kvtier.storage.backends._disk_io import (
     remove_entry,
 )
 from kvtier.storage.backends._disk_readers import BatchReaders
+from kvtier.storage.backends._disk_writer import FS_FULL_CAP_S, DiskWriter
 from kvtier.storage.backends.base import BackendContext, StorageBackend
 
 if TYPE_CHECKING:
@@ -86,8 +85,6 @@ logger = logging.getLogger("kvtier.storage")
 __all__ = ["NAMESPACE_FILE", "SUFFIX", "TMP_SUFFIX", "LocalDiskBackend", "namespace_dir"]
 
 GiB = 1 << 30
-# After ENOSPC the budget is capped at what the tier held then, for this long.
-_FS_FULL_CAP_S = 60.0
 
 
 class LocalDiskBackend(StorageBackend):
@@ -127,7 +124,7 @@ class LocalDiskBackend(StorageBackend):
             + ctx.layout.chunk_nbytes(self.max_tokens)
             + codec.TRAILER.size
         )
-        self._index = DiskIndex(self.budget, _FS_FULL_CAP_S)
+        self._index = DiskIndex(self.budget, FS_FULL_CAP_S)
         self._readers = BatchReaders()
         self._bytes = ArenaBytes(ctx.arena)
         self._read_chunk = (
@@ -136,6 +133,18 @@ class LocalDiskBackend(StorageBackend):
             else functools.partial(read_chunk, view_of=self._bytes.of)
         )
         self._removal_listeners: list[Callable[[list[str]], None]] = []
+        self._writer = DiskWriter(
+            ctx,
+            name=self.name,
+            directory=self.dir,
+            direct=self._direct,
+            index=self._index,
+            budget=self.budget,
+            file_name=self.file_name,
+            check=self._check,
+            evict=self._evict,
+            view_of=self._bytes.of,
+        )
         self._rebuild_index()
 
     # -- index ---------------------------------------------------------------------------------
@@ -265,91 +274,9 @@ class LocalDiskBackend(StorageBackend):
         return [self._check(k, self.file_name(k)) for k in keys]
 
     def batched_put(self, items: Sequence[tuple[ChunkKey, MemoryObj]]) -> None:
+        put = self._writer.put
         for key, obj in items:
-            self._put_one(key, obj)
-
-    def _put_one(self, key: ChunkKey, obj: MemoryObj) -> bool:
-        """Store one chunk; whether it is on disk now (False: skipped, counted)."""
-        name = self.file_name(key)
-        if self._check(key, name):
-            return True
-        payload = self._bytes.of(obj)
-        if self.ctx.sealer is not None:
-            header, sealed = codec.seal(key, obj.meta, self.ctx.layout, payload, self.ctx.sealer)
-            payload = memoryview(sealed)
-        else:
-            header = codec.encode_header(key, obj.meta, self.ctx.layout)
-        size = len(header) + payload.nbytes + codec.TRAILER.size
-        if size > self.budget:
-            self.ctx.stats.add(f"{self.name}.store_skipped")
-            warn_throttled(
-                "disk-budget",
-                "kvtier disk tier: a %d-byte chunk exceeds the budget "
-                "local_disk_size_gb=%s; not stored",
-                size,
-                self.ctx.config.local_disk_size_gb,
-            )
-            return False
-        reserved, victims = self._index.reserve(size)
-        self._evict(victims)
-        if not reserved:
-            self.ctx.stats.add(f"{self.name}.store_skipped")
-            warn_throttled(
-                "disk-full-budget",
-                "kvtier disk tier: budget full of chunks being read; chunk not stored",
-            )
-            return False
-        st: os.stat_result | None = None
-        # An alias is not fsync'ed: after a crash it is at worst a checksummed miss.
-        write = functools.partial(
-            write_chunk_file,
-            self.dir,
-            name,
-            header,
-            payload,
-            self._direct,
-            durable=not key.is_alias,
-        )
-        try:
-            try:
-                st = write()
-            except OSError as e:
-                if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._make_room(size):
-                    raise
-                st = write()
-        except OSError as e:
-            self.ctx.stats.add(f"{self.name}.store_skipped")
-            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
-            warn_throttled(
-                "disk-write",
-                "kvtier disk tier: %s writing %s; chunk not stored",
-                "disk full (nothing left to evict)" if full else e,
-                self.dir,
-            )
-        finally:
-            self._index.unreserve(size)
-            if st is not None:
-                self._index.record(name, st)
-        if st is None:
-            return False
-        self.ctx.stats.add_entries(self.name, "stored", [key])
-        return True
-
-    def _make_room(self, size: int) -> bool:
-        """The file system is full below the budget: cap the budget at what the tier holds now
-        and evict until ``size`` more bytes fit; whether any room was made."""
-        cap, victims = self._index.cap_at_used()
-        self._evict(victims)
-        if victims:
-            warn_throttled(
-                "disk-enospc",
-                "kvtier disk tier: file system full below the budget; "
-                "evicted %d file(s) and capped the budget at %d bytes for %.0f s",
-                len(victims),
-                cap,
-                _FS_FULL_CAP_S,
-            )
-        return bool(victims)
+            put(key, obj)
 
     def batched_get(
         self,

@@ -15,7 +15,8 @@ fingerprint, world size, rank, salt), so engines of different models or layouts 
 without meeting.
 
 Data path: ``redis_jobs`` (segments read straight into the arena object, written from it,
-pipelined over ``connections`` connections per server, every cluster shard in parallel).
+pipelined over ``connections`` connections per server, every cluster shard in parallel), dealt
+over servers and connections by ``redis_dispatch``.
 
 A read accepts a chunk only if the head passes every ``codec`` check (key, layout, dtype, shape,
 length), every segment has exactly its length, and the checksum over header and payload
@@ -52,10 +53,9 @@ from __future__ import annotations
 
 import logging
 import zlib
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.memory import MemoryObjMeta
@@ -64,6 +64,7 @@ from kvtier.storage._log import warn_throttled
 from kvtier.storage._views import ArenaBytes
 from kvtier.storage.backends.base import BackendContext, StorageBackend
 from kvtier.storage.backends.redis_chunk import ChunkRead
+from kvtier.storage.backends.redis_dispatch import by_node, lanes_of, pipelined, read_segments
 from kvtier.storage.backends.redis_format import (
     MIN_HEAD,
     head_key,
@@ -71,10 +72,9 @@ from kvtier.storage.backends.redis_format import (
     parse_head,
     segment_keys,
 )
-from kvtier.storage.backends.redis_jobs import UNREACHABLE, get_job, put_job
+from kvtier.storage.backends.redis_jobs import UNREACHABLE, put_job
 from kvtier.storage.backends.redis_nodes import Job, Nodes
 from kvtier.storage.backends.redis_resp import (
-    Connection,
     Deadline,
     RespError,
     command,
@@ -130,47 +130,9 @@ class RedisBackend(StorageBackend):
             on_reconnect=lambda: self.ctx.stats.add(f"{self.name}.reconnects"),
         )
 
-    # -- keys and routing ----------------------------------------------------------------------
+    # -- deadlines (keys are grouped by server and pipelined in redis_dispatch) ----------------
     def _deadline(self, nbytes: int = 0) -> Deadline:
         return Deadline(self.timeout_s + nbytes / self.bytes_per_s)
-
-    def _by_node(self, heads: Sequence[bytes], deadline: Deadline) -> dict[str, list[int]]:
-        """Indices of ``heads`` grouped by the server that holds them (unroutable ones left out)."""
-        route = self.nodes.router(deadline)
-        groups: dict[str, list[int]] = defaultdict(list)
-        if route is not None:
-            for i, h in enumerate(heads):
-                addr = route(h)
-                if addr is not None:
-                    groups[addr].append(i)
-        return groups
-
-    def _lanes(self, address: str, items: list[Any]) -> list[tuple[str, list[Any]]]:
-        """``items`` of one server dealt round-robin over its connections."""
-        n = min(self.nodes.connections, len(items))
-        return [(address, items[i::n]) for i in range(n)]
-
-    def _replies(
-        self, groups: dict[str, list[int]], packed: Callable[[int], bytes], deadline: Deadline
-    ) -> dict[int, object]:
-        """Send one small command per index, pipelined per server; each index's reply (or the
-        exception its server's job ended with)."""
-
-        def job(idxs: list[int]) -> Callable[[Connection, Deadline], list[object]]:
-            def run(conn: Connection, dl: Deadline) -> list[object]:
-                conn.send([b"".join(packed(i) for i in idxs)], dl)
-                return [conn.read_reply(dl) for _ in idxs]
-
-            return run
-
-        jobs: list[Job[list[object]]] = [(a, job(idxs)) for a, idxs in groups.items()]
-        out: dict[int, object] = {}
-        for (_, idxs), result in zip(groups.items(), self.nodes.run(jobs, deadline), strict=True):
-            for n, i in enumerate(idxs):
-                reply = out[i] = result if isinstance(result, BaseException) else result[n]
-                if isinstance(reply, RespError) and reply.kind in ("MOVED", "ASK"):
-                    self.nodes.topology_changed()
-        return out
 
     # -- lookups -------------------------------------------------------------------------------
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
@@ -178,8 +140,8 @@ class RedisBackend(StorageBackend):
         dl = self._deadline()
         if self.ctx.sealer is not None:
             return self._contains_sealed(keys, heads, dl)
-        replies = self._replies(
-            self._by_node(heads, dl), lambda i: command(b"STRLEN", heads[i]), dl
+        replies = pipelined(
+            self.nodes, by_node(self.nodes, heads, dl), lambda i: command(b"STRLEN", heads[i]), dl
         )
         return [
             isinstance(r, int) and r > MIN_HEAD for r in (replies.get(i) for i in range(len(keys)))
@@ -190,7 +152,9 @@ class RedisBackend(StorageBackend):
     ) -> list[bool]:
         """With ``encryption_key``: whole heads are read and checked (a plain head, or one sealed
         under another key, is not a hit a lookup may count on; it is rejected as a read would)."""
-        replies = self._replies(self._by_node(heads, dl), lambda i: command(b"GET", heads[i]), dl)
+        replies = pipelined(
+            self.nodes, by_node(self.nodes, heads, dl), lambda i: command(b"GET", heads[i]), dl
+        )
         out = [False] * len(keys)
         bad: dict[int, str] = {}
         for i, key in enumerate(keys):
@@ -205,7 +169,7 @@ class RedisBackend(StorageBackend):
             return
         dl = self._deadline(sum(obj.meta.nbytes for _, obj in items))
         heads = [head_key(self.prefix, k) for k, _ in items]
-        groups = self._by_node(heads, dl)
+        groups = by_node(self.nodes, heads, dl)
         headers, views = self._payloads(items)
         sums = [codec.Checksum(zlib.crc32(h)) for h in headers]
         failed: dict[int, object] = {i: "no server owns its slot" for i in range(len(items))}
@@ -218,7 +182,8 @@ class RedisBackend(StorageBackend):
             for address, idxs in groups.items():
                 for i in idxs:
                     failed.pop(i)
-                for addr, lane in self._lanes(address, idxs):  # whole chunks per connection
+                # whole chunks per connection
+                for addr, lane in lanes_of(self.nodes, address, idxs):
                     lanes.append(lane)
                     jobs.append((addr, job(lane, segment_bytes=self.segment_bytes, ttl=self.ttl)))
             for lane, result in zip(lanes, self.nodes.run(jobs, dl), strict=True):
@@ -276,8 +241,8 @@ class RedisBackend(StorageBackend):
             return out
         dl = self._deadline()
         heads = [head_key(self.prefix, k) for k in keys]
-        groups = self._by_node(heads, dl)
-        replies = self._replies(groups, lambda i: command(b"GET", heads[i]), dl)
+        groups = by_node(self.nodes, heads, dl)
+        replies = pipelined(self.nodes, groups, lambda i: command(b"GET", heads[i]), dl)
         bad: dict[int, str] = {}
         reads: list[ChunkRead] = []
         for i, key in enumerate(keys):
@@ -287,8 +252,12 @@ class RedisBackend(StorageBackend):
         try:
             # the segments are a second round trip with its own deadline: a server that failed
             # the first is marked down by now and costs nothing here
-            self._get_segments(
-                reads, heads, groups, self._deadline(sum(r.head.payload_len for r in reads))
+            read_segments(
+                self.nodes,
+                reads,
+                heads,
+                groups,
+                self._deadline(sum(r.head.payload_len for r in reads)),
             )
             for r in reads:
                 r.verify(keys[r.index], self.ctx.sealer)
@@ -349,29 +318,6 @@ class RedisBackend(StorageBackend):
             return None
         return ChunkRead(i, head, trailer, obj, seg, self._bytes.of(obj))
 
-    def _get_segments(
-        self, reads: list[ChunkRead], heads: list[bytes], groups: dict[str, list[int]], dl: Deadline
-    ) -> None:
-        """Read every segment of ``reads`` straight into its object; mark the chunks that fail."""
-        by_index = {r.index: r for r in reads}
-        jobs: list[Job[None]] = []
-        lanes: list[list[tuple[ChunkRead, bytes, memoryview]]] = []
-        for address, idxs in groups.items():
-            segs = []
-            for i in idxs:
-                r = by_index.get(i)
-                if r is None:
-                    continue
-                for s, k in enumerate(segment_keys(heads[i], r.segments)):
-                    segs.append((r, k, r.segment_view(s)))
-            for addr, lane in self._lanes(address, segs):
-                lanes.append(lane)
-                jobs.append((addr, get_job(lane, self.nodes.topology_changed)))
-        for lane, result in zip(lanes, self.nodes.run(jobs, dl), strict=True):
-            if isinstance(result, BaseException):
-                for r, _, _ in lane:
-                    r.fail(UNREACHABLE)
-
     def _reject(self, keys: Sequence[ChunkKey], bad: dict[int, str]) -> None:
         gone = [keys[i] for i, why in bad.items() if why != UNREACHABLE]
         for i, why in bad.items():
@@ -392,8 +338,9 @@ class RedisBackend(StorageBackend):
             return
         heads = [head_key(self.prefix, k) for k in keys]
         dl = self._deadline()
-        self._replies(
-            self._by_node(heads, dl),
+        pipelined(
+            self.nodes,
+            by_node(self.nodes, heads, dl),
             lambda i: command(b"DEL", heads[i], *segment_keys(heads[i], self._max_segments)),
             dl,
         )
