@@ -99,7 +99,8 @@ class Harness:
             paged_layout="vllm_cpu",
         )
         config = load_config(
-            env={}, overrides={"chunk_size": CHUNK, "tiers": ["local_cpu"], **overrides}
+            env={},
+            overrides={"chunk_size": CHUNK, "tiers": ["local_cpu"], "lookup": "probe", **overrides},
         )
         ranks = []
         for r in range(world_size):

@@ -140,6 +140,15 @@ class KVTierConfig:
     encryption_key_file: str | None = _doc(
         "A file holding encryption_key (its first line); keep it mode 0600.", default=None
     )
+    lookup: str = _doc(
+        "vLLM: how a waiting request's hit is confirmed. probe: the workers look the prompt up "
+        "and hold its chunks until the load (one scheduler step; a hit is never lost). index: a "
+        "hit the scheduler's index of stored chunks knows is answered at once and loaded "
+        "asynchronously; a chunk gone by the load is recomputed (needs vLLM's "
+        "kv_load_failure_policy='recompute' and load_async; with a Redis tier prompts are still "
+        "probed). auto: index where it can run, else probe.",
+        default="auto",
+    )
     lookup_timeout_s: float = _doc(
         "How long a waiting request's lookup (a probe of every tier on the workers) may take "
         "before it counts as a miss (s); the scheduler never waits for it.",

@@ -32,6 +32,7 @@ _POSITIVE_FLOAT = (
     "lookup_timeout_s",
 )
 _OFFLOAD_MODES = ("eager", "lazy")
+LOOKUP_MODES = ("auto", "probe", "index")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -130,6 +131,20 @@ def check_backend_options(options: dict[str, Any]) -> None:
                 )
 
 
+def check_modes(cfg: KVTierConfig) -> None:
+    """``offload`` and ``lookup`` name a mode, and ``lookup: index`` has the loads it needs."""
+    if cfg.offload not in _OFFLOAD_MODES:
+        raise ConfigError("offload", cfg.offload, f"must be one of {', '.join(_OFFLOAD_MODES)}")
+    if cfg.lookup not in LOOKUP_MODES:
+        raise ConfigError("lookup", cfg.lookup, f"must be one of {', '.join(LOOKUP_MODES)}")
+    if cfg.lookup == "index" and (not cfg.load_async or cfg.use_layerwise):
+        raise ConfigError(
+            "lookup",
+            cfg.lookup,
+            "answers from the index need asynchronous loads (load_async true, use_layerwise false)",
+        )
+
+
 def validated(cfg: KVTierConfig) -> KVTierConfig:
     """``cfg`` itself once every check passes; else the ``ConfigError`` of the first failure."""
     hints = get_type_hints(type(cfg))
@@ -145,8 +160,7 @@ def validated(cfg: KVTierConfig) -> KVTierConfig:
             raise config_error(name, getattr(cfg, name), "must be positive")
     if cfg.redis_ttl_s < 0:
         raise ConfigError("redis_ttl_s", cfg.redis_ttl_s, "must be >= 0 (0 = no expiry)")
-    if cfg.offload not in _OFFLOAD_MODES:
-        raise ConfigError("offload", cfg.offload, f"must be one of {', '.join(_OFFLOAD_MODES)}")
+    check_modes(cfg)
     if cfg.log_level.upper() not in _LOG_LEVELS:
         raise ConfigError("log_level", cfg.log_level, f"must be one of {', '.join(_LOG_LEVELS)}")
     if not cfg.tiers:

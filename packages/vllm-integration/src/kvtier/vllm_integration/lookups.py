@@ -5,6 +5,12 @@ it may hit beyond what vLLM already has, a *probe* (``probes.py``) goes to the w
 next step's metadata and the lookup answers "not yet" until every rank has answered or
 ``lookup_timeout_s`` has passed (a miss). The answer is the minimum hit over ranks; each rank's
 hold keeps the chunks it found until the load (or a release) reaches it.
+
+With ``lookup: index`` (``lookup_mode``) a hit the index knows on every rank is answered at
+once, without a probe or a hold: the load reads the tiers on the worker's loader thread, and a
+chunk evicted meanwhile comes up short, is recomputed by vLLM (``kv_load_failure_policy=
+"recompute"``) and is forgotten by the index (``shortfall``). Tiers the index cannot list
+(Redis) keep the probe: only a probe can see what other engines wrote.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvtier.core.config import KVTierConfig
+from kvtier.core.errors import ConfigError
 from kvtier.core.keys import KeyScope
 from kvtier.vllm_integration.presence import PresenceIndex, ProbeAnswer
 from kvtier.vllm_integration.probes import Probe, ProbeSpec, PromptHashes
@@ -35,6 +42,22 @@ def hold_ttl_s(config: KVTierConfig) -> float:
     longer than half of this is probed again, so only a lost hold (a decision the worker never
     heard of) lives this long."""
     return max(HOLD_TTL_MIN_S, 10.0 * config.lookup_timeout_s)
+
+
+def lookup_mode(config: KVTierConfig, policy: str) -> str:
+    """``probe`` or ``index``: how this engine confirms hits (``KVTierConfig.lookup``, resolved
+    against vLLM's ``kv_load_failure_policy``)."""
+    can_index = config.load_async and not config.use_layerwise and policy == "recompute"
+    if config.lookup == "index" and not can_index:
+        raise ConfigError(
+            "lookup",
+            config.lookup,
+            f"answers from the index need vLLM's kv_load_failure_policy='recompute' (it is "
+            f"{policy!r}): a chunk evicted before its load would fail the request",
+        )
+    if config.lookup == "auto":
+        return "index" if can_index else "probe"
+    return config.lookup
 
 
 def warn_load_failure_policy(policy: str, config: KVTierConfig) -> None:
@@ -77,10 +100,14 @@ class RequestState:
 class Lookups:
     """Probes: which to send, which are answered, which holds to release."""
 
-    def __init__(self, config: KVTierConfig, index: PresenceIndex, num_workers: int) -> None:
+    def __init__(
+        self, config: KVTierConfig, index: PresenceIndex, num_workers: int, mode: str = "probe"
+    ) -> None:
         self.config = config
         self.index = index
         self.num_workers = num_workers
+        self.mode = mode  # lookup_mode()
+        self.indexed = 0  # hits answered by the index, without a probe
         self._next_hold_id = 0
         self.releases: list[tuple[str, int]] = []  # holds not to be loaded, for the next step
         self.probes: list[ProbeSpec] = []  # lookups for the next step's metadata
@@ -100,22 +127,27 @@ class Lookups:
         self.releases, self.probes = [], []
         return out
 
-    def _may_hit(self, state: RequestState, hashes: PromptHashes, computed: int, most: int) -> bool:
-        """Whether a probe may find more than vLLM has: the index says so, or a tier it cannot
-        list (or a worker that has not reported yet) might."""
-        if not self.index.complete:
-            return True
+    def _indexed_hit(self, state: RequestState, hashes: PromptHashes, most: int) -> int:
+        """Whole blocks, at most ``most`` tokens, the index says every rank stores."""
         version, hit = state.indexed
         if version != self.index.version:  # a waiting request is asked every step: hash once
             hit = hashes.indexed_hit(self.index)
             state.indexed = (self.index.version, hit)
         hit = min(hit, most)
-        return hit - hit % hashes.block_size > computed
+        return hit - hit % hashes.block_size
+
+    def _may_hit(self, state: RequestState, hashes: PromptHashes, computed: int, most: int) -> bool:
+        """Whether a probe may find more than vLLM has: the index says so, or a tier it cannot
+        list (or a worker that has not reported yet) might."""
+        if not self.index.complete:
+            return True
+        return self._indexed_hit(state, hashes, most) > computed
 
     def release(self, state: RequestState) -> None:
         """Let the worker drop the request's probe hold (it will not be loaded)."""
         if state.probe is not None:
-            self.releases.append((state.request.request_id, state.probe.hold_id))
+            if not state.probe.indexed:
+                self.releases.append((state.request.request_id, state.probe.hold_id))
             state.probe = None
 
     def probe(
@@ -125,6 +157,14 @@ class Lookups:
         request may hit) or it is in flight."""
         now = time.monotonic()
         probe = state.probe
+        if probe is None and self.mode == "index" and self.index.complete:
+            hit = self._indexed_hit(state, hashes, most)
+            if hit > computed:
+                self.indexed += 1
+                answers = dict.fromkeys(range(self.num_workers), hit)
+                sources = hashes.indexed_sources(self.index, hit)
+                state.probe = Probe(-1, now, answers, sources, indexed=True)
+                return state.probe
         if probe is not None and now - probe.sent_at > hold_ttl_s(self.config) / 2:
             self.release(state)  # its hold is about to expire: look again
             probe = None
@@ -165,6 +205,12 @@ class Lookups:
             probe.sources = ans.sources
         # What the index promised beyond the hit is gone on that rank: stop promising it.
         self.index.forget(rank, hashes.missing_after(ans.hit), hashes.scope)
+
+    def shortfall(self, hashes: PromptHashes | None, rank: int, found: int) -> None:
+        """A load answered by the index found only the prompt's first ``found`` tokens on
+        ``rank``: what the index promised after them is gone there."""
+        if hashes is not None:
+            self.index.forget(rank, hashes.missing_after(found), hashes.scope)
 
 
 def hit_sources(

@@ -11,7 +11,9 @@ connector metadata (``build_connector_worker_meta`` -> ``update_connector_output
   (``kvtier.core.aliases``: an alias lets a prompt hit the first blocks of a stored chunk);
 - whether every tier can list its chunks (``complete``): a tier other engines also write
   (Redis) cannot, and then any prompt may hit there;
-- the answers to the scheduler's probes (``probes.py``).
+- the answers to the scheduler's probes (``probes.py``);
+- loads answered by the index (``lookup: index``) that came up short: how much of the prompt
+  the tiers still had, so the index stops promising the rest.
 
 The scheduler also counts the chunks it has just asked the workers to save, so a request that
 arrives while they are still being copied is probed (and the probe waits for the save).
@@ -62,6 +64,10 @@ class RankReport:
     host_only: bool = False  # host memory is the only tier: what it drops is gone
     # (tier, digests written, digests dropped) of lower tiers, for KV events only
     tier_events: list[tuple[str, list[str], list[str]]] = field(default_factory=list)
+    # (request id, tokens found): loads answered by the index that found only a prefix
+    short: list[tuple[str, int]] = field(default_factory=list)
+    lower_tier: str = ""  # the tier below host memory the index lists ("": none)
+    listed: int = 0  # how many of ``added`` were listed in lower tiers at start (the first ones)
 
 
 @dataclass
@@ -89,6 +95,9 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
                     mine.evicted + rep.evicted,
                     rep.host_only,
                     mine.tier_events + rep.tier_events,
+                    mine.short + rep.short,
+                    rep.lower_tier,
+                    mine.listed + rep.listed,
                 )
         return KVTierWorkerMeta(merged)
 
@@ -100,20 +109,38 @@ class AliasHash(bytes):
 
 
 class _RankIndex:
-    """One rank's chunk keys (digests), oldest first, at most ``capacity``."""
+    """One rank's chunk keys (digests), oldest first, at most ``capacity``; each marked True
+    while it is in host memory (for the tier a hit answered by the index comes from)."""
 
     def __init__(self, report: RankReport) -> None:
         self.keys = KeyFactory(*report.namespace)
         self.complete = report.complete
         self.capacity = max(1, report.capacity)
-        self.digests: OrderedDict[str, None] = OrderedDict()
+        self.lower_tier = report.lower_tier
+        self.digests: OrderedDict[str, bool] = OrderedDict()
 
-    def add(self, digests: Sequence[str]) -> None:
+    def add(self, digests: Sequence[str], in_host: bool = True) -> None:
         for d in digests:
-            self.digests[d] = None
+            self.digests[d] = in_host
             self.digests.move_to_end(d)
         while len(self.digests) > self.capacity:
             self.digests.popitem(last=False)
+
+    def left_host(self, digests: Sequence[str], gone: bool) -> None:
+        """``digests`` left host memory: gone (host memory is the only tier) or now only in
+        lower tiers."""
+        for d in digests:
+            if gone:
+                self.digests.pop(d, None)
+            elif d in self.digests:
+                self.digests[d] = False
+
+    def tier(self, digest: str | None) -> str:
+        """Where the index says the chunk is: host memory, the lower tier, or "" (unknown)."""
+        where = self.digests.get(digest) if digest is not None else None
+        if where is None:
+            return ""
+        return "local_cpu" if where else self.lower_tier
 
     def digest(self, chunk_hash: bytes, scope: Scope) -> str:
         return self.keys.digest(chunk_hash, scope, alias=isinstance(chunk_hash, AliasHash))
@@ -143,15 +170,20 @@ class PresenceIndex:
         if rank is None:
             rank = self._ranks[report.rank] = _RankIndex(report)
         rank.complete = report.complete
-        rank.add(report.added)
-        if report.host_only:
-            for d in report.evicted:
-                rank.digests.pop(d, None)
+        rank.lower_tier = report.lower_tier
+        rank.add(report.added[: report.listed], in_host=False)
+        rank.add(report.added[report.listed :])
+        rank.left_host(report.evicted, gone=report.host_only)
 
     def digest(self, rank: int, chunk_hash: bytes, scope: Scope) -> str | None:
         """``rank``'s key digest of a chunk (None before that rank reported)."""
         r = self._ranks.get(rank)
         return r.digest(chunk_hash, scope) if r is not None else None
+
+    def tier(self, chunk_hash: bytes, scope: Scope) -> str:
+        """The tier rank 0 holds a chunk in, as far as the index knows ("": not known)."""
+        r = self._ranks.get(0)
+        return r.tier(r.digest(chunk_hash, scope)) if r is not None else ""
 
     def leading(self, hashes: Sequence[bytes], scope: Scope) -> int:
         """How many of ``hashes``, from the first, every rank stores (0 until ready)."""
@@ -218,8 +250,10 @@ class PresenceFeed:
         self._lock = threading.Lock()
         self._answers: list[ProbeAnswer] = []
         self._evicted: list[str] = []
+        self._short: list[tuple[str, int]] = []
         self._sent_once = False
         self._host_only = list(engine.config.tiers) == ["local_cpu"]
+        self._lower_tier = next((t for t in engine.config.tiers if t != "local_cpu"), "")
         engine.storage.watch_host_removals(self._dropped)
         self._tier_events: list[tuple[str, list[str], list[str]]] = []
         if tier_events:
@@ -230,6 +264,7 @@ class PresenceFeed:
         listed, self._complete = _inventory(engine)
         with self._lock:
             self._added = listed + self._added
+            self._listed = len(listed)
 
     def _stored(self, keys: list[ChunkKey]) -> None:
         digests = [k.digest() for k in keys]
@@ -249,17 +284,24 @@ class PresenceFeed:
         with self._lock:
             self._answers.append(answer)
 
+    def shortfall(self, req_id: str, found: int) -> None:
+        """A load answered by the index found only the first ``found`` tokens of the prompt."""
+        with self._lock:
+            self._short.append((req_id, found))
+
     def take(self) -> KVTierWorkerMeta | None:
         """This step's report (None when there is nothing new to say)."""
         with self._lock:
             if self._sent_once and not (
-                self._added or self._answers or self._evicted or self._tier_events
+                self._added or self._answers or self._evicted or self._tier_events or self._short
             ):
                 return None
             tier_events, self._tier_events = self._tier_events, []
             added, self._added = self._added, []
             answers, self._answers = self._answers, []
             evicted, self._evicted = self._evicted, []
+            short, self._short = self._short, []
+            listed, self._listed = self._listed, 0
             self._sent_once = True
         report = RankReport(
             self.rank,
@@ -271,6 +313,9 @@ class PresenceFeed:
             evicted,
             self._host_only,
             tier_events,
+            short,
+            self._lower_tier,
+            listed,
         )
         return KVTierWorkerMeta({self.rank: report})
 

@@ -52,6 +52,8 @@ class Probe:
     answers: dict[int, int] = field(default_factory=dict)  # rank -> hit tokens
     sources: list[list[Any]] = field(default_factory=list)  # rank 0's, for hit-source metrics
     expired: bool = False
+    # Answered by the scheduler's index (``lookup: index``): nothing was sent, nothing is held.
+    indexed: bool = False
 
     def answered(self, num_ranks: int) -> bool:
         return self.expired or len(self.answers) >= num_ranks
@@ -107,6 +109,24 @@ class PromptHashes:
         aliases = self.aliases(n)
         alias = index.longest(aliases, self.scope) if aliases else 0
         return tokens + max(run, alias) * self.block_size
+
+    def indexed_sources(self, index: PresenceIndex, hit: int) -> list[list[Any]]:
+        """``[[start, end, tier], ...]`` of the first ``hit`` tokens (at most the indexed hit),
+        by the tier the index says rank 0 holds each span in (for hit-source metrics)."""
+        c, bs = self.chunk_size, self.block_size
+        n = min(hit // c, len(self.full))
+        out: list[list[Any]] = [
+            [i * c, (i + 1) * c, index.tier(self.full[i], self.scope)] for i in range(n)
+        ]
+        blocks = (hit - n * c) // bs
+        if blocks:
+            tail = self.tail(n)
+            tier = index.tier(tail[blocks - 1], self.scope) if len(tail) >= blocks else ""
+            if not tier:  # not a run of tail blocks: an alias into a stored chunk
+                aliases = self.aliases(n)
+                tier = index.tier(aliases[blocks - 1], self.scope) if len(aliases) >= blocks else ""
+            out.append([n * c, n * c + blocks * bs, tier])
+        return out
 
     def saved_aliases(self, skip: int, end: int) -> list[bytes]:
         """The alias hashes a save of tokens ``[0, end)`` stores from token ``skip`` on (those

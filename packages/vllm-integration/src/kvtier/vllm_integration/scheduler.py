@@ -4,7 +4,9 @@ Nothing here waits: no socket, disk or Redis call runs inside ``schedule()``. A 
 (``get_num_new_matched_tokens``) asks the index of stored chunks (``presence.py``, fed by the
 workers' per-step reports); a prompt that may hit beyond what vLLM has is *probed* on the
 workers (``lookups.py``, ``probes.py``) and answered "not yet" (``None``) until every rank has
-answered with what it holds for the load (``holds.py``). The hit is the minimum over ranks, cut
+answered with what it holds for the load (``holds.py``); with ``lookup: index`` a hit the index
+knows is answered at once and loaded without a hold (``lookups.py``). The hit is the minimum
+over ranks, cut
 to whole blocks and at most ``n - 1`` tokens (the last prompt token is always recomputed).
 ``build_connector_meta`` turns each step's schedule into probes, loads, hold releases and saves
 (``save_plan.py``: chunks completed by this step's forward pass). With ``load_async`` (the
@@ -38,6 +40,7 @@ from kvtier.vllm_integration.lookups import (
     Lookups,
     RequestState,
     hit_sources,
+    lookup_mode,
     warn_load_failure_policy,
 )
 from kvtier.vllm_integration.metadata import KVTierMetadata, LoadSpec, SaveSpec
@@ -75,7 +78,9 @@ class SchedulerSide:
         self._reqs: dict[str, RequestState] = {}
         self.num_workers = num_workers
         self.index = PresenceIndex(num_workers)
-        self.lookups = Lookups(config, self.index, num_workers)
+        self.lookups = Lookups(
+            config, self.index, num_workers, lookup_mode(config, load_failure_policy)
+        )
         self.events = EventLog(
             block_size, kv_events, lambda h, scope: self.index.digest(0, h, scope)
         )
@@ -101,7 +106,11 @@ class SchedulerSide:
     def stats(self) -> dict[str, int]:
         """Scheduler-process counters."""
         out = dict(self._counts)
-        out.update(probes=self.lookups.sent, lookup_failures=self.lookups.failures)
+        out.update(
+            probes=self.lookups.sent,
+            indexed_hits=self.lookups.indexed,
+            lookup_failures=self.lookups.failures,
+        )
         if self.lazy is not None:
             out.update(self.lazy.stats)
         return out
@@ -174,7 +183,8 @@ class SchedulerSide:
             self.lookups.release(state)
             return
         assert state.probe is not None, "external tokens without an answered lookup"
-        hold_id, state.probe = state.probe.hold_id, None
+        probe, state.probe = state.probe, None
+        hold_id = None if probe.indexed else probe.hold_id
         if not state.load_async:
             state.external, state.hold_id = num_external_tokens, hold_id
             return
@@ -346,6 +356,9 @@ class SchedulerSide:
             state = self._reqs.get(ans.req_id)
             hashes = self._hashes(state) if state is not None else None
             self.lookups.answer(state, hashes, report.rank, ans)
+        for rid, found in report.short:
+            state = self._reqs.get(rid)
+            self.lookups.shortfall(self._hashes(state) if state else None, report.rank, found)
 
     def has_pending_block_frees(self) -> bool:
         """Blocks of finished requests come back once their saves are copied off the device

@@ -54,7 +54,7 @@ from kvtier.vllm_integration.identity import engine_rank, model_identity
 from kvtier.vllm_integration.layout import build_layout, layer_index, ordered_caches
 from kvtier.vllm_integration.lazy import LazyWorkerMeta
 from kvtier.vllm_integration.lookups import hold_ttl_s
-from kvtier.vllm_integration.metadata import KVTierMetadata, SaveSpec, slot_mapping
+from kvtier.vllm_integration.metadata import KVTierMetadata, LoadSpec, SaveSpec, slot_mapping
 from kvtier.vllm_integration.presence import KVTierWorkerMeta, PresenceFeed
 from kvtier.vllm_integration.probes import Prober, ProbeSpec
 from kvtier.vllm_integration.saver import Saver
@@ -101,6 +101,7 @@ class WorkerSide:
             "loaded_tokens": 0,
             "load_failed_blocks": 0,
             "loads_without_hold": 0,
+            "indexed_loads": 0,
             "save_jobs": 0,
             "saved_tokens": 0,
             "save_errors": 0,
@@ -174,6 +175,8 @@ class WorkerSide:
             layer_of=self._layer_of,
             count=self._count,
             metrics=self.metrics,
+            before_indexed=self._before_indexed,
+            shortfall=self._shortfall,
         )
         kv_events = vc.kv_events_config
         self._feed = PresenceFeed(
@@ -216,6 +219,18 @@ class WorkerSide:
         hit = self._holds.lookup(spec.req_id, spec.hold_id, spec.tokens, spec.scope)
         self.metrics.observe("lookup_seconds", time.perf_counter() - t0)
         return hit, self._holds.sources(spec.req_id)
+
+    def _before_indexed(self, spec: LoadSpec) -> None:
+        """A load answered by the scheduler's index, on the loader thread: a save of the same
+        prefix still copying would be missed, give it a moment (as a probe does)."""
+        if self._saver is not None:
+            self._saver.wait_related(
+                spec.tokens, spec.scope, self.chunk_size, self.config.lookup_timeout_s / 2
+            )
+
+    def _shortfall(self, req_id: str, found: int) -> None:
+        if self._feed is not None:
+            self._feed.shortfall(req_id, found)
 
     @property
     def loads_in_flight(self) -> int:

@@ -6,6 +6,10 @@ Synchronous loads run before the forward pass (``run``), or layer by layer with
 ``take_finished``. A load that fills fewer tokens than asked reports the blocks it left
 unfilled (``take_failed``, vLLM's ``get_block_ids_with_load_errors``): with
 ``kv_load_failure_policy="recompute"`` vLLM recomputes them, with "fail" the request fails.
+
+A load the scheduler answered from its index (``lookup: index``: no hold, ``hold_id`` None)
+first lets in-flight saves of the same prefix land (``before_indexed``), then reads the tiers;
+if it comes up short, how much it found goes back to the scheduler's index (``shortfall``).
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class WorkerLoads:
         layer_of: dict[str, int],
         count: Callable[..., None],
         metrics: StatsTracker,
+        before_indexed: Callable[[LoadSpec], None] = lambda spec: None,
+        shortfall: Callable[[str, int], None] = lambda req_id, found: None,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -49,6 +55,8 @@ class WorkerLoads:
         self._layer_of = layer_of
         self._count = count
         self._metrics = metrics
+        self._before_indexed = before_indexed
+        self._shortfall = shortfall
         self._jobs: list[RetrieveJob] = []
         self._failed: set[int] = set()
         self._loader = Loader(self._load, self._spec_blocks)
@@ -73,6 +81,8 @@ class WorkerLoads:
         if loaded == spec.end - spec.start:
             return set()
         missing = (~want).nonzero().squeeze(1) + spec.start
+        if spec.hold_id is None:
+            self._shortfall(spec.req_id, int(missing[0]))
         blocks = {spec.block_ids[int(i) // self.block_size] for i in missing}
         logger.warning(
             "kvtier: request %s: %d of %d tokens could not be loaded; %d block(s) "
@@ -93,6 +103,8 @@ class WorkerLoads:
 
     def _load(self, spec: LoadSpec, hold: Hold | None, ready: Marker) -> set[int]:
         """One whole load on the loader thread (the caller releases the hold)."""
+        if spec.hold_id is None:
+            self._before_indexed(spec)
         t0 = time.perf_counter()
         mask = self.engine.retrieve(
             spec.tokens, self._slots(spec), salt=spec.scope, hold=hold, ready=ready
@@ -106,7 +118,9 @@ class WorkerLoads:
         for spec in loads:
             slots = self._slots(spec)
             hold = self.holds.take(spec.req_id, spec.hold_id)
-            if hold is None:
+            if spec.hold_id is None:
+                self._count(indexed_loads=1)  # answered by the scheduler's index: no hold
+            elif hold is None:
                 # Expired before its load: read the tiers (may come up short).
                 self._count(loads_without_hold=1)
             if spec.load_async:

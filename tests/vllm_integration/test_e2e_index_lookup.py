@@ -1,0 +1,54 @@
+"""``lookup: index`` through real vLLM on CPU (``kv_load_failure_policy="recompute"``, where
+``lookup: auto`` picks it): hits answered by the scheduler's index, loaded without a hold.
+
+The hazard it brings: nothing holds a chunk between the answer and its load, so a chunk evicted
+in between makes the load come up short. vLLM must then recompute those blocks, and the output
+must still equal vLLM without kvtier (tokens and logprobs exactly: the whole prompt is
+recomputed).
+"""
+
+from __future__ import annotations
+
+import pytest
+from prompts import DOC, FULL_HIT, SHARED, STATS, assert_partial_hit_close, gen
+
+pytestmark = [pytest.mark.vllm]
+
+CONFIG = {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.1}
+
+
+def test_index_answers_hit_and_a_chunk_evicted_before_its_load_is_recomputed(
+    run_engine, reference, partial_tolerance
+) -> None:
+    steps = [
+        gen(DOC),
+        STATS,  # cold
+        gen(DOC),
+        STATS,  # full hit, answered by the index
+        {**gen(DOC), "evict_after_lookup": True},
+        STATS,  # answered, then every chunk evicted before the load: recomputed
+        gen(DOC),
+        gen(DOC),
+        STATS,  # stored again by the recompute or the request after it, then a hit
+        gen(SHARED),
+        STATS,  # partial-prefix hit
+    ]
+    out = run_engine({"kvtier": CONFIG, "load_failure_policy": "recompute", "steps": steps})
+    evict = out[4].pop("evict")
+    cold, hit, evicted, again, last, shared = (out[i] for i in (0, 2, 4, 6, 7, 9))
+    s_cold, s_hit, s_evicted, s_last, s_shared = (out[i] for i in (1, 3, 5, 8, 10))
+    for r in (cold, hit, evicted, again, last):
+        assert r == reference["doc"]  # tokens and logprobs, exactly
+    assert_partial_hit_close(shared, reference["shared"], partial_tolerance)
+
+    assert s_cold["indexed_loads"] == 0 and s_cold["loaded_tokens"] == 0
+    assert s_hit["indexed_loads"] == 1 and s_hit["loaded_tokens"] == FULL_HIT
+    assert s_hit["holds"] == s_hit["held_objects"] == 0
+    # Nothing held the chunks: the filler evicted all of them, and the load found none.
+    assert evict["stored"] == evict["evicted"] > 0
+    assert s_evicted["indexed_loads"] == 2
+    assert s_evicted["loaded_tokens"] == s_hit["loaded_tokens"]
+    assert s_evicted["load_failed_blocks"] == FULL_HIT // 32
+    assert s_last["loaded_tokens"] - s_evicted["loaded_tokens"] == FULL_HIT
+    assert s_shared["loaded_tokens"] > s_last["loaded_tokens"]
+    assert s_shared["loads_without_hold"] == 0
