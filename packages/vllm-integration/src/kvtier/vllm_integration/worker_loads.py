@@ -8,8 +8,9 @@ unfilled (``take_failed``, vLLM's ``get_block_ids_with_load_errors``): with
 ``kv_load_failure_policy="recompute"`` vLLM recomputes them, with "fail" the request fails.
 
 A load the scheduler answered from its index (``lookup: index``: no hold, ``hold_id`` None)
-first lets in-flight saves of the same prefix land (``before_indexed``), then reads the tiers;
-if it comes up short, how much it found goes back to the scheduler's index (``shortfall``).
+first lets in-flight saves of the same prefix land (``before_indexed``), then looks the prompt up
+and holds it as a probe would (counted the same way), and loads from that; if it comes up
+short, how much it found goes back to the scheduler's index (``shortfall``).
 """
 
 from __future__ import annotations
@@ -103,13 +104,19 @@ class WorkerLoads:
 
     def _load(self, spec: LoadSpec, hold: Hold | None, ready: Marker) -> set[int]:
         """One whole load on the loader thread (the caller releases the hold)."""
-        if spec.hold_id is None:
+        own = None
+        if spec.hold_id is None:  # answered by the index: look up (and count) here
             self._before_indexed(spec)
-        t0 = time.perf_counter()
-        mask = self.engine.retrieve(
-            spec.tokens, self._slots(spec), salt=spec.scope, hold=hold, ready=ready
-        )
-        self._metrics.observe("load_seconds", time.perf_counter() - t0)
+            hold = own = self.engine.hold(spec.tokens, spec.scope)
+        try:
+            t0 = time.perf_counter()
+            mask = self.engine.retrieve(
+                spec.tokens, self._slots(spec), salt=spec.scope, hold=hold, ready=ready
+            )
+            self._metrics.observe("load_seconds", time.perf_counter() - t0)
+        finally:
+            if own is not None:
+                own.release()
         return self._check_loaded(spec, mask)
 
     def run(self, loads: list[LoadSpec]) -> None:
