@@ -203,12 +203,11 @@ class Lookups:
         probe.answers[rank] = ans.hit
         if rank == 0:
             probe.sources = ans.sources
-        # What the index promised beyond the hit is gone on that rank: stop promising it.
-        self.index.forget(rank, hashes.missing_after(ans.hit), hashes.scope)
+        self.shortfall(hashes, rank, ans.hit)
 
     def shortfall(self, hashes: PromptHashes | None, rank: int, found: int) -> None:
-        """A load answered by the index found only the prompt's first ``found`` tokens on
-        ``rank``: what the index promised after them is gone there."""
+        """A probe or a load answered by the index found only the prompt's first ``found``
+        tokens on ``rank``: what the index promised after them is gone there."""
         if hashes is not None:
             self.index.forget(rank, hashes.missing_after(found), hashes.scope)
 

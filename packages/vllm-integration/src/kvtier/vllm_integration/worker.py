@@ -46,6 +46,7 @@ import torch
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.engine import CacheEngine
+from kvtier.core.keys import KeyScope
 from kvtier.core.metrics import engine_values
 from kvtier.core.platform import Marker, get_platform
 from kvtier.vllm_integration.channel import LookupServer, socket_path
@@ -209,24 +210,25 @@ class WorkerSide:
 
     def _probe(self, spec: ProbeSpec) -> tuple[int, list[list[Any]]]:
         """One probe on a probe thread: hold what the tiers have of the prompt."""
-        assert self._holds is not None and self._saver is not None
-        # A save of the same prefix still copying would be missed: give it a moment.
-        if not self._saver.wait_related(
-            spec.tokens, spec.scope, self.chunk_size, self.config.lookup_timeout_s / 2
-        ):
-            logger.warning("kvtier: lookup answered before a save of the same prefix finished")
+        assert self._holds is not None
+        self._await_related_saves(spec.tokens, spec.scope)
         t0 = time.perf_counter()
         hit = self._holds.lookup(spec.req_id, spec.hold_id, spec.tokens, spec.scope)
         self.metrics.observe("lookup_seconds", time.perf_counter() - t0)
         return hit, self._holds.sources(spec.req_id)
 
+    def _await_related_saves(self, tokens: np.ndarray, scope: KeyScope) -> None:
+        """Before a probe's lookup or an index-answered load: a save of the same prefix still
+        copying would be missed, give it a moment (at most half of ``lookup_timeout_s``)."""
+        assert self._saver is not None
+        if not self._saver.wait_related(
+            tokens, scope, self.chunk_size, self.config.lookup_timeout_s / 2
+        ):
+            logger.warning("kvtier: lookup answered before a save of the same prefix finished")
+
     def _before_indexed(self, spec: LoadSpec) -> None:
-        """A load answered by the scheduler's index, on the loader thread: a save of the same
-        prefix still copying would be missed, give it a moment (as a probe does)."""
-        if self._saver is not None:
-            self._saver.wait_related(
-                spec.tokens, spec.scope, self.chunk_size, self.config.lookup_timeout_s / 2
-            )
+        """A load answered by the scheduler's index, on the loader thread."""
+        self._await_related_saves(spec.tokens, spec.scope)
 
     def _shortfall(self, req_id: str, found: int) -> None:
         if self._feed is not None:
