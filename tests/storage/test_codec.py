@@ -139,3 +139,42 @@ def test_any_single_byte_change_is_rejected(pos, delta):
 def test_any_truncation_is_rejected(n):
     with pytest.raises(codec.PayloadError):
         decode(_BLOB[:n], 7)
+
+
+_PAYLOAD = bytes(torch.randint(0, 256, (3 * codec.SEGMENT + 999,), dtype=torch.uint8).numpy())
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    length=st.integers(0, len(_PAYLOAD)),
+    cuts=st.lists(st.integers(1, 3), max_size=6),
+    order=st.randoms(use_true_random=False),
+)
+def test_pieces_hashed_in_any_order_give_the_in_order_checksum(length, cuts, order):
+    """A payload hashed as pieces on whole checksum segments, in any order (the Redis tier's
+    readers, each hashing the segment it just read), has the checksum of hashing it in order."""
+    data = memoryview(_PAYLOAD)[:length]
+    whole = codec.Checksum(123)
+    whole.add(data)
+    pieces, at = [], 0
+    for n in cuts:
+        if at >= length:
+            break
+        pieces.append((at, data[at : at + n * codec.SEGMENT]))
+        at += n * codec.SEGMENT
+    if at < length:
+        pieces.append((at, data[at:]))
+    order.shuffle(pieces)
+    placed = codec.PlacedChecksum(123, length)
+    for offset, piece in pieces:
+        placed.add_now(offset, piece)
+    assert placed.value() == whole.value()
+
+
+@pytest.mark.parametrize(
+    ("offset", "size"), [(1, codec.SEGMENT), (0, codec.SEGMENT - 1), (0, 2 * codec.SEGMENT + 1)]
+)
+def test_a_piece_off_the_checksum_segments_is_refused(offset, size):
+    placed = codec.PlacedChecksum(0, 2 * codec.SEGMENT)
+    with pytest.raises(ValueError, match="not on the checksum's segments"):
+        placed.add_now(offset, _PAYLOAD[offset : offset + size])

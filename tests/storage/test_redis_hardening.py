@@ -318,11 +318,16 @@ def test_fast_options_are_valid():
     _backend({"redis_url": "redis://127.0.0.1:1/0"}, FAST["backend_options"]["redis"])
 
 
-def test_segments_checksummed_as_they_land_round_trip_and_catch_damage(redis_clean):
-    """Segments of whole checksum pieces (512 KiB) are hashed one by one as they land: a 4 MiB
-    chunk in eight segments comes back byte for byte, and one flipped byte is a miss."""
+@pytest.mark.parametrize("sealed", [False, True], ids=["plain", "sealed"])
+@pytest.mark.parametrize("seg", [512 << 10, 1 << 20, 700 << 10], ids=["512k", "1m", "700k"])
+def test_big_chunks_round_trip_and_catch_damage(redis_clean, seg, sealed):
+    """A 4 MiB chunk in segments that are whole checksum pieces (hashed by the threads that send
+    and read them, as they go) or not (hashed whole), plain or sealed: it comes back byte for
+    byte, and one flipped byte in a middle segment is a miss."""
     from kvtier.core.keys import KeyFactory
     from kvtier.core.layout import KVLayout
+    from kvtier.core.memory import MemoryObjMeta
+    from kvtier.storage.sealing import Sealer
 
     layout = KVLayout(
         num_layers=4,
@@ -333,11 +338,13 @@ def test_segments_checksummed_as_they_land_round_trip_and_catch_damage(redis_cle
         paged_layout="flash_nhd",
     )
     keys = KeyFactory("big-model", layout.fingerprint())
+    secret = "ab" * 32
     c = config(
         Path(tempfile.gettempdir()),
         tiers=["local_cpu", "redis"],
         redis_url=redis_clean.url,
         chunk_size=256,
+        **({"encryption_key": secret} if sealed else {}),
     )
     arena = HostArena.create(16 << 20)
     tier = RedisBackend(
@@ -346,13 +353,12 @@ def test_segments_checksummed_as_they_land_round_trip_and_catch_damage(redis_cle
             layout=layout,
             namespace=keys.key(b"").namespace(),
             arena=arena,
-            options={"segment_bytes": 512 << 10},
+            options={"segment_bytes": seg, "connections": 2},
+            sealer=Sealer(bytes.fromhex(secret)) if sealed else None,
         )
     )
     try:
         redis_clean.flush()
-        from kvtier.core.memory import MemoryObjMeta
-
         m = MemoryObjMeta(layout.chunk_shape(256), layout.torch_dtype, 256)
         obj = arena.allocate(m)
         obj.byte_view()[:] = bytes(range(256)) * (m.nbytes // 256)
@@ -361,10 +367,10 @@ def test_segments_checksummed_as_they_land_round_trip_and_catch_damage(redis_cle
         (got,) = tier.batched_get([k], arena.allocate)
         assert got is not None and got.byte_view() == obj.byte_view()
         got.release()
-        seg = "kvtier:{" + k.to_string() + "}:5"
-        value = bytearray(redis.Redis.from_url(redis_clean.url).get(seg))
+        name = "kvtier:{" + k.to_string() + "}:2"
+        value = bytearray(redis.Redis.from_url(redis_clean.url).get(name))
         value[1000] ^= 1
-        redis.Redis.from_url(redis_clean.url).set(seg, bytes(value))
+        redis.Redis.from_url(redis_clean.url).set(name, bytes(value))
         assert tier.batched_get([k], arena.allocate) == [None]
         assert tier.ctx.stats.get("redis.corrupt") == 1
         obj.release()

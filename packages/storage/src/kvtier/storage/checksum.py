@@ -76,6 +76,38 @@ class Checksum:
                 part.exception()
 
     def value(self) -> int:
-        digests = [part if isinstance(part, int) else part.result() for part in self._parts]
-        # the segment digests' little-endian bytes, in order (one crc32 call over them all)
-        return zlib.crc32(struct.pack(f"<{len(digests)}Q", *digests), self._start)
+        return combine(
+            self._start, [part if isinstance(part, int) else part.result() for part in self._parts]
+        )
+
+
+def combine(header_crc: int, digests: list[int]) -> int:
+    """The checksum from the header's CRC and the payload's segment digests, in order: the
+    digests' little-endian bytes, one crc32 call over them all."""
+    return zlib.crc32(struct.pack(f"<{len(digests)}Q", *digests), header_crc)
+
+
+class PlacedChecksum:
+    """``Checksum``'s value for a payload whose pieces land out of order, on several threads:
+    ``add_now(offset, data)`` hashes ``data``, the payload's bytes at ``offset``, on the calling
+    thread (the reader that just received them, so they are still in its cache). ``offset`` is a
+    multiple of ``SEGMENT`` and ``data``'s length too, unless it ends the payload."""
+
+    def __init__(self, header_crc: int, payload_len: int) -> None:
+        self._start = header_crc
+        self._digests = [0] * -(-payload_len // SEGMENT)
+        self._len = payload_len
+
+    def add_now(self, offset: int, data: memoryview | bytes) -> None:
+        view = memoryview(data).cast("B")
+        end = offset + view.nbytes
+        if offset % SEGMENT or (end % SEGMENT and end != self._len) or end > self._len:
+            raise ValueError(f"piece [{offset}, {end}) is not on the checksum's segments")
+        first = offset // SEGMENT
+        for n, at in enumerate(range(0, view.nbytes, SEGMENT)):
+            # one list slot per segment: threads filling different slots need no lock
+            self._digests[first + n] = xxhash.xxh3_64_intdigest(view[at : at + SEGMENT])
+
+    def value(self) -> int:
+        """The checksum, once every piece of the payload was added."""
+        return combine(self._start, self._digests)

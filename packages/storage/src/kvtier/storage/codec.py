@@ -56,7 +56,7 @@ from kvtier.storage._codec_header import (
     prefix_lengths,
     stored_key,
 )
-from kvtier.storage.checksum import SEGMENT, Checksum
+from kvtier.storage.checksum import SEGMENT, Checksum, PlacedChecksum
 from kvtier.storage.sealing import SealError
 
 if TYPE_CHECKING:
@@ -78,6 +78,7 @@ __all__ = [
     "Checksum",
     "Header",
     "PayloadError",
+    "PlacedChecksum",
     "check_trailer",
     "decode",
     "decode_header",

@@ -173,27 +173,21 @@ class RedisBackend(StorageBackend):
         headers, views = self._payloads(items)
         sums = [codec.Checksum(zlib.crc32(h)) for h in headers]
         failed: dict[int, object] = {i: "no server owns its slot" for i in range(len(items))}
-        try:
-            for cs, view in zip(sums, views, strict=True):
-                cs.add(view)  # hashed on helper threads while the segments are sent
-            jobs: list[Job[list[object]]] = []
-            lanes: list[list[int]] = []
-            job = partial(put_job, views=views, heads=heads, headers=headers, sums=sums)
-            for address, idxs in groups.items():
-                for i in idxs:
-                    failed.pop(i)
-                # whole chunks per connection
-                for addr, lane in lanes_of(self.nodes, address, idxs):
-                    lanes.append(lane)
-                    jobs.append((addr, job(lane, segment_bytes=self.segment_bytes, ttl=self.ttl)))
-            for lane, result in zip(lanes, self.nodes.run(jobs, dl), strict=True):
-                for n, i in enumerate(lane):
-                    why = result if isinstance(result, BaseException) else result[n]
-                    if why is not None:
-                        failed[i] = why
-        finally:
-            for cs in sums:  # the caller's buffers must not be read after we return
-                cs.wait()
+        jobs: list[Job[list[object]]] = []
+        lanes: list[list[int]] = []
+        job = partial(put_job, views=views, heads=heads, headers=headers, sums=sums)
+        for address, idxs in groups.items():
+            for i in idxs:
+                failed.pop(i)
+            # whole chunks per connection
+            for addr, lane in lanes_of(self.nodes, address, idxs):
+                lanes.append(lane)
+                jobs.append((addr, job(lane, segment_bytes=self.segment_bytes, ttl=self.ttl)))
+        for lane, result in zip(lanes, self.nodes.run(jobs, dl), strict=True):
+            for n, i in enumerate(lane):
+                why = result if isinstance(result, BaseException) else result[n]
+                if why is not None:
+                    failed[i] = why
         if any(
             isinstance(why, RespError) and why.kind in ("MOVED", "ASK") for why in failed.values()
         ):
@@ -268,7 +262,6 @@ class RedisBackend(StorageBackend):
                     r.obj.release()
         except BaseException:
             for r in reads:
-                r.cs.wait()
                 if out[r.index] is None:
                     r.obj.release()
             raise

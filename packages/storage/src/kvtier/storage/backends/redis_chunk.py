@@ -5,8 +5,13 @@ A plain chunk's segments land straight in the host object that will hold it. A s
 stored payload is its ciphertext followed by a 16-byte tag, one tag longer than the object:
 the segments that lie wholly within the ciphertext land in the object, the one or two that
 reach into the tag land in a small side buffer, whose ciphertext part is copied into the object
-once every segment is there. The checksum then runs over ciphertext and tag as they were
-stored, and only after it matches is the ciphertext decrypted in place and its tag checked.
+once every segment is there. The checksum covers ciphertext and tag as they were stored, and
+only after it matches is the ciphertext decrypted in place and its tag checked.
+
+The checksum is hashed by the threads that read the segments, each segment right after it lands
+(still in that core's cache, while the connection's next segment is on its way), when the
+segment size is a multiple of the checksum's piece (``codec.SEGMENT``; the default 1 MiB is);
+otherwise the whole payload is hashed once its last segment lands.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ if TYPE_CHECKING:
 
 class ChunkRead:
     """One chunk of a ``batched_get``: ``segment_view(s)`` is where segment ``s`` lands;
-    ``landed`` is called once per segment (from the thread that read it); ``verify`` checks the
-    whole chunk once every segment has landed (or failed). ``failed`` says why it is a miss."""
+    ``landed(s, problem)`` is called once per segment (from the thread that read it); ``verify``
+    checks the whole chunk once every segment has landed (or failed). ``failed`` says why it is a
+    miss."""
 
     def __init__(
         self,
@@ -43,9 +49,10 @@ class ChunkRead:
         self.view = view  # obj's bytes
         self.segment_bytes = segment_bytes
         self.segments = max(1, -(-head.payload_len // segment_bytes))
-        self.cs = codec.Checksum(head.crc_of_header)
         self.failed: str | None = None
         self.tag = b""
+        self._sum = codec.PlacedChecksum(head.crc_of_header, head.payload_len)
+        self._per_segment = segment_bytes % codec.SEGMENT == 0
         self._pending = self.segments
         self._lock = threading.Lock()
         self._tail: memoryview | None = None
@@ -61,9 +68,11 @@ class ChunkRead:
             return self.view[start:end]
         return self._tail[start - self._tail_at : end - self._tail_at]
 
-    def landed(self, problem: str | None) -> None:
-        """One segment was read (``problem``: why it is unusable). After the last good one, the
-        checksum starts on helper threads while other chunks' segments still arrive."""
+    def landed(self, s: int, problem: str | None) -> None:
+        """Segment ``s`` was read (``problem``: why it is unusable); hash it here, on the thread
+        that read it. After the last one, a sealed chunk's tail is put in place."""
+        if problem is None and self._per_segment:
+            self._sum.add_now(s * self.segment_bytes, self.segment_view(s))
         with self._lock:
             if problem is not None and self.failed is None:
                 self.failed = problem
@@ -71,16 +80,18 @@ class ChunkRead:
             last = self._pending == 0 and self.failed is None
         if not last:
             return
-        if self._tail is None:
-            self.cs.add(self.view)
-            return
-        n = self.view.nbytes
-        inside = n - self._tail_at
-        self.view[self._tail_at :] = self._tail[:inside]
-        self.tag = bytes(self._tail[inside:])
-        whole = n // codec.SEGMENT * codec.SEGMENT  # checksum pieces: whole segments, then the rest
-        self.cs.add(self.view[:whole])
-        self.cs.add(bytes(self.view[whole:]) + self.tag)
+        stored = self.view  # the payload as stored: the object, then (sealed) the tag
+        if self._tail is not None:
+            n = self.view.nbytes
+            inside = n - self._tail_at
+            self.view[self._tail_at :] = self._tail[:inside]
+            self.tag = bytes(self._tail[inside:])
+            whole = n // codec.SEGMENT * codec.SEGMENT
+            if not self._per_segment:
+                self._sum.add_now(whole, bytes(self.view[whole:]) + self.tag)
+            stored = self.view[:whole]
+        if not self._per_segment:
+            self._sum.add_now(0, stored)
 
     def fail(self, problem: str) -> None:
         with self._lock:
@@ -88,13 +99,13 @@ class ChunkRead:
                 self.failed = problem
 
     def verify(self, key: ChunkKey, sealer: Sealer | None) -> None:
-        """Wait for the checksum; check it and (sealed) decrypt in place and check the tag.
-        Sets ``failed`` on a mismatch (the object then holds garbage: release it)."""
-        self.cs.wait()
+        """Check the checksum and (sealed) decrypt in place and check the tag; call once every
+        segment has landed or failed. Sets ``failed`` on a mismatch (the object then holds
+        garbage: release it)."""
         if self.failed is not None:
             return
         try:
-            codec.check_trailer(self.cs.value(), self.trailer)
+            codec.check_trailer(self._sum.value(), self.trailer)
             if self.head.sealed:
                 assert sealer is not None  # parse_head refuses a sealed head without one
                 codec.unseal_in_place(self.head, self.view, self.tag, key, sealer)

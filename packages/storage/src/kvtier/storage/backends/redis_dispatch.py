@@ -66,7 +66,7 @@ def read_segments(
     """Read every segment of ``reads`` straight into its object; mark the chunks that fail."""
     by_index = {r.index: r for r in reads}
     jobs: list[Job[None]] = []
-    lanes: list[list[tuple[ChunkRead, bytes, memoryview]]] = []
+    lanes: list[list[tuple[ChunkRead, int, bytes]]] = []
     for address, idxs in groups.items():
         segs = []
         for i in idxs:
@@ -74,7 +74,7 @@ def read_segments(
             if r is None:
                 continue
             for s, k in enumerate(segment_keys(heads[i], r.segments)):
-                segs.append((r, k, r.segment_view(s)))
+                segs.append((r, s, k))
         for addr, lane in lanes_of(nodes, address, segs):
             lanes.append(lane)
             jobs.append((addr, get_job(lane, nodes.topology_changed)))

@@ -8,9 +8,8 @@ them all into its buffers first, out of its cache (measured slower: docs/storage
 Data path (``redis_resp``): segments are read with ``recv_into`` straight into the arena object
 that will hold the chunk and written with ``sendmsg`` from it (no intermediate copy); a batch's
 segments are pipelined over ``connections`` connections per server (default 2), and in a
-cluster every shard is served in parallel, two segments in flight per connection. The checksum
-of a chunk runs on helper threads as soon as its last segment lands, while the others are still
-arriving.
+cluster every shard is served in parallel, two segments in flight per connection. Each segment
+is hashed for the chunk's checksum by the thread that read it, as it lands (``redis_chunk``).
 """
 
 from __future__ import annotations
@@ -44,22 +43,31 @@ def put_job(
 ) -> Callable[[Connection, Deadline], list[object]]:
     """SET each chunk's segments, then its head, on one connection (the server applies one
     connection's commands in order, so a head is never there before its segments); for each
-    chunk, None or the first reply that was not OK."""
+    chunk, None or the first reply that was not OK. Each segment is hashed into its chunk's
+    checksum right before it is sent, on this thread (the send then copies it from the cache);
+    with a segment size that is not a multiple of the checksum's piece, the whole chunk is
+    hashed before its first segment."""
     seg = segment_bytes
-    plan: list[tuple[int, list[bytes | memoryview] | None]] = []  # None: the chunk's head
-    for i in chunks:
+    per_segment = seg % codec.SEGMENT == 0
+    plan: list[tuple[int, memoryview | None, list[bytes | memoryview] | None]] = []
+    for i in chunks:  # (chunk, what to hash first, command); command None: the chunk's head
         n = max(1, -(-views[i].nbytes // seg))
         for s, k in enumerate(segment_keys(heads[i], n)):
             view = views[i][s * seg : (s + 1) * seg]
             cmd_head, cmd_tail = set_command(k, view.nbytes, ttl)
-            plan.append((i, [cmd_head, view, cmd_tail]))
-        plan.append((i, None))
+            hashed = view if per_segment else (views[i] if s == 0 else None)
+            plan.append((i, hashed, [cmd_head, view, cmd_tail]))
+        plan.append((i, None, None))
 
-    def parts(entry: tuple[int, list[bytes | memoryview] | None]) -> list[bytes | memoryview]:
-        i, cmd = entry
+    def parts(
+        entry: tuple[int, memoryview | None, list[bytes | memoryview] | None],
+    ) -> list[bytes | memoryview]:
+        i, hashed, cmd = entry
         if cmd is not None:
+            if hashed is not None:
+                sums[i].add_now(hashed)
             return cmd
-        body = encode_head(headers[i], sums[i].value(), seg)  # waits for the checksum
+        body = encode_head(headers[i], sums[i].value(), seg)
         cmd_head, cmd_tail = set_command(heads[i], len(body), ttl)
         return [cmd_head + body + cmd_tail]
 
@@ -68,7 +76,7 @@ def put_job(
         # query buffers first (measured slower: docs/storage-redis.md)
         bad: dict[int, object] = {}
         sent = 0
-        for n, (i, _) in enumerate(plan):
+        for n, (i, _, _) in enumerate(plan):
             while sent < min(len(plan), n + IN_FLIGHT):
                 conn.send(parts(plan[sent]), dl)
                 sent += 1
@@ -81,11 +89,11 @@ def put_job(
 
 
 def get_job(
-    lane: list[tuple[ChunkRead, bytes, memoryview]], on_moved: Callable[[], None]
+    lane: list[tuple[ChunkRead, int, bytes]], on_moved: Callable[[], None]
 ) -> Callable[[Connection, Deadline], None]:
     """GET each segment of ``lane`` on one connection straight into its view; each chunk is told
     when its segment landed, or why not. ``on_moved``: a reply said the slot moved (cluster)."""
-    cmds = [command(b"GET", k) for _, k, _ in lane]
+    cmds = [command(b"GET", k) for _, _, k in lane]
     window = IN_FLIGHT
 
     def run(conn: Connection, dl: Deadline) -> None:
@@ -93,9 +101,10 @@ def get_job(
         # at once copies them all into its output buffers first, out of its cache (measured
         # slower: docs/storage-redis.md).
         conn.send([b"".join(cmds[:window])], dl)
-        for n, (r, _, view) in enumerate(lane):
+        for n, (r, s, _) in enumerate(lane):
             if n + window < len(cmds):
                 conn.send([cmds[n + window]], dl)
+            view = r.segment_view(s)
             got = conn.read_into(view, dl)
             problem = None
             if got != view.nbytes:
@@ -103,7 +112,7 @@ def get_job(
                 problem = UNREACHABLE if state else segment_problem(got, view.nbytes)
                 if state and got.kind in ("MOVED", "ASK"):  # type: ignore[union-attr]
                     on_moved()
-            r.landed(problem)  # the last one starts the chunk's checksum on helper threads
+            r.landed(s, problem)  # hashed here, while the next segment is on its way
 
     return run
 
