@@ -139,3 +139,53 @@ def test_objects_name_their_arena() -> None:
     x, y = a.allocate(meta), b.allocate(meta)
     assert x is not None and y is not None
     assert x.arena is a and y.arena is b and x.share().arena is a
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    alignment=st.sampled_from([4, 8, 256]),
+    start=st.sampled_from([0, 4, 64, 256]),
+    objs=st.lists(
+        st.tuples(
+            st.sampled_from([torch.uint8, torch.bfloat16, torch.float16, torch.float32]),
+            st.lists(st.integers(0, 5), min_size=1, max_size=4),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+)
+def test_object_tensors_are_their_own_bytes(
+    alignment: int, start: int, objs: list[tuple[torch.dtype, list[int]]]
+) -> None:
+    """Every object's tensor has its meta's shape and dtype, is contiguous, and covers exactly
+    the bytes of its byte view, at any offset the alignment allows; what one object holds never
+    shows in another."""
+    # the arena's buffer is a slice of a larger tensor, as when arenas share one allocation
+    arena = HostArena(torch.zeros(4099 + start, dtype=torch.uint8)[start:], alignment=alignment)
+    held = []
+    for n, (dtype, shape) in enumerate(objs):
+        meta = MemoryObjMeta(tuple(shape), dtype, 1)
+        obj = arena.allocate(meta)
+        assert obj is not None
+        t = obj.tensor
+        assert t.shape == tuple(shape) and t.dtype == dtype and t.is_contiguous()
+        view = obj.byte_view()
+        assert view.nbytes == meta.nbytes
+        if meta.nbytes:
+            assert t.data_ptr() == torch.frombuffer(view, dtype=torch.uint8).data_ptr()
+        t.view(torch.uint8).fill_(n)
+        held.append((obj, n))
+    for obj, n in held:
+        assert bytes(obj.byte_view()) == bytes([n]) * obj.meta.nbytes
+        obj.release()
+    assert arena.used_bytes == 0
+
+
+def test_an_object_below_its_dtype_alignment_is_refused_by_name() -> None:
+    arena = HostArena(torch.zeros(64, dtype=torch.uint8), alignment=1)
+    first = arena.allocate(meta(1))
+    assert first is not None
+    with pytest.raises(ValueError, match="not aligned"):
+        arena.allocate(MemoryObjMeta((2,), torch.float32, 1))
+    assert arena.used_bytes == 1  # the refused object's bytes went back
+    first.release()

@@ -10,6 +10,7 @@ sharing a released one, raises ``DoubleReleaseError``: a bug is loud, never a si
 from __future__ import annotations
 
 import bisect
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ class HostArena:
         self._free_offsets: list[int] = [0] if self.capacity else []
         self._free_sizes: list[int] = [self.capacity] if self.capacity else []
         self._used = 0
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
 
     @classmethod
     def create(cls, nbytes: int, *, pin_memory: bool = False, alignment: int = 256) -> HostArena:
@@ -97,7 +99,11 @@ class HostArena:
                     break
             else:
                 return None
-        return MemoryObj(_Allocation(self, offset, size), meta)
+        try:
+            return MemoryObj(_Allocation(self, offset, size), meta)
+        except BaseException:
+            self._free(offset, size)
+            raise
 
     def allocate_evicting(
         self, meta: MemoryObjMeta, evict_one: Callable[[], bool] | None
@@ -115,6 +121,28 @@ class HostArena:
             if obj is not None or evict_one is None or not evict_one():
                 return obj
 
+    def tensor_at(self, offset: int, meta: MemoryObjMeta) -> torch.Tensor:
+        """A contiguous tensor of ``meta``'s shape and dtype over the arena's bytes at ``offset``.
+
+        One ``as_strided`` of a view of the whole buffer as ``meta.dtype`` (made once per dtype),
+        instead of a slice and two views: this runs for every object allocated, once per chunk a
+        tier reads, where three torch calls cost about as much as the chunk's header check."""
+        itemsize = meta.dtype.itemsize
+        base = self.buffer.storage_offset()  # the buffer may be a slice of a larger tensor
+        if base % itemsize or offset % itemsize:
+            raise ValueError(
+                f"an object of {meta.dtype} at byte {offset} of an arena whose buffer starts at "
+                f"byte {base} of its storage: not aligned to the dtype's {itemsize} bytes"
+            )
+        typed = self._typed.get(meta.dtype)
+        if typed is None:  # two threads may both make it: either view is the same
+            whole = self.buffer[: self.buffer.numel() // itemsize * itemsize]
+            typed = self._typed[meta.dtype] = whole.view(meta.dtype)
+        # as_strided's offset counts from the start of the storage, not of the view
+        return typed.as_strided(
+            meta.shape, _contiguous_strides(meta.shape), (base + offset) // itemsize
+        )
+
     def _free(self, offset: int, size: int) -> None:
         with self._lock:
             self._used -= size
@@ -128,6 +156,15 @@ class HostArena:
             else:
                 self._free_offsets.insert(i, offset)
                 self._free_sizes.insert(i, size)
+
+
+@functools.lru_cache(maxsize=256)
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 class _Allocation:
@@ -163,8 +200,7 @@ class MemoryObj:
         self._alloc = alloc
         self.meta = meta
         self._released = False
-        raw = alloc.arena.buffer[alloc.offset : alloc.offset + meta.nbytes]
-        self._tensor = raw.view(meta.dtype).view(meta.shape)
+        self._tensor = alloc.arena.tensor_at(alloc.offset, meta)
 
     @property
     def tensor(self) -> torch.Tensor:

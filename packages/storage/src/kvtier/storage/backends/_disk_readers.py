@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvtier.core.memory import MemoryObj
 
-# Four, even on two cores: a thread spends part of each chunk in Python (header, allocation)
-# holding the GIL, and the others keep copying and hashing meanwhile (docs/storage-decisions.md).
-DEFAULT_READ_THREADS = 4 if (os.cpu_count() or 1) > 1 else 1
+# One per core, up to four: while one thread runs a chunk's Python (header, allocation) holding
+# the GIL, the others copy and hash. More threads than cores only queue for them
+# (docs/storage-decisions.md).
+DEFAULT_READ_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 class BatchReaders:
