@@ -179,6 +179,12 @@ class KVTierConfig:
             )
         return None
 
+    @property
+    def loads_async(self) -> bool:
+        """Whether vLLM hits are loaded on a worker thread: ``load_async``, unless loads are
+        layer-wise (those run inside the forward pass, always synchronously)."""
+        return self.load_async and not self.use_layerwise
+
     def disk_path(self) -> Path:
         return Path(self.local_disk_path or os.path.join(default_cache_dir(), "disk")).expanduser()
 

@@ -137,7 +137,7 @@ def check_modes(cfg: KVTierConfig) -> None:
         raise ConfigError("offload", cfg.offload, f"must be one of {', '.join(_OFFLOAD_MODES)}")
     if cfg.lookup not in LOOKUP_MODES:
         raise ConfigError("lookup", cfg.lookup, f"must be one of {', '.join(LOOKUP_MODES)}")
-    if cfg.lookup == "index" and (not cfg.load_async or cfg.use_layerwise):
+    if cfg.lookup == "index" and not cfg.loads_async:
         raise ConfigError(
             "lookup",
             cfg.lookup,

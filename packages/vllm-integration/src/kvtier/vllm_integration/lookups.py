@@ -47,7 +47,7 @@ def hold_ttl_s(config: KVTierConfig) -> float:
 def lookup_mode(config: KVTierConfig, policy: str) -> str:
     """``probe`` or ``index``: how this engine confirms hits (``KVTierConfig.lookup``, resolved
     against vLLM's ``kv_load_failure_policy``)."""
-    can_index = config.load_async and not config.use_layerwise and policy == "recompute"
+    can_index = config.loads_async and policy == "recompute"
     if config.lookup == "index" and not can_index:
         raise ConfigError(
             "lookup",

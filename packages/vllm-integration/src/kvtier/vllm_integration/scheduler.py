@@ -92,7 +92,6 @@ class SchedulerSide:
             self.lazy = LazyOffload(block_size, target, num_workers)
         self._async_loads: list[LoadSpec] = []  # for the next step's metadata
         self._saving: set[str] = set()  # finished requests whose blocks wait for their saves
-        self._load_async = config.load_async and not config.use_layerwise
         self.generation: str | None = None
         self._step_seconds = 0.0  # kvtier's time in the current scheduler step
         self._counts = {"lookups": 0, "hit_tokens": 0, "uncacheable": 0}
@@ -171,7 +170,7 @@ class SchedulerSide:
         new = max(0, hit - num_computed_tokens)
         self._counts["hit_tokens"] += new
         state.computed_at_lookup = num_computed_tokens
-        state.load_async = self._load_async and new > 0
+        state.load_async = self.config.loads_async and new > 0
         return new, state.load_async
 
     def update_state_after_alloc(
