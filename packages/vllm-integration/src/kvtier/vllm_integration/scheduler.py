@@ -358,6 +358,9 @@ class SchedulerSide:
         for rid, found in report.short:
             state = self._reqs.get(rid)
             self.lookups.shortfall(self._hashes(state) if state else None, report.rank, found)
+            if state is not None:
+                # vLLM recomputes what the load missed: save those chunks again
+                state.saved_upto = min(state.saved_upto, found // self.chunk_size * self.chunk_size)
 
     def has_pending_block_frees(self) -> bool:
         """Blocks of finished requests come back once their saves are copied off the device
