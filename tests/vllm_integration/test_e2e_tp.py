@@ -57,3 +57,23 @@ def test_tp2_cold_warm_and_restart_equal_vllm(run_engine, tmp_path) -> None:
     assert second[3] > 0  # rank 1's chunks zeroed
     assert second[5]["loaded_tokens"] == 2 * FULL_HIT
     assert second[4]["logprobs"] != ref["logprobs"]  # rank 1's KV is what attention read
+
+
+def test_tp2_hits_answered_by_the_index_load_on_both_ranks(run_engine) -> None:
+    """Under ``kv_load_failure_policy="recompute"`` (``lookup: auto`` -> index) a hit is answered
+    from the scheduler's index only where both ranks reported the chunk, and each rank loads its
+    own shard without a hold; the output equals vLLM's without kvtier in the same TP mode."""
+    ref = run_engine({"kvtier": None, "tp": 2, "steps": [gen(DOC)]})[0]
+    out = run_engine(
+        {
+            "kvtier": {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.25},
+            "tp": 2,
+            "load_failure_policy": "recompute",
+            "steps": [gen(DOC), gen(DOC), stats(0), stats(1)],
+        }
+    )
+    assert out[:2] == [ref, ref]
+    for s in out[2:]:
+        assert s["loaded_tokens"] == FULL_HIT
+        assert s["indexed_loads"] == 1
+        assert s["holds"] == s["held_objects"] == 0
