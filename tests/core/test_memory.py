@@ -189,3 +189,21 @@ def test_an_object_below_its_dtype_alignment_is_refused_by_name() -> None:
         arena.allocate(MemoryObjMeta((2,), torch.float32, 1))
     assert arena.used_bytes == 1  # the refused object's bytes went back
     first.release()
+
+
+def test_objects_allocated_after_one_inside_inference_mode_can_be_written_outside_it() -> None:
+    """The first object of a dtype may be allocated in vLLM's forward pass (inference mode, a
+    layer-wise load); objects allocated later, outside it, are still written in place."""
+    arena = HostArena(torch.zeros(4096, dtype=torch.uint8))
+    m = MemoryObjMeta((4, 8), torch.float16, 1)
+    with torch.inference_mode():
+        first = arena.allocate(m)
+        assert first is not None
+        first.tensor.fill_(1.0)
+    second = arena.allocate(m)
+    assert second is not None
+    second.tensor.fill_(2.0)
+    second.tensor.copy_(torch.full((4, 8), 3.0, dtype=torch.float16))
+    assert bool((second.tensor == 3.0).all())
+    first.release()
+    second.release()

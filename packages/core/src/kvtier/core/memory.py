@@ -136,8 +136,12 @@ class HostArena:
             )
         typed = self._typed.get(meta.dtype)
         if typed is None:  # two threads may both make it: either view is the same
-            whole = self.buffer[: self.buffer.numel() // itemsize * itemsize]
-            typed = self._typed[meta.dtype] = whole.view(meta.dtype)
+            # Made outside inference mode even when the first allocation runs inside it (a
+            # layer-wise load in the forward pass): a view made there could not be updated in
+            # place outside it, and this one outlives the call.
+            with torch.inference_mode(False):
+                whole = self.buffer[: self.buffer.numel() // itemsize * itemsize]
+                typed = self._typed[meta.dtype] = whole.view(meta.dtype)
         # as_strided's offset counts from the start of the storage, not of the view
         return typed.as_strided(
             meta.shape, _contiguous_strides(meta.shape), (base + offset) // itemsize
