@@ -59,7 +59,8 @@ class HostArena:
         self._free_offsets: list[int] = [0] if self.capacity else []
         self._free_sizes: list[int] = [self.capacity] if self.capacity else []
         self._used = 0
-        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer viewed as each dtype
+        self._base = buffer.storage_offset()  # the buffer may be a slice of a larger tensor
 
     @classmethod
     def create(cls, nbytes: int, *, pin_memory: bool = False, alignment: int = 256) -> HostArena:
@@ -128,7 +129,7 @@ class HostArena:
         instead of a slice and two views: this runs for every object allocated, once per chunk a
         tier reads, where three torch calls cost about as much as the chunk's header check."""
         itemsize = meta.dtype.itemsize
-        base = self.buffer.storage_offset()  # the buffer may be a slice of a larger tensor
+        base = self._base
         if base % itemsize or offset % itemsize:
             raise ValueError(
                 f"an object of {meta.dtype} at byte {offset} of an arena whose buffer starts at "

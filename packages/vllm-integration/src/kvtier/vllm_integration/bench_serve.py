@@ -193,6 +193,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="model, logs and kvtier's disk tier (default ~/.cache/kvtier/bench-serve)",
     )
     args = p.parse_args(argv)
+    args.kvtier_tiers = args.kvtier_tiers.split(",")
     if args.quick:
         args.prefix_len, args.suffix_len, args.output_len = 256, 32, 8
         args.kv_cache_mib, args.per_prefix = 2.0, 2
@@ -267,8 +268,7 @@ def main(argv: list[str]) -> int:
         console.print(f"kvtier bench serve: --modes: unknown {sorted(unknown)}; known {MODES}")
         return 2
     try:  # a bad tier list fails before any server starts
-        tiers = load_config(overrides={"tiers": args.kvtier_tiers.split(",")}).tiers
-        for name in tiers:
+        for name in load_config(overrides={"tiers": args.kvtier_tiers}).tiers:
             load_backend_class(name)
     except ConfigError as e:
         console.print(f"kvtier bench serve: --kvtier-tiers: {e}")
@@ -333,7 +333,7 @@ def main(argv: list[str]) -> int:
         "workloads": described,
         "client": "vllm bench serve (vLLM's own client; one process for all runs)",
         "kvtier_source": source_revision(),
-        "kvtier_tiers": args.kvtier_tiers.split(","),
+        "kvtier_tiers": args.kvtier_tiers,
         "skipped": skipped,
         "results": results,
         "targets": targets(results),
@@ -357,7 +357,7 @@ def _run_mode(
     task: Any,
 ) -> list[dict[str, Any]]:
     kvtier = {
-        "tiers": args.kvtier_tiers.split(","),
+        "tiers": args.kvtier_tiers,
         "local_disk_path": str(logs / "disk" / mode),
         "local_cpu_size_gb": 0.5,
     }

@@ -80,18 +80,21 @@ class ChunkRead:
             last = self._pending == 0 and self.failed is None
         if not last:
             return
-        stored = self.view  # the payload as stored: the object, then (sealed) the tag
         if self._tail is not None:
-            n = self.view.nbytes
-            inside = n - self._tail_at
+            inside = self.view.nbytes - self._tail_at
             self.view[self._tail_at :] = self._tail[:inside]
             self.tag = bytes(self._tail[inside:])
-            whole = n // codec.SEGMENT * codec.SEGMENT
-            if not self._per_segment:
-                self._sum.add_now(whole, bytes(self.view[whole:]) + self.tag)
-            stored = self.view[:whole]
         if not self._per_segment:
-            self._sum.add_now(0, stored)
+            self._hash_whole()
+
+    def _hash_whole(self) -> None:
+        """The payload as stored (the object, then a sealed chunk's tag), hashed at once."""
+        if self._tail is None:
+            self._sum.add_now(0, self.view)
+            return
+        whole = self.view.nbytes // codec.SEGMENT * codec.SEGMENT
+        self._sum.add_now(0, self.view[:whole])
+        self._sum.add_now(whole, bytes(self.view[whole:]) + self.tag)
 
     def fail(self, problem: str) -> None:
         with self._lock:
