@@ -413,6 +413,9 @@ def main(spec_path: str, out_path: str) -> None:
                 results[-1]["evict"] = evict
         elif op == "stats":
             results.append(query_worker_stats(engine_id, step.get("rank", 0)))
+        elif op == "sched_stats":  # the scheduler side's counters (in-process engines only)
+            connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+            results.append(dict(connector.scheduler_side.stats))
         elif op == "flush":
             results.append(flush_worker(engine_id, step.get("rank", 0)))
         elif op == "load_while_decoding":

@@ -251,6 +251,7 @@ class Harness:
             for spec in meta.saves:
                 n = len(spec.tokens)
                 rank.engine.store(spec.tokens, torch.arange(n), salt=spec.scope)
+            rank.feed.saves_copied(meta.step)  # as the worker's saver reports it
         self.report()
 
     def close(self) -> None:

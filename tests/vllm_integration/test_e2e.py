@@ -102,6 +102,7 @@ def test_outputs_match_and_hits_are_used(
         {"op": "corrupt", "prompt": OTHER},
         gen(OTHER),
         STATS,  # negative control
+        {"op": "sched_stats"},
     ]
     config = {
         "tiers": ["local_cpu"],
@@ -116,6 +117,7 @@ def test_outputs_match_and_hits_are_used(
         out = [r for i, r in enumerate(out) if i not in fillers]
     else:
         out = run_engine({"kvtier": config, "steps": steps})
+    sched = out.pop()
     evict = out[2].pop("evict")
     # Chunks [0,256) [256,512) and tail blocks [512,672) were stored; filling the tier evicted
     # other chunks, never held ones.
@@ -145,6 +147,12 @@ def test_outputs_match_and_hits_are_used(
     assert stats["load_failed_blocks"] == 0 and stats["save_errors"] == 0
     assert stats["loads_without_hold"] == 0
     assert stats["holds"] == stats["held_objects"] == 0  # every lookup's hold was let go
+    # A request whose saves every worker reported copied before it finished gives its blocks
+    # back at once (lazy offload saves only after the request finished).
+    if offload == "eager":
+        assert sched["finished_freed_at_once"] >= 5, sched
+    else:
+        assert sched["finished_freed_at_once"] == sched["finished_held"] == 0, sched
 
 
 @pytest.mark.slow

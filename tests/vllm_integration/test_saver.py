@@ -124,3 +124,39 @@ def test_a_failed_save_is_counted_not_raised(engine) -> None:
     assert done.wait(1) == [(0, True)]
     assert saver.drain(5) is True
     saver.close(5)
+
+
+def test_the_saver_reports_a_step_copied_only_when_it_and_every_earlier_step_are(engine) -> None:
+    copied, go = threading.Event(), threading.Event()
+    done = Recorder()
+    saver = Saver(store_with(engine, copied, go), done)
+    try:
+        assert saver.copied_through == -1
+        saver.mark(1)  # a step without saves
+        assert saver.copied_through == 1
+        saver.submit([spec("r1")], None, 2)  # stalls after its device copy
+        saver.mark(3)
+        saver.submit([spec("r2", PROMPT + 7000)], None, 4)
+        assert copied.wait(10)
+        assert saver.copied_through == 1  # step 2's save is still running
+        go.set()
+        done.wait(2)
+        assert saver.drain(10)
+        assert saver.copied_through == 4
+    finally:
+        go.set()
+        saver.close(10)
+
+
+def test_a_failed_save_still_counts_as_done_reading_the_blocks() -> None:
+    def broken(s, ready, keep) -> int:
+        raise RuntimeError("tier down")
+
+    done = Recorder()
+    saver = Saver(broken, done)
+    try:
+        saver.submit([spec("r1")], None, 5)
+        assert done.wait(1) == [(0, True)]
+        assert saver.copied_through == 5
+    finally:
+        saver.close(10)

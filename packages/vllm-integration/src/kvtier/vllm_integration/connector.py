@@ -147,7 +147,8 @@ class KVTierConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Keep the blocks until the worker's saves of this request are done (``get_finished``)."""
+        """Keep the blocks until the worker's saves of this request are done (``get_finished``),
+        unless every worker has reported them copied already (``frees.py``)."""
         side = self.scheduler_side
         with side.timed():
             return side.request_finished(request, block_ids), None

@@ -90,7 +90,7 @@ class RequestState:
     load_async: bool = False  # what the last lookup answered
     saved_upto: int = 0  # tokens handed to the worker for saving
     prompt_saved: bool = False
-    had_save: bool = False
+    last_save_step: int = -1  # the step whose metadata carried its last save (-1: none)
 
     @property
     def scope(self) -> KeyScope:

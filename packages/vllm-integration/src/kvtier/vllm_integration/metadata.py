@@ -56,6 +56,11 @@ class KVTierMetadata(KVConnectorMetadata):
     # The weights generation every spec of this step is keyed under (``reset_cache`` starts a
     # new one); a worker that sees it change drops its host-memory tier.
     generation: str | None = None
+    # This step's serial number: workers report the last step whose saves they have copied.
+    step: int = 0
+    # Finished requests whose blocks vLLM freed at once, their saves copied already
+    # (``frees.py``): the workers do not report them in ``finished_sending``.
+    unheld: list[str] = field(default_factory=list)
 
 
 def slot_mapping(

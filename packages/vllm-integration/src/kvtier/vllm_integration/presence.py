@@ -68,6 +68,7 @@ class RankReport:
     short: list[tuple[str, int]] = field(default_factory=list)
     lower_tier: str = ""  # the tier below host memory the index lists ("": none)
     listed: int = 0  # how many of ``added`` were listed in lower tiers at start (the first ones)
+    saves_copied: int = -1  # the last step whose saves this rank has all copied (``frees.py``)
 
 
 @dataclass
@@ -98,6 +99,7 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
                     mine.short + rep.short,
                     rep.lower_tier,
                     mine.listed + rep.listed,
+                    max(mine.saves_copied, rep.saves_copied),
                 )
         return KVTierWorkerMeta(merged)
 
@@ -251,6 +253,7 @@ class PresenceFeed:
         self._answers: list[ProbeAnswer] = []
         self._evicted: list[str] = []
         self._short: list[tuple[str, int]] = []
+        self._saves_copied = self._copied_sent = -1
         self._sent_once = False
         self._host_only = list(engine.config.tiers) == ["local_cpu"]
         self._lower_tier = next((t for t in engine.config.tiers if t != "local_cpu"), "")
@@ -289,13 +292,24 @@ class PresenceFeed:
         with self._lock:
             self._short.append((req_id, found))
 
+    def saves_copied(self, step: int) -> None:
+        """The worker's saver has copied every save of the steps up to ``step``."""
+        with self._lock:
+            self._saves_copied = max(self._saves_copied, step)
+
     def take(self) -> KVTierWorkerMeta | None:
         """This step's report (None when there is nothing new to say)."""
         with self._lock:
             if self._sent_once and not (
-                self._added or self._answers or self._evicted or self._tier_events or self._short
+                self._added
+                or self._answers
+                or self._evicted
+                or self._tier_events
+                or self._short
+                or self._saves_copied != self._copied_sent
             ):
                 return None
+            self._copied_sent = self._saves_copied
             tier_events, self._tier_events = self._tier_events, []
             added, self._added = self._added, []
             answers, self._answers = self._answers, []
@@ -316,6 +330,7 @@ class PresenceFeed:
             short,
             self._lower_tier,
             listed,
+            self._copied_sent,
         )
         return KVTierWorkerMeta({self.rank: report})
 

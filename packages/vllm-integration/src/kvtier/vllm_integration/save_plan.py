@@ -69,7 +69,6 @@ class SavePlanner:
             return None
         skip = state.saved_upto // c * c
         state.saved_upto = save_end
-        state.had_save = True
         n_blocks = -(-save_end // self.block_size)
         if save_end <= len(state.prompt):
             tokens = state.prompt[:save_end]

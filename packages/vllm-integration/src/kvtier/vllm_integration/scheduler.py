@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.core.config import KVTierConfig
 from kvtier.vllm_integration.events import EventLog
+from kvtier.vllm_integration.frees import BlockFrees
 from kvtier.vllm_integration.identity import adapter_identity, cacheable, identity_tokens
 from kvtier.vllm_integration.lazy import LazyOffload, LazyWorkerMeta, target_blocks
 from kvtier.vllm_integration.lookups import (
@@ -91,7 +92,8 @@ class SchedulerSide:
             target = target_blocks(max_num_batched_tokens, block_size)
             self.lazy = LazyOffload(block_size, target, num_workers)
         self._async_loads: list[LoadSpec] = []  # for the next step's metadata
-        self._saving: set[str] = set()  # finished requests whose blocks wait for their saves
+        self.frees = BlockFrees(num_workers)
+        self._step = 0  # serial number of the step whose metadata is being built
         self.generation: str | None = None
         self._step_seconds = 0.0  # kvtier's time in the current scheduler step
         self._counts = {"lookups": 0, "hit_tokens": 0, "uncacheable": 0}
@@ -110,6 +112,7 @@ class SchedulerSide:
             indexed_hits=self.lookups.indexed,
             lookup_failures=self.lookups.failures,
         )
+        out.update(self.frees.stats)
         if self.lazy is not None:
             out.update(self.lazy.stats)
         return out
@@ -214,8 +217,10 @@ class SchedulerSide:
         """The save this step's forward pass makes possible (tokens ``[0, end)`` have KV); the
         index is told what it will store unless ``expect`` is False."""
         spec = self.saves.plan(rid, state, end, self.generation)
-        if spec is not None and expect and len(spec.tokens) <= len(state.prompt):
-            self._expect(state, spec.skip, len(spec.tokens))
+        if spec is not None:
+            state.last_save_step = self._step
+            if expect and len(spec.tokens) <= len(state.prompt):
+                self._expect(state, spec.skip, len(spec.tokens))
         return spec
 
     def _schedule(self, meta: KVTierMetadata, rid: str, computed: int, scheduled: int) -> None:
@@ -242,12 +247,15 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
         releases, probes = self.lookups.take()
+        self._step += 1
         meta = KVTierMetadata(
             preempted=set(scheduler_output.preempted_req_ids or ()),
             releases=releases,
             generation=self.generation,
             loads=self._async_loads,
             probes=probes,
+            step=self._step,
+            unheld=self.frees.take_unheld(),
         )
         self._async_loads = []
         for rid in meta.preempted:
@@ -298,7 +306,7 @@ class SchedulerSide:
 
     def request_finished(self, request: Request, block_ids: list[int] | None = None) -> bool:
         """Whether to keep the request's blocks until the worker's saves of it are done
-        (``get_finished``). A hold still pending for the request is released through the next
+        (``get_finished``; not when every rank has copied them already: ``frees.py``). A hold still pending for the request is released through the next
         step's metadata. With lazy offload the request's save is remembered instead (its blocks
         stay in vLLM's prefix cache)."""
         rid = request.request_id
@@ -316,9 +324,7 @@ class SchedulerSide:
             if spec is not None:
                 self.lazy.remember(spec, self.saves.step, state)
             return False
-        if state.had_save:
-            self._saving.add(rid)
-        return state.had_save
+        return self.frees.finished(rid, state.last_save_step)
 
     def hit_sources(self, request: Request, num_external_tokens: int) -> dict[str, int]:
         """The tokens vLLM loads for ``request`` by the tier each came from (rank 0's hold at
@@ -334,7 +340,7 @@ class SchedulerSide:
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """A step's results: saves done (vLLM frees those requests' blocks now), and the
         workers' reports (new chunks for the index, probe answers, lazy copies done)."""
-        self._saving -= set(output.finished_sending or ())
+        self.frees.sent(set(output.finished_sending or ()))
         meta = output.kv_connector_worker_meta
         if isinstance(meta, KVTierWorkerMeta):
             for report in meta.reports.values():
@@ -345,6 +351,7 @@ class SchedulerSide:
 
     def _apply(self, report: RankReport) -> None:
         self.index.apply(report)
+        self.frees.copied(report.rank, report.saves_copied)
         if report.rank == 0:
             self.events.stored("local_cpu", report.added)
             self.events.removed("local_cpu", report.evicted)
@@ -366,7 +373,7 @@ class SchedulerSide:
         """Blocks of finished requests come back once their saves are copied off the device
         (and lazily saved blocks once their copies are): vLLM waits for them instead of
         preempting a running request."""
-        return bool(self._saving) or (self.lazy is not None and self.lazy.pending)
+        return self.frees.pending or (self.lazy is not None and self.lazy.pending)
 
     def reset_cache(self) -> bool:
         """Start a new weights generation (after a weight update): no chunk stored so far is

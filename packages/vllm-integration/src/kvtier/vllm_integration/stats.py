@@ -87,6 +87,28 @@ class KVTierStats(KVConnectorStats):
         return not any(self.data.get(part) for part in ("counters", "gauges", "samples"))
 
 
+class Counters:
+    """Named counters bumped from several threads (the worker's loads, saves and resets)."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(names, 0)
+
+    def add(self, **kw: int) -> None:
+        with self._lock:
+            for k, v in kw.items():
+                self._values[k] += v
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+    def values(self, names: tuple[str, ...]) -> Values:
+        """``names``' values as ``StatsTracker.delta`` takes them."""
+        now = self.snapshot()
+        return {k: {"": now[k]} for k in names}
+
+
 class StatsTracker:
     """Turns cumulative values (``kvtier.core.metrics.engine_values`` and the connector's own
     counters) into per-interval ``KVTierStats``; collects latency samples (thread-safe)."""

@@ -36,7 +36,6 @@ first drops the host-memory tier: its chunks were computed with the old weights.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -59,7 +58,7 @@ from kvtier.vllm_integration.metadata import KVTierMetadata, LoadSpec, SaveSpec,
 from kvtier.vllm_integration.presence import KVTierWorkerMeta, PresenceFeed
 from kvtier.vllm_integration.probes import Prober, ProbeSpec
 from kvtier.vllm_integration.saver import Saver
-from kvtier.vllm_integration.stats import KVTierStats, StatsTracker
+from kvtier.vllm_integration.stats import Counters, KVTierStats, StatsTracker
 from kvtier.vllm_integration.worker_loads import WorkerLoads
 
 if TYPE_CHECKING:
@@ -68,6 +67,21 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvtier")
 
 SAVE_DRAIN_TIMEOUT_S = 60.0
+WORKER_COUNTERS = (
+    "load_requests",
+    "load_tokens_requested",
+    "loaded_tokens",
+    "load_failed_blocks",
+    "loads_without_hold",
+    "indexed_loads",
+    "save_jobs",
+    "saved_tokens",
+    "save_errors",
+    "saves_abandoned",
+    "generation_resets",
+)
+# The counters that are also metrics (``kvtier.core.metrics.METRICS``).
+WORKER_METRICS = ("load_failed_blocks", "loads_without_hold", "save_errors", "saves_abandoned")
 
 
 class WorkerSide:
@@ -95,42 +109,19 @@ class WorkerSide:
         self._rank = 0  # this worker's engine-local rank (set by register_kv_caches)
         self._finishing: set[str] = set()
         self._generation: str | None = None
-        self._stats_lock = threading.Lock()
-        self.stats = {
-            "load_requests": 0,
-            "load_tokens_requested": 0,
-            "loaded_tokens": 0,
-            "load_failed_blocks": 0,
-            "loads_without_hold": 0,
-            "indexed_loads": 0,
-            "save_jobs": 0,
-            "saved_tokens": 0,
-            "save_errors": 0,
-            "saves_abandoned": 0,
-            "generation_resets": 0,
-        }
-
+        self.counters = Counters(WORKER_COUNTERS)
+        self._count = self.counters.add
         self.metrics = StatsTracker()
-
-    # The worker's counters that are also metrics (``kvtier.core.metrics.METRICS``).
-    _METRIC_STATS = ("load_failed_blocks", "loads_without_hold", "save_errors", "saves_abandoned")
 
     def get_kv_connector_stats(self) -> KVTierStats | None:
         """What changed since the last call (``stats.py``); vLLM calls it after every step."""
         if self.engine is None:
             return None
         values = engine_values(self.engine)
-        with self._stats_lock:
-            for name in self._METRIC_STATS:
-                values[name] = {"": self.stats[name]}
+        values.update(self.counters.values(WORKER_METRICS))
         if self._holds is not None:
             values["hold_expiries"] = {"": self._holds.stats()["hold_expiries"]}
         return self.metrics.delta(values)
-
-    def _count(self, **kw: int) -> None:
-        with self._stats_lock:
-            for k, v in kw.items():
-                self.stats[k] += v
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         vc = self._vllm_config
@@ -196,8 +187,7 @@ class WorkerSide:
         assert self.engine is not None and self._holds is not None and self._saver is not None
         op = header.get("op")
         if op == "stats":
-            with self._stats_lock:
-                stats = dict(self.stats)
+            stats: dict[str, int] = self.counters.snapshot()
             stats.update(self._holds.stats())
             stats.update({f"engine_{k}": v for k, v in self.engine.stats.as_dict().items()})
             return {"stats": stats}
@@ -242,6 +232,8 @@ class WorkerSide:
     def build_connector_worker_meta(self) -> KVTierWorkerMeta | None:
         """This step's report; with lazy offload always a ``LazyWorkerMeta`` (so every rank's
         object aggregates the lazy saves copied), naming those whose copies are done."""
+        if self._feed is not None and self._saver is not None:
+            self._feed.saves_copied(self._saver.copied_through)
         report = self._feed.take() if self._feed is not None else None
         if self.config.offload != "lazy" or self._saver is None:
             return report
@@ -319,11 +311,14 @@ class WorkerSide:
             self._loads.finish()
         if meta is None or self.engine is None or self._saver is None:
             return
+        # Freed by vLLM already (their saves were copied): never reported in finished_sending.
+        self._saving_reqs.difference_update(meta.unheld)
         if meta.lazy_saves:
             # Blocks of finished requests, touched by the scheduler until reported copied; the
             # marker orders the copy after any device work still writing them.
             self._lazy_saves.update(spec.req_id for spec in meta.lazy_saves)
-            self._saver.submit(meta.lazy_saves, self.engine.platform.record_marker())
+            marker = self.engine.platform.record_marker()
+            self._saver.submit(meta.lazy_saves, marker, meta.step)
         # The scheduler holds the blocks of every request with a save until get_finished says so.
         self._saving_reqs.update(spec.req_id for spec in meta.saves)
         if self.config.use_layerwise:
@@ -333,10 +328,12 @@ class WorkerSide:
                 for _ in gen:
                     pass
             self._count(saved_tokens=self.engine.stats.stored_tokens - before)
+            self._saver.mark(meta.step)  # copied already, layer by layer
             return
         if meta.saves:
             # On the thread and stream of vLLM's forward pass: the saver's copies wait for it.
-            self._saver.submit(meta.saves, self.engine.platform.record_marker())
+            self._saver.submit(meta.saves, self.engine.platform.record_marker(), meta.step)
+        self._saver.mark(meta.step)
 
     def handle_preemptions(self, meta: KVTierMetadata) -> None:
         """A preempted request's blocks are reused by this step: finish reading them first (a
