@@ -62,14 +62,14 @@ def test_the_tier_of_an_index_answer_is_where_the_index_last_saw_each_chunk(tmp_
         harness.store(request(DOC))
         req = request(DOC)
         assert harness.sched.get_num_new_matched_tokens(req, 0) == (MOST, True)
-        assert harness.sched.hit_sources(req, MOST) == {"local_cpu": MOST}
+        assert harness.sched.lookups.sources(req, MOST, BLOCK) == {"local_cpu": MOST}
         engine = harness.ranks[0].engine
         assert engine.storage.flush(10.0)
         engine.storage.drop_host()
         harness.report()
         req = request(DOC)
         assert harness.sched.get_num_new_matched_tokens(req, 0) == (MOST, True)
-        assert harness.sched.hit_sources(req, MOST) == {"local_disk": MOST}
+        assert harness.sched.lookups.sources(req, MOST, BLOCK) == {"local_disk": MOST}
     finally:
         harness.close()
 

@@ -151,9 +151,9 @@ def test_a_stale_index_entry_is_forgotten_after_one_probe(h) -> None:
 
 def test_scheduler_seconds_are_observed_once_per_step(h) -> None:
     for _ in range(3):
-        with h.sched.timed():
+        with h.sched.timer.timed():
             h.sched.get_num_new_matched_tokens(request(DOC), 0)
-        h.sched.end_step()
+        h.sched.timer.end_step()
     samples = h.sched.get_kv_connector_stats().data["samples"]["scheduler_seconds"][""]
     assert len(samples) == 3 and all(0 <= s < 1 for s in samples)
 

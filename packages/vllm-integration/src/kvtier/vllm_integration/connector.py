@@ -127,21 +127,21 @@ class KVTierConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         side = self.scheduler_side
-        with side.timed():
+        with side.timer.timed():
             return side.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         side = self.scheduler_side
-        with side.timed():
+        with side.timer.timed():
             side.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         side = self.scheduler_side
-        with side.timed():
+        with side.timer.timed():
             meta = side.build_connector_meta(scheduler_output)
-        side.end_step()
+        side.timer.end_step()
         return meta
 
     def request_finished(
@@ -150,7 +150,7 @@ class KVTierConnector(KVConnectorBase_V1):
         """Keep the blocks until the worker's saves of this request are done (``get_finished``),
         unless every worker has reported them copied already (``frees.py``)."""
         side = self.scheduler_side
-        with side.timed():
+        with side.timer.timed():
             return side.request_finished(request, block_ids), None
 
     def reset_cache(self) -> bool | None:
@@ -158,7 +158,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         side = self.scheduler_side
-        with side.timed():
+        with side.timer.timed():
             side.update_connector_output(connector_output)
 
     def has_pending_block_frees(self) -> bool:
@@ -173,8 +173,9 @@ class KVTierConnector(KVConnectorBase_V1):
     ) -> dict[CacheHitSource, int]:
         """The loaded tokens by tier: host memory, disk, and Redis (vLLM 0.32 has no "remote"
         source: it counts as ``external_unspecified``)."""
+        side = self.scheduler_side
         out: dict[CacheHitSource, int] = {}
-        for tier, n in self.scheduler_side.hit_sources(request, num_external_tokens).items():
+        for tier, n in side.lookups.sources(request, num_external_tokens, side.block_size).items():
             src = HIT_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
             out[src] = out.get(src, 0) + n
         return out

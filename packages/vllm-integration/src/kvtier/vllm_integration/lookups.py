@@ -113,6 +113,9 @@ class Lookups:
         self.probes: list[ProbeSpec] = []  # lookups for the next step's metadata
         self.sent = 0
         self.failures = 0  # probes not answered within lookup_timeout_s
+        # A request's last lookup: its hit (the minimum over ranks) and where each chunk was found
+        # (rank 0's hold: ``[[start, end, tier], ...]``), for ``sources``.
+        self.spans: dict[str, tuple[int, list[list[Any]]]] = {}
 
     def hashes(self, state: RequestState, chunk_size: int, block_size: int) -> PromptHashes:
         if state.hashes is None:
@@ -204,6 +207,15 @@ class Lookups:
         if rank == 0:
             probe.sources = ans.sources
         self.shortfall(hashes, rank, ans.hit)
+
+    def sources(
+        self, request: Request, num_external_tokens: int, block_size: int
+    ) -> dict[str, int]:
+        """The tokens vLLM loads for ``request`` by the tier each came from (rank 0's hold at
+        the last lookup): ``{tier name: tokens}``; tokens of no known tier under ``""``."""
+        hit, spans = self.spans.get(request.request_id, (0, []))
+        n = len(request.prompt_token_ids or ())
+        return hit_sources(hit, spans, n, block_size, num_external_tokens)
 
     def shortfall(self, hashes: PromptHashes | None, rank: int, found: int) -> None:
         """A probe or a load answered by the index found only the prompt's first ``found``

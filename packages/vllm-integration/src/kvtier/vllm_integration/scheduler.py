@@ -27,10 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvtier.core.config import KVTierConfig
 from kvtier.vllm_integration.events import EventLog
@@ -40,7 +37,6 @@ from kvtier.vllm_integration.lazy import LazyOffload, LazyWorkerMeta, target_blo
 from kvtier.vllm_integration.lookups import (
     Lookups,
     RequestState,
-    hit_sources,
     lookup_mode,
     warn_load_failure_policy,
 )
@@ -48,7 +44,7 @@ from kvtier.vllm_integration.metadata import KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.vllm_integration.presence import KVTierWorkerMeta, PresenceIndex, RankReport
 from kvtier.vllm_integration.probes import PromptHashes, Sightings
 from kvtier.vllm_integration.save_plan import SavePlanner
-from kvtier.vllm_integration.stats import KVTierStats, StatsTracker
+from kvtier.vllm_integration.stats import KVTierStats, StatsTracker, StepTimer
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
@@ -95,12 +91,9 @@ class SchedulerSide:
         self.frees = BlockFrees(num_workers)
         self._step = 0  # serial number of the step whose metadata is being built
         self.generation: str | None = None
-        self._step_seconds = 0.0  # kvtier's time in the current scheduler step
         self._counts = {"lookups": 0, "hit_tokens": 0, "uncacheable": 0}
-        # A request's last lookup: its hit (the minimum over ranks) and where each chunk was found
-        # (rank 0's hold: ``[[start, end, tier], ...]``), for ``hit_sources``.
-        self._hit_spans: dict[str, tuple[int, list[list[Any]]]] = {}
         self.metrics = StatsTracker()
+        self.timer = StepTimer(self.metrics)  # kvtier's time in each step (connector.py)
         warn_load_failure_policy(load_failure_policy, config)
 
     @property
@@ -134,15 +127,6 @@ class SchedulerSide:
                 self.sightings.see(self._hashes(state))
         return state
 
-    @contextmanager
-    def timed(self) -> Iterator[None]:
-        """Count the time spent inside into this step's ``scheduler_seconds``."""
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._step_seconds += time.perf_counter() - t0
-
     def _hashes(self, state: RequestState) -> PromptHashes:
         return self.lookups.hashes(state, self.chunk_size, self.block_size)
 
@@ -169,7 +153,7 @@ class SchedulerSide:
         self._counts["lookups"] += 1
         hit = min(probe.hit, most)
         hit -= hit % bs
-        self._hit_spans[request.request_id] = (hit, probe.sources)
+        self.lookups.spans[request.request_id] = (hit, probe.sources)
         new = max(0, hit - num_computed_tokens)
         self._counts["hit_tokens"] += new
         state.computed_at_lookup = num_computed_tokens
@@ -299,19 +283,15 @@ class SchedulerSide:
                 meta.lazy_saves.append(spec)
         return meta
 
-    def end_step(self) -> None:
-        """Record kvtier's time in the step that just ended (``scheduler_seconds``)."""
-        self.metrics.observe("scheduler_seconds", self._step_seconds)
-        self._step_seconds = 0.0
-
     def request_finished(self, request: Request, block_ids: list[int] | None = None) -> bool:
         """Whether to keep the request's blocks until the worker's saves of it are done
-        (``get_finished``; not when every rank has copied them already: ``frees.py``). A hold still pending for the request is released through the next
-        step's metadata. With lazy offload the request's save is remembered instead (its blocks
-        stay in vLLM's prefix cache)."""
+        (``get_finished``); not when every rank has copied them already (``frees.py``). A hold
+        still pending for the request is released through the next step's metadata. With lazy
+        offload the request's save is remembered instead (its blocks stay in vLLM's prefix
+        cache)."""
         rid = request.request_id
         state = self._reqs.pop(rid, None)
-        self._hit_spans.pop(rid, None)
+        self.lookups.spans.pop(rid, None)
         if state is None:
             return False
         self.lookups.release(state)
@@ -325,13 +305,6 @@ class SchedulerSide:
                 self.lazy.remember(spec, self.saves.step, state)
             return False
         return self.frees.finished(rid, state.last_save_step)
-
-    def hit_sources(self, request: Request, num_external_tokens: int) -> dict[str, int]:
-        """The tokens vLLM loads for ``request`` by the tier each came from (rank 0's hold at
-        the last lookup): ``{tier name: tokens}``; tokens of no known tier under ``""``."""
-        hit, spans = self._hit_spans.get(request.request_id, (0, []))
-        n = len(request.prompt_token_ids or ())
-        return hit_sources(hit, spans, n, self.block_size, num_external_tokens)
 
     def get_kv_connector_stats(self) -> KVTierStats | None:
         """The scheduler's metrics changed since the last call (``stats.py``)."""

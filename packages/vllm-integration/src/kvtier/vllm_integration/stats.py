@@ -17,6 +17,9 @@ boundaries (msgpack) unchanged.
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -107,6 +110,28 @@ class Counters:
         """``names``' values as ``StatsTracker.delta`` takes them."""
         now = self.snapshot()
         return {k: {"": now[k]} for k in names}
+
+
+class StepTimer:
+    """kvtier's time inside each vLLM scheduler step, observed as ``scheduler_seconds``."""
+
+    def __init__(self, metrics: StatsTracker) -> None:
+        self._metrics = metrics
+        self._seconds = 0.0
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        """Count the time spent inside into this step's ``scheduler_seconds``."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._seconds += time.perf_counter() - t0
+
+    def end_step(self) -> None:
+        """Record kvtier's time in the step that just ended."""
+        self._metrics.observe("scheduler_seconds", self._seconds)
+        self._seconds = 0.0
 
 
 class StatsTracker:
