@@ -158,6 +158,42 @@ def test_scrape_deltas_and_histogram_quantiles() -> None:
     assert after.quantile(before, "missing", 0.5) is None
 
 
+def test_the_first_request_of_each_prefix_is_found_in_the_clients_order(
+    vllm_model_dir: Path,
+) -> None:
+    """``bench serve`` splits a run's mean TTFT into the first request of each prefix (a miss in
+    every mode) and the repeats, from vLLM's own dataset rebuilt with the run's seed: exactly
+    one first per prefix, in an order that differs from seed to seed (the client shuffles)."""
+    pytest.importorskip("vllm", reason="kvtier bench serve drives vLLM")
+    from kvtier.vllm_integration.bench_serve_plan import Workload
+    from kvtier.vllm_integration.bench_serve_plot import Scrape
+    from kvtier.vllm_integration.bench_serve_report import row
+
+    w = Workload("A", num_prefixes=5, per_prefix=3, prefix_len=64, suffix_len=8, output_len=2)
+    first = w.first_of_prefix(str(vllm_model_dir), w.seed(4))
+    assert len(first) == 15 and sum(first) == 5 and first[0]
+    assert first != w.first_of_prefix(str(vllm_model_dir), w.seed(16))
+    ttfts = [1.0 if f else 0.25 for f in first]
+    res = {
+        "mean_ttft_ms": 500.0,
+        "p99_ttft_ms": 1000.0,
+        "median_ttft_ms": 250.0,
+        "mean_itl_ms": 10.0,
+        "request_throughput": 1.0,
+        "total_token_throughput": 100.0,
+        "output_throughput": 10.0,
+        "completed": 15,
+        "failed": 0,
+        "duration": 15.0,
+        "ttfts": ttfts,
+    }
+    empty = Scrape.parse("")
+    r = row("kvtier_eager", "A", 4, res, empty, empty, first)
+    assert (r["ttft_first_mean_s"], r["ttft_repeat_mean_s"]) == (1.0, 0.25)
+    r = row("kvtier_eager", "A", 4, res, empty, empty, first[:-1])  # not this run's requests
+    assert r["ttft_first_mean_s"] is None and r["ttft_repeat_mean_s"] is None
+
+
 def test_targets_are_judged_for_each_kvtier_mode() -> None:
     """Issue 19's targets for every kvtier mode that ran (lazy offload too), from the rows'
     ratios to vLLM's prefix cache; a missing row is 'not measured', never 'met'."""

@@ -104,6 +104,10 @@ def main(argv: list[str]) -> int:
     max_conc = max(concurrencies)
     loads = workloads(args, per_token, max_conc)
     configs = {w.name: serve_config(model, w, per_token, max_conc) for w in loads}
+    with console.status("rebuilding the client's request order (first request of each prefix)"):
+        firsts = {
+            (w.name, c): w.first_of_prefix(model, w.seed(c)) for w in loads for c in concurrencies
+        }
     logs = Path(tempfile.mkdtemp(prefix="kvtier-bench-serve-", dir=cache_dir))
     console.print(f"logs and per-run results: {logs}")
     results: list[dict[str, Any]] = []
@@ -117,7 +121,9 @@ def main(argv: list[str]) -> int:
                     mine = [(w, c) for m, w, c in runs if m == mode and w.kv_cache_bytes == size]
                     cfg = configs[mine[0][0].name]
                     try:
-                        results += _run_mode(mode, mine, cfg, args, logs, client, progress, task)
+                        results += _run_mode(
+                            mode, mine, cfg, args, logs, client, progress, task, firsts
+                        )
                     except (ServerError, OSError) as e:
                         skipped[mode] = f"{type(e).__name__}: {str(e)[:1500]}"
                         console.print(f"[red]{mode} failed[/red]: {str(e)[-1500:]}")
@@ -172,6 +178,7 @@ def _run_mode(
     client: BenchClient,
     progress: Any,
     task: Any,
+    firsts: dict[tuple[str, int], list[bool]],
 ) -> list[dict[str, Any]]:
     kvtier = {
         "tiers": args.kvtier_tiers,
@@ -214,12 +221,13 @@ def _run_mode(
         )
         for w, c in runs:
             progress.update(task, description=f"{mode} workload {w.name} c={c}")
-            seed = (ord(w.name) - ord("A")) * 1000 + c
+            seed = w.seed(c)
             result = logs / f"{mode}-{w.name}-c{c}.json"
             before = Scrape.parse(server.metrics())
             client.run(w.argv(server.url, cfg.model, c, seed, result), args.run_timeout_s)
             time.sleep(1.0)  # the last step's stats reach the front end after its output
             after = Scrape.parse(server.metrics())
-            out.append(row(mode, w.name, c, json.loads(result.read_text()), before, after))
+            res = json.loads(result.read_text())
+            out.append(row(mode, w.name, c, res, before, after, firsts[(w.name, c)]))
             progress.advance(task)
     return out

@@ -31,6 +31,36 @@ class Workload:
     def num_prompts(self) -> int:
         return self.num_prefixes * self.per_prefix
 
+    def seed(self, concurrency: int) -> int:
+        """The client's seed for one run (the same in every mode)."""
+        return (ord(self.name[0]) - ord("A")) * 1000 + concurrency
+
+    def first_of_prefix(self, tokenizer: str, seed: int) -> list[bool]:
+        """For each request of a run, in the client's order, whether it is the first one of its
+        prefix (a miss in every mode): vLLM's ``PrefixRepetitionRandomDataset`` rebuilt with the
+        run's seed, as ``vllm bench serve`` builds it."""
+        from vllm.benchmarks.datasets.datasets import PrefixRepetitionRandomDataset
+        from vllm.tokenizers import get_tokenizer
+
+        dataset = PrefixRepetitionRandomDataset(random_seed=seed)
+        requests = dataset.sample(
+            tokenizer=get_tokenizer(tokenizer),
+            num_requests=self.num_prompts,
+            prefix_len=self.prefix_len,
+            suffix_len=self.suffix_len,
+            num_prefixes=self.num_prefixes,
+            output_len=self.output_len,
+        )
+        # A prompt is its prefix's text and then its suffix's: the prefix's first 64 characters
+        # tell the prefixes apart (each is ``prefix_len`` random tokens).
+        seen: set[str] = set()
+        first = []
+        for r in requests:
+            key = str(r.prompt)[:64]
+            first.append(key not in seen)
+            seen.add(key)
+        return first
+
     def argv(
         self, url: str, tokenizer: str, concurrency: int, seed: int, result: Path
     ) -> list[str]:

@@ -28,9 +28,23 @@ RATIOS = {
 
 
 def row(
-    mode: str, workload: str, concurrency: int, res: dict[str, Any], before: Scrape, after: Scrape
+    mode: str,
+    workload: str,
+    concurrency: int,
+    res: dict[str, Any],
+    before: Scrape,
+    after: Scrape,
+    first: list[bool] | None = None,
 ) -> dict[str, Any]:
-    """One run's row: vLLM's client's result ``res`` and the server's metrics around it."""
+    """One run's row: vLLM's client's result ``res`` (with ``--save-detailed``'s per-request
+    ``ttfts``) and the server's metrics around it. ``first``: per request, whether it was the
+    first of its prefix (``Workload.first_of_prefix``), to split the mean TTFT."""
+    ttfts = res.get("ttfts") or []
+    split: dict[str, float | None] = {"ttft_first_mean_s": None, "ttft_repeat_mean_s": None}
+    if first is not None and len(first) == len(ttfts):
+        for key, want in (("ttft_first_mean_s", True), ("ttft_repeat_mean_s", False)):
+            xs = [t for t, f in zip(ttfts, first, strict=True) if f is want]
+            split[key] = sum(xs) / len(xs) if xs else None
     prompt = after.delta(before, "vllm:prompt_tokens_total")
     cached = after.delta(before, "vllm:prompt_tokens_cached_total")
     external = after.delta(
@@ -50,6 +64,7 @@ def row(
         "ttft_mean_s": res["mean_ttft_ms"] / 1e3,
         "ttft_p99_s": res["p99_ttft_ms"] / 1e3,
         "ttft_median_s": res["median_ttft_ms"] / 1e3,
+        **split,
         "itl_mean_s": res["mean_itl_ms"] / 1e3,
         "req_per_s": res["request_throughput"],
         "tok_per_s": res["total_token_throughput"],
@@ -172,6 +187,7 @@ def table(console: Any, results: list[dict[str, Any]], skipped: dict[str, str]) 
         "conc",
         "TTFT mean s",
         "TTFT p99 s",
+        "TTFT 1st/rep s",
         "ITL ms",
         "req/s",
         "tok/s",
@@ -192,6 +208,7 @@ def table(console: Any, results: list[dict[str, Any]], skipped: dict[str, str]) 
             str(r["concurrency"]),
             f"{r['ttft_mean_s']:.3f}",
             f"{r['ttft_p99_s']:.3f}",
+            f"{_fmt(r.get('ttft_first_mean_s'))}/{_fmt(r.get('ttft_repeat_mean_s'))}",
             f"{r['itl_mean_s'] * 1e3:.1f}",
             f"{r['req_per_s']:.2f}",
             f"{r['tok_per_s']:.0f}",
