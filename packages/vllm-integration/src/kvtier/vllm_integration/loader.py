@@ -6,6 +6,12 @@ stream (its blocks may have been freed by a request whose last forward pass is s
 the device), and reports it through ``get_finished`` once it is done, together with the blocks
 it could not fill. vLLM keeps the blocks of a request aborted meanwhile until that report, so
 every load submitted is reported exactly once, whatever happened to its request.
+
+vLLM starts a step's asynchronous loads after its forward pass and asks for finished ones right
+after; a load not done by then is reported by the next step, and its request waits that whole
+step. So ``take_finished`` may wait a moment for the loads submitted since the last call: a
+load from host memory is done within it and its request runs a step sooner, while a slow one
+(disk, Redis, a device still busy) costs at most the wait and is reported when done.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ class _Load:
     spec: LoadSpec
     hold: Hold | None
     marker: Marker
+    seq: int  # submission order
 
 
 class Loader:
@@ -43,16 +50,21 @@ class Loader:
         self._block_ids_of = block_ids_of
         self._queue: queue.Queue[_Load | None] = queue.Queue()
         self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._finished: set[str] = set()
         self._failed_blocks: set[int] = set()
-        self._in_flight = 0
+        self._running: set[int] = set()  # seqs submitted and not finished
+        self._seq = 0
+        self._taken_upto = 0  # loads submitted before the last take_finished (their seqs)
         self._thread = threading.Thread(target=self._loop, name="kvtier-loader", daemon=True)
         self._thread.start()
 
     def submit(self, spec: LoadSpec, hold: Hold | None, marker: Marker) -> None:
         with self._lock:
-            self._in_flight += 1
-        self._queue.put(_Load(spec, hold, marker))
+            self._seq += 1
+            seq = self._seq
+            self._running.add(seq)
+        self._queue.put(_Load(spec, hold, marker, seq))
 
     def _loop(self) -> None:
         while True:
@@ -67,14 +79,22 @@ class Loader:
             finally:
                 if job.hold is not None:
                     job.hold.release()
-            with self._lock:
+            with self._cv:
                 self._finished.add(job.spec.req_id)
                 self._failed_blocks |= failed
-                self._in_flight -= 1
+                self._running.discard(job.seq)
+                self._cv.notify_all()
 
-    def take_finished(self) -> tuple[set[str], set[int]]:
-        """Requests whose loads ended since the last call, and the blocks those left unfilled."""
-        with self._lock:
+    def take_finished(self, wait_s: float = 0.0) -> tuple[set[str], set[int]]:
+        """Requests whose loads ended since the last call, and the blocks those left unfilled;
+        first waits up to ``wait_s`` for the loads submitted since the last call (not for older
+        ones still running)."""
+        with self._cv:
+            if wait_s > 0:
+                self._cv.wait_for(
+                    lambda: all(s <= self._taken_upto for s in self._running), timeout=wait_s
+                )
+            self._taken_upto = self._seq
             done, self._finished = self._finished, set()
             failed, self._failed_blocks = self._failed_blocks, set()
         return done, failed
@@ -82,7 +102,7 @@ class Loader:
     @property
     def in_flight(self) -> int:
         with self._lock:
-            return self._in_flight
+            return len(self._running)
 
     def close(self, timeout_s: float) -> None:
         self._queue.put(None)

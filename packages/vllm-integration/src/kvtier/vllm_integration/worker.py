@@ -67,6 +67,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvtier")
 
 SAVE_DRAIN_TIMEOUT_S = 60.0
+# How long get_finished waits for this step's asynchronous loads (``loader.py``): a host-memory
+# load is done within it and its request is scheduled a step sooner.
+LOAD_REPORT_WAIT_S = 0.005
 WORKER_COUNTERS = (
     "load_requests",
     "load_tokens_requested",
@@ -355,7 +358,7 @@ class WorkerSide:
             self._holds.release_requests(finished_req_ids)
         recving: set[str] = set()
         if self._loads is not None:
-            recving = self._loads.take_finished()
+            recving = self._loads.take_finished(LOAD_REPORT_WAIT_S)
         self._finishing |= finished_req_ids & self._saving_reqs
         if not self._finishing or self._saver is None:
             return None, (recving or None)

@@ -172,9 +172,10 @@ class WorkerLoads:
         failed, self._failed = self._failed, set()
         return failed
 
-    def take_finished(self) -> set[str]:
-        """Requests whose asynchronous loads finished (their failed blocks join ``take_failed``)."""
-        done, failed = self._loader.take_finished()
+    def take_finished(self, wait_s: float = 0.0) -> set[str]:
+        """Requests whose asynchronous loads finished (their failed blocks join ``take_failed``),
+        after waiting up to ``wait_s`` for those submitted since the last call (``loader.py``)."""
+        done, failed = self._loader.take_finished(wait_s)
         self._failed |= failed
         return done
 
