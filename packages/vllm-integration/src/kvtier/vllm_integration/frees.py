@@ -8,10 +8,10 @@ every worker reports, with each step's output, the last step whose saves it has 
 every rank has copied the saves of its last save step frees its blocks at once; the workers
 are told (``KVTierMetadata.unheld``) so they do not report it in ``finished_sending``. A
 request still being copied keeps its blocks until the workers report it done through
-``get_finished`` (``finished_sending``), one step or more later. Without this, every request
-with a save held its blocks for a step after it finished, even when its saves had been copied
-long before (the prompt's chunks are saved during its prefill): under memory pressure, the
-next request waits that step for the blocks.
+``get_finished`` (``finished_sending``), one step or more later. Waiting for that report
+always would cost every request a step after it finished, even one whose saves were copied
+long before (a prompt's chunks are saved during its prefill), and under memory pressure the
+next request would wait that step for the blocks.
 """
 
 from __future__ import annotations

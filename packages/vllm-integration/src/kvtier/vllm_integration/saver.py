@@ -52,7 +52,6 @@ class Saver:
         self._cv = threading.Condition()
         self._pending: dict[str, int] = {}  # req_id -> saves queued or running
         self._inflight: set[_Job] = set()
-        self._steps: dict[int, int] = {}  # step -> its saves queued or running
         self._latest = -1  # the last step handed over (``submit`` or ``mark``)
         self._thread = threading.Thread(target=self._loop, name="kvtier-saver", daemon=True)
         self._thread.start()
@@ -63,7 +62,6 @@ class Saver:
             job = _Job(spec, marker, step)
             with self._cv:
                 self._pending[spec.req_id] = self._pending.get(spec.req_id, 0) + 1
-                self._steps[step] = self._steps.get(step, 0) + 1
                 self._inflight.add(job)
             self._queue.put(job)
         self.mark(step)
@@ -78,7 +76,8 @@ class Saver:
         """The last step whose saves, and every earlier step's, are done (copied off the
         device, failed or abandoned): none of them reads a block any more."""
         with self._cv:
-            return min(self._steps) - 1 if self._steps else self._latest
+            oldest = min((j.step for j in self._inflight), default=None)
+            return self._latest if oldest is None else oldest - 1
 
     def pending(self, req_ids: set[str]) -> set[str]:
         """Those of ``req_ids`` that still have a save queued or running."""
@@ -102,10 +101,6 @@ class Saver:
             finally:
                 with self._cv:
                     self._inflight.discard(job)
-                    if self._steps[job.step] > 1:
-                        self._steps[job.step] -= 1
-                    else:
-                        del self._steps[job.step]
                     left = self._pending[job.spec.req_id] - 1
                     if left:
                         self._pending[job.spec.req_id] = left
