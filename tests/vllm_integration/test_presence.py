@@ -154,8 +154,20 @@ def test_scheduler_seconds_are_observed_once_per_step(h) -> None:
         with h.sched.timer.timed():
             h.sched.get_num_new_matched_tokens(request(DOC), 0)
         h.sched.timer.end_step()
-    samples = h.sched.get_kv_connector_stats().data["samples"]["scheduler_seconds"][""]
-    assert len(samples) == 3 and all(0 <= s < 1 for s in samples)
+    data = h.sched.get_kv_connector_stats().data["samples"]
+    wall, cpu = data["scheduler_seconds"][""], data["scheduler_cpu_seconds"][""]
+    assert len(wall) == len(cpu) == 3 and all(0 <= s < 1 for s in wall)
+    # CPU time is the thread's own: never more than the wall time (clock granularity aside).
+    assert all(0 <= c <= w + 1e-3 for c, w in zip(cpu, wall, strict=True))
+
+
+def test_scheduler_cpu_seconds_leave_out_time_spent_waiting(h) -> None:
+    with h.sched.timer.timed():
+        time.sleep(0.05)  # waiting, as for the GIL or a core: wall time, no CPU time
+    h.sched.timer.end_step()
+    data = h.sched.get_kv_connector_stats().data["samples"]
+    (wall,), (cpu,) = data["scheduler_seconds"][""], data["scheduler_cpu_seconds"][""]
+    assert wall >= 0.05 and cpu < 0.02
 
 
 def test_worker_reports_merge_by_rank_and_an_unlistable_tier_makes_the_index_incomplete() -> None:

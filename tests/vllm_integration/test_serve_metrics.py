@@ -106,6 +106,9 @@ def test_vllm_serve_metrics_carry_kvtier_series(vllm_model_dir: Path, tmp_path: 
     assert value(warm, "vllm:kvtier_lookups_total") >= 2
     assert value(warm, "vllm:kvtier_load_failed_blocks_total") == 0
     assert value(warm, "vllm:kvtier_load_seconds_count") == 1
+    # Every scheduler step observes kvtier's wall and CPU time.
+    steps = value(warm, "vllm:kvtier_scheduler_seconds_count")
+    assert steps > 0 and value(warm, "vllm:kvtier_scheduler_cpu_seconds_count") == steps
     # vLLM's own counters see the same hit as external and split it by source.
     assert value(warm, "vllm:external_prefix_cache_hits_total") == FULL_HIT
     assert value(warm, "vllm:prompt_tokens_cached_by_source_total", source="host") == FULL_HIT

@@ -116,6 +116,11 @@ METRICS: dict[str, MetricDef] = {
     "scheduler_seconds": MetricDef(
         HISTOGRAM, "Time kvtier's hooks took in one scheduler step (index lookups, metadata)."
     ),
+    "scheduler_cpu_seconds": MetricDef(
+        HISTOGRAM,
+        "CPU time kvtier's hooks used in one scheduler step (scheduler_seconds without the "
+        "time the thread waited for a core or the GIL).",
+    ),
     "lookup_failures": MetricDef(
         COUNTER, "Lookups the scheduler could not complete (channel error or timeout: a miss)."
     ),

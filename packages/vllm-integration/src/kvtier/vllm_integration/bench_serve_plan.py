@@ -139,7 +139,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--per-prefix", type=int, default=3, help="requests per prefix (default 3)")
     p.add_argument("--b-prefixes", type=int, default=2, help="workload B's prefixes (default 2)")
-    p.add_argument("--b-per-prefix", type=int, default=12)
+    p.add_argument(
+        "--b-per-prefix",
+        type=int,
+        default=48,
+        help="requests per prefix in workload B (default 48: 96 requests, enough that a run at "
+        "concurrency 16 is more than its first batch)",
+    )
     p.add_argument(
         "--b-kv-cache-mib",
         type=float,

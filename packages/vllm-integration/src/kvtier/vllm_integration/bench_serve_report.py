@@ -16,6 +16,7 @@ from typing import Any
 from kvtier.vllm_integration.bench_serve_plot import Scrape
 
 SCHED_HISTOGRAM = "vllm:kvtier_scheduler_seconds"
+SCHED_CPU_HISTOGRAM = "vllm:kvtier_scheduler_cpu_seconds"
 REFERENCE = "prefix_cache"
 KVTIER_MODES = ("kvtier_eager", "kvtier_lazy")
 # Row field -> name of its ratio to the reference mode (``<name>_vs_prefix_cache``).
@@ -50,8 +51,12 @@ def row(
     external = after.delta(
         before, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
     )
-    p50 = after.quantile(before, SCHED_HISTOGRAM, 0.5)
-    p99 = after.quantile(before, SCHED_HISTOGRAM, 0.99)
+    sched = {
+        f"sched{kind}_p{q}_ms": None if v is None else v * 1e3
+        for kind, name in (("", SCHED_HISTOGRAM), ("_cpu", SCHED_CPU_HISTOGRAM))
+        for q in (50, 99)
+        for v in [after.quantile(before, name, q / 100)]
+    }
     hits = {
         tier: after.delta(before, "vllm:kvtier_lookup_hit_tokens_total", tier=tier)
         for tier in after.by_label("vllm:kvtier_lookup_hit_tokens_total", "tier")
@@ -80,8 +85,7 @@ def row(
         "kvtier_saved_bytes": saved_bytes,
         "saved_bytes_per_request": saved_bytes / res["completed"] if res["completed"] else None,
         "preemptions": after.delta(before, "vllm:num_preemptions_total"),
-        "sched_p50_ms": None if p50 is None else p50 * 1e3,
-        "sched_p99_ms": None if p99 is None else p99 * 1e3,
+        **sched,
     }
 
 
@@ -195,12 +199,16 @@ def table(console: Any, results: list[dict[str, Any]], skipped: dict[str, str]) 
         "TTFT/pc",
         "req/s/pc",
         "sched p50/p99 ms",
+        "sched CPU p50/p99 ms",
         "saved KiB/req",
     ):
         t.add_column(col, justify="right")
     for r in results:
-        sched = (
-            "-" if r["sched_p50_ms"] is None else f"{r['sched_p50_ms']:.3f}/{r['sched_p99_ms']:.3f}"
+        sched, cpu = (
+            "-"
+            if r.get(f"sched{k}_p50_ms") is None
+            else f"{r[f'sched{k}_p50_ms']:.3f}/{r[f'sched{k}_p99_ms']:.3f}"
+            for k in ("", "_cpu")
         )
         t.add_row(
             r["workload"],
@@ -216,6 +224,7 @@ def table(console: Any, results: list[dict[str, Any]], skipped: dict[str, str]) 
             _fmt(r.get("ttft_mean_vs_prefix_cache")),
             _fmt(r.get("req_per_s_vs_prefix_cache")),
             sched,
+            cpu,
             _kib(r.get("saved_bytes_per_request")),
         )
     console.print(t)

@@ -113,25 +113,30 @@ class Counters:
 
 
 class StepTimer:
-    """kvtier's time inside each vLLM scheduler step, observed as ``scheduler_seconds``."""
+    """kvtier's time inside each vLLM scheduler step, observed as ``scheduler_seconds`` (wall
+    time) and ``scheduler_cpu_seconds`` (the scheduler thread's CPU time: the wall time less
+    what the thread spent waiting for a core or the GIL, which other threads hold)."""
 
     def __init__(self, metrics: StatsTracker) -> None:
         self._metrics = metrics
         self._seconds = 0.0
+        self._cpu_seconds = 0.0
 
     @contextmanager
     def timed(self) -> Iterator[None]:
         """Count the time spent inside into this step's ``scheduler_seconds``."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
+            self._cpu_seconds += time.thread_time() - c0
             self._seconds += time.perf_counter() - t0
 
     def end_step(self) -> None:
         """Record kvtier's time in the step that just ended."""
         self._metrics.observe("scheduler_seconds", self._seconds)
-        self._seconds = 0.0
+        self._metrics.observe("scheduler_cpu_seconds", self._cpu_seconds)
+        self._seconds = self._cpu_seconds = 0.0
 
 
 class StatsTracker:
