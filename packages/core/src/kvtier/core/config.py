@@ -154,7 +154,10 @@ class KVTierConfig:
         "before it counts as a miss (s); the scheduler never waits for it.",
         default=2.0,
     )
-    log_level: str = _doc("Log level of the kvtier logger.", default="WARNING")
+    log_level: str = _doc(
+        "Log level of the kvtier logger (DEBUG: a line per request decision, by request id).",
+        default="WARNING",
+    )
     backend_options: dict[str, Any] = _doc(
         "Per-backend options for third-party tiers: {backend name: {option: value}}.",
         default_factory=dict,

@@ -40,6 +40,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.core.config import KVTierConfig, load_config
 from kvtier.core.engine import CacheEngine
 from kvtier.core.errors import ConfigError
+from kvtier.vllm_integration import logs
 from kvtier.vllm_integration.metadata import KVTierMetadata
 from kvtier.vllm_integration.scheduler import SchedulerSide
 from kvtier.vllm_integration.stats import KVTierPromMetrics, KVTierStats
@@ -72,7 +73,7 @@ class KVTierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.config: KVTierConfig = load_config(overrides=extra)
-        logging.getLogger("kvtier").setLevel(self.config.log_level.upper())
+        logs.configure(self.config.log_level)
         self.block_size = int(vllm_config.cache_config.block_size)
         if self.config.chunk_size % self.block_size:
             raise ConfigError(

@@ -179,6 +179,7 @@ class Lookups:
             self._next_hold_id += 1
             self.probes.append(ProbeSpec(rid, probe.hold_id, state.prompt, state.scope))
             self.sent += 1
+            logger.debug("kvtier: request %s: probe %d goes to the workers", rid, probe.hold_id)
             return None
         if probe.answered(self.num_workers):
             return probe

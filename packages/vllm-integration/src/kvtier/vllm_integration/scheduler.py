@@ -30,6 +30,7 @@ import os
 from typing import TYPE_CHECKING
 
 from kvtier.core.config import KVTierConfig
+from kvtier.vllm_integration import logs
 from kvtier.vllm_integration.events import EventLog
 from kvtier.vllm_integration.frees import BlockFrees
 from kvtier.vllm_integration.identity import adapter_identity, cacheable, identity_tokens
@@ -158,6 +159,7 @@ class SchedulerSide:
         self._counts["hit_tokens"] += new
         state.computed_at_lookup = num_computed_tokens
         state.load_async = self.config.loads_async and new > 0
+        logs.lookup(request.request_id, n, num_computed_tokens, new, probe, state.load_async)
         return new, state.load_async
 
     def update_state_after_alloc(
@@ -303,8 +305,11 @@ class SchedulerSide:
             spec = self._save_spec(rid, state, request.num_computed_tokens, expect=False)
             if spec is not None:
                 self.lazy.remember(spec, self.saves.step, state)
+            logs.finished(rid, "lazy save remembered" if spec else "nothing to save")
             return False
-        return self.frees.finished(rid, state.last_save_step)
+        held = self.frees.finished(rid, state.last_save_step)
+        logs.finished(rid, "blocks held for its saves" if held else "blocks freed now")
+        return held
 
     def get_kv_connector_stats(self) -> KVTierStats | None:
         """The scheduler's metrics changed since the last call (``stats.py``)."""

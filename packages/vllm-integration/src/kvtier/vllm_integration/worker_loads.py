@@ -79,6 +79,13 @@ class WorkerLoads:
         self._count(
             load_requests=1, load_tokens_requested=spec.end - spec.start, loaded_tokens=loaded
         )
+        logger.debug(
+            "kvtier: request %s: loaded %d of tokens %d-%d",
+            spec.req_id,
+            loaded,
+            spec.start,
+            spec.end,
+        )
         if loaded == spec.end - spec.start:
             return set()
         missing = (~want).nonzero().squeeze(1) + spec.start
