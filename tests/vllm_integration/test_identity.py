@@ -83,6 +83,21 @@ def test_only_placeholder_positions_carry_the_item(offset, length, a, b) -> None
     assert np.array_equal(ia[inside], ib[inside]) == (a == b)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=300))
+def test_a_token_list_converts_exactly_as_numpy_would(ids) -> None:
+    out = identity_tokens(request(ids), ids)
+    assert out.dtype == np.int64 and out.flags.writeable
+    assert np.array_equal(out, np.array(ids, dtype=np.int64))
+
+
+@pytest.mark.parametrize("bad", [[1, 2.0], [1, 2**63], [1, -(2**63) - 1], [1, "2"]])
+def test_a_token_list_that_is_not_64_bit_integers_is_refused(bad) -> None:
+    """numpy would truncate 2.0 (or another float) to a real token id silently."""
+    with pytest.raises(ValueError, match="64-bit integers"):
+        identity_tokens(request(TEXT), bad)
+
+
 def test_scopes_seed_different_chains_but_salt_ids_follow_the_salt() -> None:
     scopes = [
         KeyScope(),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -131,10 +132,23 @@ def cacheable(request: Request) -> bool:
     return getattr(request, "prompt_embeds", None) is None
 
 
+def _int64(tokens: list[int] | np.ndarray) -> np.ndarray:
+    """A writable int64 copy of ``tokens``. A list goes through ``struct``, several times faster
+    than numpy's element-by-element conversion (the scheduler converts every prompt once, in
+    ``schedule()``); a float or an id outside int64 is a ``ValueError``."""
+    if isinstance(tokens, np.ndarray):
+        return tokens.astype(np.int64)
+    try:
+        packed = struct.pack(f"<{len(tokens)}q", *tokens)
+    except struct.error as e:
+        raise ValueError(f"token ids must be 64-bit integers: {e}") from None
+    return np.frombuffer(bytearray(packed), dtype="<i8")
+
+
 def identity_tokens(request: Request, tokens: list[int] | np.ndarray) -> np.ndarray:
     """``tokens`` (a prefix of the request's tokens, or all of them) as int64, with every
     multimodal placeholder position replaced by an id derived from its item's identifier."""
-    out = np.array(tokens, dtype=np.int64)
+    out = _int64(tokens)
     for feature in getattr(request, "mm_features", None) or ():
         pos = feature.mm_position
         start, end = int(pos.offset), min(int(pos.offset) + int(pos.length), len(out))
