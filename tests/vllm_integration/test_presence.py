@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -15,7 +16,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (install kvtier[vllm])
 from sched_harness import BLOCK, CHUNK, Harness, request
 
 from kvtier.core import CacheEngine, HostArena, HostMemoryStorageManager, KVLayout, load_config
-from kvtier.core.keys import KeyFactory, KeyScope
+from kvtier.core.keys import KeyFactory, KeyScope, prefix_hashes
 from kvtier.core.platforms.cpu import CPUPlatform
 from kvtier.vllm_integration.presence import KVTierWorkerMeta, PresenceIndex, RankReport
 from kvtier.vllm_integration.probes import PromptHashes
@@ -39,6 +40,25 @@ def h():
 
 
 @settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 6 * CHUNK), order=st.lists(st.integers(-8, 8), max_size=10))
+def test_chunk_hashes_computed_on_demand_are_those_of_the_whole_prompt(n, order) -> None:
+    """The scheduler hashes a prompt's chunks only as far as they are asked for, in any order:
+    every hash is the one hashing the whole prompt at once gives."""
+    tokens = np.arange(5, 5 + n, dtype=np.int64)
+    scope = KeyScope("s", None, None)
+    want = prefix_hashes(tokens, CHUNK, scope)
+    lazy = PromptHashes(tokens, scope, CHUNK, BLOCK, tails=False).full
+    assert len(lazy) == len(want)
+    for i in order:
+        if -len(want) <= i < len(want):
+            assert lazy[i] == want[i]
+        else:
+            with pytest.raises(IndexError):
+                lazy[i]
+    assert lazy[1:3] == want[1:3] and list(lazy) == want
+
+
+@settings(max_examples=40, deadline=None)
 @given(n=st.integers(0, 5 * CHUNK), salt=st.sampled_from([None, "a"]), index=st.integers(0, 5))
 def test_prompt_hashes_are_the_engines_keys(n, salt, index) -> None:
     """The scheduler hashes a prompt exactly as the engine keys what it stores: full chunks,
@@ -52,7 +72,7 @@ def test_prompt_hashes_are_the_engines_keys(n, salt, index) -> None:
     scope = KeyScope(salt, None, None)
     hashes = PromptHashes(torch.tensor(tokens).numpy(), scope, CHUNK, BLOCK, tails=True)
     full = engine.full_spans(tokens, scope)
-    assert [bytes.fromhex(s.key.chunk_hash) for s in full] == hashes.full
+    assert [bytes.fromhex(s.key.chunk_hash) for s in full] == list(hashes.full)
     index = min(index, len(full))
     tail = engine.tail_spans(tokens, index, scope)
     assert [bytes.fromhex(s.key.chunk_hash) for s in tail] == hashes.tail(index)

@@ -11,7 +11,8 @@ reads exactly the held chunks. A probe not answered within ``lookup_timeout_s`` 
 
 ``PromptHashes`` computes a prompt's chunk hashes on the scheduler the way ``CacheEngine``
 does (full chunks, then block-sized tail spans, and the alias keys those tail hashes name:
-``kvtier.core.aliases``), once per request, so the index predicts the hit a probe finds.
+``kvtier.core.aliases``), once per request and only as far as they are needed, so the index
+predicts the hit a probe finds.
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
-from kvtier.core.keys import KeyScope, prefix_hashes, salt_seed, tail_hashes, token_bytes
+from kvtier.core.keys import KeyScope, chain_hash, salt_seed, tail_hashes, token_bytes
 from kvtier.vllm_integration.presence import AliasHash, PresenceIndex, ProbeAnswer
 
 logger = logging.getLogger("kvtier")
@@ -65,6 +66,40 @@ class Probe:
         return min(self.answers.values())
 
 
+class ChainHashes(Sequence[bytes]):
+    """``prefix_hashes(arr, chunk_size, scope)``, each hash computed when first asked for (and
+    every hash before it): a lookup that stops at the first chunk the index lacks hashes only
+    that far, and a long prompt's saves hash their chunks step by step."""
+
+    def __init__(self, arr: np.ndarray, chunk_size: int, scope: KeyScope) -> None:
+        self._arr = arr
+        self._chunk = chunk_size
+        self._len = len(arr) // chunk_size
+        self._done: list[bytes] = []
+        self._prev = salt_seed(scope)
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, i: int) -> bytes: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[bytes]: ...
+    def __getitem__(self, i: int | slice) -> bytes | list[bytes]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._len))]
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError(i)
+        c = self._chunk
+        while len(self._done) <= i:
+            k = len(self._done)
+            self._prev = chain_hash(self._prev, self._arr[k * c : (k + 1) * c])
+            self._done.append(self._prev)
+        return self._done[i]
+
+
 class PromptHashes:
     """One prompt's chunk hashes under its scope, as ``CacheEngine`` keys them."""
 
@@ -76,7 +111,7 @@ class PromptHashes:
         self.chunk_size = chunk_size
         self.block_size = block_size
         self.tails = tails  # the engine stores tail blocks (save_unfull_chunk)
-        self.full = prefix_hashes(self.arr, chunk_size, scope)
+        self.full = ChainHashes(self.arr, chunk_size, scope)
         self._tails: dict[int, list[bytes]] = {}
 
     def tail_keys(self, index: int) -> list[bytes]:
@@ -173,7 +208,7 @@ class Sightings:
         """One request with this prompt arrived."""
         if self.threshold <= 1:
             return
-        for h in hashes.full + hashes.tail(len(hashes.full)):
+        for h in [*hashes.full, *hashes.tail(len(hashes.full))]:
             self._counts[h] = self._counts.get(h, 0) + 1
             self._counts.move_to_end(h)
         while len(self._counts) > self.capacity:
