@@ -51,12 +51,11 @@ def row(
     external = after.delta(
         before, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
     )
-    sched = {
-        f"sched{kind}_p{q}_ms": None if v is None else v * 1e3
-        for kind, name in (("", SCHED_HISTOGRAM), ("_cpu", SCHED_CPU_HISTOGRAM))
-        for q in (50, 99)
-        for v in [after.quantile(before, name, q / 100)]
-    }
+    sched: dict[str, float | None] = {}
+    for kind, name in (("", SCHED_HISTOGRAM), ("_cpu", SCHED_CPU_HISTOGRAM)):
+        for q in (50, 99):
+            seconds = after.quantile(before, name, q / 100)
+            sched[f"sched{kind}_p{q}_ms"] = None if seconds is None else seconds * 1e3
     hits = {
         tier: after.delta(before, "vllm:kvtier_lookup_hit_tokens_total", tier=tier)
         for tier in after.by_label("vllm:kvtier_lookup_hit_tokens_total", "tier")
@@ -204,12 +203,6 @@ def table(console: Any, results: list[dict[str, Any]], skipped: dict[str, str]) 
     ):
         t.add_column(col, justify="right")
     for r in results:
-        sched, cpu = (
-            "-"
-            if r.get(f"sched{k}_p50_ms") is None
-            else f"{r[f'sched{k}_p50_ms']:.3f}/{r[f'sched{k}_p99_ms']:.3f}"
-            for k in ("", "_cpu")
-        )
         t.add_row(
             r["workload"],
             r["mode"],
@@ -223,13 +216,19 @@ def table(console: Any, results: list[dict[str, Any]], skipped: dict[str, str]) 
             "-" if r["hit_rate"] is None else f"{r['hit_rate']:.2f}",
             _fmt(r.get("ttft_mean_vs_prefix_cache")),
             _fmt(r.get("req_per_s_vs_prefix_cache")),
-            sched,
-            cpu,
+            _p50_p99(r, "sched"),
+            _p50_p99(r, "sched_cpu"),
             _kib(r.get("saved_bytes_per_request")),
         )
     console.print(t)
     for mode, why in skipped.items():
         console.print(f"skipped {mode}: {why[:300]}")
+
+
+def _p50_p99(r: dict[str, Any], name: str) -> str:
+    """``p50/p99`` of a row's ``<name>_p50_ms`` and ``<name>_p99_ms`` ("-" when not measured)."""
+    p50, p99 = r.get(f"{name}_p50_ms"), r.get(f"{name}_p99_ms")
+    return "-" if p50 is None or p99 is None else f"{p50:.3f}/{p99:.3f}"
 
 
 def _fmt(x: float | None) -> str:

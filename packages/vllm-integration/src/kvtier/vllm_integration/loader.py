@@ -49,8 +49,7 @@ class Loader:
         self._load = load
         self._block_ids_of = block_ids_of
         self._queue: queue.Queue[_Load | None] = queue.Queue()
-        self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)
+        self._cv = threading.Condition()
         self._finished: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._running: set[int] = set()  # seqs submitted and not finished
@@ -60,7 +59,7 @@ class Loader:
         self._thread.start()
 
     def submit(self, spec: LoadSpec, hold: Hold | None, marker: Marker) -> None:
-        with self._lock:
+        with self._cv:
             self._seq += 1
             seq = self._seq
             self._running.add(seq)
@@ -101,7 +100,7 @@ class Loader:
 
     @property
     def in_flight(self) -> int:
-        with self._lock:
+        with self._cv:
             return len(self._running)
 
     def close(self, timeout_s: float) -> None:
