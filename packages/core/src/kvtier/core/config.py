@@ -75,14 +75,19 @@ class KVTierConfig:
         default_factory=lambda: ["local_cpu", "local_disk"],
     )
     local_cpu_size_gb: float = _doc(
-        "Host-memory tier budget (GiB); the host arena size.", default=2.0
+        "Host-memory tier budget (GiB) of each worker process (every tensor-parallel rank has "
+        "its own); the host arena size.",
+        default=2.0,
     )
     pin_memory: bool = _doc("Pin the host arena where the platform can (CUDA, XPU).", default=True)
     local_disk_path: str = _doc(
         "Disk tier directory (default: $XDG_CACHE_HOME/kvtier/disk, else ~/.cache/kvtier/disk).",
         default="",
     )
-    local_disk_size_gb: float = _doc("Disk tier budget (GiB).", default=16.0)
+    local_disk_size_gb: float = _doc(
+        "Disk tier budget (GiB) of each worker process (every tensor-parallel rank has its own).",
+        default=16.0,
+    )
     local_disk_o_direct: bool = _doc("Read and write disk-tier files with O_DIRECT.", default=False)
     redis_url: str | None = _doc(
         "Redis/Valkey URL: redis://host:port/db, rediss:// (TLS), unix:///path.sock.", default=None

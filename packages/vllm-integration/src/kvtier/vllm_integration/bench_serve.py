@@ -17,7 +17,8 @@ an environment that has both).
 Every run uses its own seed (the same in every mode), so no run finds another's prefixes.
 ``hit_rate`` and the kvtier series come from the server's ``/metrics``, as the difference of two
 scrapes around the run, and so do the bytes kvtier copied off the device per request (the two
-kvtier modes' difference). What runs (arguments, workloads, servers): ``bench_serve_plan.py``;
+kvtier modes' difference). ``--rounds N`` starts every mode's server N times, interleaved, and
+combines the rounds (``bench_serve_rounds.py``). What runs (arguments, workloads, servers): ``bench_serve_plan.py``;
 rows, ratios and targets: ``bench_serve_report.py``. Writes ``serve.json`` and ``serve.png``
 under ``--out``.
 """
@@ -51,8 +52,8 @@ from kvtier.vllm_integration.bench_serve_plan import (
     workloads,
 )
 from kvtier.vllm_integration.bench_serve_plot import Scrape, chart
+from kvtier.vllm_integration.bench_serve_rounds import combine, schedule
 from kvtier.vllm_integration.bench_serve_report import (
-    add_ratios,
     cpu_flags,
     row,
     source_revision,
@@ -110,26 +111,32 @@ def main(argv: list[str]) -> int:
         }
     logs = Path(tempfile.mkdtemp(prefix="kvtier-bench-serve-", dir=cache_dir))
     console.print(f"logs and per-run results: {logs}")
-    results: list[dict[str, Any]] = []
-    runs = [(m, w, c) for m in modes for w in loads for c in concurrencies]
+    runs: list[dict[str, Any]] = []
+    todo = [(w, c) for w in loads for c in concurrencies]
     try:
         with Progress(console=console) as progress, BenchClient(logs / "client.log") as client:
-            task = progress.add_task("vllm bench serve", total=len(runs))
-            for mode in modes:
+            task = progress.add_task("vllm bench serve", total=len(todo) * len(modes) * args.rounds)
+            for rnd, mode in schedule(modes, args.rounds):
                 # One server per KV-cache size (workloads of the same size share it).
                 for size in dict.fromkeys(w.kv_cache_bytes for w in loads):
-                    mine = [(w, c) for m, w, c in runs if m == mode and w.kv_cache_bytes == size]
+                    mine = [(w, c) for w, c in todo if w.kv_cache_bytes == size]
+                    if mode in skipped:
+                        progress.advance(task, len(mine))
+                        continue
                     cfg = configs[mine[0][0].name]
                     try:
-                        results += _run_mode(
-                            mode, mine, cfg, args, logs, client, progress, task, firsts
+                        rows = _run_mode(
+                            mode, rnd, mine, cfg, args, logs, client, progress, task, firsts
                         )
                     except (ServerError, OSError) as e:
                         skipped[mode] = f"{type(e).__name__}: {str(e)[:1500]}"
                         console.print(f"[red]{mode} failed[/red]: {str(e)[-1500:]}")
                         progress.advance(task, len(mine))
+                        continue
+                    runs += [{**r, "round": rnd} for r in rows]
     finally:
         shutil.rmtree(logs / "disk", ignore_errors=True)
+    results = combine(runs)
     out = results_dir(args.out)
     described = {
         w.name: {
@@ -144,12 +151,12 @@ def main(argv: list[str]) -> int:
         # Whole workloads only: every ratio still compares rows of one invocation.
         old = json.loads((out / "serve.json").read_text())
         results = [r for r in old["results"] if r["workload"] not in described] + results
+        runs = [r for r in old.get("runs", []) if r["workload"] not in described] + runs
         described = {
             **{k: v for k, v in old["workloads"].items() if k not in described},
             **described,
         }
         skipped = {**old.get("skipped", {}), **skipped}
-    add_ratios(results)
     report = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cpus, {cpu_flags()}",
         "model": {**asdict(BENCH_MODEL), "dtype": "bfloat16", "kv_bytes_per_token": per_token},
@@ -158,7 +165,9 @@ def main(argv: list[str]) -> int:
         "kvtier_source": source_revision(),
         "kvtier_tiers": args.kvtier_tiers,
         "skipped": skipped,
+        "rounds": args.rounds,
         "results": results,
+        "runs": runs,
         "targets": targets(results),
     }
     (out / "serve.json").write_text(json.dumps(report, indent=2))
@@ -171,6 +180,7 @@ def main(argv: list[str]) -> int:
 
 def _run_mode(
     mode: str,
+    rnd: int,
     runs: list[tuple[Workload, int]],
     cfg: ServeConfig,
     args: argparse.Namespace,
@@ -182,17 +192,17 @@ def _run_mode(
 ) -> list[dict[str, Any]]:
     kvtier = {
         "tiers": args.kvtier_tiers,
-        "local_disk_path": str(logs / "disk" / mode),
+        "local_disk_path": str(logs / "disk" / f"{mode}-r{rnd}"),  # no round finds another's
         "local_cpu_size_gb": 0.5,
     }
     out = []
     with contextlib.ExitStack() as stack:
         python, port = None, None
         if mode == "lmcache":
-            progress.update(task, description="lmcache: starting its server")
+            progress.update(task, description=f"lmcache: starting its server (round {rnd})")
             python = args.lmcache_python
             lmcache = stack.enter_context(
-                LMCacheServer(python, logs / "lmcache.log", start_timeout_s=args.start_timeout_s)
+                LMCacheServer(python, logs / f"lmcache-r{rnd}.log", start_timeout_s=args.start_timeout_s)
             )
             port = lmcache.port
         progress.update(task, description=f"{mode}: starting vllm serve")
@@ -200,7 +210,7 @@ def _run_mode(
             VLLMServer(
                 cfg.model,
                 server_args(mode, cfg, kvtier=kvtier, lmcache_port=port),
-                logs / f"server-{mode}-{runs[0][0].name}.log",
+                logs / f"server-{mode}-{runs[0][0].name}-r{rnd}.log",
                 python=python,
                 start_timeout_s=args.start_timeout_s,
             )
@@ -215,14 +225,14 @@ def _run_mode(
                 cfg.model,
                 2,
                 WARMUP_SEED,
-                logs / f"{mode}-{runs[0][0].name}-warm-up.json",
+                logs / f"{mode}-{runs[0][0].name}-r{rnd}-warm-up.json",
             ),
             args.run_timeout_s,
         )
         for w, c in runs:
-            progress.update(task, description=f"{mode} workload {w.name} c={c}")
+            progress.update(task, description=f"{mode} workload {w.name} c={c} round {rnd}")
             seed = w.seed(c)
-            result = logs / f"{mode}-{w.name}-c{c}.json"
+            result = logs / f"{mode}-{w.name}-c{c}-r{rnd}.json"
             before = Scrape.parse(server.metrics())
             client.run(w.argv(server.url, cfg.model, c, seed, result), args.run_timeout_s)
             time.sleep(1.0)  # the last step's stats reach the front end after its output

@@ -173,6 +173,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="kvtier's tiers in its modes (default local_cpu,local_disk; local_cpu alone keeps "
         "chunks in host memory only, as the lmcache mode's server does)",
     )
+    p.add_argument(
+        "--rounds",
+        type=_positive,
+        default=1,
+        help="servers per mode, run in rounds (the modes' order reversed every other round); "
+        "rows are medians over the rounds, ratios to the prefix cache taken within each round",
+    )
     p.add_argument("--start-timeout-s", type=float, default=600.0)
     p.add_argument("--run-timeout-s", type=float, default=900.0)
     p.add_argument(
@@ -189,6 +196,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         if args.concurrency == "1,4,16":
             args.concurrency = "1,4"
     return args
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {n}")
+    return n
 
 
 def workloads(args: argparse.Namespace, per_token: int, max_conc: int) -> list[Workload]:

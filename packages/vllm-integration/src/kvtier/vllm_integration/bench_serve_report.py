@@ -101,7 +101,7 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
 
 def targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Issue 19's targets for each kvtier mode that ran, each with what this run measured (None
-    where a row is missing)."""
+    where a row is missing): a ratio's median over the rounds, and its ``range`` over them."""
     by = {(r["workload"], r["mode"], r["concurrency"]): r for r in results}
     modes = [m for m in KVTIER_MODES if any(r["mode"] == m for r in results)] or ["kvtier_eager"]
     out: list[dict[str, Any]] = []
@@ -124,6 +124,7 @@ def _a_targets(by: dict[tuple[str, str, int], dict[str, Any]], mode: str) -> lis
                 {
                     "target": f"A c={c} {mode} {key} {'<=' if better == 'le' else '>='} {goal}",
                     "measured": v,
+                    "range": k.get(f"{key}_range") if k else None,
                     "met": met,
                 }
             )
@@ -153,7 +154,14 @@ def _b_targets(
         for key, lo in (("req_per_s_vs_prefix_cache", 0.97), ("ttft_p99_vs_prefix_cache", None)):
             v = k.get(key) if k else None
             met = None if v is None else (v >= 0.97 if lo else v <= 1.03)
-            out.append({"target": f"B c={c} {mode} {key} within 3%", "measured": v, "met": met})
+            out.append(
+                {
+                    "target": f"B c={c} {mode} {key} within 3%",
+                    "measured": v,
+                    "range": k.get(f"{key}_range") if k else None,
+                    "met": met,
+                }
+            )
     return out
 
 
@@ -214,8 +222,8 @@ def table(console: Any, results: list[dict[str, Any]], skipped: dict[str, str]) 
             f"{r['req_per_s']:.2f}",
             f"{r['tok_per_s']:.0f}",
             "-" if r["hit_rate"] is None else f"{r['hit_rate']:.2f}",
-            _fmt(r.get("ttft_mean_vs_prefix_cache")),
-            _fmt(r.get("req_per_s_vs_prefix_cache")),
+            _ratio(r, "ttft_mean_vs_prefix_cache"),
+            _ratio(r, "req_per_s_vs_prefix_cache"),
             _p50_p99(r, "sched"),
             _p50_p99(r, "sched_cpu"),
             _kib(r.get("saved_bytes_per_request")),
@@ -229,6 +237,12 @@ def _p50_p99(r: dict[str, Any], name: str) -> str:
     """``p50/p99`` of a row's ``<name>_p50_ms`` and ``<name>_p99_ms`` ("-" when not measured)."""
     p50, p99 = r.get(f"{name}_p50_ms"), r.get(f"{name}_p99_ms")
     return "-" if p50 is None or p99 is None else f"{p50:.3f}/{p99:.3f}"
+
+
+def _ratio(r: dict[str, Any], key: str) -> str:
+    """A ratio to the prefix cache, with its range over the rounds when there were several."""
+    lo_hi = r.get(f"{key}_range") if r.get("rounds", 1) > 1 else None
+    return _fmt(r.get(key)) + (f" ({lo_hi[0]:.2f}-{lo_hi[1]:.2f})" if lo_hi else "")
 
 
 def _fmt(x: float | None) -> str:
