@@ -52,7 +52,6 @@ from kvtier.vllm_integration.bench_serve_plan import (
     workloads,
 )
 from kvtier.vllm_integration.bench_serve_plot import Scrape, chart
-from kvtier.vllm_integration.bench_serve_rounds import combine, schedule
 from kvtier.vllm_integration.bench_serve_report import (
     cpu_flags,
     row,
@@ -60,6 +59,7 @@ from kvtier.vllm_integration.bench_serve_report import (
     table,
     targets,
 )
+from kvtier.vllm_integration.bench_serve_rounds import combine, schedule
 from kvtier.vllm_integration.model import build_model
 from kvtier.vllm_integration.serve_launcher import (
     MODES,
@@ -202,7 +202,9 @@ def _run_mode(
             progress.update(task, description=f"lmcache: starting its server (round {rnd})")
             python = args.lmcache_python
             lmcache = stack.enter_context(
-                LMCacheServer(python, logs / f"lmcache-r{rnd}.log", start_timeout_s=args.start_timeout_s)
+                LMCacheServer(
+                    python, logs / f"lmcache-r{rnd}.log", start_timeout_s=args.start_timeout_s
+                )
             )
             port = lmcache.port
         progress.update(task, description=f"{mode}: starting vllm serve")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from kvtier.vllm_integration.bench_serve_report import REFERENCE, add_ratios
 
@@ -66,5 +66,5 @@ def _median(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _is_number(v: object) -> bool:
+def _is_number(v: object) -> TypeGuard[float]:
     return isinstance(v, int | float) and not isinstance(v, bool)
