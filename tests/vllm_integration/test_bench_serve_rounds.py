@@ -88,3 +88,18 @@ def test_rows_of_different_runs_do_not_mix() -> None:
     assert len(rows) == 5
     assert rows[("A", "kvtier_eager", 4)]["req_per_s_vs_prefix_cache"] == pytest.approx(3.0)
     assert rows[("A", "kvtier_eager", 16)]["req_per_s_vs_prefix_cache"] == pytest.approx(1.5)
+
+
+def test_kvtier_is_compared_with_lmcache_within_each_round() -> None:
+    """Round by round: kvtier faster in one, slower in two (by less than it won by): the median
+    of the paired ratios says it did not beat LMCache, whatever the medians of the rows say."""
+    runs = []
+    for k, (lm, kv) in enumerate([(4.0, 3.0), (2.0, 2.2), (3.0, 3.3)]):
+        runs += [_row("lmcache", k, 1.0, lm, "A", 4), _row("kvtier_eager", k, 1.0, kv, "A", 4)]
+    rows = {r["mode"]: r for r in combine(runs)}
+    kv = rows["kvtier_eager"]
+    assert kv["ttft_mean_vs_lmcache"] == pytest.approx(1.1)
+    assert kv["ttft_mean_vs_lmcache_range"] == pytest.approx([0.75, 1.1])
+    assert "ttft_mean_vs_lmcache" not in rows["lmcache"]
+    beats = next(t for t in targets(list(rows.values())) if "beats lmcache" in t["target"])
+    assert beats["met"] is False

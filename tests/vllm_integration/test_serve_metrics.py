@@ -109,6 +109,11 @@ def test_vllm_serve_metrics_carry_kvtier_series(vllm_model_dir: Path, tmp_path: 
     # Every scheduler step observes kvtier's wall and CPU time.
     steps = value(warm, "vllm:kvtier_scheduler_seconds_count")
     assert steps > 0 and value(warm, "vllm:kvtier_scheduler_cpu_seconds_count") == steps
+    # And every worker step, on the forward thread (CPU time at most the wall time).
+    worker_steps = value(warm, "vllm:kvtier_worker_seconds_count")
+    assert worker_steps > 0 and value(warm, "vllm:kvtier_worker_cpu_seconds_count") == worker_steps
+    worker_wall = value(warm, "vllm:kvtier_worker_seconds_sum")
+    assert 0 < value(warm, "vllm:kvtier_worker_cpu_seconds_sum") <= worker_wall * 1.1 + 1e-3
     # vLLM's own counters see the same hit as external and split it by source.
     assert value(warm, "vllm:external_prefix_cache_hits_total") == FULL_HIT
     assert value(warm, "vllm:prompt_tokens_cached_by_source_total", source="host") == FULL_HIT
@@ -195,12 +200,34 @@ def test_the_first_request_of_each_prefix_is_found_in_the_clients_order(
     assert (r["ttft_first_mean_s"], r["ttft_repeat_mean_s"]) == (1.0, 0.25)
     r = row("kvtier_eager", "A", 4, res, empty, empty, first[:-1])  # not this run's requests
     assert r["ttft_first_mean_s"] is None and r["ttft_repeat_mean_s"] is None
+    assert r["sched_cpu_share"] is None and r["worker_cpu_share"] is None  # no kvtier series
+
+    def cpu_page(sched: float, worker: float, steps: int) -> str:
+        lines = []
+        for name, total in (("scheduler", sched), ("worker", worker)):
+            h = f"vllm:kvtier_{name}_cpu_seconds"
+            lines += [f"# TYPE {h} histogram", f'{h}_bucket{{le="+Inf"}} {steps}']
+            lines += [f"{h}_count {steps}", f"{h}_sum {total}"]
+        return "\n".join(lines) + "\n"
+
+    # Over the run's 15 s: 0.3 s of kvtier CPU on the scheduler thread, 0.15 s on the worker's.
+    r = row(
+        "kvtier_eager",
+        "A",
+        4,
+        res,
+        Scrape.parse(cpu_page(1.0, 2.0, 10)),
+        Scrape.parse(cpu_page(1.3, 2.15, 90)),
+        first,
+    )
+    assert r["sched_cpu_share"] == pytest.approx(0.02)
+    assert r["worker_cpu_share"] == pytest.approx(0.01)
 
 
 def test_targets_are_judged_for_each_kvtier_mode() -> None:
     """Issue 19's targets for every kvtier mode that ran (lazy offload too), from the rows'
     ratios to vLLM's prefix cache; a missing row is 'not measured', never 'met'."""
-    from kvtier.vllm_integration.bench_serve_report import targets
+    from kvtier.vllm_integration.bench_serve_report import add_ratios, targets
 
     def row(workload: str, mode: str, c: int, ttft: float, rps: float, p99: float) -> dict:
         return {
@@ -208,20 +235,26 @@ def test_targets_are_judged_for_each_kvtier_mode() -> None:
             "mode": mode,
             "concurrency": c,
             "ttft_mean_s": ttft,
+            "ttft_p99_s": p99,
             "req_per_s": rps,
+            "tok_per_s": rps * 100,
             "ttft_mean_vs_prefix_cache": ttft,
             "req_per_s_vs_prefix_cache": rps,
             "ttft_p99_vs_prefix_cache": p99,
         }
 
     rows = [
+        row("A", "kvtier_eager", 16, 0.6, 2.0, 1.0),
+        row("A", "lmcache", 16, 0.7, 1.9, 1.0),
         row("A", "kvtier_eager", 4, 0.6, 2.0, 1.0),
         row("A", "kvtier_lazy", 4, 0.4, 1.6, 1.0),
         row("A", "lmcache", 4, 0.5, 1.8, 1.0),
         row("B", "kvtier_eager", 1, 1.0, 0.95, 1.0),
         row("B", "kvtier_lazy", 1, 1.0, 0.99, 1.02),
     ]
+    add_ratios(rows, "lmcache", ("kvtier_eager", "kvtier_lazy"))
     got = {t["target"]: t["met"] for t in targets(rows)}
+    assert got["A c=16 kvtier_eager beats lmcache on mean TTFT and req/s"] is True
     assert got["A c=4 kvtier_eager ttft_mean_vs_prefix_cache <= 0.5"] is False
     assert got["A c=4 kvtier_lazy ttft_mean_vs_prefix_cache <= 0.5"] is True
     assert got["A c=4 kvtier_lazy beats lmcache on mean TTFT and req/s"] is False

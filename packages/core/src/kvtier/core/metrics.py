@@ -112,6 +112,16 @@ METRICS: dict[str, MetricDef] = {
     "lookup_seconds": MetricDef(HISTOGRAM, "Time a worker took to answer one lookup."),
     "load_seconds": MetricDef(HISTOGRAM, "Time of one request's load, end to end."),
     "save_seconds": MetricDef(HISTOGRAM, "Time of one save job on the saver thread."),
+    "worker_seconds": MetricDef(
+        HISTOGRAM,
+        "Time kvtier's hooks took on a worker's forward thread in one step (loads started and "
+        "finished, saves handed to the saver, finished requests, the report to the scheduler).",
+    ),
+    "worker_cpu_seconds": MetricDef(
+        HISTOGRAM,
+        "CPU time kvtier's hooks used on a worker's forward thread in one step (worker_seconds "
+        "without the time the thread waited for a core or the GIL).",
+    ),
     # vLLM connector (scheduler side)
     "scheduler_seconds": MetricDef(
         HISTOGRAM, "Time kvtier's hooks took in one scheduler step (index lookups, metadata)."

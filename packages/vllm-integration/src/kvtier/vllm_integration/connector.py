@@ -184,6 +184,7 @@ class KVTierConnector(KVConnectorBase_V1):
     # -- metrics (both sides; see stats.py) -------------------------------------------------------
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is not None:
+            self._worker.timer.end_step()
             return self._worker.get_kv_connector_stats()
         if self._scheduler is not None:
             return self._scheduler.get_kv_connector_stats()
@@ -226,13 +227,23 @@ class KVTierConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker_side.register_kv_caches(kv_caches)
 
+    # Every worker hook runs on vLLM's forward thread, inside the step: its time is counted
+    # into ``worker_seconds`` (one observation per step, when vLLM collects the step's stats).
+    # The per-layer hooks do work only in layerwise mode, and are timed only then.
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._meta()
         if meta is not None:
-            self.worker_side.start_load_kv(meta)
+            side = self.worker_side
+            with side.timer.timed():
+                side.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self.worker_side.wait_for_layer_load(layer_name)
+        side = self.worker_side
+        if not side.config.use_layerwise:
+            side.wait_for_layer_load(layer_name)
+            return
+        with side.timer.timed():
+            side.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self,
@@ -242,25 +253,37 @@ class KVTierConnector(KVConnectorBase_V1):
         **kwargs: Any,
     ) -> None:
         meta = self._meta()
-        if meta is not None:
-            self.worker_side.save_kv_layer(layer_name, meta)
+        side = self.worker_side
+        if meta is not None and side.config.use_layerwise:
+            with side.timer.timed():
+                side.save_kv_layer(layer_name, meta)
 
     def wait_for_save(self) -> None:
-        self.worker_side.wait_for_save(self._meta())
+        side = self.worker_side
+        with side.timer.timed():
+            side.wait_for_save(self._meta())
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if isinstance(kv_connector_metadata, KVTierMetadata):
-            self.worker_side.handle_preemptions(kv_connector_metadata)
+            side = self.worker_side
+            with side.timer.timed():
+                side.handle_preemptions(kv_connector_metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.worker_side.get_finished(finished_req_ids)
+        side = self.worker_side
+        with side.timer.timed():
+            return side.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker_side.get_block_ids_with_load_errors()
+        side = self.worker_side
+        with side.timer.timed():
+            return side.get_block_ids_with_load_errors()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """This step's report to the scheduler: new chunks for its index, probe answers."""
-        return self.worker_side.build_connector_worker_meta()
+        side = self.worker_side
+        with side.timer.timed():
+            return side.build_connector_worker_meta()
 
     def shutdown(self) -> None:
         if self._scheduler is not None:

@@ -113,18 +113,20 @@ class Counters:
 
 
 class StepTimer:
-    """kvtier's time inside each vLLM scheduler step, observed as ``scheduler_seconds`` (wall
-    time) and ``scheduler_cpu_seconds`` (the scheduler thread's CPU time: the wall time less
-    what the thread spent waiting for a core or the GIL, which other threads hold)."""
+    """kvtier's time inside each vLLM step on one thread, observed as ``<name>_seconds`` (wall
+    time) and ``<name>_cpu_seconds`` (the thread's CPU time: the wall time less what the thread
+    spent waiting for a core or the GIL, which other threads hold). ``name`` is ``scheduler``
+    (vLLM's scheduler thread) or ``worker`` (a worker's forward thread)."""
 
-    def __init__(self, metrics: StatsTracker) -> None:
+    def __init__(self, metrics: StatsTracker, name: str = "scheduler") -> None:
         self._metrics = metrics
+        self._wall_name, self._cpu_name = f"{name}_seconds", f"{name}_cpu_seconds"
         self._seconds = 0.0
         self._cpu_seconds = 0.0
 
     @contextmanager
     def timed(self) -> Iterator[None]:
-        """Count the time spent inside into this step's ``scheduler_seconds``."""
+        """Count the time spent inside into this step's observations."""
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
             yield
@@ -134,8 +136,8 @@ class StepTimer:
 
     def end_step(self) -> None:
         """Record kvtier's time in the step that just ended."""
-        self._metrics.observe("scheduler_seconds", self._seconds)
-        self._metrics.observe("scheduler_cpu_seconds", self._cpu_seconds)
+        self._metrics.observe(self._wall_name, self._seconds)
+        self._metrics.observe(self._cpu_name, self._cpu_seconds)
         self._seconds = self._cpu_seconds = 0.0
 
 

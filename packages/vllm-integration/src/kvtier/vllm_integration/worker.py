@@ -58,7 +58,7 @@ from kvtier.vllm_integration.metadata import KVTierMetadata, LoadSpec, SaveSpec,
 from kvtier.vllm_integration.presence import KVTierWorkerMeta, PresenceFeed
 from kvtier.vllm_integration.probes import Prober, ProbeSpec
 from kvtier.vllm_integration.saver import Saver
-from kvtier.vllm_integration.stats import Counters, KVTierStats, StatsTracker
+from kvtier.vllm_integration.stats import Counters, KVTierStats, StatsTracker, StepTimer
 from kvtier.vllm_integration.worker_loads import WorkerLoads
 
 if TYPE_CHECKING:
@@ -115,6 +115,7 @@ class WorkerSide:
         self.counters = Counters(WORKER_COUNTERS)
         self._count = self.counters.add
         self.metrics = StatsTracker()
+        self.timer = StepTimer(self.metrics, "worker")  # kvtier's time in each step (connector.py)
 
     def get_kv_connector_stats(self) -> KVTierStats | None:
         """What changed since the last call (``stats.py``); vLLM calls it after every step."""
