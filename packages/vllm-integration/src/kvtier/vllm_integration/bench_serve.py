@@ -18,9 +18,9 @@ Every run uses its own seed (the same in every mode), so no run finds another's 
 ``hit_rate`` and the kvtier series come from the server's ``/metrics``, as the difference of two
 scrapes around the run, and so do the bytes kvtier copied off the device per request (the two
 kvtier modes' difference). ``--rounds N`` starts every mode's server N times, interleaved, and
-combines the rounds (``bench_serve_rounds.py``). What runs (arguments, workloads, servers): ``bench_serve_plan.py``;
-rows, ratios and targets: ``bench_serve_report.py``. Writes ``serve.json`` and ``serve.png``
-under ``--out``.
+combines the rounds (``bench_serve_rounds.py``). What runs (arguments, workloads, servers):
+``bench_serve_plan.py``; rows, ratios and targets: ``bench_serve_report.py``. Writes
+``serve.json`` and ``serve.png`` under ``--out``.
 """
 
 from __future__ import annotations

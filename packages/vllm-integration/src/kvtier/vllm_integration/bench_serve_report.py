@@ -52,7 +52,7 @@ def row(
     external = after.delta(
         before, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
     )
-    sched: dict[str, float | None] = {}
+    step: dict[str, float | None] = {}
     for field, name in (
         ("sched", SCHED_HISTOGRAM),
         ("sched_cpu", SCHED_CPU_HISTOGRAM),
@@ -60,12 +60,12 @@ def row(
     ):
         for q in (50, 99):
             seconds = after.quantile(before, name, q / 100)
-            sched[f"{field}_p{q}_ms"] = None if seconds is None else seconds * 1e3
+            step[f"{field}_p{q}_ms"] = None if seconds is None else seconds * 1e3
     # kvtier's CPU time on vLLM's scheduler and forward threads, as a share of the run's wall
     # time: both threads run each step in turn, so this bounds what kvtier's hooks cost.
     for field, name in (("sched_cpu", SCHED_CPU_HISTOGRAM), ("worker_cpu", WORKER_CPU_HISTOGRAM)):
         used = after.delta(before, f"{name}_sum") if after.has(f"{name}_sum") else None
-        sched[f"{field}_share"] = used / res["duration"] if used is not None else None
+        step[f"{field}_share"] = used / res["duration"] if used is not None else None
     hits = {
         tier: after.delta(before, "vllm:kvtier_lookup_hit_tokens_total", tier=tier)
         for tier in after.by_label("vllm:kvtier_lookup_hit_tokens_total", "tier")
@@ -94,7 +94,7 @@ def row(
         "kvtier_saved_bytes": saved_bytes,
         "saved_bytes_per_request": saved_bytes / res["completed"] if res["completed"] else None,
         "preemptions": after.delta(before, "vllm:num_preemptions_total"),
-        **sched,
+        **step,
     }
 
 

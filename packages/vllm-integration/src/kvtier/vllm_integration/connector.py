@@ -17,6 +17,7 @@ weight-update paths) starts a new weights generation.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from collections.abc import Iterable
@@ -239,10 +240,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         side = self.worker_side
-        if not side.config.use_layerwise:
-            side.wait_for_layer_load(layer_name)
-            return
-        with side.timer.timed():
+        with side.timer.timed() if side.config.use_layerwise else contextlib.nullcontext():
             side.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
@@ -252,9 +250,11 @@ class KVTierConnector(KVConnectorBase_V1):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        meta = self._meta()
         side = self.worker_side
-        if meta is not None and side.config.use_layerwise:
+        if not side.config.use_layerwise:
+            return
+        meta = self._meta()
+        if meta is not None:
             with side.timer.timed():
                 side.save_kv_layer(layer_name, meta)
 

@@ -94,7 +94,9 @@ class SchedulerSide:
         self.generation: str | None = None
         self._counts = {"lookups": 0, "hit_tokens": 0, "uncacheable": 0}
         self.metrics = StatsTracker()
-        self.timer = StepTimer(self.metrics)  # kvtier's time in each step (connector.py)
+        self.timer = StepTimer(
+            self.metrics, "scheduler"
+        )  # kvtier's time in each step (connector.py)
         warn_load_failure_policy(load_failure_policy, config)
 
     @property

@@ -118,7 +118,7 @@ class StepTimer:
     spent waiting for a core or the GIL, which other threads hold). ``name`` is ``scheduler``
     (vLLM's scheduler thread) or ``worker`` (a worker's forward thread)."""
 
-    def __init__(self, metrics: StatsTracker, name: str = "scheduler") -> None:
+    def __init__(self, metrics: StatsTracker, name: str) -> None:
         self._metrics = metrics
         self._wall_name, self._cpu_name = f"{name}_seconds", f"{name}_cpu_seconds"
         self._seconds = 0.0
