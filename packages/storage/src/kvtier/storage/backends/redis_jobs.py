@@ -1,15 +1,16 @@
 """The per-connection jobs of the Redis tier's writes and reads (run by ``redis_nodes.Nodes``).
 
 A write job SETs each chunk's segments, then its head, on one connection; a read job GETs
-segments straight into the host objects that will hold them. Both keep ``IN_FLIGHT`` commands
-outstanding per connection, not a whole lane: a server asked for many large values at once copies
-them all into its buffers first, out of its cache (measured slower: docs/storage-redis.md).
+segments straight into the host objects that will hold them. Neither sends a whole lane at once
+(a server asked for many large values at once copies them all into its buffers first, out of its
+cache; measured slower: docs/storage-redis.md): reads keep ``IN_FLIGHT`` segments asked for per
+connection, writes ``WRITE_WINDOW`` bytes of values unacknowledged.
 
 Data path (``redis_resp``): segments are read with ``recv_into`` straight into the arena object
 that will hold the chunk and written with ``sendmsg`` from it (no intermediate copy); a batch's
 segments are pipelined over ``connections`` connections per server (default 2), and in a
-cluster every shard is served in parallel, two segments in flight per connection. Each segment
-is hashed for the chunk's checksum by the thread that read it, as it lands (``redis_chunk``).
+cluster every shard is served in parallel. Each segment is hashed for the chunk's checksum by
+the thread that moves it: as it lands (reads, ``redis_chunk``), right before it is sent (writes).
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from kvtier.storage.backends.redis_resp import (
 )
 
 IN_FLIGHT = 2  # segments asked for and not yet read, per connection
+# Value bytes sent and not yet acknowledged, per connection. Deeper than reads' window: each
+# segment is hashed on the connection's thread before it is sent, and on two cores the server
+# must have queued work while that thread hashes (docs/storage-redis.md).
+WRITE_WINDOW = 4 << 20
 UNREACHABLE = "its server failed or refused the read"
 
 
@@ -49,20 +54,21 @@ def put_job(
     hashed before its first segment."""
     seg = segment_bytes
     per_segment = seg % codec.SEGMENT == 0
-    plan: list[tuple[int, memoryview | None, list[bytes | memoryview] | None]] = []
-    for i in chunks:  # (chunk, what to hash first, command); command None: the chunk's head
+    # (chunk, what to hash first, command, value bytes); command None: the chunk's head
+    plan: list[tuple[int, memoryview | None, list[bytes | memoryview] | None, int]] = []
+    for i in chunks:
         n = max(1, -(-views[i].nbytes // seg))
         for s, k in enumerate(segment_keys(heads[i], n)):
             view = views[i][s * seg : (s + 1) * seg]
             cmd_head, cmd_tail = set_command(k, view.nbytes, ttl)
             hashed = view if per_segment else (views[i] if s == 0 else None)
-            plan.append((i, hashed, [cmd_head, view, cmd_tail]))
-        plan.append((i, None, None))
+            plan.append((i, hashed, [cmd_head, view, cmd_tail], view.nbytes))
+        plan.append((i, None, None, 0))
 
     def parts(
-        entry: tuple[int, memoryview | None, list[bytes | memoryview] | None],
+        entry: tuple[int, memoryview | None, list[bytes | memoryview] | None, int],
     ) -> list[bytes | memoryview]:
-        i, hashed, cmd = entry
+        i, hashed, cmd, _ = entry
         if cmd is not None:
             if hashed is not None:
                 sums[i].add_now(hashed)
@@ -72,15 +78,18 @@ def put_job(
         return [cmd_head + body + cmd_tail]
 
     def run(conn: Connection, dl: Deadline) -> list[object]:
-        # two commands in flight, as for reads: a whole lane at once lands in the server's
-        # query buffers first (measured slower: docs/storage-redis.md)
+        # up to WRITE_WINDOW value bytes unacknowledged, not the whole lane: a whole lane at
+        # once lands in the server's query buffers first (measured slower: docs/storage-redis.md)
         bad: dict[int, object] = {}
         sent = 0
-        for n, (i, _, _) in enumerate(plan):
-            while sent < min(len(plan), n + IN_FLIGHT):
+        flying = 0
+        for n, (i, _, _, size) in enumerate(plan):
+            while sent < len(plan) and (sent == n or flying < WRITE_WINDOW):
+                flying += plan[sent][3]
                 conn.send(parts(plan[sent]), dl)
                 sent += 1
             reply = conn.read_reply(dl)
+            flying -= size
             if reply != "OK":
                 bad.setdefault(i, reply)
         return [bad.get(i) for i in chunks]
