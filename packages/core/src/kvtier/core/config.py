@@ -85,8 +85,14 @@ class KVTierConfig:
         default="",
     )
     local_disk_size_gb: float = _doc(
-        "Disk tier budget (GiB) of each worker process (every tensor-parallel rank has its own).",
+        "Disk tier budget (GiB) of each worker process (every tensor-parallel rank has its own); "
+        "processes serving the same model and rank from one local_disk_path share it.",
         default=16.0,
+    )
+    local_disk_rescan_s: float = _doc(
+        "How often (s, at most) the disk tier rescans its directory before writing, to count "
+        "the files other processes sharing it wrote or deleted; 0 = before every write.",
+        default=10.0,
     )
     local_disk_o_direct: bool = _doc("Read and write disk-tier files with O_DIRECT.", default=False)
     redis_url: str | None = _doc(

@@ -158,6 +158,10 @@ def validated(cfg: KVTierConfig) -> KVTierConfig:
     for name in _POSITIVE_FLOAT:
         if getattr(cfg, name) <= 0:
             raise config_error(name, getattr(cfg, name), "must be positive")
+    if cfg.local_disk_rescan_s < 0:
+        raise config_error(
+            "local_disk_rescan_s", cfg.local_disk_rescan_s, "must be >= 0 (0 = before every write)"
+        )
     if cfg.redis_ttl_s < 0:
         raise ConfigError("redis_ttl_s", cfg.redis_ttl_s, "must be >= 0 (0 = no expiry)")
     check_modes(cfg)

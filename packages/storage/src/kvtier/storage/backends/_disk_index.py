@@ -1,6 +1,6 @@
 """The disk tier's bookkeeping: which chunk files it counts against its budget (LRU order), which
 of them it has checked, which are being read, and what to evict. Thread-safe; touches no file
-(the tier deletes the names it is handed)."""
+(the tier deletes the names it is handed, and scans its directory for ``sync``)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ class DiskIndex:
         self._cap_s = cap_s
         self._lock = threading.Lock()
         self._sizes: OrderedDict[str, int] = OrderedDict()
+        # Every name's index epoch when it was last indexed: a scan that started before then
+        # may not have seen its file (``sync``).
+        self._epoch = 0
+        self._since: dict[str, int] = {}
         self._checked: dict[str, Ident] = {}
         self._reading: dict[str, int] = {}
         self._used = 0
@@ -53,11 +57,36 @@ class DiskIndex:
         """Index ``(name, bytes)`` found on disk (oldest first), not yet checked."""
         with self._lock:
             for name, size in files:
-                self._sizes[name] = size
-                self._used += size
+                self._index_locked(name, size)
+
+    def epoch(self) -> int:
+        """Where the index is now: give it to ``sync`` with a scan started after this call."""
+        with self._lock:
+            self._epoch += 1
+            return self._epoch
+
+    def sync(self, found: list[tuple[str, int]], since: int) -> None:
+        """Make the index match a scan of the directory (``(name, bytes)``, oldest first) that
+        started at ``epoch()`` ``since``: files other processes wrote join it as the most
+        recently used, files they deleted (or replaced) leave it. A name indexed after the scan
+        started is left as it is (the scan may have missed its file)."""
+        on_disk = dict(found)
+        with self._lock:
+            for name in list(self._sizes):
+                if self._since[name] < since and on_disk.get(name) != self._sizes[name]:
+                    self._forget_locked(name)
+            for name, size in found:
+                if name not in self._sizes:
+                    self._index_locked(name, size)
+
+    def _index_locked(self, name: str, size: int) -> None:
+        self._sizes[name] = size
+        self._since[name] = self._epoch
+        self._used += size
 
     def _forget_locked(self, name: str) -> None:
         self._checked.pop(name, None)
+        self._since.pop(name, None)
         size = self._sizes.pop(name, None)
         if size is not None:
             self._used -= size
@@ -70,8 +99,7 @@ class DiskIndex:
         """Index ``name`` as the checked file ``st``, most recently used."""
         with self._lock:
             self._forget_locked(name)
-            self._sizes[name] = st.st_size
-            self._used += st.st_size
+            self._index_locked(name, st.st_size)
             self._checked[name] = ident(st)
 
     def trusted(self, name: str, st: os.stat_result) -> bool:

@@ -9,8 +9,11 @@ Files are ``0600`` and the directories this tier creates ``0700``: KV is user da
 
 Restart and sharing: the index is rebuilt from the directory when the tier starts (oldest
 modification first, for LRU order), and a key this process has not indexed is looked up on disk,
-so a second process using the same directory sees what the first wrote. Budget accounting is per
-process: each process evicts only files it has indexed.
+so a second process using the same directory sees what the first wrote. Processes sharing a
+directory share its budget: before a batch of writes, at most every ``local_disk_rescan_s``, the
+tier scans the directory, counts the files other processes wrote (as its most recently used) and
+forgets those they deleted, then evicts to the budget. Between scans the directory can hold up to
+what the other processes wrote since.
 
 Lookups answer only what a read can deliver: ``contains`` checks that the entry is a regular file
 (``lstat``) and, the first time it sees that file (after a restart, or written or replaced by
@@ -44,6 +47,8 @@ import functools
 import logging
 import os
 import stat
+import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -133,6 +138,9 @@ class LocalDiskBackend(StorageBackend):
             else functools.partial(read_chunk, view_of=self._bytes.of)
         )
         self._removal_listeners: list[Callable[[list[str]], None]] = []
+        self._rescan_s = cfg.local_disk_rescan_s
+        self._next_scan = time.monotonic() + self._rescan_s
+        self._scanning = threading.Lock()
         self._writer = DiskWriter(
             ctx,
             name=self.name,
@@ -148,20 +156,43 @@ class LocalDiskBackend(StorageBackend):
         self._rebuild_index()
 
     # -- index ---------------------------------------------------------------------------------
-    def _rebuild_index(self) -> None:
+    def _scan(self) -> list[tuple[str, int]]:
+        """The directory's chunk files as ``(name, bytes)``, oldest first; entries at chunk
+        names that are not regular files are removed."""
         found, bad = scan_chunks(self.dir)
         for name, kind in bad:
             self._bad_entry(name, kind)
         found.sort()
-        self._index.load([(name, size) for _, name, size in found])
-        if found:
+        return [(name, size) for _, name, size in found]
+
+    def _rebuild_index(self) -> None:
+        self._index.load(self._scan())
+        if len(self._index):
             logger.info(
                 "kvtier disk tier %s: %d chunk file(s), %d bytes",
                 self.dir,
-                len(found),
+                len(self._index),
                 self._index.used,
             )
         self._evict(self._index.evict_to_budget())
+
+    def _rescan_if_due(self) -> None:
+        """Count what other processes wrote to (and deleted from) the directory, then evict to
+        the budget; at most every ``local_disk_rescan_s``, one thread at a time."""
+        if time.monotonic() < self._next_scan or not self._scanning.acquire(blocking=False):
+            return
+        try:
+            since = self._index.epoch()
+            try:
+                found = self._scan()
+            except OSError as e:
+                warn_throttled("disk-scan", "kvtier disk tier: cannot scan %s: %s", self.dir, e)
+                return
+            self._index.sync(found, since)
+            self._evict(self._index.evict_to_budget())
+        finally:
+            self._next_scan = time.monotonic() + self._rescan_s
+            self._scanning.release()
 
     @property
     def used_bytes(self) -> int:
@@ -274,6 +305,7 @@ class LocalDiskBackend(StorageBackend):
         return [self._check(k, self.file_name(k)) for k in keys]
 
     def batched_put(self, items: Sequence[tuple[ChunkKey, MemoryObj]]) -> None:
+        self._rescan_if_due()
         put = self._writer.put
         for key, obj in items:
             put(key, obj)
