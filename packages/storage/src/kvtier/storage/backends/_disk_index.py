@@ -1,6 +1,7 @@
 """The disk tier's bookkeeping: which chunk files it counts against its budget (LRU order), which
 of them it has checked, which are being read, and what to evict. Thread-safe; touches no file
-(the tier deletes the names it is handed, and scans its directory for ``sync``)."""
+(the tier deletes the names it is handed, and scans its directory for ``sync``); ``ScanPacer``
+says when the next scan is due."""
 
 from __future__ import annotations
 
@@ -166,3 +167,32 @@ class DiskIndex:
             self._cap = self._used
             self._cap_until = time.monotonic() + self._cap_s
             return self._cap, self._evict_locked(0)[1]
+
+
+class ScanPacer:
+    """When the tier's next directory scan is due: ``begin()`` says whether to scan now (one
+    thread at a time), ``end()`` after it. Scans come at most every ``interval_s`` (0: every
+    time), and a scan that took long pushes the next one out so that scans take at most
+    ``1 / SHARE_INVERSE`` of the scanning thread's time."""
+
+    SHARE_INVERSE = 100
+
+    def __init__(self, interval_s: float) -> None:
+        self._interval = interval_s
+        self._lock = threading.Lock()
+        self._next = time.monotonic() + interval_s
+        self._started = 0.0
+
+    def begin(self) -> bool:
+        if time.monotonic() < self._next or not self._lock.acquire(blocking=False):
+            return False
+        self._started = time.monotonic()
+        return True
+
+    def end(self) -> None:
+        now = time.monotonic()
+        if self._interval:
+            self._next = now + max(self._interval, self.SHARE_INVERSE * (now - self._started))
+        else:
+            self._next = now
+        self._lock.release()

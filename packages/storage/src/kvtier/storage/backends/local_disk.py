@@ -13,7 +13,9 @@ so a second process using the same directory sees what the first wrote. Processe
 directory share its budget: before a batch of writes, at most every ``local_disk_rescan_s``, the
 tier scans the directory, counts the files other processes wrote (as its most recently used) and
 forgets those they deleted, then evicts to the budget. Between scans the directory can hold up to
-what the other processes wrote since.
+what the other processes wrote since. A scan costs a few microseconds a file (about 86 ms for
+20,000 files on a 2-core VM); a directory of many files is scanned less often, so that scans
+take at most 1% of the writing thread's time.
 
 Lookups answer only what a read can deliver: ``contains`` checks that the entry is a regular file
 (``lstat``) and, the first time it sees that file (after a restart, or written or replaced by
@@ -47,8 +49,6 @@ import functools
 import logging
 import os
 import stat
-import threading
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -66,7 +66,7 @@ from kvtier.storage.backends._disk_files import (
     scan_chunks,
     write_marker,
 )
-from kvtier.storage.backends._disk_index import DiskIndex
+from kvtier.storage.backends._disk_index import DiskIndex, ScanPacer
 from kvtier.storage.backends._disk_io import (
     NotRegular,
     kind_of,
@@ -138,9 +138,7 @@ class LocalDiskBackend(StorageBackend):
             else functools.partial(read_chunk, view_of=self._bytes.of)
         )
         self._removal_listeners: list[Callable[[list[str]], None]] = []
-        self._rescan_s = cfg.local_disk_rescan_s
-        self._next_scan = time.monotonic() + self._rescan_s
-        self._scanning = threading.Lock()
+        self._rescans = ScanPacer(cfg.local_disk_rescan_s)
         self._writer = DiskWriter(
             ctx,
             name=self.name,
@@ -179,7 +177,7 @@ class LocalDiskBackend(StorageBackend):
     def _rescan_if_due(self) -> None:
         """Count what other processes wrote to (and deleted from) the directory, then evict to
         the budget; at most every ``local_disk_rescan_s``, one thread at a time."""
-        if time.monotonic() < self._next_scan or not self._scanning.acquire(blocking=False):
+        if not self._rescans.begin():
             return
         try:
             since = self._index.epoch()
@@ -191,8 +189,7 @@ class LocalDiskBackend(StorageBackend):
             self._index.sync(found, since)
             self._evict(self._index.evict_to_budget())
         finally:
-            self._next_scan = time.monotonic() + self._rescan_s
-            self._scanning.release()
+            self._rescans.end()
 
     @property
     def used_bytes(self) -> int:
