@@ -120,20 +120,31 @@ def test_a_cleared_directory_is_no_hit_for_a_running_tier(make_manager):
     assert m.prefix_hits([key(0), key(1)]) == 0
 
 
-def test_planted_symlink_at_a_temporary_name_is_not_written_through(make_manager, tmp_path):
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_planted_symlink_at_a_temporary_name_is_not_written_through(
+    make_manager, tmp_path, monkeypatch, o_direct
+):
     """The writer's temporary file must not follow a link planted where it will be created.
-    Names are predictable from the pid and the writer threads' ids, so plant every one."""
-    m = make_manager()
+    Its name has a random part; here that part is made predictable so the link is planted at
+    the very name the writer opens: the write must fail there, not land in the victim."""
+    from types import SimpleNamespace
+
+    from kvtier.storage.backends import _disk_io
+
+    m = make_manager(local_disk_o_direct=o_direct)
     disk = disk_of(m)
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious")
-    name = disk.file_name(key(0))
-    idents = [t.ident for t in threading.enumerate() if t.name.startswith("kvtier-writer")]
-    assert idents
-    for ident in idents:
-        os.symlink(victim, disk.dir / f".{name}.{os.getpid()}.{ident}.tmp")
-    stored(m, 0)
+    monkeypatch.setattr(_disk_io, "secrets", SimpleNamespace(token_hex=lambda n: "ab" * n))
+    for name in (disk.file_name(key(0)), ".odirect"):
+        os.symlink(victim, disk.dir / f".{name}.{os.getpid()}.{'ab' * 6}.tmp")
+    put_chunk(m, 0)
+    assert not m.flush(10), "a write through a planted link was acknowledged"
     assert victim.read_bytes() == b"precious"
+    assert victim.is_file() and not victim.is_symlink()
+    monkeypatch.undo()  # random names again: the next store lands
+    m.host.remove([key(0)])
+    stored(m, 0)
     obj = m.get(key(0))
     check_obj(obj, 0)
     obj.release()

@@ -161,7 +161,8 @@ def test_killed_server_gives_misses_then_recovers(make_manager, redis_clean):
     assert m.contains([key(0)]) == [False]
     assert m.prefetch([key(0)]).result(10) == 0
     put_chunk(m, 1)  # the write to redis fails in the background
-    m.flush(10)  # returns (reporting the write that did not land)
+    assert not m.flush(10)  # returns, reporting the write that did not land
+    assert m.last_flush.not_stored == {"redis.store_skipped": 1}
     assert m.stats.get("redis.store_skipped") == 1
     assert time.monotonic() - t0 < 8  # bounded by the 0.5 s timeouts, not hung
     assert m.stats.get("redis.errors") >= 1

@@ -20,16 +20,10 @@ from typing import Any, get_origin, get_type_hints
 
 import yaml
 
-from kvtier.core.config_checks import (
-    config_error,
-    mask_url,
-    parse_key,
-    read_key_file,
-    shown,
-    validated,
-)
+from kvtier.core.config_checks import config_error, parse_key, read_key_file, validated
 from kvtier.core.config_coerce import coerce
 from kvtier.core.errors import ConfigError
+from kvtier.core.masking import mask_url, shown
 
 __all__ = [
     "ENV_CONFIG_FILE",
@@ -104,8 +98,8 @@ class KVTierConfig:
     redis_ttl_s: int = _doc("Expire Redis entries after this many seconds; 0 = never.", default=0)
     redis_connect_timeout_s: float = _doc("Redis connect timeout (s).", default=1.0)
     redis_timeout_s: float = _doc(
-        "Deadline of each Redis round trip (at most two a call), plus its bytes at "
-        "min_throughput_mb_s (s).",
+        "Deadline of a whole Redis call, plus its bytes at min_throughput_mb_s (s); a read's "
+        "heads get half of it.",
         default=2.0,
     )
     write_queue_size: int = _doc(

@@ -17,11 +17,10 @@ from dataclasses import fields
 from typing import TYPE_CHECKING, Any, get_type_hints
 
 from kvtier.core.errors import ConfigError
+from kvtier.core.masking import MASK
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
-
-MASK = "***"
 
 _POSITIVE_INT = ("chunk_size", "write_queue_size", "io_threads", "store_threshold")
 _POSITIVE_FLOAT = (
@@ -36,33 +35,9 @@ LOOKUP_MODES = ("auto", "probe", "index")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
-def mask_url(url: str) -> str:
-    """``url`` with the password of its user-info part replaced by ``***``."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-    except ValueError:
-        return MASK
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:{MASK}@{host}"))
-
-
-def shown(name: str, value: Any) -> Any:
-    """``value`` as an error or ``repr`` may show it: secrets masked."""
-    if value is None:
-        return None
-    if "password" in name or "secret" in name or name == "encryption_key":
-        return MASK
-    if "url" in name and isinstance(value, str):
-        return mask_url(value)
-    return value
-
-
 def config_error(name: str, value: Any, reason: str) -> ConfigError:
-    """A ``ConfigError`` for field ``name`` showing ``value`` with secrets masked."""
-    return ConfigError(name, shown(name, value), reason)
+    """A ``ConfigError`` for field ``name`` (its value shown with secrets masked)."""
+    return ConfigError(name, value, reason)
 
 
 def check_redis_url(url: str) -> None:

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+from kvtier.core.masking import shown
+
 
 class KVTierError(Exception):
     """Base class of every kvtier error."""
 
 
 class ConfigError(KVTierError, ValueError):
-    """A configuration field has a bad value. ``field`` names it, ``value`` is what was given."""
+    """A configuration field has a bad value. ``field`` names it, ``value`` is what was given,
+    with secrets masked (a password, a key, the password in a URL never appear)."""
 
     def __init__(self, field: str, value: object, reason: str) -> None:
         self.field = field
-        self.value = value
+        self.value = value = shown(field, value)
         self.reason = reason
         super().__init__(f"invalid kvtier config {field}={value!r}: {reason}")
 

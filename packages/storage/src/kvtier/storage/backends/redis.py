@@ -22,8 +22,9 @@ A read accepts a chunk only if the head passes every ``codec`` check (key, layou
 length), every segment has exactly its length, and the checksum over header and payload
 matches. Anything else (a missing, foreign, corrupt or truncated segment, a key of another type
 such as a list or a hash) is a miss for that chunk alone, counted (``redis.corrupt``), logged and
-deleted; the other chunks of the batch still hit. ``contains`` checks that the head is a string
-of a head's size (a key of another type there is a miss, and a later store replaces it).
+deleted; the other chunks of the batch still hit. ``contains`` reads and checks whole heads and
+asks whether every segment exists, so a lookup does not count a chunk a read cannot deliver
+(only a payload whose bytes changed is left for the read's checksum to find).
 
 Encryption at rest (``encryption_key``, ``sealing``): the stored payload is the chunk's
 AES-256-GCM ciphertext and tag (``codec.seal``: the head's codec header, which names the key and
@@ -31,16 +32,16 @@ carries the nonce, is the authenticated data), segmented and checksummed like a 
 A read lands the ciphertext in the arena object (``redis_chunk``), checks the checksum, then
 decrypts in place and checks the tag. A head that is plain, or sealed under another key (its key
 check), and a payload whose tag fails are misses, counted (``redis.corrupt`` and
-``redis.sealed_rejected``) and deleted, as is a sealed head read without a key. With a key,
-``contains`` reads and checks whole heads, so a lookup does not count a chunk it cannot open.
+``redis.sealed_rejected``) and deleted, as is a sealed head read without a key.
 Engines with different keys must not share a ``key_prefix``: each deletes what the other wrote.
 
 URLs: ``redis://``, ``rediss://`` (TLS) and ``unix://``; ``redis_username``/``redis_password``
 override the URL's credentials; ``redis_cluster`` routes by hash slot (``CLUSTER SLOTS``).
 
-Time: a call is at most two round trips (a read: heads, then segments; anything else: one),
-each with one deadline: ``redis_timeout_s`` plus its bytes at ``min_throughput_mb_s`` (default
-50 MB/s). Every connect, send and receive within it waits at most the time left, so a server
+Time: every call has one deadline, ``redis_timeout_s`` plus the bytes it moves at
+``min_throughput_mb_s`` (default 50 MB/s). A read or a lookup is two round trips (heads, then
+segments; deleting rejected entries, if any, under the same deadline): the heads get half of
+``redis_timeout_s``, so a stalled shard leaves the others time for their segments. Every connect, send and receive within it waits at most the time left, so a server
 that trickles bytes cannot stretch a call. A failed or timed-out server is marked down for
 ``retry_interval_s`` (default 1 s): its keys answer misses at once without touching the network
 (other shards keep serving), then the next call tries again on a new connection (the failed
@@ -66,10 +67,10 @@ from kvtier.storage.backends.base import BackendContext, StorageBackend
 from kvtier.storage.backends.redis_chunk import ChunkRead
 from kvtier.storage.backends.redis_dispatch import by_node, lanes_of, pipelined, read_segments
 from kvtier.storage.backends.redis_format import (
-    MIN_HEAD,
     head_key,
     options,
     parse_head,
+    segment_count,
     segment_keys,
 )
 from kvtier.storage.backends.redis_jobs import UNREACHABLE, put_job
@@ -134,34 +135,49 @@ class RedisBackend(StorageBackend):
     def _deadline(self, nbytes: int = 0) -> Deadline:
         return Deadline(self.timeout_s + nbytes / self.bytes_per_s)
 
+    def _head_deadline(self) -> tuple[Deadline, Deadline]:
+        """A two-round-trip call's deadlines: the heads' (half of ``redis_timeout_s``, so a
+        stalled shard leaves the others time for their segments) and the whole call's."""
+        first = Deadline(self.timeout_s / 2)
+        return first, first.extended(self.timeout_s / 2)
+
     # -- lookups -------------------------------------------------------------------------------
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """A hit only for a chunk a read could deliver: its head passes every codec check for
+        this key (with ``encryption_key``, its key check too) and all of its segments exist. A
+        bad head, or a head whose segments are gone (evicted by the server, say), is rejected
+        as a read would. The payload's checksum is left to the read. One deadline for both
+        round trips."""
         heads = [head_key(self.prefix, k) for k in keys]
-        dl = self._deadline()
-        if self.ctx.sealer is not None:
-            return self._contains_sealed(keys, heads, dl)
-        replies = pipelined(
-            self.nodes, by_node(self.nodes, heads, dl), lambda i: command(b"STRLEN", heads[i]), dl
-        )
-        return [
-            isinstance(r, int) and r > MIN_HEAD for r in (replies.get(i) for i in range(len(keys)))
-        ]
-
-    def _contains_sealed(
-        self, keys: Sequence[ChunkKey], heads: list[bytes], dl: Deadline
-    ) -> list[bool]:
-        """With ``encryption_key``: whole heads are read and checked (a plain head, or one sealed
-        under another key, is not a hit a lookup may count on; it is rejected as a read would)."""
-        replies = pipelined(
-            self.nodes, by_node(self.nodes, heads, dl), lambda i: command(b"GET", heads[i]), dl
-        )
-        out = [False] * len(keys)
+        first, dl = self._head_deadline()
+        groups = by_node(self.nodes, heads, first)
+        replies = pipelined(self.nodes, groups, lambda i: command(b"GET", heads[i]), first)
         bad: dict[int, str] = {}
+        wanted: dict[int, int] = {}  # index -> its segment count
         for i, key in enumerate(keys):
-            out[i] = self._head(i, key, replies.get(i), bad) is not None
+            parsed = self._head(i, key, replies.get(i), bad)
+            if parsed is not None:
+                wanted[i] = segment_count(parsed[0].payload_len, parsed[2])
+        if wanted:
+            found = pipelined(
+                self.nodes,
+                {
+                    a: mine
+                    for a, idxs in groups.items()
+                    if (mine := [i for i in idxs if i in wanted])
+                },
+                lambda i: command(b"EXISTS", *segment_keys(heads[i], wanted[i])),
+                dl,
+            )
+            for i, n in wanted.items():
+                got = found.get(i)
+                if isinstance(got, int) and got < n:
+                    bad[i] = f"truncated: {n - got} of {n} segments missing"
+                elif got != n:  # the server failed this round trip: a miss, nothing removed
+                    wanted[i] = -1
         if bad:
-            self._reject(keys, bad)
-        return out
+            self._reject(keys, bad, dl)
+        return [wanted.get(i, -1) >= 0 and i not in bad for i in range(len(keys))]
 
     # -- writes --------------------------------------------------------------------------------
     def batched_put(self, items: Sequence[tuple[ChunkKey, MemoryObj]]) -> None:
@@ -233,10 +249,10 @@ class RedisBackend(StorageBackend):
         out: list[MemoryObj | None] = [None] * len(keys)
         if not keys:
             return out
-        dl = self._deadline()
+        first, dl = self._head_deadline()
         heads = [head_key(self.prefix, k) for k in keys]
-        groups = by_node(self.nodes, heads, dl)
-        replies = pipelined(self.nodes, groups, lambda i: command(b"GET", heads[i]), dl)
+        groups = by_node(self.nodes, heads, first)
+        replies = pipelined(self.nodes, groups, lambda i: command(b"GET", heads[i]), first)
         bad: dict[int, str] = {}
         reads: list[ChunkRead] = []
         for i, key in enumerate(keys):
@@ -244,15 +260,10 @@ class RedisBackend(StorageBackend):
             if r is not None:
                 reads.append(r)
         try:
-            # the segments are a second round trip with its own deadline: a server that failed
-            # the first is marked down by now and costs nothing here
-            read_segments(
-                self.nodes,
-                reads,
-                heads,
-                groups,
-                self._deadline(sum(r.head.payload_len for r in reads)),
-            )
+            # the segments are a second round trip under the call's deadline, moved later by
+            # their bytes' allowance: a server that failed the first is marked down by now
+            dl = dl.extended(sum(r.head.payload_len for r in reads) / self.bytes_per_s)
+            read_segments(self.nodes, reads, heads, groups, dl)
             for r in reads:
                 r.verify(keys[r.index], self.ctx.sealer)
                 if r.failed is None:
@@ -266,7 +277,7 @@ class RedisBackend(StorageBackend):
                     r.obj.release()
             raise
         if bad:
-            self._reject(keys, bad)
+            self._reject(keys, bad, dl)
         return out
 
     def _head(
@@ -311,7 +322,9 @@ class RedisBackend(StorageBackend):
             return None
         return ChunkRead(i, head, trailer, obj, seg, self._bytes.of(obj))
 
-    def _reject(self, keys: Sequence[ChunkKey], bad: dict[int, str]) -> None:
+    def _reject(self, keys: Sequence[ChunkKey], bad: dict[int, str], dl: Deadline) -> None:
+        """Count, log and delete rejected entries (the deletion within the call's deadline ``dl``;
+        an entry left behind is rejected again by the next read)."""
         gone = [keys[i] for i, why in bad.items() if why != UNREACHABLE]
         for i, why in bad.items():
             if why != UNREACHABLE:
@@ -324,13 +337,15 @@ class RedisBackend(StorageBackend):
                     why,
                 )
         if gone:
-            self.remove(gone)
+            self._remove(gone, dl)
 
     def remove(self, keys: Sequence[ChunkKey]) -> None:
+        self._remove(keys, self._deadline())
+
+    def _remove(self, keys: Sequence[ChunkKey], dl: Deadline) -> None:
         if not keys:
             return
         heads = [head_key(self.prefix, k) for k in keys]
-        dl = self._deadline()
         pipelined(
             self.nodes,
             by_node(self.nodes, heads, dl),

@@ -20,6 +20,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from kvtier.storage import codec
+from kvtier.storage.backends.redis_format import segment_count
 
 if TYPE_CHECKING:
     from kvtier.core.keys import ChunkKey
@@ -48,7 +49,7 @@ class ChunkRead:
         self.obj = obj
         self.view = view  # obj's bytes
         self.segment_bytes = segment_bytes
-        self.segments = max(1, -(-head.payload_len // segment_bytes))
+        self.segments = segment_count(head.payload_len, segment_bytes)
         self.failed: str | None = None
         self.tag = b""
         self._sum = codec.PlacedChecksum(head.crc_of_header, head.payload_len)

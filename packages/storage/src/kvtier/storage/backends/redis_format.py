@@ -37,6 +37,11 @@ def segment_keys(head: bytes, n: int) -> list[bytes]:
     return [head + b":%d" % i for i in range(n)]
 
 
+def segment_count(payload_len: int, segment_bytes: int) -> int:
+    """How many segments a payload of ``payload_len`` bytes travels as (at least one)."""
+    return max(1, -(-payload_len // segment_bytes))
+
+
 def encode_head(header: bytes, checksum: int, segment_bytes: int) -> bytes:
     """A head: the codec header (so a reader of the value's first bytes sees a codec header),
     the checksum trailer, then the segment size and the magic."""

@@ -139,6 +139,8 @@ class Nodes:
 
     def _run_one(self, job: Job[T], deadline: Deadline) -> T | BaseException:
         address, fn = job
+        if deadline.at <= time.monotonic():  # the call's time is spent: says nothing of the server
+            return TimeoutError(f"the call's deadline passed before {address} was asked")
         pool = self._pool(address)
         if pool is None:
             return NodeDown(f"redis node {address} is marked down")

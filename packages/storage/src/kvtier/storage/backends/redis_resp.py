@@ -56,6 +56,13 @@ class Deadline:
             raise TimeoutError("the call's deadline passed")
         return left
 
+    def extended(self, seconds: float) -> Deadline:
+        """The same call's deadline moved ``seconds`` later (time allowed for its bytes, once a
+        call knows how many it moves)."""
+        later = Deadline(0.0)
+        later.at = self.at + seconds
+        return later
+
 
 def command(*args: bytes | str | int) -> bytes:
     """One command with small arguments, packed."""
