@@ -13,8 +13,9 @@ literally that. The spec:
   prompt plus its first k generated tokens) -> generated token ids and the logprob of each; ``{"op": "stats"}`` -> the worker connector's counters (over the
   lookup channel); ``{"op": "flush"}``; ``{"op": "reset_prefix_cache"}``;
   ``{"op": "reset_connector"}`` (``llm.reset_prefix_cache(reset_connector=True)``, what a weight
-  update is followed by); ``{"op": "perturb_k", "seed": n}`` (in-process only: add noise to
-  every layer's K projection rows through ``llm.apply_model``, as a weight update would);
+  update is followed by); ``{"op": "perturb_kv", "seed": n}`` (in-process only: add noise to
+  every layer's input norm weights, what its K and V are computed from, through
+  ``llm.apply_model``, as a weight update would);
   ``{"op": "corrupt", "prompt": [...], "salt": ...}`` (in-process only) -> once the worker's
   saves have landed, overwrite every stored chunk of the prompt with zeros through the storage
   manager's public API.
@@ -176,21 +177,22 @@ def _abort_during_load(llm, params, step: dict) -> bool:
     return bool(llm.reset_prefix_cache())
 
 
-def _perturb_k(llm, seed: int) -> int:
-    """Add noise to the K rows of every layer's fused QKV projection; returns layers changed."""
+def _perturb_kv(llm, seed: int) -> int:
+    """Add noise to every layer's input norm weights (what the layer's K and V are computed
+    from), as a weight update would; returns the layers changed. Not the QKV projection itself:
+    on CPUs with AVX-512, vLLM repacks linear weights for oneDNN or its own GEMM kernels at load
+    (and may drop the original), so changing the parameter changes nothing the model computes;
+    norm weights are read as they are on every CPU."""
     import torch
 
     def perturb(model) -> int:
         gen = torch.Generator().manual_seed(seed)
         changed = 0
         for name, param in model.named_parameters():
-            if not name.endswith("qkv_proj.weight"):
+            if not name.endswith("input_layernorm.weight"):
                 continue
-            attn = model.model.layers[0].self_attn
-            q, kv = attn.q_size, attn.kv_size
-            rows = param.data[q : q + kv]
-            noise = torch.randn(rows.shape, generator=gen, dtype=torch.float32) * 0.2
-            rows.add_(noise.to(rows.dtype))
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32) * 0.2
+            param.data.add_(noise.to(param.dtype))
             changed += 1
         return changed
 
@@ -431,8 +433,8 @@ def main(spec_path: str, out_path: str) -> None:
             # next step reports the saves done; the offline LLM steps only inside generate().
             llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
             results.append(llm.reset_prefix_cache(reset_connector=op == "reset_connector"))
-        elif op == "perturb_k":
-            results.append(_perturb_k(llm, step["seed"]))
+        elif op == "perturb_kv":
+            results.append(_perturb_kv(llm, step["seed"]))
         elif op == "corrupt":
             # The prompt's saves land first: one still copying would overwrite the zeros.
             flush_worker(engine_id, 0)

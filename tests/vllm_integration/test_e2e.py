@@ -182,12 +182,16 @@ def test_multiprocess_scheduler_sees_worker_host_memory(run_engine) -> None:
 
 @pytest.mark.slow
 def test_restart_hits_the_disk_tier(run_engine, reference, tmp_path) -> None:
+    """A restarted engine loads the prompt from disk, with asynchronous loads (the default)
+    and with synchronous ones."""
     config = kvtier_config(tmp_path)
     first = run_engine({"kvtier": config, "steps": [gen(DOC), {"op": "flush"}]})
     assert first == [reference["doc"], True]
-    second = run_engine({"kvtier": config, "steps": [gen(DOC), STATS]})
-    assert second[0] == reference["doc"]
-    assert second[1]["loaded_tokens"] == FULL_HIT
+    for load_async in (True, False):
+        again = {**config, "load_async": load_async}
+        second = run_engine({"kvtier": again, "steps": [gen(DOC), STATS]})
+        assert second[0] == reference["doc"], load_async
+        assert second[1]["loaded_tokens"] == FULL_HIT, load_async
 
 
 @pytest.mark.slow
@@ -201,9 +205,11 @@ def test_two_engines_share_through_redis(run_engine, reference, redis_clean) -> 
     first = run_engine({"kvtier": config, "steps": [gen(DOC), {"op": "flush"}, STATS]})
     assert first[:2] == [reference["doc"], True]
     assert first[2]["loaded_tokens"] == 0
-    second = run_engine({"kvtier": config, "steps": [gen(DOC), STATS]})
-    assert second[0] == reference["doc"]
-    assert second[1]["loaded_tokens"] == FULL_HIT
+    for load_async in (True, False):  # asynchronous loads (the default) and synchronous ones
+        again = {**config, "load_async": load_async}
+        second = run_engine({"kvtier": again, "steps": [gen(DOC), STATS]})
+        assert second[0] == reference["doc"], load_async
+        assert second[1]["loaded_tokens"] == FULL_HIT, load_async
 
 
 @pytest.mark.parametrize("decode", [False, True], ids=["prompt-only", "save-decode"])

@@ -43,10 +43,10 @@ def test_lora_adapters_and_base_never_share_kv(run_engine, lora_adapters, tmp_pa
 
 
 def test_weight_update_then_reset_serves_the_new_weights(run_engine, tmp_path) -> None:
-    """A prompt is stored, the K projections change (as an RL weight update would), the cache is
-    reset: the next request recomputes with the new weights (equal to vLLM without kvtier after
-    the same update), and its own chunks are then served."""
-    perturb = {"op": "perturb_k", "seed": 7}
+    """A prompt is stored, the weights its KV comes from change (as an RL weight update would),
+    the cache is reset: the next request recomputes with the new weights (equal to vLLM without
+    kvtier after the same update), and its own chunks are then served."""
+    perturb = {"op": "perturb_kv", "seed": 7}
     ref = run_engine({"kvtier": None, "steps": [gen(DOC), perturb, gen(DOC)]})
     assert ref[0] != ref[2]  # the update changes the output
     config = {"local_cpu_size_gb": 0.25, "local_disk_path": str(tmp_path / "disk")}

@@ -114,6 +114,8 @@ def test_vllm_serve_metrics_carry_kvtier_series(vllm_model_dir: Path, tmp_path: 
     assert worker_steps > 0 and value(warm, "vllm:kvtier_worker_cpu_seconds_count") == worker_steps
     worker_wall = value(warm, "vllm:kvtier_worker_seconds_sum")
     assert 0 < value(warm, "vllm:kvtier_worker_cpu_seconds_sum") <= worker_wall * 1.1 + 1e-3
+    # kvtier's own threads (the saver copied and the writers stored the cold prompt's chunks).
+    assert value(warm, "vllm:kvtier_background_cpu_seconds_total") > 0
     # vLLM's own counters see the same hit as external and split it by source.
     assert value(warm, "vllm:external_prefix_cache_hits_total") == FULL_HIT
     assert value(warm, "vllm:prompt_tokens_cached_by_source_total", source="host") == FULL_HIT
@@ -202,26 +204,32 @@ def test_the_first_request_of_each_prefix_is_found_in_the_clients_order(
     assert r["ttft_first_mean_s"] is None and r["ttft_repeat_mean_s"] is None
     assert r["sched_cpu_share"] is None and r["worker_cpu_share"] is None  # no kvtier series
 
-    def cpu_page(sched: float, worker: float, steps: int) -> str:
+    assert r["background_cpu_share"] is None
+
+    def cpu_page(sched: float, worker: float, background: float, steps: int) -> str:
         lines = []
         for name, total in (("scheduler", sched), ("worker", worker)):
             h = f"vllm:kvtier_{name}_cpu_seconds"
             lines += [f"# TYPE {h} histogram", f'{h}_bucket{{le="+Inf"}} {steps}']
             lines += [f"{h}_count {steps}", f"{h}_sum {total}"]
+        c = "vllm:kvtier_background_cpu_seconds"
+        lines += [f"# TYPE {c} counter", f"{c}_total {background}"]
         return "\n".join(lines) + "\n"
 
-    # Over the run's 15 s: 0.3 s of kvtier CPU on the scheduler thread, 0.15 s on the worker's.
+    # Over the run's 15 s: 0.3 s of kvtier CPU on the scheduler thread, 0.15 s on the worker's,
+    # 0.75 s on kvtier's own threads.
     r = row(
         "kvtier_eager",
         "A",
         4,
         res,
-        Scrape.parse(cpu_page(1.0, 2.0, 10)),
-        Scrape.parse(cpu_page(1.3, 2.15, 90)),
+        Scrape.parse(cpu_page(1.0, 2.0, 4.0, 10)),
+        Scrape.parse(cpu_page(1.3, 2.15, 4.75, 90)),
         first,
     )
     assert r["sched_cpu_share"] == pytest.approx(0.02)
     assert r["worker_cpu_share"] == pytest.approx(0.01)
+    assert r["background_cpu_share"] == pytest.approx(0.05)
 
 
 def test_targets_are_judged_for_each_kvtier_mode() -> None:

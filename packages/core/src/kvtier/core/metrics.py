@@ -122,6 +122,11 @@ METRICS: dict[str, MetricDef] = {
         "CPU time kvtier's hooks used on a worker's forward thread in one step (worker_seconds "
         "without the time the thread waited for a core or the GIL).",
     ),
+    "background_cpu_seconds": MetricDef(
+        COUNTER,
+        "CPU time used by kvtier's own threads in a worker's process (tier writers, checksums, "
+        "disk and Redis readers, probes, the loader and saver), read at most once a second.",
+    ),
     # vLLM connector (scheduler side)
     "scheduler_seconds": MetricDef(
         HISTOGRAM, "Time kvtier's hooks took in one scheduler step (index lookups, metadata)."

@@ -18,6 +18,7 @@ from kvtier.vllm_integration.bench_serve_plot import Scrape
 SCHED_HISTOGRAM = "vllm:kvtier_scheduler_seconds"
 SCHED_CPU_HISTOGRAM = "vllm:kvtier_scheduler_cpu_seconds"
 WORKER_CPU_HISTOGRAM = "vllm:kvtier_worker_cpu_seconds"
+BACKGROUND_CPU = "vllm:kvtier_background_cpu_seconds_total"
 REFERENCE = "prefix_cache"
 KVTIER_MODES = ("kvtier_eager", "kvtier_lazy")
 # Row field -> name of its ratio to the reference mode (``<name>_vs_prefix_cache``).
@@ -66,6 +67,10 @@ def row(
     for field, name in (("sched_cpu", SCHED_CPU_HISTOGRAM), ("worker_cpu", WORKER_CPU_HISTOGRAM)):
         used = after.delta(before, f"{name}_sum") if after.has(f"{name}_sum") else None
         step[f"{field}_share"] = used / res["duration"] if used is not None else None
+    # kvtier's own threads (writers, checksums, readers, probes, loader, saver), summed over the
+    # workers: CPU they took from the cores vLLM computes on.
+    background = after.delta(before, BACKGROUND_CPU) if after.has(BACKGROUND_CPU) else None
+    step["background_cpu_share"] = background / res["duration"] if background is not None else None
     hits = {
         tier: after.delta(before, "vllm:kvtier_lookup_hit_tokens_total", tier=tier)
         for tier in after.by_label("vllm:kvtier_lookup_hit_tokens_total", "tier")
@@ -221,7 +226,7 @@ def table(console: Any, results: list[dict[str, Any]], skipped: dict[str, str]) 
         "req/s/pc",
         "sched p50/p99 ms",
         "sched CPU p50/p99 ms",
-        "kvtier CPU % sched/worker",
+        "kvtier CPU % sched/worker/bg",
         "saved KiB/req",
     ):
         t.add_column(col, justify="right")
@@ -256,9 +261,10 @@ def _p50_p99(r: dict[str, Any], name: str) -> str:
 
 
 def _shares(r: dict[str, Any]) -> str:
-    """``sched/worker`` CPU shares of the run's wall time, in percent ("-" when not measured)."""
-    a, b = r.get("sched_cpu_share"), r.get("worker_cpu_share")
-    return "-" if a is None or b is None else f"{a * 100:.2f}/{b * 100:.2f}"
+    """``sched/worker/background`` CPU shares of the run's wall time, in percent ("-" when not
+    measured)."""
+    shares = [r.get(f"{k}_share") for k in ("sched_cpu", "worker_cpu", "background_cpu")]
+    return "/".join("-" if x is None else f"{x * 100:.2f}" for x in shares)
 
 
 def _ratio(r: dict[str, Any], key: str) -> str:

@@ -48,6 +48,7 @@ from kvtier.core.engine import CacheEngine
 from kvtier.core.keys import KeyScope
 from kvtier.core.metrics import engine_values
 from kvtier.core.platform import Marker, get_platform
+from kvtier.core.thread_cpu import PROCESS_THREADS
 from kvtier.vllm_integration.channel import LookupServer, socket_path
 from kvtier.vllm_integration.holds import HoldTable
 from kvtier.vllm_integration.identity import engine_rank, model_identity
@@ -125,6 +126,7 @@ class WorkerSide:
         values.update(self.counters.values(WORKER_METRICS))
         if self._holds is not None:
             values["hold_expiries"] = {"": self._holds.stats()["hold_expiries"]}
+        values["background_cpu_seconds"] = {"": PROCESS_THREADS.seconds()}
         return self.metrics.delta(values)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
