@@ -210,7 +210,7 @@ def tests_py310(session: nox.Session) -> None:
     if reason:
         session.skip(reason)
     _ensure_redis_server(session)
-    # kvtier-vllm without vLLM: the lookup socket's tests use its channel module only.
+    # kvtier-vllm without vLLM: the control socket's tests use its channel module only.
     _install(session, ("core", "storage", "xpu"), extra=("-epackages/vllm-integration", *TEST_DEPS))
     _run_tests(
         session,

@@ -11,7 +11,7 @@ literally that. The spec:
 - ``steps``: ``{"op": "generate", "prompt": [token ids], "salt": str|None, "max_tokens": n}``
   (max_tokens optional; ``"extend_with_previous": k`` instead sends the previous generate's
   prompt plus its first k generated tokens) -> generated token ids and the logprob of each; ``{"op": "stats"}`` -> the worker connector's counters (over the
-  lookup channel); ``{"op": "flush"}``; ``{"op": "reset_prefix_cache"}``;
+  control channel); ``{"op": "flush"}``; ``{"op": "reset_prefix_cache"}``;
   ``{"op": "reset_connector"}`` (``llm.reset_prefix_cache(reset_connector=True)``, what a weight
   update is followed by); ``{"op": "perturb_kv", "seed": n}`` (in-process only: add noise to
   every layer's input norm weights, what its K and V are computed from, through

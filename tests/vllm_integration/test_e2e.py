@@ -158,9 +158,10 @@ def test_outputs_match_and_hits_are_used(
 @pytest.mark.slow
 def test_multiprocess_scheduler_sees_worker_host_memory(run_engine) -> None:
     """Default vLLM mode (scheduler and worker in different processes), host-memory tier only:
-    the scheduler's lookup must reach the worker's memory through the lookup channel. The
-    first repeat comes as soon as a one-token request returned (its save runs after the step;
-    the worker's lookup waits for an in-flight save of the same prefix). The reference and the
+    the scheduler learns what the worker's memory holds from the workers' per-step reports
+    through vLLM, and its probe reaches the worker the same way. The first repeat comes as soon
+    as a one-token request returned (its save runs after the step; the worker's probe waits for
+    an in-flight save of the same prefix). The reference and the
     tolerance are measured in multiprocess mode too (vLLM binds threads differently there)."""
     ref = run_engine({"kvtier": None, "multiprocess": True, "steps": [gen(DOC), gen(SHARED)]})
     tolerance = prefix_cache_tolerance(run_engine, ref[1], multiprocess=True)

@@ -1,5 +1,5 @@
 """Fast tests of the integration's parts that need no running engine: layout detection, slot
-mappings, plugin registration and the lookup channel."""
+mappings, plugin registration and the control channel."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import socket
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,8 +16,8 @@ from kvtier.core.errors import LayoutError
 from kvtier.core.layout import PagedLayout
 from kvtier.vllm_integration.channel import (
     ChannelError,
-    LookupClient,
-    LookupServer,
+    ControlClient,
+    ControlServer,
     socket_path,
 )
 from kvtier.vllm_integration.layout import build_layout, detect_paged_layout, layer_index
@@ -117,41 +116,40 @@ def channel_path(tmp_path, monkeypatch) -> str:
 def test_channel_round_trip_and_errors(channel_path: str) -> None:
     seen = []
 
-    def handler(header, tokens):
-        if header["op"] == "boom":
+    def handler(request):
+        if request["op"] == "boom":
             raise RuntimeError("handler failed")
-        seen.append((header.get("salt"), None if tokens is None else tokens.tolist()))
-        return {"hit": 0 if tokens is None else int(tokens.sum())}
+        seen.append(request)
+        return {"stats": {"asked": len(seen)}}
 
-    server = LookupServer(channel_path, handler)
-    client = LookupClient(channel_path, timeout_s=2.0)
+    server = ControlServer(channel_path, handler)
+    client = ControlClient(channel_path, timeout_s=2.0)
     try:
-        assert client.call({"op": "lookup", "salt": "s"}, np.arange(5))["hit"] == 10
-        assert client.call({"op": "lookup"}, np.array([], dtype=np.int64))["hit"] == 0
+        assert client.call({"op": "stats", "x": [1, 2]}) == {"stats": {"asked": 1}}
         with pytest.raises(ChannelError, match="handler failed"):
             client.call({"op": "boom"})
         # the connection survives a handler error
-        assert client.call({"op": "lookup"}, np.array([2**40]))["hit"] == 2**40
-        assert seen[0] == ("s", [0, 1, 2, 3, 4])
+        assert client.call({"op": "stats"}) == {"stats": {"asked": 2}}
+        assert seen[0] == {"op": "stats", "x": [1, 2]}
     finally:
         client.close()
         server.close()
     with pytest.raises(ChannelError):
-        LookupClient(channel_path, timeout_s=1.0).call({"op": "lookup"}, np.arange(3))
+        ControlClient(channel_path, timeout_s=1.0).call({"op": "stats"})
 
 
 def test_channel_is_bounded_when_the_worker_hangs(channel_path: str) -> None:
     release = threading.Event()
 
-    def handler(header, tokens):
+    def handler(request):
         release.wait(10)
-        return {"hit": 1}
+        return {"flushed": True}
 
-    server = LookupServer(channel_path, handler)
+    server = ControlServer(channel_path, handler)
     try:
         t0 = time.monotonic()
         with pytest.raises(ChannelError):
-            LookupClient(channel_path, timeout_s=0.3).call({"op": "lookup"}, np.arange(3))
+            ControlClient(channel_path, timeout_s=0.3).call({"op": "flush"})
         assert time.monotonic() - t0 < 5
     finally:
         release.set()
@@ -159,30 +157,30 @@ def test_channel_is_bounded_when_the_worker_hangs(channel_path: str) -> None:
 
 
 def test_channel_refuses_a_second_live_server_but_replaces_a_stale_socket(channel_path) -> None:
-    server = LookupServer(channel_path, lambda h, t: {"hit": 1})
+    server = ControlServer(channel_path, lambda r: {"stats": {"server": 1}})
     try:
         with pytest.raises(ChannelError, match="engine_id"):
-            LookupServer(channel_path, lambda h, t: {"hit": 2})
+            ControlServer(channel_path, lambda r: {"stats": {"server": 2}})
     finally:
         server.close()
     stale = socket.socket(socket.AF_UNIX)
     stale.bind(channel_path)  # bound, never listening: what a killed process leaves
     stale.close()
-    server = LookupServer(channel_path, lambda h, t: {"hit": 3})
+    server = ControlServer(channel_path, lambda r: {"stats": {"server": 3}})
     try:
-        assert LookupClient(channel_path, 2.0).call({"op": "x"})["hit"] == 3
+        assert ControlClient(channel_path, 2.0).call({"op": "stats"})["stats"] == {"server": 3}
     finally:
         server.close()
 
 
 def test_channel_drops_malformed_frames(channel_path: str) -> None:
-    server = LookupServer(channel_path, lambda h, t: {"hit": 1})
+    server = ControlServer(channel_path, lambda r: {"stats": {"ok": 1}})
     try:
         with socket.socket(socket.AF_UNIX) as s:
             s.settimeout(2)
             s.connect(channel_path)
             s.sendall((1 << 30).to_bytes(4, "big"))  # absurd header length
             assert s.recv(16) == b""  # the server hangs up instead of allocating it
-        assert LookupClient(channel_path, 2.0).call({"op": "x"}, np.arange(2))["hit"] == 1
+        assert ControlClient(channel_path, 2.0).call({"op": "stats"})["stats"] == {"ok": 1}
     finally:
         server.close()

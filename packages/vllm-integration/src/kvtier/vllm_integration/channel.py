@@ -1,21 +1,20 @@
-"""The lookup channel: how the scheduler-side connector sees what the worker's tiers hold.
+"""The control channel: a running engine's workers answer ``stats`` and ``flush`` requests.
 
-In vLLM's default multiprocess mode the scheduler (EngineCore process) and the worker (which owns
-the KV tensors, the host-memory tier and the CacheEngine) are different processes. The worker
-serves lookups on a Unix socket in a private directory; the scheduler asks it with a
-bounded timeout. A slow, dead or missing worker is a miss (logged), never a hang. In-process
-mode uses the same path, so both modes run the same code.
+Each worker process serves its connector's counters (``query_worker_stats``) and "drain every
+queued save into every tier" (``flush_worker``, what a planned restart waits for) on a Unix
+socket in a private directory, whatever process asks (tests, ``kvtier demo``, an operator's
+script). Every call is bounded by a timeout; a slow, dead or missing worker is an error, never
+a hang. The serving path never uses it: lookups go through the scheduler's presence index and
+the workers' probes, carried by vLLM's own connector metadata.
 
-Security: lookups carry prompts' token ids and cache salts, so only this user may see or answer
-them. The socket directory is per user (``$KVTIER_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR`` if it
-exists, else the temp dir, then ``kvtier-<uid>``), created ``0700`` and checked on every use: a directory,
-not a symlink, owned by this user, no access for group or others; anything else (another user
-pre-created it, or opened it up) is refused with ``UnsafeRuntimeDir``. Each end checks the
-other's user id (``SO_PEERCRED``), and the client checks the shape of every reply (a lookup's
-hit is a non-negative integer) before anything uses it.
+Security: replies carry the engine's counters, so only this user may ask. The socket directory
+is per user (``$KVTIER_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR`` if it exists, else the temp dir,
+then ``kvtier-<uid>``), created ``0700`` and checked on every use: a directory, not a symlink,
+owned by this user, no access for group or others; anything else (another user pre-created it,
+or opened it up) is refused with ``UnsafeRuntimeDir``. Each end checks the other's user id
+(``SO_PEERCRED``), and the client checks the shape of every reply before anything uses it.
 
-Frames: 4-byte big-endian length + a JSON header; a lookup's header carries ``n`` and is followed
-by ``n`` little-endian int64 token ids. Nothing is unpickled from the socket.
+Frames: 4-byte big-endian length + a JSON object. Nothing is unpickled from the socket.
 """
 
 from __future__ import annotations
@@ -33,23 +32,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 logger = logging.getLogger("kvtier")
 
 _LEN = struct.Struct(">I")
 _MAX_HEADER = 1 << 20
-MAX_TOKENS = 1 << 24
 
-Handler = Callable[[dict[str, Any], np.ndarray | None], dict[str, Any]]
+Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 class UnsafeRuntimeDir(PermissionError):
-    """The lookup socket directory is not private to this user; the message says why and how to fix it."""
+    """The control socket directory is not private to this user; the message says why and how to
+    fix it."""
 
 
 def runtime_dir() -> Path:
-    """This user's private directory for lookup sockets, created ``0700`` if missing and
+    """This user's private directory for control sockets, created ``0700`` if missing and
     checked (see the module docstring); raises ``UnsafeRuntimeDir``."""
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg and not os.path.isdir(xdg):
@@ -62,7 +59,7 @@ def runtime_dir() -> Path:
         pass
     except OSError as e:
         raise UnsafeRuntimeDir(
-            f"kvtier cannot create its lookup socket directory {d}: {e}; set "
+            f"kvtier cannot create its control socket directory {d}: {e}; set "
             f"KVTIER_RUNTIME_DIR to a directory of yours"
         ) from None
     st = os.lstat(d)
@@ -75,15 +72,16 @@ def runtime_dir() -> Path:
         problem = f"has mode {stat.S_IMODE(st.st_mode):o}: group or others may use it (needs 700)"
     if problem:
         raise UnsafeRuntimeDir(
-            f"kvtier refuses the lookup socket directory {d}: it {problem}. Another local user may "
-            f"have planted it to read prompts; remove it, or set KVTIER_RUNTIME_DIR (or "
+            f"kvtier refuses the control socket directory {d}: it {problem}. Another local user "
+            f"may have planted it to answer in the workers' place; remove it, or set KVTIER_RUNTIME_DIR (or "
             f"XDG_RUNTIME_DIR) to a private directory"
         )
     return d
 
 
 def socket_path(engine_id: str, rank: int) -> str:
-    """Where rank ``rank`` of engine ``engine_id`` serves lookups (same in every process)."""
+    """Where rank ``rank`` of engine ``engine_id`` serves its control channel (the same path in
+    every process)."""
     d = runtime_dir()
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)[:48]
     return str(d / f"{safe}-r{rank}.sock")
@@ -96,24 +94,24 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     while got < n:
         k = sock.recv_into(view[got:])
         if k == 0:
-            raise ConnectionError("lookup channel closed")
+            raise ConnectionError("control channel closed")
         got += k
     return bytes(buf)
 
 
-def _send(sock: socket.socket, header: dict[str, Any], payload: bytes = b"") -> None:
-    blob = json.dumps(header).encode()
-    sock.sendall(_LEN.pack(len(blob)) + blob + payload)
+def _send(sock: socket.socket, message: dict[str, Any]) -> None:
+    blob = json.dumps(message).encode()
+    sock.sendall(_LEN.pack(len(blob)) + blob)
 
 
-def _recv_header(sock: socket.socket) -> dict[str, Any]:
+def _recv(sock: socket.socket) -> dict[str, Any]:
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
     if n > _MAX_HEADER:
-        raise ConnectionError(f"lookup channel header of {n} bytes is too large")
-    header = json.loads(_recv_exact(sock, n))
-    if not isinstance(header, dict):
-        raise ConnectionError("lookup channel header is not an object")
-    return header
+        raise ConnectionError(f"control channel message of {n} bytes is too large")
+    message = json.loads(_recv_exact(sock, n))
+    if not isinstance(message, dict):
+        raise ConnectionError("control channel message is not an object")
+    return message
 
 
 def peer_uid(sock: socket.socket) -> int | None:
@@ -126,16 +124,14 @@ def peer_uid(sock: socket.socket) -> int | None:
     return int(uid)
 
 
-def _check_reply(header: dict[str, Any], n: int | None, reply: dict[str, Any]) -> None:
-    """Raise ``ConnectionError`` unless ``reply`` has the shape the request ``header`` calls for."""
+def _check_reply(request: dict[str, Any], reply: dict[str, Any]) -> None:
+    """Raise ``ConnectionError`` unless ``reply`` has the shape ``request`` calls for."""
     if "error" in reply:
+        if not isinstance(reply["error"], str):
+            raise ConnectionError(f"bad error reply {str(reply)[:200]}")
         return
-    op = header.get("op")
-    if op == "lookup":
-        hit = reply.get("hit")
-        if not isinstance(hit, int) or isinstance(hit, bool) or hit < 0:
-            raise ConnectionError(f"bad lookup reply: hit {hit!r} for {n} tokens")
-    elif op == "flush" and not isinstance(reply.get("flushed"), bool):
+    op = request.get("op")
+    if op == "flush" and not isinstance(reply.get("flushed"), bool):
         raise ConnectionError(f"bad flush reply {str(reply)[:200]}")
     elif op == "stats" and not isinstance(reply.get("stats"), dict):
         raise ConnectionError(f"bad stats reply {str(reply)[:200]}")
@@ -161,11 +157,11 @@ def _close_and_unlink(sock: socket.socket, path: str) -> None:
             pass
 
 
-class LookupServer:
+class ControlServer:
     """Serves ``handler`` on a Unix socket from daemon threads until ``close``.
 
-    ``handler(header, tokens)`` runs on a server thread; it must be thread-safe. An exception in
-    it is sent back as ``{"error": ...}`` (the client treats it as a miss).
+    ``handler(request)`` runs on a server thread; it must be thread-safe. An exception in it is
+    sent back as ``{"error": ...}`` (the client raises ``ChannelError``).
     """
 
     def __init__(self, path: str, handler: Handler) -> None:
@@ -184,7 +180,9 @@ class LookupServer:
         self._closed = threading.Event()
         # Unlinks the socket file on close(), on garbage collection and at interpreter exit.
         self._finalizer = weakref.finalize(self, _close_and_unlink, self._sock, path)
-        self._thread = threading.Thread(target=self._accept_loop, name="kvtier-lookup", daemon=True)
+        self._thread = threading.Thread(
+            target=self._accept_loop, name="kvtier-control", daemon=True
+        )
         self._thread.start()
 
     def _accept_loop(self) -> None:
@@ -194,7 +192,7 @@ class LookupServer:
             except OSError:
                 return
             threading.Thread(
-                target=self._serve, args=(conn,), name="kvtier-lookup-conn", daemon=True
+                target=self._serve, args=(conn,), name="kvtier-control-conn", daemon=True
             ).start()
 
     def _serve(self, conn: socket.socket) -> None:
@@ -202,24 +200,20 @@ class LookupServer:
             uid = peer_uid(conn)
             if uid is not None and uid != os.getuid():
                 logger.warning(
-                    "kvtier lookup channel %s: refused a connection from user id %d", self.path, uid
+                    "kvtier control channel %s: refused a connection from user id %d",
+                    self.path,
+                    uid,
                 )
                 return
             while not self._closed.is_set():
                 try:
-                    header = _recv_header(conn)
-                    tokens = None
-                    if "n" in header:
-                        n = int(header["n"])
-                        if not 0 <= n <= MAX_TOKENS:
-                            raise ConnectionError(f"bad token count {n}")
-                        tokens = np.frombuffer(_recv_exact(conn, 8 * n), dtype="<i8")
+                    request = _recv(conn)
                 except (OSError, ConnectionError, ValueError):
                     return
                 try:
-                    reply = self._handler(header, tokens)
-                except Exception as e:  # reported to the client, which treats it as a miss
-                    logger.warning("kvtier lookup handler failed: %s", e)
+                    reply = self._handler(request)
+                except Exception as e:  # reported to the client
+                    logger.warning("kvtier control request failed: %s", e)
                     reply = {"error": f"{type(e).__name__}: {e}"}
                 try:
                     _send(conn, reply)
@@ -231,8 +225,8 @@ class LookupServer:
         self._finalizer()
 
 
-class LookupClient:
-    """A connection to one worker's ``LookupServer``; every call is bounded by ``timeout_s``.
+class ControlClient:
+    """A connection to one worker's ``ControlServer``; every call is bounded by ``timeout_s``.
 
     Thread-safe (one call at a time). On any failure the connection is dropped and the call
     raises ``ChannelError``; the next call reconnects.
@@ -259,23 +253,16 @@ class LookupClient:
             self._sock = s
         return self._sock
 
-    def call(self, header: dict[str, Any], tokens: np.ndarray | None = None) -> dict[str, Any]:
-        payload = b""
-        n = None
-        if tokens is not None:
-            arr = np.ascontiguousarray(tokens, dtype="<i8")
-            n = int(arr.size)
-            header = {**header, "n": n}
-            payload = arr.tobytes()
+    def call(self, request: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             try:
                 sock = self._connect()
-                _send(sock, header, payload)
-                reply = _recv_header(sock)
-                _check_reply(header, n, reply)
+                _send(sock, request)
+                reply = _recv(sock)
+                _check_reply(request, reply)
             except (OSError, ConnectionError, ValueError) as e:
                 self.close_locked()
-                raise ChannelError(f"kvtier lookup channel {self.path}: {e}") from e
+                raise ChannelError(f"kvtier control channel {self.path}: {e}") from e
         if "error" in reply:
             raise ChannelError(f"kvtier worker failed the request: {reply['error']}")
         return reply
@@ -296,7 +283,7 @@ class ChannelError(ConnectionError):
 
 def flush_worker(engine_id: str, rank: int = 0, timeout_s: float = 30.0) -> bool:
     """Wait until a running engine's queued saves reached every tier (before a planned restart)."""
-    client = LookupClient(socket_path(engine_id, rank), timeout_s + 5.0)
+    client = ControlClient(socket_path(engine_id, rank), timeout_s + 5.0)
     try:
         return bool(client.call({"op": "flush", "timeout_s": timeout_s})["flushed"])
     finally:
@@ -305,7 +292,7 @@ def flush_worker(engine_id: str, rank: int = 0, timeout_s: float = 30.0) -> bool
 
 def query_worker_stats(engine_id: str, rank: int = 0, timeout_s: float = 5.0) -> dict[str, Any]:
     """The worker-side connector's counters for a running engine (tests, monitoring)."""
-    client = LookupClient(socket_path(engine_id, rank), timeout_s)
+    client = ControlClient(socket_path(engine_id, rank), timeout_s)
     try:
         return client.call({"op": "stats"})["stats"]
     finally:

@@ -17,7 +17,7 @@ A hold ends when
 - it is older than ``ttl_s`` without a lookup or load (``expire``, counted in
   ``hold_expiries``): this bounds the host memory a lost hold can pin.
 
-Thread-safe: lookups run on the lookup channel's threads, the rest on the worker's thread.
+Thread-safe: lookups run on the probe threads (``probes``), the rest on the worker's thread.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ from kvtier.core.keys import KeyScope
 from kvtier.core.metrics import engine_values
 from kvtier.core.platform import Marker, get_platform
 from kvtier.core.thread_cpu import PROCESS_THREADS
-from kvtier.vllm_integration.channel import LookupServer, socket_path
+from kvtier.vllm_integration.channel import ControlServer, socket_path
 from kvtier.vllm_integration.holds import HoldTable
 from kvtier.vllm_integration.identity import engine_rank, model_identity
 from kvtier.vllm_integration.layout import build_layout, layer_index, ordered_caches
@@ -100,7 +100,7 @@ class WorkerSide:
         self._vllm_config = vllm_config
         self._engine_id = engine_id
         self.engine: CacheEngine | None = None
-        self._server: LookupServer | None = None
+        self._server: ControlServer | None = None
         self._layer_of: dict[str, int] = {}
         self._store_gens: list[Iterator[int]] = []
         self._holds: HoldTable | None = None
@@ -144,7 +144,7 @@ class WorkerSide:
         caches = ordered_caches(kv_caches)
         first = sorted(layer_index(name) for name in kv_caches)
         self._layer_of = {name: first.index(layer_index(name)) for name in kv_caches}
-        # The lookup socket is per worker; the key's rank collapses MLA's identical TP shards.
+        # The control socket is per worker; the key's rank collapses MLA's identical TP shards.
         _, worker = engine_rank(vc, use_mla=False)
         self._rank = worker
         key_world, key_rank = engine_rank(vc, use_mla)
@@ -163,7 +163,7 @@ class WorkerSide:
         )
         self.engine.register_kv_caches(caches)
         self._holds = HoldTable(self.engine, hold_ttl_s(self.config))
-        self._server = LookupServer(socket_path(self._engine_id, worker), self._serve)
+        self._server = ControlServer(socket_path(self._engine_id, worker), self._serve)
         self._saver = Saver(self._store, self._saved)
         self._loads = WorkerLoads(
             self.config,
@@ -182,16 +182,17 @@ class WorkerSide:
         )
         self._prober = Prober(self._probe, self._feed.answer)
         logger.info(
-            "kvtier: %s layout %s, tiers %s, lookup channel %s",
+            "kvtier: %s layout %s, tiers %s, control channel %s",
             layout.paged_layout.value,
             layout.fingerprint(),
             self.config.tiers,
             self._server.path,
         )
 
-    def _serve(self, header: dict[str, Any], tokens: np.ndarray | None) -> dict[str, Any]:
+    def _serve(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A control channel request (``channel``): ``stats`` or ``flush``."""
         assert self.engine is not None and self._holds is not None and self._saver is not None
-        op = header.get("op")
+        op = request.get("op")
         if op == "stats":
             stats: dict[str, int] = self.counters.snapshot()
             stats.update(self._holds.stats())
@@ -199,10 +200,10 @@ class WorkerSide:
             return {"stats": stats}
         if op == "flush":
             # Saves queued so far, then lower-tier writes: what a planned restart waits for.
-            timeout = float(header.get("timeout_s", SAVE_DRAIN_TIMEOUT_S))
+            timeout = float(request.get("timeout_s", SAVE_DRAIN_TIMEOUT_S))
             ok = self._saver.drain(timeout) and self.engine.storage.flush(timeout)
             return {"flushed": ok}
-        raise ValueError(f"unknown lookup channel request {op!r}")
+        raise ValueError(f"unknown control channel request {op!r}")
 
     def _probe(self, spec: ProbeSpec) -> tuple[int, list[list[Any]]]:
         """One probe on a probe thread: hold what the tiers have of the prompt."""

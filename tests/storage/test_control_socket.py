@@ -1,7 +1,8 @@
-"""The lookup socket is private to its user: a planted or opened-up runtime directory is refused,
-each end checks the other's user id, and replies are checked before anything uses them (the
-drill: another user pre-created the directory world-writable, replaced the socket, read every
-lookup's tokens and salt and answered arbitrary hit counts)."""
+"""A worker's control socket (``stats``, ``flush``) is private to its user: a planted or opened-up
+runtime directory is refused, each end checks the other's user id, and replies are checked
+before anything uses them (the drill, when the socket still carried lookups: another user
+pre-created the directory world-writable, replaced the socket, read every lookup's tokens and
+salt and answered arbitrary hit counts)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,12 @@ import struct
 import tempfile
 import threading
 
-import numpy as np
 import pytest
 
 from kvtier.vllm_integration.channel import (
     ChannelError,
-    LookupClient,
-    LookupServer,
+    ControlClient,
+    ControlServer,
     UnsafeRuntimeDir,
     socket_path,
 )
@@ -74,7 +74,7 @@ def test_planted_runtime_dir_is_refused(runtime_base, tmp_path, plant):
         runtime_base.symlink_to(target)
     else:
         runtime_base.write_text("x")
-    with pytest.raises(UnsafeRuntimeDir, match="refuses the lookup socket directory"):
+    with pytest.raises(UnsafeRuntimeDir, match="refuses the control socket directory"):
         socket_path("engine", 0)
     with pytest.raises(UnsafeRuntimeDir):  # and on every later use
         socket_path("e", 1)
@@ -106,16 +106,26 @@ def _fake_server(path: str, reply: object, seen: list) -> socket.socket:
 
 
 @pytest.mark.parametrize(
-    "reply", [{"hit": -5}, {"hit": "64"}, {"hit": True}, {"hit": 3.5}, {}, {"hits": 4}]
+    ("op", "reply"),
+    [
+        ("stats", {"stats": 5}),
+        ("stats", {"stats": [1, 2]}),
+        ("stats", {}),
+        ("flush", {"flushed": "yes"}),
+        ("flush", {"flushed": 1}),
+        ("flush", {}),
+        ("flush", {"error": {"not": "text"}}),
+    ],
 )
-def test_replies_out_of_shape_are_errors_not_hits(runtime_base, reply):
+def test_replies_out_of_shape_are_errors(runtime_base, op, reply):
     path = socket_path("engine", 0)
     seen: list = []
     srv = _fake_server(path, reply, seen)
-    client = LookupClient(path, 2.0)
+    client = ControlClient(path, 2.0)
     try:
-        with pytest.raises(ChannelError, match="bad lookup reply"):
-            client.call({"op": "lookup", "salt": None}, np.arange(64))
+        with pytest.raises(ChannelError, match=r"bad .*reply"):
+            client.call({"op": op})
+        assert seen == [{"op": op}]
     finally:
         client.close()
         srv.close()
@@ -123,10 +133,13 @@ def test_replies_out_of_shape_are_errors_not_hits(runtime_base, reply):
 
 def test_a_good_reply_passes(runtime_base):
     path = socket_path("engine", 0)
-    server = LookupServer(path, lambda header, tokens: {"hit": int(tokens.size) // 2})
-    client = LookupClient(path, 2.0)
+    server = ControlServer(
+        path, lambda r: {"stats": {"n": 1}} if r["op"] == "stats" else {"flushed": True}
+    )
+    client = ControlClient(path, 2.0)
     try:
-        assert client.call({"op": "lookup"}, np.arange(64))["hit"] == 32
+        assert client.call({"op": "stats"}) == {"stats": {"n": 1}}
+        assert client.call({"op": "flush"}) == {"flushed": True}
     finally:
         client.close()
         server.close()
@@ -144,7 +157,7 @@ def test_a_server_of_another_user_is_refused():
             os.close(r)
             os.setgid(65534)
             os.setuid(65534)
-            srv = _fake_server(path, {"hit": 64}, [])
+            srv = _fake_server(path, {"stats": {"loaded_tokens": 64}}, [])
             os.write(w, b"1")
             conn_wait = threading.Event()
             conn_wait.wait(5)
@@ -154,9 +167,9 @@ def test_a_server_of_another_user_is_refused():
     os.close(w)
     try:
         assert os.read(r, 1) == b"1"
-        client = LookupClient(path, 2.0)
+        client = ControlClient(path, 2.0)
         with pytest.raises(ChannelError, match="user id 65534"):
-            client.call({"op": "lookup"}, np.arange(64))
+            client.call({"op": "stats"})
         client.close()
     finally:
         os.close(r)
