@@ -276,3 +276,18 @@ print("OK")
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=here
     )
     assert out.stdout.strip() == "OK", out.stderr
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"local_disk": {"o_direct": True}}, "backend_options.local_disk.o_direct"),
+        ({"local_cpu": {"size_gb": 1}}, "backend_options.local_cpu.size_gb"),
+        ({"rediss": {"segment_bytes": 1 << 20}}, "backend_options.rediss"),  # not a tier here
+        ({"redis": {"connections": 2}}, "backend_options.redis"),  # redis not in tiers
+    ],
+)
+def test_backend_options_a_tier_cannot_use_are_errors_naming_them(make_manager, options, field):
+    with pytest.raises(ConfigError) as e:
+        make_manager(backend_options=options)
+    assert e.value.field == field

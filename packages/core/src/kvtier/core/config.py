@@ -164,7 +164,8 @@ class KVTierConfig:
         default="WARNING",
     )
     backend_options: dict[str, Any] = _doc(
-        "Per-backend options for third-party tiers: {backend name: {option: value}}.",
+        "Per-tier options ({tier name: {option: value}}) for tiers in `tiers` that take them: "
+        "redis and third-party tiers.",
         default_factory=dict,
     )
 

@@ -50,6 +50,14 @@ def build_tiers(
             config.tiers,
             f"must start with {HOST_TIER!r}: every chunk passes through host memory",
         )
+    unused = sorted(set(config.backend_options) - set(config.tiers))
+    if unused:
+        raise ConfigError(
+            f"backend_options.{unused[0]}",
+            config.backend_options[unused[0]],
+            f"options for a tier that is not in tiers ({', '.join(config.tiers)}): add the tier "
+            f"or remove its options (a misspelt tier name?)",
+        )
     key = config.encryption_key_bytes()
     sealer = Sealer(key) if key is not None else None
     built: list[StorageBackend] = []

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from kvtier.core.errors import ConfigError
 from kvtier.core.storage import count_leading
 from kvtier.storage.stats import StorageStats
 
@@ -53,6 +54,18 @@ class BackendContext:
     stats: StorageStats = field(default_factory=StorageStats)
     options: Mapping[str, Any] = field(default_factory=dict)
     sealer: Sealer | None = None
+
+
+def refuse_options(ctx: BackendContext, tier: str, instead: str) -> None:
+    """A ``ConfigError`` naming the first of ``ctx.options`` for a tier that takes none
+    (``instead`` says where its settings are)."""
+    if ctx.options:
+        opt = sorted(ctx.options)[0]
+        raise ConfigError(
+            f"backend_options.{tier}.{opt}",
+            ctx.options[opt],
+            f"unknown option: the {tier} tier takes none ({instead})",
+        )
 
 
 class StorageBackend(ABC):

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvtier.core.lru import HostObjectLRU
-from kvtier.storage.backends.base import BackendContext, StorageBackend
+from kvtier.storage.backends.base import BackendContext, StorageBackend, refuse_options
 
 if TYPE_CHECKING:
     from kvtier.core.keys import ChunkKey
@@ -26,6 +26,7 @@ class LocalCPUBackend(StorageBackend):
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
+        refuse_options(ctx, "local_cpu", "see the config key local_cpu_size_gb")
         self._index = HostObjectLRU()
 
     @property

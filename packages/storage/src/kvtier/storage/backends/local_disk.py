@@ -78,7 +78,7 @@ from kvtier.storage.backends._disk_io import (
 )
 from kvtier.storage.backends._disk_readers import BatchReaders
 from kvtier.storage.backends._disk_writer import FS_FULL_CAP_S, DiskWriter
-from kvtier.storage.backends.base import BackendContext, StorageBackend
+from kvtier.storage.backends.base import BackendContext, StorageBackend, refuse_options
 
 if TYPE_CHECKING:
     from kvtier.core.keys import ChunkKey
@@ -101,13 +101,7 @@ class LocalDiskBackend(StorageBackend):
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
         cfg = ctx.config
-        if ctx.options:
-            opt = sorted(ctx.options)[0]
-            raise ConfigError(
-                f"backend_options.local_disk.{opt}",
-                ctx.options[opt],
-                "unknown option: the local_disk tier takes none (see the config keys local_disk_*)",
-            )
+        refuse_options(ctx, "local_disk", "see the config keys local_disk_*")
         self.budget = int(cfg.local_disk_size_gb * GiB)
         self.max_tokens = cfg.chunk_size
         self.root = cfg.disk_path()
