@@ -20,7 +20,7 @@ from typing import Any, get_origin, get_type_hints
 
 import yaml
 
-from kvtier.core.config_checks import config_error, parse_key, read_key_file, validated
+from kvtier.core.config_checks import parse_key, read_key_file, validated
 from kvtier.core.config_coerce import coerce
 from kvtier.core.errors import ConfigError
 from kvtier.core.masking import mask_url, shown
@@ -209,7 +209,7 @@ def _apply(source: str, raw: Mapping[str, Any], into: dict[str, Any]) -> None:
     hints = _hints()
     for key, value in raw.items():
         if key not in hints:
-            raise config_error(
+            raise ConfigError(
                 key, value, f"unknown key (from {source}); known keys: {', '.join(hints)}"
             )
         into[key] = coerce(key, value, hints[key])

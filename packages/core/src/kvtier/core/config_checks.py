@@ -1,8 +1,9 @@
-"""Checks of a ``KVTierConfig`` beyond each field's type, and secret masking for their errors.
+"""Checks of a ``KVTierConfig`` beyond each field's type.
 
 ``validated`` runs on every config however it is built (``load_config``, ``replace``, the
-constructor). A ``ConfigError`` names the field and shows its value with secrets masked: the
-Redis password, the encryption key, and the password inside a Redis URL never appear.
+constructor). A ``ConfigError`` names the field and shows its value with secrets masked
+(``masking``): the Redis password, the encryption key, and the password inside a Redis URL
+never appear.
 """
 
 from __future__ import annotations
@@ -35,28 +36,23 @@ LOOKUP_MODES = ("auto", "probe", "index")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
-def config_error(name: str, value: Any, reason: str) -> ConfigError:
-    """A ``ConfigError`` for field ``name`` (its value shown with secrets masked)."""
-    return ConfigError(name, value, reason)
-
-
 def check_redis_url(url: str) -> None:
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise config_error("redis_url", url, "must start with redis://, rediss:// or unix://")
+        raise ConfigError("redis_url", url, "must start with redis://, rediss:// or unix://")
     try:
         parts = urllib.parse.urlsplit(url)
         port = parts.port
     except ValueError as e:
-        raise config_error("redis_url", url, f"has a bad port: {e}") from None
+        raise ConfigError("redis_url", url, f"has a bad port: {e}") from None
     if parts.scheme == "unix":
         if not parts.path:
-            raise config_error("redis_url", url, "a unix:// URL needs a socket path")
+            raise ConfigError("redis_url", url, "a unix:// URL needs a socket path")
         return
     if port == 0:
-        raise config_error("redis_url", url, "has a bad port: 0")
+        raise ConfigError("redis_url", url, "has a bad port: 0")
     db = parts.path.lstrip("/")
     if db and not db.isdigit():
-        raise config_error(
+        raise ConfigError(
             "redis_url", url, f"database {db!r} is not a number (redis://host:port/DB)"
         )
 
@@ -90,20 +86,16 @@ def parse_key(name: str, text: str, shown_as: str | None = None) -> bytes:
 def check_backend_options(options: dict[str, Any]) -> None:
     for tier, opts in options.items():
         if not isinstance(tier, str):
-            raise config_error("backend_options", options, f"backend name {tier!r} is not a string")
+            raise ConfigError("backend_options", options, f"backend name {tier!r} is not a string")
         if not isinstance(opts, Mapping):
-            raise config_error(
-                f"backend_options.{tier}", opts, "must be a mapping of option: value"
-            )
+            raise ConfigError(f"backend_options.{tier}", opts, "must be a mapping of option: value")
         for opt, value in opts.items():
             if not isinstance(opt, str):
-                raise config_error(
+                raise ConfigError(
                     f"backend_options.{tier}", dict(opts), f"option name {opt!r} is not a string"
                 )
             if isinstance(value, float) and not math.isfinite(value):
-                raise config_error(
-                    f"backend_options.{tier}.{opt}", value, "must be a finite number"
-                )
+                raise ConfigError(f"backend_options.{tier}.{opt}", value, "must be a finite number")
 
 
 def check_modes(cfg: KVTierConfig) -> None:
@@ -126,15 +118,15 @@ def validated(cfg: KVTierConfig) -> KVTierConfig:
     for f in fields(cfg):
         value = getattr(cfg, f.name)
         if hints[f.name] is float and not (isinstance(value, int | float) and math.isfinite(value)):
-            raise config_error(f.name, value, "must be a finite number")
+            raise ConfigError(f.name, value, "must be a finite number")
     for name in _POSITIVE_INT:
         if getattr(cfg, name) <= 0:
-            raise config_error(name, getattr(cfg, name), "must be a positive integer")
+            raise ConfigError(name, getattr(cfg, name), "must be a positive integer")
     for name in _POSITIVE_FLOAT:
         if getattr(cfg, name) <= 0:
-            raise config_error(name, getattr(cfg, name), "must be positive")
+            raise ConfigError(name, getattr(cfg, name), "must be positive")
     if cfg.local_disk_rescan_s < 0:
-        raise config_error(
+        raise ConfigError(
             "local_disk_rescan_s", cfg.local_disk_rescan_s, "must be >= 0 (0 = before every write)"
         )
     if cfg.redis_ttl_s < 0:
@@ -151,7 +143,7 @@ def validated(cfg: KVTierConfig) -> KVTierConfig:
     if cfg.redis_url:
         check_redis_url(cfg.redis_url)
     if cfg.encryption_key and cfg.encryption_key_file:
-        raise config_error(
+        raise ConfigError(
             "encryption_key_file",
             cfg.encryption_key_file,
             "give the key or a key file, not both (encryption_key is set too)",

@@ -13,7 +13,7 @@ from typing import Any, get_args, get_origin
 
 import yaml
 
-from kvtier.core.config_checks import config_error
+from kvtier.core.errors import ConfigError
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -35,7 +35,7 @@ def coerce(name: str, value: Any, hint: Any) -> Any:
         return _to_list(name, value, args[0])
     if origin is dict:
         return _to_dict(name, value)
-    raise config_error(name, value, f"has an unsupported type {hint}")
+    raise ConfigError(name, value, f"has an unsupported type {hint}")
 
 
 def _to_bool(name: str, value: Any) -> bool:
@@ -45,12 +45,12 @@ def _to_bool(name: str, value: Any) -> bool:
         return bool(value)
     if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
         return value.strip().lower() in _TRUE
-    raise config_error(name, value, "must be a boolean (true/false)")
+    raise ConfigError(name, value, "must be a boolean (true/false)")
 
 
 def _to_int(name: str, value: Any) -> int:
     if isinstance(value, bool):
-        raise config_error(name, value, "must be an integer")
+        raise ConfigError(name, value, "must be an integer")
     if isinstance(value, int):
         return value
     if isinstance(value, float) and value.is_integer():
@@ -60,12 +60,12 @@ def _to_int(name: str, value: Any) -> int:
             return int(value.strip())
         except ValueError:
             pass
-    raise config_error(name, value, "must be an integer")
+    raise ConfigError(name, value, "must be an integer")
 
 
 def _to_float(name: str, value: Any) -> float:
     if isinstance(value, bool):
-        raise config_error(name, value, "must be a number")
+        raise ConfigError(name, value, "must be a number")
     number: float | None = None
     if isinstance(value, int | float):
         number = float(value)
@@ -75,23 +75,23 @@ def _to_float(name: str, value: Any) -> float:
         except ValueError:
             pass
     if number is None:
-        raise config_error(name, value, "must be a number")
+        raise ConfigError(name, value, "must be a number")
     if not math.isfinite(number):
-        raise config_error(name, value, "must be a finite number")
+        raise ConfigError(name, value, "must be a finite number")
     return number
 
 
 def _to_str(name: str, value: Any) -> str:
     if isinstance(value, str):
         return value
-    raise config_error(name, value, "must be a string")
+    raise ConfigError(name, value, "must be a string")
 
 
 def _to_list(name: str, value: Any, item_hint: Any) -> list[Any]:
     if isinstance(value, str):
         value = [v.strip() for v in value.split(",") if v.strip()]
     if not isinstance(value, list | tuple):
-        raise config_error(name, value, "must be a list (or a comma-separated string)")
+        raise ConfigError(name, value, "must be a list (or a comma-separated string)")
     return [coerce(name, v, item_hint) for v in value]
 
 
@@ -100,9 +100,9 @@ def _to_dict(name: str, value: Any) -> dict[Any, Any]:
         try:
             value = yaml.safe_load(value)
         except yaml.YAMLError as e:
-            raise config_error(name, value, f"is not a YAML/JSON mapping: {e}") from None
+            raise ConfigError(name, value, f"is not a YAML/JSON mapping: {e}") from None
     if not isinstance(value, Mapping):
-        raise config_error(name, value, "must be a mapping")
+        raise ConfigError(name, value, "must be a mapping")
     return dict(value)
 
 
