@@ -73,8 +73,8 @@ def runtime_dir() -> Path:
     if problem:
         raise UnsafeRuntimeDir(
             f"kvtier refuses the control socket directory {d}: it {problem}. Another local user "
-            f"may have planted it to answer in the workers' place; remove it, or set KVTIER_RUNTIME_DIR (or "
-            f"XDG_RUNTIME_DIR) to a private directory"
+            f"may have planted it to answer in the workers' place; remove it, or set "
+            f"KVTIER_RUNTIME_DIR (or XDG_RUNTIME_DIR) to a private directory"
         )
     return d
 

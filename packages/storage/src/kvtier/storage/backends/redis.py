@@ -41,8 +41,9 @@ override the URL's credentials; ``redis_cluster`` routes by hash slot (``CLUSTER
 Time: every call has one deadline, ``redis_timeout_s`` plus the bytes it moves at
 ``min_throughput_mb_s`` (default 50 MB/s). A read or a lookup is two round trips (heads, then
 segments; deleting rejected entries, if any, under the same deadline): the heads get half of
-``redis_timeout_s``, so a stalled shard leaves the others time for their segments. Every connect, send and receive within it waits at most the time left, so a server
-that trickles bytes cannot stretch a call. A failed or timed-out server is marked down for
+``redis_timeout_s``, so a stalled shard leaves the others time for their segments. Every
+connect, send and receive within it waits at most the time left, so a server that trickles
+bytes cannot stretch a call. A failed or timed-out server is marked down for
 ``retry_interval_s`` (default 1 s): its keys answer misses at once without touching the network
 (other shards keep serving), then the next call tries again on a new connection (the failed
 server's pooled ones are dropped with the first failure). Failures count as ``redis.errors``,
@@ -158,6 +159,7 @@ class RedisBackend(StorageBackend):
             parsed = self._head(i, key, replies.get(i), bad)
             if parsed is not None:
                 wanted[i] = segment_count(parsed[0].payload_len, parsed[2])
+        hits: set[int] = set()
         if wanted:
             found = pipelined(
                 self.nodes,
@@ -171,13 +173,14 @@ class RedisBackend(StorageBackend):
             )
             for i, n in wanted.items():
                 got = found.get(i)
-                if isinstance(got, int) and got < n:
+                if got == n:
+                    hits.add(i)
+                elif isinstance(got, int):
                     bad[i] = f"truncated: {n - got} of {n} segments missing"
-                elif got != n:  # the server failed this round trip: a miss, nothing removed
-                    wanted[i] = -1
+                # else the server failed this round trip: a miss, nothing removed
         if bad:
             self._reject(keys, bad, dl)
-        return [wanted.get(i, -1) >= 0 and i not in bad for i in range(len(keys))]
+        return [i in hits for i in range(len(keys))]
 
     # -- writes --------------------------------------------------------------------------------
     def batched_put(self, items: Sequence[tuple[ChunkKey, MemoryObj]]) -> None:
