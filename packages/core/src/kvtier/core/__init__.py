@@ -5,7 +5,7 @@ Importing this package imports torch, numpy and yaml only: no triton, no vLLM, n
 
 from kvtier.core.__about__ import __version__
 from kvtier.core.config import KVTierConfig, load_config
-from kvtier.core.connector import DeviceConnector, TorchPagedConnector, Transfer
+from kvtier.core.mover import PageMover, TorchPageMover, Transfer
 from kvtier.core.engine import CacheEngine
 from kvtier.core.errors import (
     ConfigError,
@@ -28,7 +28,6 @@ __all__ = [
     "ChunkKey",
     "ChunkSpan",
     "ConfigError",
-    "DeviceConnector",
     "DoubleReleaseError",
     "Hold",
     "HostArena",
@@ -43,12 +42,13 @@ __all__ = [
     "MemoryObjMeta",
     "MissingExtraError",
     "OutOfHostMemory",
+    "PageMover",
     "PagedLayout",
     "Platform",
     "PlatformError",
     "RetrieveJob",
     "StorageManager",
-    "TorchPagedConnector",
+    "TorchPageMover",
     "Transfer",
     "__version__",
     "get_platform",

@@ -20,7 +20,9 @@ adapter identity, weights generation); see ``kvtier.core.keys``.
 
 Slot mappings: ``slot_mapping[i]`` is token ``i``'s slot in the paged cache, ``-1`` when the
 engine does not hold it (store: the chunk cannot be saved) or does not want it (retrieve: the
-engine already has it, or it is past what the engine asked for).
+engine already has it, or it is past what the engine asked for). kvtier moves whole pages
+(``kvtier.core.mover``), so a chunk's slots map whole blocks: each block's tokens are all -1 or
+all in one cache block, in order (``kvtier.core.slots.span_blocks``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import numpy as np
 import torch
 
 from kvtier.core.config import KVTierConfig
-from kvtier.core.connector import DeviceConnector, Transfer
+from kvtier.core.mover import PageMover, Transfer
 from kvtier.core.errors import ConfigError, KVTierError
 from kvtier.core.handles import ChunkSpan, EngineStats, Hold, RetrieveJob, prefix_digest
 from kvtier.core.keys import ChunkKey, KeyFactory, Scope, TokenIds, token_bytes
@@ -87,16 +89,22 @@ class CacheEngine:
             block_size=layout.block_size,
             tails=config.save_unfull_chunk,
         )
-        self.connector: DeviceConnector | None = None
+        self.mover: PageMover | None = None
         self.stats = EngineStats()
         self._tier_hits = TierHits()
         self._writer = StoreWriter(storage, self.spans, layout, self.chunk_size, self.stats)
 
     # -- setup ---------------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
-        """Hand over the engine's per-layer paged KV tensors (once, before any transfer)."""
-        self.connector = self.platform.create_connector(
-            kv_caches, self.layout, staging_buffer=self.config.device_staging_buffer
+    def register_kv_caches(
+        self, kv_caches: Sequence[torch.Tensor], num_blocks: int | None = None
+    ) -> None:
+        """Hand over the engine's per-layer KV views (once, before any transfer);
+        ``num_blocks``: the cache's (manager) blocks, when the views count kernel blocks."""
+        self.mover = self.platform.create_mover(
+            kv_caches,
+            self.layout,
+            num_blocks=num_blocks,
+            staging_buffer=self.config.device_staging_buffer,
         )
 
     def watch_stores(self, listener: Callable[[list[ChunkKey]], None]) -> None:
@@ -105,10 +113,10 @@ class CacheEngine:
         of stored chunks with it). It must be quick and must not raise."""
         self._writer.listeners.append(listener)
 
-    def _require_connector(self) -> DeviceConnector:
-        if self.connector is None:
+    def _require_mover(self) -> PageMover:
+        if self.mover is None:
             raise KVTierError("register_kv_caches must be called before store/retrieve")
-        return self.connector
+        return self.mover
 
     # -- chunking ------------------------------------------------------------------------------
     def full_spans(self, tokens: TokenIds, salt: Scope = None) -> list[ChunkSpan]:
@@ -196,9 +204,9 @@ class CacheEngine:
 
     def _slots(self, slot_mapping: torch.Tensor | Sequence[int], n_tokens: int) -> torch.Tensor:
         """``slot_mapping`` checked against the registered cache (``checked_slots``)."""
-        c = self.connector
+        m = self.mover
         return checked_slots(
-            slot_mapping, n_tokens, c.num_blocks * self.layout.block_size if c else None
+            slot_mapping, n_tokens, m.num_blocks * self.layout.block_size if m else None
         )
 
     def _plan_store(
@@ -228,13 +236,13 @@ class CacheEngine:
         stream. ``keep``: asked once the copy is done; if it returns False the copied chunks
         are dropped, nothing is stored (the engine's blocks may have been reused meanwhile).
         """
-        connector = self._require_connector()
+        mover = self._require_mover()
         plan, aliases = self._plan_store(tokens, slot_mapping, salt)
         if not plan:
             return 0
         try:
             self.platform.wait_marker(ready)
-            connector.store([t for _, t in plan])
+            mover.store([t for _, t in plan])
         except BaseException:
             release_all([t.obj for _, t in plan])
             raise
@@ -248,11 +256,11 @@ class CacheEngine:
         self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], *, salt: Scope = None
     ) -> Iterator[int]:
         """Like ``store``, one layer per ``next()``; the chunks are saved when it is exhausted."""
-        connector = self._require_connector()
+        mover = self._require_mover()
         plan, aliases = self._plan_store(tokens, slot_mapping, salt)
         try:
             if plan:
-                yield from connector.store_layerwise([t for _, t in plan])
+                yield from mover.store_layerwise([t for _, t in plan])
             else:
                 yield from range(self.layout.num_layers)
         except BaseException:
@@ -268,8 +276,7 @@ class CacheEngine:
         hold: Hold | None,
     ) -> tuple[list[Transfer], torch.Tensor]:
         arr = token_bytes(tokens)
-        slots = self._slots(slot_mapping, len(arr))
-        cpu_slots = slots.cpu()
+        cpu_slots = self._slots(slot_mapping, len(arr)).cpu()
 
         def wanted(span: ChunkSpan) -> bool:
             return bool((cpu_slots[span.start : span.end] >= 0).any())
@@ -278,7 +285,11 @@ class CacheEngine:
             spans, objs = self._fetch_prefix([s for s in self.hit_spans(arr, salt) if wanted(s)])
         else:
             spans, objs = held_objects(hold, arr, salt, wanted)
-        return load_transfers(spans, objs, slots, cpu_slots)
+        try:
+            return load_transfers(spans, objs, cpu_slots, self.layout.block_size)
+        except BaseException:
+            release_all(objs)
+            raise
 
     def retrieve(
         self,
@@ -296,12 +307,12 @@ class CacheEngine:
         written into the cache. ``ready``: as for ``store`` (a load issued on another thread
         must not overwrite blocks that earlier device work on the compute stream still reads).
         """
-        connector = self._require_connector()
+        mover = self._require_mover()
         transfers, mask = self._plan_retrieve(tokens, slot_mapping, salt, hold)
         try:
             if transfers:
                 self.platform.wait_marker(ready)
-                connector.load(transfers)
+                mover.load(transfers)
         finally:
             release_all([t.obj for t in transfers])
         self.stats.add(retrieved_tokens=int(mask.sum()))
@@ -316,13 +327,13 @@ class CacheEngine:
         hold: Hold | None = None,
     ) -> RetrieveJob:
         """Fetch the stored prefix now; load it layer by layer as the job's ``layers`` is iterated."""
-        connector = self._require_connector()
+        mover = self._require_mover()
         transfers, mask = self._plan_retrieve(tokens, slot_mapping, salt, hold)
 
         def layers() -> Iterator[int]:
             try:
                 if transfers:
-                    yield from connector.load_layerwise(transfers)
+                    yield from mover.load_layerwise(transfers)
                 else:
                     yield from range(self.layout.num_layers)
             finally:

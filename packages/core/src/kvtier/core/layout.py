@@ -1,7 +1,20 @@
-"""KV layout metadata: what an engine's paged KV cache looks like and what a chunk of it is.
+"""KV page geometry: what an engine's paged KV cache is, as far as kvtier needs to know it.
 
-Every chunk key carries the layout's fingerprint, so KV saved under one layout (model shape,
-dtype, block size, engine memory layout) is never loaded into another.
+kvtier moves *pages*: one layer's one block, copied as opaque bytes. It never reads a page's
+interior, so any attention backend's packing (vLLM CPU's ISA-specific K layout, fp8 with its
+scales, MLA latents) round-trips exactly. What it must know is which pages are interchangeable:
+the ``KVLayout`` names everything that decides a page's bytes, and its ``fingerprint`` is part of
+every chunk key and stored header, so a page written under another geometry or another interior
+writer is a miss, never a load.
+
+The engine's per-layer KV tensors are vLLM's logical views ``[num_blocks, H, N, C]`` (RFC #42082:
+blocks, head slots, tokens of a block, content per head and token), laid out in memory by one of
+vLLM's ``KVCacheLayout`` stride orders (``PagedLayout`` here). ``kvtier.core.pages`` derives how a
+page sits in such a view from the view's strides, never from its shape.
+
+A chunk of ``n`` tokens lives in host memory as ``[n // block_size, num_layers, page_bytes]``
+bytes: block-major, so the first ``k`` blocks of a chunk are a contiguous prefix and a
+block-outer cache moves one block's every layer as one run.
 """
 
 from __future__ import annotations
@@ -17,21 +30,29 @@ from kvtier.core.errors import LayoutError
 
 
 class PagedLayout(str, Enum):
-    """The engine's per-layer paged KV tensor layouts kvtier knows.
+    """vLLM's KV cache layouts (``vllm.v1.kv_cache_layout.KVCacheLayout``), by name.
 
-    - ``FLASH_NHD``: ``[2, num_blocks, block_size, kv_heads, head_size]`` (vLLM flash-attn, CUDA).
-    - ``FLASH_BLOCK_FIRST``: ``[num_blocks, 2, block_size, kv_heads, head_size]`` (newer CUDA backends).
-    - ``VLLM_CPU``: ``[num_blocks, kv_heads, block_size, 2 * head_size]`` (vLLM CPU backend); inside
-      one ``(block, head)`` the first ``head_size * block_size`` elements are K stored transposed
-      (``[head_size, block_size]``) and the next are V (``[block_size, head_size]``).
-    - ``MLA``: ``[num_blocks, block_size, latent_size]`` (multi-head latent attention, one latent
-      vector per token; ``head_size`` is the latent size and ``num_kv_heads`` is 1).
+    The logical shape is ``[L, B, H, N, C]``; the name is the physical order, outermost first.
+    Layer-outer layouts give each layer its own region; block-outer ones (``B..``) put one
+    block's pages of every layer together; head-outer ones (``LHBNC``, ``BHLNC``) split a page
+    into one run per head slot.
     """
 
-    FLASH_NHD = "flash_nhd"
-    FLASH_BLOCK_FIRST = "flash_block_first"
-    VLLM_CPU = "vllm_cpu"
-    MLA = "mla"
+    LBHNC = "LBHNC"
+    LBNHC = "LBNHC"
+    LHBNC = "LHBNC"
+    BLHNC = "BLHNC"
+    BLNHC = "BLNHC"
+    BHLNC = "BHLNC"
+
+    @property
+    def stride_order(self) -> tuple[int, ...]:
+        """The physical order of the logical axes ``L=0, B=1, H=2, N=3, C=4``."""
+        return tuple("LBHNC".index(axis) for axis in self.value)
+
+    @property
+    def block_outer(self) -> bool:
+        return self.value[0] == "B"
 
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -41,6 +62,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "float8_e4m3fn": torch.float8_e4m3fn,
     "float8_e5m2": torch.float8_e5m2,
     "uint8": torch.uint8,
+    "int8": torch.int8,
 }
 
 
@@ -58,12 +80,24 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise LayoutError(f"unsupported KV dtype {name!r}; supported: {sorted(_DTYPES)}") from None
 
 
+#: The dtype of every chunk held in host memory: pages are bytes.
+CHUNK_DTYPE = torch.uint8
+
+
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape of one engine's KV cache, as kvtier needs it to move and key chunks.
+    """The page geometry of one engine's KV cache and the writer of its pages' interior.
 
-    A chunk of ``n`` tokens lives in host memory as ``[2, num_layers, n, kv_heads * head_size]``
-    (MLA: ``[num_layers, n, head_size]``), whatever the engine's paged layout.
+    - ``num_kv_heads``: head slots per page (``H``; vLLM's ``num_heads`` of the cache spec, 1 for
+      MLA); ``head_size``: per head and token, K's size (MLA: the latent's).
+    - ``content_bytes``: bytes per head slot and token (``C`` in bytes). ``0`` means dense K and
+      V (``2 * head_size`` elements; MLA one latent); a quantized cache that packs scales next
+      to its values says its own (vLLM's ``state_content_size_bytes``).
+    - ``paged_layout``: vLLM's resolved ``KVCacheLayout``; ``cache_dtype``: vLLM's cache dtype
+      string (fp8 variants share a torch dtype, only this tells their bytes apart).
+    - ``interior``: who wrote the pages' interior: the attention backend and, where it packs
+      differently per ISA, the ISA (vLLM CPU: ``CPU_ATTN/amx`` packs K otherwise than
+      ``CPU_ATTN/vec``). Pages of two interiors are never interchangeable.
     """
 
     num_layers: int
@@ -71,27 +105,35 @@ class KVLayout:
     head_size: int
     dtype: str
     block_size: int
-    paged_layout: PagedLayout
+    paged_layout: PagedLayout = PagedLayout.LBHNC
     use_mla: bool = False
-    # The engine's name for the KV format (vLLM: "auto", "fp8_e4m3", "fp8_e5m2", ...): fp8
-    # variants share one torch dtype (uint8), so only this tells their bytes apart.
     cache_dtype: str = "auto"
+    interior: str = ""
+    content_bytes: int = 0
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_kv_heads", "head_size", "block_size"):
             value = getattr(self, field)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise LayoutError(f"KVLayout.{field} must be a positive int, got {value!r}")
         dtype_from_name(self.dtype)
         if not isinstance(self.cache_dtype, str) or not self.cache_dtype:
             raise LayoutError(
                 f"KVLayout.cache_dtype must be a non-empty str, got {self.cache_dtype!r}"
             )
-        object.__setattr__(self, "paged_layout", PagedLayout(self.paged_layout))
-        if self.use_mla != (self.paged_layout is PagedLayout.MLA):
+        if not isinstance(self.interior, str):
+            raise LayoutError(f"KVLayout.interior must be a str, got {self.interior!r}")
+        if not isinstance(self.content_bytes, int) or self.content_bytes < 0:
             raise LayoutError(
-                f"KVLayout.use_mla={self.use_mla} does not match paged_layout={self.paged_layout.value}"
+                f"KVLayout.content_bytes must be an int >= 0, got {self.content_bytes!r}"
             )
+        try:
+            object.__setattr__(self, "paged_layout", PagedLayout(self.paged_layout))
+        except ValueError:
+            raise LayoutError(
+                f"KVLayout.paged_layout {self.paged_layout!r} is not a vLLM KV cache layout; "
+                f"kvtier moves {', '.join(p.value for p in PagedLayout)}"
+            ) from None
         if self.use_mla and self.num_kv_heads != 1:
             raise LayoutError(
                 f"an MLA layout has one latent 'head', got num_kv_heads={self.num_kv_heads}"
@@ -99,24 +141,47 @@ class KVLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The dtype of the engine's KV tensors."""
         return dtype_from_name(self.dtype)
 
     @property
-    def hidden_size(self) -> int:
-        """Elements per token per layer for K (or V), i.e. ``kv_heads * head_size``."""
-        return self.num_kv_heads * self.head_size
+    def cell_bytes(self) -> int:
+        """Bytes per head slot and token (``C``)."""
+        if self.content_bytes:
+            return self.content_bytes
+        per_head = self.head_size * (1 if self.use_mla else 2)
+        return per_head * self.torch_dtype.itemsize
 
-    def chunk_shape(self, num_tokens: int) -> tuple[int, ...]:
-        if self.use_mla:
-            return (self.num_layers, num_tokens, self.head_size)
-        return (2, self.num_layers, num_tokens, self.hidden_size)
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one layer's one block: ``H * block_size * C``."""
+        return self.num_kv_heads * self.block_size * self.cell_bytes
+
+    @property
+    def chunk_dtype(self) -> torch.dtype:
+        return CHUNK_DTYPE
+
+    def chunk_shape(self, num_tokens: int) -> tuple[int, int, int]:
+        """A chunk of ``num_tokens`` (whole blocks) in host memory: ``[blocks, layers, page]``."""
+        if num_tokens % self.block_size:
+            raise LayoutError(
+                f"a chunk of {num_tokens} tokens is not whole blocks of {self.block_size}"
+            )
+        return (num_tokens // self.block_size, self.num_layers, self.page_bytes)
 
     def bytes_per_token(self) -> int:
-        kv = 1 if self.use_mla else 2
-        return kv * self.num_layers * self.hidden_size * self.torch_dtype.itemsize
+        return self.num_layers * self.page_bytes // self.block_size
 
     def chunk_nbytes(self, num_tokens: int) -> int:
         return self.bytes_per_token() * num_tokens
+
+    def cache_view_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        """The per-layer logical view vLLM hands over, in elements: ``[B, H, N, C]``."""
+        c = self.cell_bytes
+        itemsize = self.torch_dtype.itemsize
+        if c % itemsize:
+            raise LayoutError(f"{c} content bytes are not whole {self.dtype} elements")
+        return (num_blocks, self.num_kv_heads, self.block_size, c // itemsize)
 
     def fingerprint(self) -> str:
         """A short stable digest of every field; part of every chunk key."""
@@ -125,33 +190,11 @@ class KVLayout:
         blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.blake2b(blob, digest_size=8).hexdigest()
 
-    def expected_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """The per-layer paged tensor shape the engine should hand over for ``num_blocks`` blocks."""
-        b, h, d, n = self.block_size, self.num_kv_heads, self.head_size, num_blocks
-        return {
-            PagedLayout.FLASH_NHD: (2, n, b, h, d),
-            PagedLayout.FLASH_BLOCK_FIRST: (n, 2, b, h, d),
-            PagedLayout.VLLM_CPU: (n, h, b, 2 * d),
-            PagedLayout.MLA: (n, b, d),
-        }[self.paged_layout]
-
-    def num_blocks_of(self, cache: torch.Tensor) -> int:
-        """Check one layer's paged tensor against this layout; return its number of blocks."""
-        if cache.dtype != self.torch_dtype:
-            raise LayoutError(
-                f"KV cache dtype {cache.dtype} does not match layout dtype {self.dtype}"
-            )
-        dim = 1 if self.paged_layout is PagedLayout.FLASH_NHD else 0
-        if cache.dim() <= dim:
-            raise LayoutError(
-                f"KV cache of shape {tuple(cache.shape)} is not {self.paged_layout.value}"
-            )
-        num_blocks = int(cache.shape[dim])
-        expected = self.expected_cache_shape(num_blocks)
-        if tuple(cache.shape) != expected:
-            raise LayoutError(
-                f"KV cache of shape {tuple(cache.shape)} does not match the {self.paged_layout.value} "
-                f"layout {expected} (layers={self.num_layers}, kv_heads={self.num_kv_heads}, "
-                f"head_size={self.head_size}, block_size={self.block_size})"
-            )
-        return num_blocks
+    def describe(self) -> str:
+        """One line for logs and errors."""
+        mla = " mla" if self.use_mla else ""
+        return (
+            f"{self.paged_layout.value} {self.num_layers} layers x {self.page_bytes}-byte pages "
+            f"(heads {self.num_kv_heads}, block {self.block_size}, {self.dtype}/"
+            f"{self.cache_dtype}{mla}, interior {self.interior or 'unnamed'})"
+        )

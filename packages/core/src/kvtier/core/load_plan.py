@@ -8,11 +8,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from kvtier.core.connector import Transfer
+from kvtier.core.mover import Transfer
 from kvtier.core.errors import KVTierError
 from kvtier.core.handles import ChunkSpan, Hold, prefix_digest
 from kvtier.core.keys import Scope
 from kvtier.core.memory import MemoryObj
+from kvtier.core.slots import span_blocks
 
 
 def held_objects(
@@ -31,19 +32,20 @@ def held_objects(
 def load_transfers(
     spans: Sequence[ChunkSpan],
     objs: Sequence[MemoryObj],
-    slots: torch.Tensor,
     cpu_slots: torch.Tensor,
+    block_size: int,
 ) -> tuple[list[Transfer], torch.Tensor]:
-    """A ``Transfer`` of each object into its span's ``slots``, and the bool mask (one per
-    token) of the tokens those transfers write (the span's slots that are not -1)."""
+    """A ``Transfer`` of each object into the cache blocks of its span's slots, and the bool
+    mask (one per token) of the tokens those transfers write (the span's slots that are not
+    -1). Slots must map whole blocks (``span_blocks``)."""
     mask = torch.zeros(len(cpu_slots), dtype=torch.bool)
     transfers = []
     for span, obj in zip(spans, objs, strict=True):
-        span_slots = slots[span.start : span.end]
+        blocks = span_blocks(cpu_slots[span.start : span.end], block_size)
         if span.object_tokens > span.num_tokens:
-            # A prefix of a stored chunk (an alias hit): the rest of its tokens are skipped.
-            skip = span_slots.new_full((span.object_tokens - span.num_tokens,), -1)
-            span_slots = torch.cat([span_slots, skip])
-        transfers.append(Transfer(obj, span_slots))
+            # A prefix of a stored chunk (an alias hit): the rest of its blocks are skipped.
+            skip = blocks.new_full(((span.object_tokens - span.num_tokens) // block_size,), -1)
+            blocks = torch.cat([blocks, skip])
+        transfers.append(Transfer(obj, blocks))
         mask[span.start : span.end] = cpu_slots[span.start : span.end] >= 0
     return transfers, mask

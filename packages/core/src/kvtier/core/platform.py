@@ -25,7 +25,7 @@ import torch
 from kvtier.core.errors import PlatformError
 
 if TYPE_CHECKING:
-    from kvtier.core.connector import DeviceConnector
+    from kvtier.core.mover import PageMover
     from kvtier.core.layout import KVLayout
     from kvtier.core.memory import HostArena
 
@@ -65,10 +65,16 @@ class Platform(ABC):
         return HostArena.create(nbytes, pin_memory=pin_memory and self.has_pinned_memory)
 
     @abstractmethod
-    def create_connector(
-        self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, **options: object
-    ) -> DeviceConnector:
-        """A device connector over the engine's per-layer paged KV tensors."""
+    def create_mover(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        layout: KVLayout,
+        *,
+        num_blocks: int | None = None,
+        **options: object,
+    ) -> PageMover:
+        """A page mover over the engine's per-layer KV views (``kvtier.core.mover``);
+        ``num_blocks``: manager blocks in each view (default: as the views' shape says)."""
 
     def synchronize(self) -> None:
         """Wait for every copy this platform started (no-op on CPU)."""
@@ -76,7 +82,7 @@ class Platform(ABC):
     def record_marker(self) -> Marker:
         """Mark the work queued so far on the calling thread's current device stream.
 
-        A device connector orders a transfer after the work on the *calling* thread's current
+        A page mover orders a transfer after the work on the *calling* thread's current
         stream. When KV computed on one thread (vLLM runs the model on a non-default stream of
         its main thread) is saved or overwritten from another, take a marker on the computing
         thread and pass it with the work (``CacheEngine.store(..., ready=marker)``): the other

@@ -40,3 +40,30 @@ def checked_slots(
                 f"has {num_slots} slots"
             )
     return slots
+
+
+def span_blocks(slots: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The cache block of each whole block of a span's ``slots`` (a multiple of ``block_size``
+    long), ``-1`` for a block whose slots are all -1. kvtier moves whole pages, so each block's
+    slots must be all -1 or ``b * block_size + [0, block_size)`` for one cache block ``b``; a
+    ``ValueError`` naming the first token that is not."""
+    n = int(slots.numel())
+    if n % block_size:
+        raise ValueError(f"a span of {n} slots is not whole blocks of {block_size}")
+    s = slots.to(device="cpu", dtype=torch.long).view(-1, block_size)
+    first = s[:, 0]
+    expected = torch.where(
+        (first >= 0).unsqueeze(1),
+        first.unsqueeze(1) + torch.arange(block_size),
+        torch.full_like(s, -1),
+    )
+    bad = (s != expected) | ((first >= 0) & (first % block_size != 0)).unsqueeze(1)
+    if bool(bad.any()):
+        row, col = (int(v) for v in bad.nonzero()[0])
+        token = row * block_size + col
+        raise ValueError(
+            f"slot_mapping does not map whole blocks at token {token} of the span (slot "
+            f"{int(s[row, col])}): kvtier moves whole pages, so each block's {block_size} tokens "
+            f"must all be -1 or fill one cache block in order"
+        )
+    return torch.where(first >= 0, torch.div(first, block_size, rounding_mode="floor"), first)

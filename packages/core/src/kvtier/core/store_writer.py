@@ -15,11 +15,12 @@ import numpy as np
 import torch
 
 from kvtier.core.aliases import Alias, alias_objects
-from kvtier.core.connector import Transfer
 from kvtier.core.handles import ChunkSpan, EngineStats
 from kvtier.core.keys import ChunkKey, Scope
 from kvtier.core.layout import KVLayout
 from kvtier.core.memory import MemoryObj, MemoryObjMeta
+from kvtier.core.mover import Transfer
+from kvtier.core.slots import span_blocks
 from kvtier.core.spans import SpanPlanner
 from kvtier.core.storage import StorageManager
 
@@ -57,7 +58,7 @@ class StoreWriter:
 
     def _meta(self, num_tokens: int) -> MemoryObjMeta:
         return MemoryObjMeta(
-            self.layout.chunk_shape(num_tokens), self.layout.torch_dtype, num_tokens
+            self.layout.chunk_shape(num_tokens), self.layout.chunk_dtype, num_tokens
         )
 
     def plan(
@@ -71,6 +72,10 @@ class StoreWriter:
         spans = [s for s in every if bool((cpu_slots[s.start : s.end] >= 0).all())]
         if not spans:
             return [], {}
+        # Checked before anything is allocated: a bad mapping raises with nothing to release.
+        blocks = {
+            s.key: span_blocks(cpu_slots[s.start : s.end], self.layout.block_size) for s in spans
+        }
         present = self.storage.contains([s.key for s in spans])
         plan: StorePlan = []
         aliases: AliasPlan = {}
@@ -85,7 +90,7 @@ class StoreWriter:
                 )
                 self.stats.add(store_skipped_chunks=len(spans) - len(plan))
                 break
-            plan.append((span, Transfer(obj, slots[span.start : span.end])))
+            plan.append((span, Transfer(obj, blocks[span.key])))
             if span.num_tokens == self.chunk_size:
                 aliases[span.key] = self.spans.aliases(
                     arr, span.start // self.chunk_size, salt, full

@@ -77,12 +77,10 @@ def _chunk_fields(layout: KVLayout, tokens: int) -> tuple[bytes, MemoryObjMeta, 
     """A plain chunk of ``tokens`` tokens: its header's JSON after the key (``,"layout":...,
     "tokens":N}``), its meta and its byte count; None where a header cannot be written this way (the
     layout names its dtype other than ``dtype_name``)."""
-    meta = MemoryObjMeta(layout.chunk_shape(tokens), layout.torch_dtype, tokens)
-    if dtype_name(meta.dtype) != layout.dtype:
-        return None
+    meta = MemoryObjMeta(layout.chunk_shape(tokens), layout.chunk_dtype, tokens)
     rest: dict[str, object] = {
         "layout": _fingerprint(layout),
-        "dtype": layout.dtype,
+        "dtype": dtype_name(layout.chunk_dtype),
         "shape": list(meta.shape),
         "tokens": tokens,
     }
@@ -261,8 +259,11 @@ def _payload_meta(
         return MemoryObjMeta(shape, torch.uint8, tokens)
     if kind is not None:
         raise PayloadError(f"foreign: a chunk key holds a payload of kind {kind!r}")
-    if dtype != layout.dtype:
-        raise PayloadError(f"stale: dtype {dtype!r}, expected {layout.dtype!r}")
+    want = dtype_name(layout.chunk_dtype)
+    if dtype != want:
+        raise PayloadError(f"stale: dtype {dtype!r}, expected {want!r}")
+    if not isinstance(tokens, int) or tokens <= 0 or tokens % layout.block_size:
+        raise PayloadError(f"corrupt: {tokens!r} tokens, not whole blocks of {layout.block_size}")
     if shape != layout.chunk_shape(tokens):
         raise PayloadError(f"corrupt: shape {shape}, expected {layout.chunk_shape(tokens)}")
-    return MemoryObjMeta(shape, layout.torch_dtype, tokens)
+    return MemoryObjMeta(shape, layout.chunk_dtype, tokens)

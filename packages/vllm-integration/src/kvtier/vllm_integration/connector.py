@@ -106,7 +106,11 @@ class KVTierConnector(KVConnectorBase_V1):
             )
         else:
             self._worker = WorkerSide(
-                self.config, vllm_config, block_size=self.block_size, engine_id=engine_id
+                self.config,
+                vllm_config,
+                kv_cache_config,
+                block_size=self.block_size,
+                engine_id=engine_id,
             )
 
     @classmethod

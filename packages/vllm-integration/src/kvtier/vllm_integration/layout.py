@@ -1,21 +1,38 @@
-"""Which paged KV layout vLLM handed over, detected from the tensors and the model's shape.
+"""The page geometry of the KV cache vLLM hands over, read from vLLM, never guessed from a shape.
 
-vLLM's CPU backend gives per-layer ``[num_blocks, kv_heads, block_size, 2 * head_size]`` views
-(K transposed inside each block, then V); CUDA flash-attn gives ``[2, num_blocks, block_size,
-kv_heads, head_size]`` (newer backends put the 2 after ``num_blocks``); MLA gives ``[num_blocks,
-block_size, latent]``. Anything else is refused with a ``LayoutError``: a token-level copy with a
-guessed layout would load the wrong bytes.
+vLLM 0.32 (RFC #42082) allocates the KV cache in one backing buffer and hands a connector, on
+every platform, per-layer logical views ``[kernel_blocks, H, N, C]`` whose strides follow the
+resolved ``KVCacheLayout``. What kvtier needs comes from vLLM's own objects:
+
+- the resolved layout: ``cache_config.get_resolved_kv_cache_layout()`` (the engine core
+  resolves it once and records it in every worker), else ``KVCacheConfig.kv_cache_layout``;
+- the cache spec of the layers' KV cache group (``KVCacheConfig.kv_cache_groups``): manager
+  block size, head slots, head size, content bytes per cell (fp8 packing included), MLA;
+- the manager block count (``KVCacheConfig.num_blocks``): with kernel block splitting the
+  views' first dimension counts kernel blocks;
+- the interior writer: the layers' attention backend and, for vLLM CPU, the ISA its builder
+  selected (``amx``, ``vec``, ``vec16``, ... pack K differently), found as vLLM finds it.
+
+The page positions themselves come from the views' strides (``kvtier.core.pages``). What kvtier
+cannot move (several KV cache groups, a spec without per-layer views) is a ``LayoutError``
+naming it and what is supported.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvtier.core.errors import LayoutError
 from kvtier.core.layout import KVLayout, PagedLayout, dtype_name
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -28,77 +45,180 @@ def layer_index(name: str) -> int:
     return int(found[-1])
 
 
-def ordered_caches(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-    """The per-layer tensors in layer order (the dict's order is not guaranteed to be it)."""
+def ordered_names(kv_caches: Mapping[str, torch.Tensor]) -> list[str]:
+    """The layer names in layer order (the dict's order is not guaranteed to be it)."""
     names = sorted(kv_caches, key=layer_index)
     indices = [layer_index(n) for n in names]
     if len(set(indices)) != len(indices):
         raise LayoutError(f"two KV tensors claim the same layer: {names}")
-    return [kv_caches[n] for n in names]
+    return names
 
 
-def detect_paged_layout(
-    shape: tuple[int, ...], *, block_size: int, num_kv_heads: int, head_size: int, use_mla: bool
-) -> PagedLayout:
-    """The layout whose shape ``shape`` is, for a model with the given attention shape."""
-    b, h, d = block_size, num_kv_heads, head_size
-    candidates = []
-    if use_mla:
-        if len(shape) == 3 and shape[1:] == (b, d):
-            candidates.append(PagedLayout.MLA)
-    elif len(shape) == 4 and shape[1:] == (h, b, 2 * d):
-        candidates.append(PagedLayout.VLLM_CPU)
-    elif len(shape) == 5:
-        if shape[0] == 2 and shape[2:] == (b, h, d):
-            candidates.append(PagedLayout.FLASH_NHD)
-        if shape[1] == 2 and shape[2:] == (b, h, d):
-            candidates.append(PagedLayout.FLASH_BLOCK_FIRST)
-    if len(candidates) != 1:
-        what = "no known layout" if not candidates else "more than one layout"
-        raise LayoutError(
-            f"KV cache tensor of shape {tuple(shape)} matches {what} for block_size={b}, "
-            f"kv_heads={h}, head_size={d}, mla={use_mla}; kvtier knows vllm_cpu "
-            f"[blocks, heads, block, 2*head], flash_nhd [2, blocks, block, heads, head], "
-            f"flash_block_first [blocks, 2, block, heads, head] and mla [blocks, block, latent]"
+@dataclass(frozen=True)
+class CacheSpec:
+    """What kvtier reads of one vLLM attention cache spec (``AttentionSpec``)."""
+
+    block_size: int
+    num_heads: int  # head slots of the page (vLLM's ``num_heads``)
+    head_size: int
+    content_bytes: int  # per head slot and token (vLLM's ``state_content_size_bytes``)
+    use_mla: bool
+    kind: str  # the spec's class name (FullAttentionSpec, MLAAttentionSpec, ...)
+
+    @classmethod
+    def of(cls, spec: Any) -> CacheSpec:
+        from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+
+        if not isinstance(spec, AttentionSpec):
+            raise LayoutError(
+                f"kvtier moves attention KV pages; a {type(spec).__name__} cache (Mamba or "
+                f"linear-attention state) is not supported"
+            )
+        return cls(
+            block_size=int(spec.block_size),
+            num_heads=int(spec.num_heads),
+            head_size=int(spec.head_size),
+            content_bytes=int(spec.state_content_size_bytes),
+            use_mla=isinstance(spec, MLAAttentionSpec),
+            kind=type(spec).__name__,
         )
-    return candidates[0]
 
 
-def build_layout(
+def group_spec(kv_cache_config: KVCacheConfig, layer_names: Sequence[str]) -> CacheSpec:
+    """The one cache spec of the group holding ``layer_names``; a ``LayoutError`` when they
+    span several groups or their per-layer specs differ."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    wanted = set(layer_names)
+    groups = [g for g in kv_cache_config.kv_cache_groups if wanted & set(g.layer_names)]
+    if len(groups) != 1:
+        raise LayoutError(
+            f"the KV tensors vLLM registered span {len(groups)} KV cache groups; kvtier moves "
+            f"the pages of one group (hybrid models are not supported yet)"
+        )
+    spec = groups[0].kv_cache_spec
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        specs = {CacheSpec.of(spec.kv_cache_specs[n]) for n in layer_names}
+        if len(specs) != 1:
+            raise LayoutError(f"the layers' cache specs differ: {sorted(map(str, specs))}")
+        return specs.pop()
+    return CacheSpec.of(spec)
+
+
+def resolved_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> PagedLayout:
+    """The ``KVCacheLayout`` vLLM resolved for this engine."""
+    name: str | None = None
+    try:
+        name = vllm_config.cache_config.get_resolved_kv_cache_layout().name
+    except (AttributeError, ValueError):
+        name = getattr(kv_cache_config, "kv_cache_layout", None)
+    if name is None:
+        raise LayoutError(
+            "vLLM has not resolved its KV cache layout (cache_config.kv_cache_layout and "
+            "KVCacheConfig.kv_cache_layout are unset); kvtier reads the layout from vLLM"
+        )
+    try:
+        return PagedLayout(str(name))
+    except ValueError:
+        raise LayoutError(
+            f"vLLM's KV cache layout {name!r} is not one kvtier moves "
+            f"({', '.join(p.value for p in PagedLayout)})"
+        ) from None
+
+
+def interior_writer(
+    vllm_config: VllmConfig, layer_names: Sequence[str], spec: CacheSpec, cache_dtype: str
+) -> str:
+    """The attention backend that writes these layers' pages, with the ISA on vLLM CPU (its
+    ``amx`` kernels pack K otherwise than ``vec``/``vec16``): the ISA the layers were given by
+    the backend's metadata builder, else the one vLLM's own selection returns."""
+    context = vllm_config.compilation_config.static_forward_context
+    backends, isas = set(), set()
+    for name in layer_names:
+        layer = context.get(name)
+        backend = getattr(layer, "attn_backend", None)
+        backends.add(backend.get_name() if backend is not None else "unknown")
+        isa = getattr(layer, "isa", None)
+        if isa:
+            isas.add(str(isa))
+    if len(backends) != 1:
+        raise LayoutError(f"the layers use several attention backends: {sorted(backends)}")
+    backend_name = backends.pop()
+    if backend_name != "CPU_ATTN":
+        return backend_name
+    if not isas:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isas.add(
+            _get_attn_isa(vllm_config.model_config.dtype, spec.block_size, spec.head_size, cache_dtype)
+        )
+    if len(isas) != 1:
+        raise LayoutError(f"the layers were given several CPU attention ISAs: {sorted(isas)}")
+    return f"{backend_name}/{isas.pop()}"
+
+
+@dataclass(frozen=True)
+class Registered:
+    """The KV tensors vLLM registered, as kvtier moves them."""
+
+    layout: KVLayout
+    caches: list[torch.Tensor]  # in layer order
+    layer_of: dict[str, int]  # vLLM's layer name -> position in ``caches``
+    num_blocks: int  # manager blocks
+
+
+def page_layout(
     kv_caches: Mapping[str, torch.Tensor],
+    spec: CacheSpec,
     *,
-    block_size: int,
-    num_kv_heads: int,
-    head_size: int,
-    use_mla: bool = False,
-    cache_dtype: str = "auto",
-) -> KVLayout:
-    """A ``KVLayout`` for the tensors vLLM passed to ``register_kv_caches``; ``cache_dtype`` is
-    vLLM's KV cache dtype string (``auto``, ``fp8_e4m3``, ``fp8_e5m2``, ...)."""
+    paged_layout: PagedLayout,
+    num_blocks: int,
+    cache_dtype: str,
+    interior: str,
+) -> Registered:
+    """The ``KVLayout`` of views ``kv_caches`` of a cache with ``spec`` (checked against the
+    views' pages when the mover is built)."""
     if not kv_caches:
         raise LayoutError("register_kv_caches got no KV tensors")
-    caches = ordered_caches(kv_caches)
-    first = caches[0]
-    paged = detect_paged_layout(
-        tuple(first.shape),
-        block_size=block_size,
-        num_kv_heads=1 if use_mla else num_kv_heads,
-        head_size=head_size,
-        use_mla=use_mla,
-    )
-    for c in caches[1:]:
-        if c.shape != first.shape or c.dtype != first.dtype or c.device != first.device:
+    names = ordered_names(kv_caches)
+    caches = [kv_caches[n] for n in names]
+    for name, cache in zip(names, caches, strict=True):
+        if cache.dim() != 4:
             raise LayoutError(
-                f"KV tensors differ between layers ({tuple(first.shape)}/{first.dtype}/{first.device} "
-                f"vs {tuple(c.shape)}/{c.dtype}/{c.device}); kvtier needs one shape for every layer"
+                f"KV tensor {name!r} of shape {tuple(cache.shape)} is not vLLM's logical "
+                f"[blocks, heads, tokens, content] view"
             )
-    return KVLayout(
+        if cache.dtype != caches[0].dtype:
+            raise LayoutError(f"KV tensor {name!r} is {cache.dtype}, not {caches[0].dtype}")
+    layout = KVLayout(
         num_layers=len(caches),
-        num_kv_heads=1 if use_mla else num_kv_heads,
-        head_size=head_size,
-        dtype=dtype_name(first.dtype),
-        block_size=block_size,
-        paged_layout=paged,
-        use_mla=use_mla,
+        num_kv_heads=spec.num_heads,
+        head_size=spec.head_size,
+        dtype=dtype_name(caches[0].dtype),
+        block_size=spec.block_size,
+        paged_layout=paged_layout,
+        use_mla=spec.use_mla,
         cache_dtype=cache_dtype,
+        interior=interior,
+        content_bytes=spec.content_bytes,
+    )
+    return Registered(layout, caches, {n: i for i, n in enumerate(names)}, num_blocks)
+
+
+def register(
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    kv_caches: Mapping[str, torch.Tensor],
+) -> Registered:
+    """What ``register_kv_caches`` got, read through vLLM's config (see the module doc)."""
+    names = ordered_names(kv_caches)
+    spec = group_spec(kv_cache_config, names)
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    return page_layout(
+        kv_caches,
+        spec,
+        paged_layout=resolved_layout(vllm_config, kv_cache_config),
+        num_blocks=int(kv_cache_config.num_blocks),
+        cache_dtype=cache_dtype,
+        interior=interior_writer(vllm_config, names, spec, cache_dtype),
     )

@@ -45,6 +45,7 @@ import torch
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.engine import CacheEngine
+from kvtier.core.errors import LayoutError
 from kvtier.core.keys import KeyScope
 from kvtier.core.metrics import engine_values
 from kvtier.core.platform import Marker, get_platform
@@ -52,7 +53,7 @@ from kvtier.core.thread_cpu import PROCESS_THREADS
 from kvtier.vllm_integration.channel import ControlServer, socket_path
 from kvtier.vllm_integration.holds import HoldTable
 from kvtier.vllm_integration.identity import engine_rank, model_identity
-from kvtier.vllm_integration.layout import build_layout, layer_index, ordered_caches
+from kvtier.vllm_integration.layout import register
 from kvtier.vllm_integration.lazy import LazyWorkerMeta
 from kvtier.vllm_integration.lookups import hold_ttl_s
 from kvtier.vllm_integration.metadata import KVTierMetadata, LoadSpec, SaveSpec, slot_mapping
@@ -64,6 +65,7 @@ from kvtier.vllm_integration.worker_loads import WorkerLoads
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = logging.getLogger("kvtier")
 
@@ -92,9 +94,16 @@ class WorkerSide:
     """Loads and saves on one worker (see the module docstring)."""
 
     def __init__(
-        self, config: KVTierConfig, vllm_config: VllmConfig, *, block_size: int, engine_id: str
+        self,
+        config: KVTierConfig,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        *,
+        block_size: int,
+        engine_id: str,
     ) -> None:
         self.config = config
+        self._kv_cache_config = kv_cache_config
         self.block_size = block_size
         self.chunk_size = config.chunk_size
         self._vllm_config = vllm_config
@@ -131,23 +140,18 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         vc = self._vllm_config
-        mc = vc.model_config
-        use_mla = bool(getattr(mc, "use_mla", False))
-        layout = build_layout(
-            kv_caches,
-            block_size=self.block_size,
-            num_kv_heads=mc.get_num_kv_heads(vc.parallel_config),
-            head_size=mc.get_head_size(),
-            use_mla=use_mla,
-            cache_dtype=str(vc.cache_config.cache_dtype),
-        )
-        caches = ordered_caches(kv_caches)
-        first = sorted(layer_index(name) for name in kv_caches)
-        self._layer_of = {name: first.index(layer_index(name)) for name in kv_caches}
+        reg = register(vc, self._kv_cache_config, kv_caches)
+        layout, caches = reg.layout, reg.caches
+        if layout.block_size != self.block_size:
+            raise LayoutError(
+                f"vLLM's cache spec has blocks of {layout.block_size} tokens, its cache config "
+                f"{self.block_size}: kvtier needs one block size"
+            )
+        self._layer_of = reg.layer_of
         # The control socket is per worker; the key's rank collapses MLA's identical TP shards.
         _, worker = engine_rank(vc, use_mla=False)
         self._rank = worker
-        key_world, key_rank = engine_rank(vc, use_mla)
+        key_world, key_rank = engine_rank(vc, layout.use_mla)
         platform = get_platform(
             self.config.platform or caches[0].device.type,
             self.config.plugins,
@@ -161,7 +165,7 @@ class WorkerSide:
             rank=key_rank,
             platform=platform,
         )
-        self.engine.register_kv_caches(caches)
+        self.engine.register_kv_caches(caches, reg.num_blocks)
         self._holds = HoldTable(self.engine, hold_ttl_s(self.config))
         self._server = ControlServer(socket_path(self._engine_id, worker), self._serve)
         self._saver = Saver(self._store, self._saved)
@@ -182,8 +186,8 @@ class WorkerSide:
         )
         self._prober = Prober(self._probe, self._feed.answer)
         logger.info(
-            "kvtier: %s layout %s, tiers %s, control channel %s",
-            layout.paged_layout.value,
+            "kvtier: %s (fingerprint %s), tiers %s, control channel %s",
+            layout.describe(),
             layout.fingerprint(),
             self.config.tiers,
             self._server.path,

@@ -6,12 +6,12 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.core.connector import TorchPagedConnector, check_options
 from kvtier.core.layout import KVLayout
+from kvtier.core.mover import TorchPageMover, check_options
 from kvtier.core.platform import Platform
 
 
-def probe() -> str | None:
+def detect() -> str | None:
     """Always available."""
     return "kvtier.core.platforms.cpu:CPUPlatform"
 
@@ -21,11 +21,16 @@ class CPUPlatform(Platform):
     priority = 0
     device_type = "cpu"
 
-    def create_connector(
-        self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, **options: object
-    ) -> TorchPagedConnector:
-        """The reference ``TorchPagedConnector``. Options: only the common ones
-        (``kvtier.core.connector.COMMON_OPTIONS``); ``staging_buffer`` changes nothing here, the
+    def create_mover(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        layout: KVLayout,
+        *,
+        num_blocks: int | None = None,
+        **options: object,
+    ) -> TorchPageMover:
+        """The reference ``TorchPageMover``. Options: only the common ones
+        (``kvtier.core.mover.COMMON_OPTIONS``); ``staging_buffer`` changes nothing here, the
         cache being host memory. Anything else is a ``TypeError``."""
         check_options(self.name, options)
-        return TorchPagedConnector(kv_caches, layout)
+        return TorchPageMover(kv_caches, layout, num_blocks)

@@ -118,7 +118,7 @@ class RedisBackend(StorageBackend):
         self.max_tokens = cfg.chunk_size
         self._bytes = ArenaBytes(ctx.arena)
         full = MemoryObjMeta(
-            ctx.layout.chunk_shape(cfg.chunk_size), ctx.layout.torch_dtype, cfg.chunk_size
+            ctx.layout.chunk_shape(cfg.chunk_size), ctx.layout.chunk_dtype, cfg.chunk_size
         )
         # a sealed payload is a tag longer (and may be one we cannot open, removed all the same)
         self._max_segments = max(1, -(-(full.nbytes + TAG_BYTES) // self.segment_bytes))
