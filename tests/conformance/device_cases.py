@@ -1,12 +1,14 @@
-"""What the device connector conformance suite runs against, and an oracle independent of them.
+"""What the page mover conformance suite runs against, and an oracle independent of the movers.
 
-Every platform's connector is built the public way (``Platform.create_connector``). The oracle
-reads and writes a paged KV tensor token by token through plain tensor views
-(``token_rows``), never through a connector.
+Every platform's mover is built the public way (``Platform.create_mover``) over KV views placed
+exactly as vLLM 0.32's ``allocate_kv_cache`` places them (``fixtures.kv_views.replica_views``,
+checked against vLLM's own in ``test_vllm_views.py``). The oracle defines a page's bytes as the
+bytes of one manager block of one layer *in address order*, found by mapping the logical view's
+elements to storage addresses: it never uses ``kvtier.core.pages``.
 
-``KVTIER_TEST_DEVICE`` picks the cache device: ``cpu`` (CI; the CUDA connector's Triton kernels
-run under ``TRITON_INTERPRET=1``) or ``cuda`` (a GPU: every subject runs on CUDA tensors, the
-XPU connector through torch.cuda's identical stream API).
+``KVTIER_TEST_DEVICE`` picks the cache device: ``cpu`` (CI; the CUDA mover's Triton kernels run
+under ``TRITON_INTERPRET=1``) or ``cuda`` (a GPU: every subject runs on CUDA tensors, the XPU
+mover through torch.cuda's identical stream API).
 """
 
 from __future__ import annotations
@@ -18,58 +20,86 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from fixtures.paged_shape import CacheShape, layout_for
-from kvtier.core.connector import DeviceConnector, Transfer
+from fixtures.kv_views import replica_views
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena, MemoryObj, MemoryObjMeta
+from kvtier.core.mover import Transfer
 from kvtier.core.platform import Platform
-
-ALL_LAYOUTS = frozenset(PagedLayout)
 
 
 @dataclass(frozen=True)
 class Subject:
-    """One platform connector with one set of options."""
+    """One platform mover with one set of options."""
 
     id: str
     platform: str
     options: dict[str, object] = field(default_factory=dict)
-    layouts: frozenset[PagedLayout] = ALL_LAYOUTS
-    # test function name -> reason: known deviations from the contract, reported to the owner.
-    xfail: dict[str, str] = field(default_factory=dict)
 
 
 SUBJECTS = [
     Subject("cpu", "cpu"),
-    # whole loads staged in one piece; stores and layer-wise loads through the one-layer buffer
     Subject("xpu", "xpu"),
-    # every batch layer by layer through the one-layer buffer
-    Subject("xpu-layer-staging", "xpu", {"max_staging_bytes": 0}),
     Subject("xpu-unstaged", "xpu", {"staging_buffer": False}),
-    Subject("cuda", "cuda", layouts=ALL_LAYOUTS - {PagedLayout.VLLM_CPU}),
-    # no staging ring kept between calls; a one-row ring forces many pieces and ring reuse
-    Subject(
-        "cuda-unstaged-small-ring",
-        "cuda",
-        {"staging_buffer": False, "staging_slots": 2, "staging_slot_bytes": 1},
-        layouts=ALL_LAYOUTS - {PagedLayout.VLLM_CPU},
-    ),
+    Subject("cuda", "cuda"),
+    Subject("cuda-unstaged", "cuda", {"staging_buffer": False}),
 ]
 
 
 @dataclass(frozen=True)
-class Shape(CacheShape):
-    lengths: tuple[int, ...]  # a ragged batch: the last chunk is partial
+class Shape:
+    layers: int
+    heads: int
+    head: int
+    block: int
+    blocks: int
+    lengths: tuple[int, ...]  # chunk lengths in blocks: a ragged batch
 
 
 ON_GPU = os.environ.get("KVTIER_TEST_DEVICE", "cpu") == "cuda"
 # The Triton interpreter runs every program in numpy: tiny on CPU, model-like on a GPU.
 SHAPE = (
-    Shape(layers=4, heads=8, head=128, block=16, blocks=160, lengths=(256, 256, 129))
+    Shape(layers=4, heads=8, head=128, block=16, blocks=160, lengths=(16, 16, 9))
     if ON_GPU
-    else Shape(layers=2, heads=2, head=8, block=4, blocks=24, lengths=(8, 8, 5))
+    else Shape(layers=2, heads=2, head=8, block=4, blocks=24, lengths=(2, 2, 1))
 )
-TOTAL_SLOTS = SHAPE.blocks * SHAPE.block
+
+
+@dataclass(frozen=True)
+class Case:
+    """One geometry: a vLLM layout, MHA or MLA, and kernel blocks per manager block."""
+
+    paged: PagedLayout
+    mla: bool = False
+    split: int = 1  # kernel blocks per manager block (vLLM's kernel block splitting)
+
+    @property
+    def id(self) -> str:
+        return f"{self.paged.value}{'-mla' if self.mla else ''}{f'-split{self.split}' if self.split > 1 else ''}"
+
+
+# Every layout, MHA and MLA; kernel block splitting where vLLM allows it (layer-outer layouts with
+# dense pages: LHBNC only for MLA, whose one head makes its pages dense).
+CASES = [Case(p, mla) for p in PagedLayout for mla in (False, True)] + [
+    Case(PagedLayout.LBHNC, split=2),
+    Case(PagedLayout.LBNHC, split=2),
+    Case(PagedLayout.LHBNC, mla=True, split=2),
+]
+CASE_IDS = [c.id for c in CASES]
+
+
+def make_layout(case: Case, dtype: str = "bfloat16", cache_dtype: str = "auto") -> KVLayout:
+    s = SHAPE
+    return KVLayout(
+        num_layers=s.layers,
+        num_kv_heads=1 if case.mla else s.heads,
+        head_size=s.heads * s.head if case.mla else s.head,
+        dtype=dtype,
+        block_size=s.block,
+        paged_layout=case.paged,
+        use_mla=case.mla,
+        cache_dtype=cache_dtype,
+        interior="test",
+    )
 
 
 def make_platform(subject: Subject, device: torch.device) -> Platform:
@@ -86,40 +116,29 @@ def make_platform(subject: Subject, device: torch.device) -> Platform:
     pytest.importorskip("triton", reason="kvtier-cuda's kernels need triton")
     pytest.importorskip("kvtier.cuda", reason="kvtier-cuda is not installed")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip(
-            "the CUDA connector on CPU tensors needs TRITON_INTERPRET=1 (tests/conftest.py)"
-        )
+        pytest.skip("the CUDA mover on CPU tensors needs TRITON_INTERPRET=1 (tests/conftest.py)")
     if device.type not in ("cpu", "cuda"):
-        pytest.skip(f"the CUDA connector runs on cuda (or cpu, interpreted), not {device}")
+        pytest.skip(f"the CUDA mover runs on cuda (or cpu, interpreted), not {device}")
     from kvtier.cuda.platform import CUDAPlatform
 
     return CUDAPlatform()
 
 
-def make_layout(paged: PagedLayout, dtype: str = "bfloat16") -> KVLayout:
-    return layout_for(SHAPE, paged, dtype)
-
-
-def random_bytes(
-    shape: Sequence[int], dtype: torch.dtype, device: torch.device, seed: int
-) -> torch.Tensor:
-    """Random bits of ``dtype``: byte comparisons need no float semantics (NaNs included)."""
-    numel = 1
-    for s in shape:
-        numel *= s
+def random_bytes(shape: Sequence[int], device: torch.device, seed: int) -> torch.Tensor:
     gen = torch.Generator(device=device).manual_seed(seed)
-    raw = torch.randint(
-        0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, device=device, generator=gen
-    )
-    return raw.view(dtype).view(tuple(shape))
+    return torch.randint(0, 256, tuple(shape), dtype=torch.uint8, device=device, generator=gen)
 
 
-def make_caches(layout: KVLayout, device: torch.device, seed: int) -> list[torch.Tensor]:
-    shape = layout.expected_cache_shape(SHAPE.blocks)
-    return [
-        random_bytes(shape, layout.torch_dtype, device, seed * 1000 + i)
-        for i in range(layout.num_layers)
-    ]
+def make_caches(
+    layout: KVLayout, case: Case, device: torch.device, seed: int
+) -> list[torch.Tensor]:
+    """vLLM-placed views of ``SHAPE.blocks`` blocks, their whole buffer filled with random bytes
+    (random bits of the dtype: byte comparisons need no float semantics, NaNs included)."""
+    kbs = layout.block_size // case.split if case.split > 1 else None
+    views = replica_views(layout, SHAPE.blocks, device, kernel_block_size=kbs)
+    storage = storage_bytes(views[0])
+    storage.copy_(random_bytes(storage.shape, device, seed))
+    return views
 
 
 def make_arena(platform: Platform, device: torch.device) -> HostArena:
@@ -131,65 +150,84 @@ def make_arena(platform: Platform, device: torch.device) -> HostArena:
     return HostArena.create(512 << 20, pin_memory=True)
 
 
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(torch.uint8).cpu()
+def storage_bytes(view: torch.Tensor) -> torch.Tensor:
+    """The whole storage under ``view`` as a flat uint8 tensor (writing it writes the cache)."""
+    storage = view.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=view.device).set_(
+        storage, 0, (storage.nbytes(),), (1,)
+    )
 
 
-def token_rows(
-    layout: KVLayout, cache: torch.Tensor, slots: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Every slot's KV of one layer (or only ``slots``'), ``[slots, 2, h*d]`` (MLA
-    ``[slots, latent]``), read by tensor views alone (the layouts as ``PagedLayout`` documents
-    them); a copy on the host."""
-    rows = _rows_view(layout, cache.detach())
-    if slots is not None:
-        rows = rows[slots.to(rows.device)]
-    return rows.cpu().clone()
+def page_addresses(view: torch.Tensor, block: int, split: int) -> torch.Tensor:
+    """Storage byte addresses of manager block ``block``'s page in the logical view, ascending:
+    every element of its ``split`` kernel blocks, each element's bytes."""
+    item = view.element_size()
+    sizes = (split, *view.shape[1:-1], view.shape[-1] * item)
+    strides = (*(s * item for s in view.stride()[:-1]), 1)
+    rel = torch.zeros((), dtype=torch.long)
+    for size, stride in zip(sizes, strides, strict=True):
+        rel = rel.unsqueeze(-1) + torch.arange(size, dtype=torch.long) * stride
+    base = view.storage_offset() * item + block * split * strides[0]
+    return (base + rel.reshape(-1)).sort().values
 
 
-def _rows_view(layout: KVLayout, c: torch.Tensor) -> torch.Tensor:
-    n, b, h, d = SHAPE.blocks, layout.block_size, layout.num_kv_heads, layout.head_size
-    if layout.paged_layout is PagedLayout.FLASH_NHD:  # [2, n, b, h, d]
-        return c.permute(1, 2, 0, 3, 4).reshape(n * b, 2, h * d)
-    if layout.paged_layout is PagedLayout.FLASH_BLOCK_FIRST:  # [n, 2, b, h, d]
-        return c.permute(0, 2, 1, 3, 4).reshape(n * b, 2, h * d)
-    if layout.paged_layout is PagedLayout.VLLM_CPU:  # [n, h, b, 2d]: K^T [d, b] then V [b, d]
-        halves = c.reshape(n, h, 2, d * b)
-        k = halves[:, :, 0].reshape(n, h, d, b).permute(0, 3, 1, 2)
-        v = halves[:, :, 1].reshape(n, h, b, d).permute(0, 2, 1, 3)
-        return torch.stack((k, v), dim=2).reshape(n * b, 2, h * d)
-    return c.reshape(n * b, d)  # MLA [n, b, d]
+class Oracle:
+    """Pages read and written by address, never through a mover."""
 
+    def __init__(self, views: Sequence[torch.Tensor], split: int) -> None:
+        self.views = list(views)
+        self.split = split
+        self.storage = storage_bytes(self.views[0]).cpu()
+        self._addr: dict[tuple[int, int], torch.Tensor] = {}
 
-def object_rows(layout: KVLayout, obj_tensor: torch.Tensor, layer: int) -> torch.Tensor:
-    """One layer of an object as ``[tokens, 2, h*d]`` (MLA ``[tokens, latent]``), on the host."""
-    t = obj_tensor.detach().cpu()
-    return t[layer] if layout.use_mla else t[:, layer].transpose(0, 1)
+    def addresses(self, layer: int, block: int) -> torch.Tensor:
+        key = (layer, block)
+        if key not in self._addr:
+            self._addr[key] = page_addresses(self.views[layer], block, self.split)
+        return self._addr[key]
+
+    def page(self, layer: int, block: int, storage: torch.Tensor | None = None) -> torch.Tensor:
+        src = self.storage if storage is None else storage
+        return src[self.addresses(layer, block)]
+
+    def after_store(self, before: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """An object that held ``before`` after a store from ``blocks``."""
+        want = before.clone()
+        for j, b in enumerate(blocks.tolist()):
+            if b >= 0:
+                for layer in range(len(self.views)):
+                    want[j, layer] = self.page(layer, b)
+        return want
+
+    def after_load(self, objects: Sequence[torch.Tensor], blocks: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The whole storage after a load of ``objects`` into ``blocks``."""
+        want = self.storage.clone()
+        for obj, ids in zip(objects, blocks, strict=True):
+            for j, b in enumerate(ids.tolist()):
+                if b >= 0:
+                    for layer in range(len(self.views)):
+                        want[self.addresses(layer, b)] = obj[j, layer]
+        return want
 
 
 class Objects:
-    """Host objects for ``lengths`` tokens each, filled with random bytes; released at teardown
+    """Host objects of ``lengths`` blocks each, filled with random bytes; released at teardown
     by the ``arena`` fixture."""
 
-    def __init__(
-        self, arena: HostArena, layout: KVLayout, lengths: Sequence[int], seed: int
-    ) -> None:
+    def __init__(self, arena: HostArena, layout: KVLayout, lengths: Sequence[int], seed: int) -> None:
         self.layout = layout
         self.objs: list[MemoryObj] = []
         for i, n in enumerate(lengths):
-            obj = arena.allocate(MemoryObjMeta(layout.chunk_shape(n), layout.torch_dtype, n))
+            tokens = n * layout.block_size
+            obj = arena.allocate(MemoryObjMeta(layout.chunk_shape(tokens), layout.chunk_dtype, tokens))
             assert obj is not None, "test arena too small"
-            obj.tensor.copy_(
-                random_bytes(
-                    obj.tensor.shape, layout.torch_dtype, torch.device("cpu"), seed * 1000 + i
-                )
-            )
+            obj.tensor.copy_(random_bytes(obj.tensor.shape, torch.device("cpu"), seed * 1000 + i))
             self.objs.append(obj)
         tracked: list[Objects] = arena.tracked  # type: ignore[attr-defined]
         tracked.append(self)
 
-    def transfers(self, slots: Sequence[torch.Tensor]) -> list[Transfer]:
-        return [Transfer(o, s) for o, s in zip(self.objs, slots, strict=True)]
+    def transfers(self, blocks: Sequence[torch.Tensor]) -> list[Transfer]:
+        return [Transfer(o, b) for o, b in zip(self.objs, blocks, strict=True)]
 
     def snapshot(self) -> list[torch.Tensor]:
         return [o.tensor.detach().cpu().clone() for o in self.objs]
@@ -200,68 +238,31 @@ class Objects:
                 o.release()
 
 
-def random_slots(
+def random_blocks(
     lengths: Sequence[int], seed: int, holes: bool, device: torch.device, offset: int = 0
 ) -> list[torch.Tensor]:
-    """Distinct random slots per chunk, from ``offset`` on; with ``holes``: a -1 prefix (tokens
-    the engine already has), a -1 inside the second chunk, and an extra chunk that is all -1."""
+    """Distinct random cache blocks per chunk, from ``offset`` on; with ``holes``: a -1 first
+    block (the engine has it already), a -1 inside the second chunk, and an extra chunk that is
+    all -1."""
     gen = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(TOTAL_SLOTS, generator=gen)
+    perm = torch.randperm(SHAPE.blocks, generator=gen)
     out, at = [], offset
     for n in lengths:
         out.append(perm[at : at + n].clone())
         at += n
     if holes:
-        out[0][: lengths[0] // 2 + 1] = -1
-        out[1][lengths[1] // 2] = -1
+        out[0][0] = -1
+        out[1][len(out[1]) // 2] = -1
         out.append(torch.full((lengths[-1],), -1, dtype=torch.long))
-    return [s.to(device) for s in out]
+    return [b.to(device) for b in out]
 
 
-def lengths_of(slots: Sequence[torch.Tensor]) -> list[int]:
-    return [int(s.numel()) for s in slots]
-
-
-def expected_objects(
-    layout: KVLayout,
-    caches: Sequence[torch.Tensor],
-    before: Sequence[torch.Tensor],
-    slots: Sequence[torch.Tensor],
-) -> list[torch.Tensor]:
-    """What a store of ``slots`` leaves in objects that held ``before``."""
-    rows = [token_rows(layout, c) for c in caches]
-    out = []
-    for old, s in zip(before, slots, strict=True):
-        want = old.clone()
-        s = s.cpu()
-        valid = (s >= 0).nonzero().squeeze(1)
-        for layer in range(layout.num_layers):
-            object_rows(layout, want, layer)[valid] = rows[layer][s[valid]]
-        out.append(want)
-    return out
-
-
-def expected_cache_rows(
-    layout: KVLayout,
-    caches_before: Sequence[torch.Tensor],
-    objects: Sequence[torch.Tensor],
-    slots: Sequence[torch.Tensor],
-) -> list[torch.Tensor]:
-    """Per layer, every slot's KV after a load of ``objects`` into ``slots``."""
-    out = []
-    for layer, c in enumerate(caches_before):
-        rows = token_rows(layout, c).clone()
-        for obj, s in zip(objects, slots, strict=True):
-            s = s.cpu()
-            valid = (s >= 0).nonzero().squeeze(1)
-            rows[s[valid]] = object_rows(layout, obj, layer)[valid]
-        out.append(rows)
-    return out
+def lengths_of(blocks: Sequence[torch.Tensor]) -> list[int]:
+    return [int(b.numel()) for b in blocks]
 
 
 def same_bytes(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
-    return all(torch.equal(as_bytes(x), as_bytes(y)) for x, y in zip(a, b, strict=True))
-
-
-def cache_rows(conn: DeviceConnector) -> list[torch.Tensor]:
-    return [token_rows(conn.layout, c) for c in conn.kv_caches]
+    return all(
+        torch.equal(x.detach().cpu().contiguous().view(torch.uint8), y.detach().cpu().contiguous().view(torch.uint8))
+        for x, y in zip(a, b, strict=True)
+    )

@@ -115,7 +115,7 @@ class PageMover(ABC):
         if not self.kv_caches:
             raise LayoutError("a page mover needs at least one KV tensor")
         self.num_blocks = manager_blocks(self.kv_caches[0], layout) if num_blocks is None else num_blocks
-        self.runs: PageRuns = check_pages(layout, self.kv_caches, num_blocks)
+        self.runs: PageRuns = check_pages(layout, self.kv_caches, self.num_blocks)
         # One block's pages of every layer are one run (block-outer, block-compact layouts).
         self.block_runs = block_runs(self.kv_caches, self.runs)
 

@@ -1,0 +1,82 @@
+"""The device suite's views are vLLM's own, and pages written by vLLM's own CPU cache writer
+round-trip byte for byte under every ISA this machine runs.
+
+``fixtures.kv_views.replica_views`` (what the GPU suite builds, having no vLLM) must equal vLLM
+0.32's ``allocate_kv_cache`` views in shape, strides and storage offset for every layout vLLM can
+resolve, MHA and MLA, bf16 and fp8, with kernel block splitting.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from device_cases import CASE_IDS, CASES, Case, make_layout
+
+from fixtures.kv_views import layer_names, replica_views, vllm_views
+from kvtier.core.layout import KVLayout, PagedLayout
+from kvtier.core.memory import HostArena, MemoryObjMeta
+from kvtier.core.mover import Transfer
+from kvtier.core.platforms.cpu import CPUPlatform
+
+pytest.importorskip("vllm", reason="needs vLLM")
+
+BLOCKS = 12
+
+
+@pytest.mark.parametrize(("dtype", "cache_dtype"), [("bfloat16", "auto"), ("float8_e4m3fn", "fp8_e4m3")])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_replica_views_are_vllms_own(case: Case, dtype: str, cache_dtype: str) -> None:
+    layout = make_layout(case, dtype=dtype, cache_dtype=cache_dtype)
+    kbs = layout.block_size // case.split if case.split > 1 else None
+    theirs = vllm_views(layout, BLOCKS, kernel_block_size=kbs)
+    ours = replica_views(layout, BLOCKS, kernel_block_size=kbs)
+    for name, mine in zip(layer_names(layout.num_layers), ours, strict=True):
+        view = theirs[name]
+        assert (view.shape, view.stride(), view.storage_offset(), view.dtype) == (
+            mine.shape,
+            mine.stride(),
+            mine.storage_offset(),
+            mine.dtype,
+        ), name
+
+
+def _isas() -> list[str]:
+    isas = ["vec", "vec16"]
+    if torch.cpu._is_amx_tile_supported():
+        isas.append("amx")
+    return isas
+
+
+@pytest.mark.parametrize("paged", [PagedLayout.LBHNC, PagedLayout.BLHNC], ids=lambda p: p.value)
+@pytest.mark.parametrize("isa", _isas())
+def test_pages_written_by_vllms_cpu_writer_round_trip(isa: str, paged: PagedLayout) -> None:
+    """vLLM CPU's ``cpu_attn_reshape_and_cache`` packs K by ISA; kvtier copies the packed pages
+    as they are: stored from some blocks and loaded into others, every byte lands."""
+    from vllm import _custom_ops as ops
+
+    block = 16 if isa == "vec16" else 32
+    heads, head = 2, 64
+    layout = KVLayout(3, heads, head, "bfloat16", block, paged, interior=f"CPU_ATTN/{isa}")
+    views = vllm_views(layout, BLOCKS)
+    caches = [views[n] for n in layer_names(layout.num_layers)]
+    src, dst = [3, 7, 1], [10, 0, 5]
+    tokens = len(src) * block
+    slots = torch.tensor([b * block + i for b in src for i in range(block)], dtype=torch.long)
+    gen = torch.Generator().manual_seed(1)
+    for cache in caches:
+        key = torch.randn(tokens, heads, head, generator=gen).to(torch.bfloat16)
+        value = torch.randn(tokens, heads, head, generator=gen).to(torch.bfloat16)
+        kv = cache.view(BLOCKS, heads, 2 * block, head)
+        key_cache, value_cache = kv.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+        assert cache[src].abs().sum() > 0, "the writer wrote nothing"
+    mover = CPUPlatform().create_mover(caches, layout, num_blocks=BLOCKS)
+    arena = HostArena.create(4 << 20)
+    obj = arena.allocate(MemoryObjMeta(layout.chunk_shape(tokens), torch.uint8, tokens))
+    assert obj is not None
+    with obj:
+        mover.store([Transfer(obj, torch.tensor(src))])
+        mover.load([Transfer(obj, torch.tensor(dst))])
+    for cache in caches:
+        for s, d in zip(src, dst, strict=True):
+            assert torch.equal(cache[s].view(torch.uint8), cache[d].view(torch.uint8))
