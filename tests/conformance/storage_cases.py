@@ -29,8 +29,10 @@ LAYOUT = KVLayout(
     num_kv_heads=2,
     head_size=8,
     dtype="float16",
-    block_size=16,
-    paged_layout="flash_nhd",
+    # Blocks of one token: any token count is whole pages, so partial chunks of any length test
+    # the tiers (chunks of real engines are whole blocks of 16 or more).
+    block_size=1,
+    paged_layout="LBHNC",
 )
 CHUNK = 16
 KEYS = KeyFactory("conformance-model", LAYOUT.fingerprint())
@@ -49,17 +51,15 @@ def other_key(i: int) -> ChunkKey:
 
 
 def meta(tokens: int = CHUNK) -> MemoryObjMeta:
-    return MemoryObjMeta(LAYOUT.chunk_shape(tokens), LAYOUT.torch_dtype, tokens)
+    return MemoryObjMeta(LAYOUT.chunk_shape(tokens), LAYOUT.chunk_dtype, tokens)
 
 
 def chunk_value(i: int, tokens: int = CHUNK) -> torch.Tensor:
     """Distinct random bytes for chunk ``i`` (bit patterns, not values: NaNs included)."""
     g = torch.Generator().manual_seed(1000 + i)
     n = meta(tokens).nbytes
-    return (
-        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
-        .view(LAYOUT.torch_dtype)
-        .view(LAYOUT.chunk_shape(tokens))
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).view(
+        LAYOUT.chunk_shape(tokens)
     )
 
 

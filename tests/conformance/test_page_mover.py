@@ -378,3 +378,22 @@ def test_options_mean_the_same_on_every_platform(subject, platform, device):
         platform.create_mover(caches, layout, staging_buffer="yes")
     for value in (True, False):
         platform.create_mover(caches, layout, staging_buffer=value)
+
+
+@pytest.mark.parametrize("shared_blocks", [1])
+@MODES
+@TWO
+def test_a_chunk_prefix_load_writes_only_the_shared_blocks(
+    subject, platform, device, arena, case, mode, shared_blocks
+):
+    """An alias hit loads the first blocks of a stored chunk: a transfer of the whole object
+    whose block ids are -1 past the shared blocks writes exactly the shared pages."""
+    mover, oracle = build(platform, subject, case, device, seed=51)
+    blocks = random_blocks(SHAPE.lengths[:2], seed=52, holes=False, device=device)
+    for b in blocks:
+        b[shared_blocks:] = -1  # the rest of each stored chunk is not the prompt's
+    objs = Objects(arena, mover.layout, lengths_of(blocks), seed=53)
+    before = objs.snapshot()
+    run_load(mover, objs.transfers(blocks), mode)
+    assert torch.equal(storage_of(mover), oracle.after_load(before, [b.cpu() for b in blocks]))
+    assert same_bytes(objs.snapshot(), before)

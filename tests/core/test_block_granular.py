@@ -15,6 +15,7 @@ from test_engine import (
     make_engine,
     make_layout,
     random_caches,
+    random_slots,
     token_view,
 )
 
@@ -22,7 +23,7 @@ from kvtier.core import CacheEngine, PagedLayout
 from kvtier.core.aliases import ALIAS_NBYTES, Alias, decode_alias, encode_alias
 from kvtier.core.keys import token_bytes
 
-LAYOUT = make_layout(PagedLayout.FLASH_NHD)
+LAYOUT = make_layout(PagedLayout.LBHNC)
 SLOTS = NUM_BLOCKS * BLOCK
 
 
@@ -34,8 +35,8 @@ def engine_with_caches(**cfg: object) -> tuple[CacheEngine, list[torch.Tensor]]:
 
 
 def slots_for(n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randperm(SLOTS, generator=g)[:n]
+    """Slots in whole, randomly chosen cache blocks (as vLLM's block table)."""
+    return random_slots(n, seed)
 
 
 def shared_pair(data: st.DataObject) -> tuple[list[int], list[int], int]:

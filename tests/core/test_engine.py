@@ -24,14 +24,15 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.memory import MemoryObj
 from kvtier.core.platforms.cpu import CPUPlatform
 
+from fixtures.kv_views import replica_views
+
 BLOCK = 16
 CHUNK = 64
 NUM_BLOCKS = 40
 DTYPES = ["bfloat16", "float16", "float32"]
 
 
-def make_layout(pl: PagedLayout, dtype: str = "bfloat16", layers: int = 3) -> KVLayout:
-    mla = pl is PagedLayout.MLA
+def make_layout(pl: PagedLayout, dtype: str = "bfloat16", layers: int = 3, mla: bool = False) -> KVLayout:
     return KVLayout(
         num_layers=layers,
         num_kv_heads=1 if mla else 2,
@@ -50,31 +51,24 @@ def make_engine(layout: KVLayout, arena_bytes: int = 8 << 20, **cfg: object) -> 
 
 
 def random_caches(layout: KVLayout, seed: int = 0) -> list[torch.Tensor]:
+    """Views placed as vLLM places them, filled with random values."""
     g = torch.Generator().manual_seed(seed)
-    shape = layout.expected_cache_shape(NUM_BLOCKS)
-    return [
-        torch.randn(shape, generator=g).to(layout.torch_dtype) for _ in range(layout.num_layers)
-    ]
+    views = replica_views(layout, NUM_BLOCKS)
+    for v in views:
+        v.copy_(torch.randn(v.shape, generator=g).to(layout.torch_dtype))
+    return views
 
 
 def random_slots(n: int, seed: int = 1) -> torch.Tensor:
+    """Slots of ``n`` tokens in whole, randomly chosen cache blocks (as vLLM's block table)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randperm(NUM_BLOCKS * BLOCK, generator=g)[:n]
+    blocks = torch.randperm(NUM_BLOCKS, generator=g)[: -(-n // BLOCK)]
+    return (blocks.unsqueeze(1) * BLOCK + torch.arange(BLOCK)).reshape(-1)[:n]
 
 
 def token_view(layout: KVLayout, cache: torch.Tensor) -> torch.Tensor:
-    """Per-slot KV of one layer as [slots, ...] by a route independent of the connector."""
-    if layout.paged_layout is PagedLayout.FLASH_NHD:
-        return cache.permute(1, 2, 0, 3, 4).reshape(NUM_BLOCKS * BLOCK, -1)
-    if layout.paged_layout is PagedLayout.FLASH_BLOCK_FIRST:
-        return cache.permute(0, 2, 1, 3, 4).reshape(NUM_BLOCKS * BLOCK, -1)
-    if layout.paged_layout is PagedLayout.VLLM_CPU:
-        h, d = layout.num_kv_heads, layout.head_size
-        blocks = cache.reshape(NUM_BLOCKS, h, 2, d * BLOCK)
-        k = blocks[:, :, 0].reshape(NUM_BLOCKS, h, d, BLOCK).permute(0, 3, 1, 2)
-        v = blocks[:, :, 1].reshape(NUM_BLOCKS, h, BLOCK, d).permute(0, 2, 1, 3)
-        return torch.stack((k, v), dim=2).reshape(NUM_BLOCKS * BLOCK, -1)
-    return cache.reshape(NUM_BLOCKS * BLOCK, -1)
+    """Per-slot KV of one layer as [slots, ...], through vLLM's logical [B, H, N, C] view."""
+    return cache.permute(0, 2, 1, 3).reshape(NUM_BLOCKS * BLOCK, -1)
 
 
 def assert_loaded_exactly(
@@ -96,10 +90,11 @@ ALL_LAYOUTS = list(PagedLayout)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 @pytest.mark.parametrize("pl", ALL_LAYOUTS, ids=lambda p: p.value)
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
-def test_round_trip_is_bit_identical(pl: PagedLayout, dtype: str, layerwise: bool) -> None:
-    layout = make_layout(pl, dtype)
+def test_round_trip_is_bit_identical(pl: PagedLayout, mla: bool, dtype: str, layerwise: bool) -> None:
+    layout = make_layout(pl, dtype, mla=mla)
     engine = make_engine(layout)
     caches = random_caches(layout)
     ref = [c.clone() for c in caches]
@@ -143,15 +138,15 @@ def test_prefix_the_engine_already_has_is_skipped(pl: PagedLayout) -> None:
     for c in caches:
         c.zero_()
     want = slots.clone()
-    want[:70] = -1  # the engine holds the first 70 tokens (not chunk-aligned)
-    want[170:] = -1  # and only asked for up to 170
+    want[:80] = -1  # the engine holds the first 80 tokens (whole blocks, not a whole chunk)
+    want[160:] = -1  # and only asked for up to 160
     mask = engine.retrieve(tokens, want)
-    assert not mask[:70].any() and mask[70:170].all() and not mask[170:].any()
-    assert_loaded_exactly(layout, caches, ref, slots[70:170])
+    assert not mask[:80].any() and mask[80:160].all() and not mask[160:].any()
+    assert_loaded_exactly(layout, caches, ref, slots[80:160])
 
 
 def test_store_needs_every_slot_of_a_chunk() -> None:
-    layout = make_layout(PagedLayout.FLASH_NHD)
+    layout = make_layout(PagedLayout.LBHNC)
     engine = make_engine(layout)
     engine.register_kv_caches(random_caches(layout))
     tokens = list(range(192))
@@ -164,7 +159,7 @@ def test_store_needs_every_slot_of_a_chunk() -> None:
 
 
 def test_partial_chunks_extend_hits_at_block_granularity() -> None:
-    layout = make_layout(PagedLayout.VLLM_CPU)
+    layout = make_layout(PagedLayout.LBHNC)
     engine = make_engine(layout)
     engine.register_kv_caches(random_caches(layout))
     doc = list(range(5000, 5150))
@@ -178,7 +173,7 @@ def test_partial_chunks_extend_hits_at_block_granularity() -> None:
 
 
 def test_partial_chunks_can_be_turned_off() -> None:
-    layout = make_layout(PagedLayout.FLASH_NHD)
+    layout = make_layout(PagedLayout.LBHNC)
     engine = make_engine(layout, save_unfull_chunk=False)
     engine.register_kv_caches(random_caches(layout))
     doc = list(range(150))
@@ -187,7 +182,7 @@ def test_partial_chunks_can_be_turned_off() -> None:
 
 
 def test_salts_do_not_share() -> None:
-    layout = make_layout(PagedLayout.FLASH_NHD)
+    layout = make_layout(PagedLayout.LBHNC)
     engine = make_engine(layout)
     engine.register_kv_caches(random_caches(layout))
     tokens = list(range(128))
@@ -218,7 +213,7 @@ class ForgetfulStorage(HostMemoryStorageManager):
 
 
 def test_retrieve_uses_only_a_contiguous_prefix() -> None:
-    layout = make_layout(PagedLayout.FLASH_NHD)
+    layout = make_layout(PagedLayout.LBHNC)
     config = load_config(env={}, overrides={"chunk_size": CHUNK, "tiers": ["local_cpu"]})
     storage = ForgetfulStorage(HostArena.create(8 << 20))
     engine = CacheEngine(config, layout, model="m", platform=CPUPlatform(), storage=storage)
@@ -239,7 +234,7 @@ def test_retrieve_uses_only_a_contiguous_prefix() -> None:
 
 
 def test_full_host_memory_skips_the_store() -> None:
-    layout = make_layout(PagedLayout.FLASH_NHD)
+    layout = make_layout(PagedLayout.LBHNC)
     per_chunk = layout.chunk_nbytes(CHUNK)
     engine = make_engine(layout, arena_bytes=per_chunk)  # room for one chunk
     engine.register_kv_caches(random_caches(layout))
@@ -254,7 +249,7 @@ def test_full_host_memory_skips_the_store() -> None:
 
 
 def test_misuse_gets_clear_errors() -> None:
-    layout = make_layout(PagedLayout.FLASH_NHD)
+    layout = make_layout(PagedLayout.LBHNC)
     with pytest.raises(ConfigError, match="chunk_size"):
         make_engine(layout, chunk_size=40)
     engine = make_engine(layout)
@@ -262,11 +257,19 @@ def test_misuse_gets_clear_errors() -> None:
         engine.store([1, 2], [0, 1])
     with pytest.raises(LayoutError, match="layers"):
         engine.register_kv_caches(random_caches(layout)[:2])
-    with pytest.raises(LayoutError, match="does not match"):
+    with pytest.raises(LayoutError, match=r"\[B, H, N, C\]"):
         engine.register_kv_caches([torch.zeros(2, 4, 32, 2, 8, dtype=torch.bfloat16)] * 3)
+    with pytest.raises(LayoutError, match="pages"):
+        engine.register_kv_caches([torch.zeros(NUM_BLOCKS, 4, BLOCK, 16, dtype=torch.bfloat16)] * 3)
     engine.register_kv_caches(random_caches(layout))
     with pytest.raises(ValueError, match="slot_mapping"):
         engine.store(list(range(64)), list(range(63)))
+    # pages move whole: a chunk's slots must fill whole blocks, in order
+    with pytest.raises(ValueError, match="whole blocks"):
+        engine.store(list(range(64)), list(range(64))[::-1])
+    with pytest.raises(ValueError, match="whole blocks"):
+        engine.store(list(range(64)), [s + 3 for s in range(64)])
+    assert engine.storage.arena.used_bytes == 0  # type: ignore[attr-defined]
 
 
 def test_cli_lists_commands(capsys: pytest.CaptureFixture[str]) -> None:
@@ -279,7 +282,7 @@ def test_cli_lists_commands(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_tail_is_keyed_block_by_block() -> None:
-    layout = make_layout(PagedLayout.FLASH_NHD)
+    layout = make_layout(PagedLayout.LBHNC)
     engine = make_engine(layout)
     engine.register_kv_caches(random_caches(layout))
     doc_q1 = list(range(100)) + [7] * 14  # 1 chunk + a 50-token tail: 3 blocks stored (64..112)
@@ -291,7 +294,7 @@ def test_tail_is_keyed_block_by_block() -> None:
 
 
 def test_hold_keeps_the_prefix_through_eviction() -> None:
-    layout = make_layout(PagedLayout.VLLM_CPU)
+    layout = make_layout(PagedLayout.LBHNC)
     per_chunk = layout.chunk_nbytes(CHUNK)
     # three chunks, and room for the alias entries of the held ones (a few hundred bytes each)
     engine = make_engine(layout, arena_bytes=3 * per_chunk + 8 * 256)

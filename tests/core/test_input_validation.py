@@ -20,7 +20,7 @@ LAYOUT = KVLayout(
     head_size=8,
     dtype="float32",
     block_size=BLOCK,
-    paged_layout="flash_nhd",
+    paged_layout="LBHNC",
 )
 
 

@@ -1,12 +1,17 @@
-"""KV layout metadata: shapes, fingerprints, and clear errors for tensors that do not fit."""
+"""KV page geometry: chunk shapes, fingerprints, pages derived from a view's strides, and clear
+errors for layouts and views that do not fit."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
+from fixtures.kv_views import replica_views
 from kvtier.core.errors import LayoutError
 from kvtier.core.layout import KVLayout, PagedLayout
+from kvtier.core.pages import block_runs, page_runs
 
 
 def layout(**kw: object) -> KVLayout:
@@ -16,55 +21,87 @@ def layout(**kw: object) -> KVLayout:
         head_size=8,
         dtype="bfloat16",
         block_size=16,
-        paged_layout=PagedLayout.FLASH_NHD,
+        paged_layout=PagedLayout.LBHNC,
     )
     base.update(kw)
     return KVLayout(**base)  # type: ignore[arg-type]
 
 
 def test_fingerprint_covers_every_field() -> None:
+    """Pages are interchangeable only between identical geometries and interiors: every field
+    changes the fingerprint (one change per field, so a new field without a line here fails)."""
     ref = layout().fingerprint()
     assert ref == layout().fingerprint()
-    for change in (
-        dict(num_layers=3),
-        dict(num_kv_heads=2),
-        dict(head_size=16),
-        dict(dtype="float16"),
-        dict(block_size=32),
-        dict(paged_layout=PagedLayout.VLLM_CPU),
-        dict(paged_layout=PagedLayout.FLASH_BLOCK_FIRST),
-    ):
-        assert layout(**change).fingerprint() != ref, change
+    changes = {
+        "num_layers": 3,
+        "num_kv_heads": 2,
+        "head_size": 16,
+        "dtype": "float16",
+        "block_size": 32,
+        "paged_layout": PagedLayout.BLHNC,
+        "use_mla": True,
+        "cache_dtype": "fp8_e4m3",
+        "interior": "CPU_ATTN/amx",
+        "content_bytes": 64,
+    }
+    assert set(changes) == {f.name for f in dataclasses.fields(KVLayout)}
+    for name, value in changes.items():
+        extra = {"num_kv_heads": 1} if name == "use_mla" else {}
+        assert layout(**{name: value, **extra}).fingerprint() != ref, name
+    amx, vec = layout(interior="CPU_ATTN/amx"), layout(interior="CPU_ATTN/vec")
+    assert amx.page_bytes == vec.page_bytes and amx.fingerprint() != vec.fingerprint()
 
 
 def test_chunk_shapes_and_sizes() -> None:
     lay = layout()
-    assert lay.chunk_shape(10) == (2, 2, 10, 32)
-    assert lay.chunk_nbytes(10) == 2 * 2 * 10 * 32 * 2
-    mla = layout(num_kv_heads=1, head_size=64, paged_layout=PagedLayout.MLA, use_mla=True)
-    assert mla.chunk_shape(10) == (2, 10, 64)
-    assert mla.chunk_nbytes(10) == 2 * 10 * 64 * 2
+    page = 4 * 16 * 2 * 8 * 2  # heads * block * (K and V of head 8) * bf16
+    assert lay.page_bytes == page
+    assert lay.chunk_shape(32) == (2, 2, page)
+    assert lay.chunk_nbytes(32) == 2 * 2 * page
+    assert lay.chunk_dtype == torch.uint8
+    mla = layout(num_kv_heads=1, head_size=64, use_mla=True)
+    assert mla.page_bytes == 16 * 64 * 2
+    assert mla.chunk_shape(16) == (1, 2, 16 * 64 * 2)
+    packed = layout(content_bytes=20)  # a quantized cell: values and scales, vLLM's byte count
+    assert packed.page_bytes == 4 * 16 * 20
+    with pytest.raises(LayoutError, match="whole blocks"):
+        lay.chunk_shape(10)
 
 
-@pytest.mark.parametrize("pl", list(PagedLayout))
-def test_expected_shapes_are_accepted(pl: PagedLayout) -> None:
-    mla = pl is PagedLayout.MLA
-    lay = layout(paged_layout=pl, use_mla=mla, num_kv_heads=1 if mla else 4)
-    cache = torch.zeros(lay.expected_cache_shape(7), dtype=torch.bfloat16)
-    assert lay.num_blocks_of(cache) == 7
+@pytest.mark.parametrize("pl", list(PagedLayout), ids=lambda p: p.value)
+def test_pages_come_from_the_strides(pl: PagedLayout) -> None:
+    """One run per page for block-compact layouts, one per head slot for head-outer ones; a
+    block's every layer is one run for block-outer, block-compact ones."""
+    lay = layout(paged_layout=pl)
+    views = replica_views(lay, 7)
+    runs = page_runs(views[0], 7)
+    assert runs.page_bytes == lay.page_bytes
+    head_outer = pl in (PagedLayout.LHBNC, PagedLayout.BHLNC)
+    assert runs.runs_per_page == (lay.num_kv_heads if head_outer else 1)
+    assert block_runs(views, runs) == (pl in (PagedLayout.BLHNC, PagedLayout.BLNHC))
 
 
-def test_wrong_tensors_get_clear_errors() -> None:
+def test_kernel_blocks_make_one_page() -> None:
+    """A manager block viewed as two kernel blocks: a page spans both."""
     lay = layout()
-    with pytest.raises(LayoutError, match="dtype"):
-        lay.num_blocks_of(torch.zeros(2, 5, 16, 4, 8, dtype=torch.float16))
-    with pytest.raises(LayoutError, match="does not match"):
-        lay.num_blocks_of(torch.zeros(2, 5, 32, 4, 8, dtype=torch.bfloat16))
+    views = replica_views(lay, 5, kernel_block_size=8)
+    assert views[0].shape[0] == 10
+    runs = page_runs(views[0], 5)
+    assert runs.page_bytes == lay.page_bytes and runs.runs_per_page == 1
+
+
+def test_wrong_layouts_and_views_get_clear_errors() -> None:
     with pytest.raises(LayoutError, match="num_layers"):
         layout(num_layers=0)
     with pytest.raises(LayoutError, match="dtype"):
         layout(dtype="int7")
-    with pytest.raises(LayoutError, match="use_mla"):
-        layout(paged_layout=PagedLayout.MLA)
-    with pytest.raises(ValueError):
-        layout(paged_layout="paged_by_magic")
+    with pytest.raises(LayoutError, match="MLA"):
+        layout(use_mla=True)
+    with pytest.raises(LayoutError, match="LBHNC"):
+        layout(paged_layout="flash_nhd")
+    with pytest.raises(LayoutError, match="content_bytes"):
+        layout(content_bytes=-1)
+    with pytest.raises(LayoutError, match="manager blocks"):
+        page_runs(torch.zeros(7, 4, 16, 16), 2)
+    with pytest.raises(LayoutError, match="contiguous"):
+        page_runs(torch.zeros(7, 4, 16, 16).transpose(2, 3), 7)

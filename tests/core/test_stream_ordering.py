@@ -29,7 +29,7 @@ def cuda_engine():
     if os.environ.get("KVTIER_TEST_DEVICE") != "cuda" or not torch.cuda.is_available():
         pytest.skip("stream ordering needs a real NVIDIA GPU (KVTIER_TEST_DEVICE=cuda)")
     platform = get_platform("cuda", device_index=0)
-    layout = KVLayout(LAYERS, 8, 128, "bfloat16", BLOCK, "flash_nhd")
+    layout = KVLayout(LAYERS, 8, 128, "bfloat16", BLOCK, "LBHNC")
     config = load_config(env={}, overrides={"chunk_size": CHUNK, "tiers": ["local_cpu"]})
     arena = HostArena.create(16 * math.prod(layout.chunk_shape(CHUNK)) * 2, pin_memory=True)
     engine = CacheEngine(

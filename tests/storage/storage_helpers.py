@@ -17,8 +17,10 @@ LAYOUT = KVLayout(
     num_kv_heads=2,
     head_size=8,
     dtype="float16",
-    block_size=16,
-    paged_layout="flash_nhd",
+    # Blocks of one token: any token count is whole pages, so partial chunks of any length test
+    # the tiers (chunks of real engines are whole blocks of 16 or more).
+    block_size=1,
+    paged_layout="LBHNC",
 )
 CHUNK = 16
 KEYS = KeyFactory("test-model", LAYOUT.fingerprint())
@@ -30,13 +32,13 @@ def key(i: int, factory: KeyFactory = KEYS) -> ChunkKey:
 
 
 def meta(tokens: int = CHUNK) -> MemoryObjMeta:
-    return MemoryObjMeta(LAYOUT.chunk_shape(tokens), LAYOUT.torch_dtype, tokens)
+    return MemoryObjMeta(LAYOUT.chunk_shape(tokens), LAYOUT.chunk_dtype, tokens)
 
 
 def chunk_value(i: int, tokens: int = CHUNK) -> torch.Tensor:
     """Distinct, position-dependent contents for chunk ``i``."""
     g = torch.Generator().manual_seed(1000 + i)
-    return torch.randn(LAYOUT.chunk_shape(tokens), generator=g).to(LAYOUT.torch_dtype)
+    return torch.randint(0, 256, LAYOUT.chunk_shape(tokens), dtype=torch.uint8, generator=g)
 
 
 def put_chunk(m: TieredStorageManager, i: int, tokens: int = CHUNK) -> None:

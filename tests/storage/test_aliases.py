@@ -138,7 +138,7 @@ def test_the_codec_keeps_kinds_apart() -> None:
     assert got.meta == meta
     with pytest.raises(codec.PayloadError, match="foreign"):
         codec.decode(blob, key=chunk_key, layout=LAYOUT, max_tokens=CHUNK)
-    kv = MemoryObjMeta(LAYOUT.chunk_shape(BLOCK), LAYOUT.torch_dtype, BLOCK)
+    kv = MemoryObjMeta(LAYOUT.chunk_shape(BLOCK), LAYOUT.chunk_dtype, BLOCK)
     with pytest.raises(ValueError, match="alias"):
         codec.encode(alias_key, kv, LAYOUT, memoryview(bytes(kv.nbytes)))
     # a well-formed KV header naming the alias key is refused (its kind is not alias)

@@ -23,7 +23,7 @@ LAYOUT = KVLayout(
     head_size=8,
     dtype="float16",
     block_size=BLOCK,
-    paged_layout="flash_nhd",
+    paged_layout="LBHNC",
 )
 MODEL = "org/test-model"
 PROMPTS = {  # salt -> tokens (3 full chunks + a 1-block tail each: 4 chunk entries)

@@ -76,7 +76,9 @@ def test_other_model_or_rank_with_same_hash_is_foreign():
 
 
 def test_other_layout_is_stale():
-    other = KVLayout(2, 2, 8, "float16", 32, "flash_nhd")  # same shape, other block size
+    # the same page bytes, another interior writer (the CPU ISA that packed K)
+    other = KVLayout(2, 2, 8, "float16", LAYOUT.block_size, "LBHNC", interior="CPU_ATTN/amx")
+    assert other.page_bytes == LAYOUT.page_bytes
     blob = encode(1, layout=other)
     with pytest.raises(codec.PayloadError, match="stale: layout"):
         decode(blob)

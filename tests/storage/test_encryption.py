@@ -174,9 +174,9 @@ def test_sealed_files_of_many_segments_read_back(tmp_path, tokens):
         head_size=128,
         dtype="float16",
         block_size=1,
-        paged_layout="flash_nhd",
+        paged_layout="LBHNC",
     )
-    m = MemoryObjMeta(layout.chunk_shape(tokens), layout.torch_dtype, tokens)
+    m = MemoryObjMeta(layout.chunk_shape(tokens), layout.chunk_dtype, tokens)
     arena = HostArena.create(4 * m.nbytes + (1 << 16))
     src = arena.allocate(m)
     src.tensor.copy_(torch.randn(m.shape, generator=torch.Generator().manual_seed(tokens)).half())

@@ -368,7 +368,7 @@ def test_big_chunks_round_trip_and_catch_damage(redis_clean, seg, sealed):
         head_size=128,
         dtype="float16",
         block_size=16,
-        paged_layout="flash_nhd",
+        paged_layout="LBHNC",
     )
     keys = KeyFactory("big-model", layout.fingerprint())
     secret = "ab" * 32
@@ -392,7 +392,7 @@ def test_big_chunks_round_trip_and_catch_damage(redis_clean, seg, sealed):
     )
     try:
         redis_clean.flush()
-        m = MemoryObjMeta(layout.chunk_shape(256), layout.torch_dtype, 256)
+        m = MemoryObjMeta(layout.chunk_shape(256), layout.chunk_dtype, 256)
         obj = arena.allocate(m)
         obj.byte_view()[:] = bytes(range(256)) * (m.nbytes // 256)
         k = keys.key(b"big")

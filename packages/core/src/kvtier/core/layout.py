@@ -175,7 +175,7 @@ class KVLayout:
     def chunk_nbytes(self, num_tokens: int) -> int:
         return self.bytes_per_token() * num_tokens
 
-    def cache_view_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+    def expected_cache_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
         """The per-layer logical view vLLM hands over, in elements: ``[B, H, N, C]``."""
         c = self.cell_bytes
         itemsize = self.torch_dtype.itemsize

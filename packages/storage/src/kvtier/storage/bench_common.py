@@ -32,13 +32,13 @@ class Shape:
     @property
     def meta(self) -> MemoryObjMeta:
         return MemoryObjMeta(
-            self.layout.chunk_shape(self.tokens), self.layout.torch_dtype, self.tokens
+            self.layout.chunk_shape(self.tokens), self.layout.chunk_dtype, self.tokens
         )
 
 
 SHAPES = [
-    Shape("8b", KVLayout(32, 8, 128, "bfloat16", 16, PagedLayout.FLASH_NHD), 256, 4),
-    Shape("small", KVLayout(16, 2, 64, "bfloat16", 16, PagedLayout.FLASH_NHD), 256, 16),
+    Shape("8b", KVLayout(32, 8, 128, "bfloat16", 16, PagedLayout.LBHNC), 256, 4),
+    Shape("small", KVLayout(16, 2, 64, "bfloat16", 16, PagedLayout.LBHNC), 256, 16),
 ]
 
 
@@ -112,9 +112,7 @@ def touched_arena(nbytes: int) -> HostArena:
 
 def _fill(obj: MemoryObj, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
-    obj.tensor.view(torch.int16).copy_(
-        torch.randint(-30000, 30000, obj.meta.shape, dtype=torch.int16, generator=g)
-    )
+    obj.tensor.copy_(torch.randint(0, 256, obj.meta.shape, dtype=torch.uint8, generator=g))
 
 
 def make_backend(
