@@ -1,44 +1,27 @@
-"""Shapes and helpers for the CUDA connector tests.
+"""Shapes and helpers for the CUDA mover's own tests (the contract is the conformance suite's).
 
 On CPU (tests-cpu) the Triton kernels run through ``TRITON_INTERPRET=1`` at tiny shapes; with
-``KVTIER_TEST_DEVICE=cuda`` the same tests run at an 8B-like size on the GPU.
+``KVTIER_TEST_DEVICE=cuda`` the same tests run at a model-like size on the GPU. Views are placed
+as vLLM 0.32 places them (``fixtures.kv_views.replica_views``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from fixtures.paged_shape import CacheShape, layout_for
-from kvtier.core.connector import DeviceConnector, Transfer
+from fixtures.kv_views import replica_views
 from kvtier.core.layout import KVLayout, PagedLayout
-from kvtier.core.memory import HostArena, MemoryObjMeta
+from kvtier.core.memory import HostArena, MemoryObj, MemoryObjMeta
+from kvtier.core.mover import PageMover, TorchPageMover, Transfer
 
 ON_GPU = os.environ.get("KVTIER_TEST_DEVICE", "cpu") == "cuda"
-# Connector options that change which code runs: the C or the Python planner, and a staging
-# ring kept between calls or released after each.
-OPTION_SETS = {
-    "default": {},
-    "python-planner": {"native_planner": False},
-    "ring-released": {"staging_buffer": False},
-}
-
-
-@dataclass(frozen=True)
-class Shape(CacheShape):
-    chunk: int
-
-
-# The interpreter runs every program in numpy: keep rows and tokens few.
-SHAPE = (
-    Shape(layers=32, heads=8, head=128, block=16, blocks=256, chunk=256)
-    if ON_GPU
-    else Shape(layers=2, heads=2, head=8, block=4, blocks=12, chunk=8)
-)
+# (layers, heads, head, block, blocks): the interpreter runs every program in numpy.
+SHAPE = (8, 8, 128, 16, 160) if ON_GPU else (2, 2, 8, 4, 24)
+LAYERS, HEADS, HEAD, BLOCK, BLOCKS = SHAPE
 
 
 @pytest.fixture(scope="session")
@@ -47,123 +30,75 @@ def device(test_device: torch.device) -> torch.device:
     if test_device.type == "cuda" and not torch.cuda.is_available():
         pytest.skip("KVTIER_TEST_DEVICE=cuda but torch sees no CUDA device")
     if test_device.type not in ("cpu", "cuda"):
-        pytest.skip(f"the CUDA connector tests run on cpu (interpreter) or cuda, not {test_device}")
+        pytest.skip(f"the CUDA mover tests run on cpu (interpreter) or cuda, not {test_device}")
     if test_device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("on CPU the kernels need TRITON_INTERPRET=1 (set by tests/conftest.py)")
     return test_device
 
 
-def reference_layout(layout: KVLayout) -> KVLayout:
-    """The layout the torch reference runs with: fp8 as uint8 (CPU index_copy_ has no fp8)."""
-    if layout.torch_dtype.itemsize == 1:
-        return dataclasses.replace(layout, dtype="uint8")
-    return layout
+def make_layout(paged: PagedLayout = PagedLayout.LBHNC, **fields: object) -> KVLayout:
+    base: dict[str, object] = {
+        "num_layers": LAYERS,
+        "num_kv_heads": HEADS,
+        "head_size": HEAD,
+        "dtype": "bfloat16",
+        "block_size": BLOCK,
+        "paged_layout": paged,
+    }
+    return KVLayout(**{**base, **fields})  # type: ignore[arg-type]
 
 
-def make_layout(paged: PagedLayout, dtype: torch.dtype, shape: Shape = SHAPE) -> KVLayout:
-    return layout_for(shape, paged, str(dtype).removeprefix("torch."))
-
-
-def random_bytes_like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Random bits of ``t``'s dtype (fp8 included): byte comparisons need no float semantics."""
-    raw = torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8, generator=gen)
-    return raw.view(t.dtype).view(t.shape)
-
-
-def make_caches(
-    layout: KVLayout, device: torch.device, seed: int, blocks: int = SHAPE.blocks
-) -> list[torch.Tensor]:
-    """Per-layer paged caches of random bytes, generated on ``device`` (fast at GPU sizes)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    shape = layout.expected_cache_shape(blocks)
-    nbytes = layout.torch_dtype.itemsize
-    for s in shape:
-        nbytes *= s
-    return [
-        torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device, generator=gen)
-        .view(layout.torch_dtype)
-        .view(shape)
-        for _ in range(layout.num_layers)
-    ]
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``t`` (on its own device) for exact comparisons."""
-    return t.contiguous().view(torch.uint8)
-
-
-def assert_same_objects(mine: Objects, theirs: Objects) -> None:
-    """Two sets of host objects hold the same bytes."""
-    assert all(torch.equal(a, b) for a, b in zip(mine.bytes(), theirs.bytes(), strict=True))
-
-
-def assert_same_caches(conn: DeviceConnector, ref: DeviceConnector) -> None:
-    """Two connectors' paged caches hold the same bytes, layer by layer."""
-    for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
-        assert torch.equal(as_bytes(a), as_bytes(b))
-
-
-def assert_store_then_load_like(
-    conn: DeviceConnector,
-    ref: DeviceConnector,
-    arena: HostArena,
-    layout: KVLayout,
-    lengths: list[int],
-    store_slots: list[torch.Tensor],
-    load_slots: list[torch.Tensor],
-    seed: int,
-) -> list[Objects]:
-    """``conn`` and the reference ``ref`` store the same objects from ``store_slots`` (the objects
-    must then match), then load the same fresh objects into ``load_slots`` (the caches must then
-    match). Returns the objects made, for the caller to release."""
-    mine, theirs = Objects(arena, layout, lengths, seed), Objects(arena, layout, lengths, seed)
-    conn.store(mine.transfers(store_slots))
-    ref.store(theirs.transfers(store_slots))
-    assert_same_objects(mine, theirs)
-    fresh, fresh_ref = (
-        Objects(arena, layout, lengths, seed + 10),
-        Objects(arena, layout, lengths, seed + 10),
+def storage_bytes(view: torch.Tensor) -> torch.Tensor:
+    storage = view.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=view.device).set_(
+        storage, 0, (storage.nbytes(),), (1,)
     )
-    conn.load(fresh.transfers(load_slots))
-    ref.load(fresh_ref.transfers(load_slots))
-    assert_same_caches(conn, ref)
-    return [mine, theirs, fresh, fresh_ref]
 
 
-def random_slots(total: int, lengths: list[int], seed: int, holes: str) -> list[torch.Tensor]:
-    """Distinct random slots per chunk; ``holes``: "none", "prefix" (skipped prefix) or "scatter"."""
-    gen = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(total, generator=gen)
-    out, at = [], 0
-    for n in lengths:
-        s = perm[at : at + n].clone()
-        at += n
-        if holes == "prefix":
-            s[: n // 2] = -1
-        elif holes == "scatter":
-            s[torch.rand(n, generator=gen) < 0.3] = -1
-        out.append(s)
-    return out
+def make_views(
+    layout: KVLayout, device: torch.device, seed: int, blocks: int = BLOCKS
+) -> list[torch.Tensor]:
+    """vLLM-placed views whose whole buffer holds random bytes."""
+    views = replica_views(layout, blocks, device)
+    raw = storage_bytes(views[0])
+    gen = torch.Generator(device=device).manual_seed(seed)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, device=device, generator=gen))
+    return views
+
+
+def twin(views: list[torch.Tensor], layout: KVLayout) -> TorchPageMover:
+    """The torch reference over a copy of ``views``' buffer."""
+    copy = replica_views(layout, int(views[0].shape[0]), views[0].device)
+    storage_bytes(copy[0]).copy_(storage_bytes(views[0]))
+    return TorchPageMover(copy, layout, int(views[0].shape[0]))
+
+
+def same_cache(a: PageMover, b: PageMover) -> bool:
+    return torch.equal(storage_bytes(a.kv_caches[0]).cpu(), storage_bytes(b.kv_caches[0]).cpu())
 
 
 class Objects:
-    """Host objects for a list of chunk lengths, filled with random bytes, from one arena."""
+    """Host objects of ``lengths`` blocks each, filled with random bytes, from one arena."""
 
     def __init__(self, arena: HostArena, layout: KVLayout, lengths: list[int], seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.objs = []
+        self.objs: list[MemoryObj] = []
         for n in lengths:
-            obj = arena.allocate(MemoryObjMeta(layout.chunk_shape(n), layout.torch_dtype, n))
+            tokens = n * layout.block_size
+            meta = MemoryObjMeta(layout.chunk_shape(tokens), torch.uint8, tokens)
+            obj = arena.allocate(meta)
             assert obj is not None
-            obj.tensor.copy_(random_bytes_like(obj.tensor, gen))
+            obj.tensor.copy_(
+                torch.randint(0, 256, obj.tensor.shape, dtype=torch.uint8, generator=gen)
+            )
             self.objs.append(obj)
-        arena.tracked.append(self)
+        arena.tracked.append(self)  # type: ignore[attr-defined]
 
-    def transfers(self, slots: list[torch.Tensor]) -> list[Transfer]:
-        return [Transfer(o, s) for o, s in zip(self.objs, slots, strict=True)]
+    def transfers(self, blocks: list[torch.Tensor]) -> list[Transfer]:
+        return [Transfer(o, b) for o, b in zip(self.objs, blocks, strict=True)]
 
-    def bytes(self) -> list[torch.Tensor]:
-        return [as_bytes(o.tensor).clone() for o in self.objs]
+    def snapshot(self) -> list[torch.Tensor]:
+        return [o.tensor.clone() for o in self.objs]
 
     def release(self) -> None:
         for o in self.objs:
@@ -171,17 +106,27 @@ class Objects:
                 o.release()
 
 
+def random_blocks(lengths: list[int], seed: int, offset: int = 0) -> list[torch.Tensor]:
+    """Distinct random block ids for chunks of ``lengths`` blocks."""
+    perm = torch.randperm(BLOCKS, generator=torch.Generator().manual_seed(seed))[offset:]
+    out, at = [], 0
+    for n in lengths:
+        out.append(perm[at : at + n].clone())
+        at += n
+    return out
+
+
 @pytest.fixture
-def arena(device: torch.device):
+def arena(device: torch.device) -> Iterator[HostArena]:
     """A host arena (one registration, pinned, on CUDA); test objects are released at teardown."""
     if device.type == "cuda":
         from kvtier.cuda.platform import CUDAPlatform
 
-        a = CUDAPlatform().create_arena(512 << 20)
+        a = CUDAPlatform().create_arena(256 << 20)
     else:
         a = HostArena.create(1 << 20)
-    a.tracked = []
+    a.tracked = []  # type: ignore[attr-defined]
     yield a
-    for objs in a.tracked:
+    for objs in a.tracked:  # type: ignore[attr-defined]
         objs.release()
     assert a.used_bytes == 0

@@ -1,47 +1,57 @@
-"""The CUDA platform: cheap import and probe, discovery, arena, connector options."""
+"""The CUDA platform: cheap import and detection, discovery, the registered arena, mover options,
+and the CacheEngine over it."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ON_GPU, SHAPE, as_bytes, make_caches, make_layout
+from conftest import BLOCKS, ON_GPU, make_layout, make_views
 from kvtier.core.errors import PlatformError
 from kvtier.core.layout import PagedLayout
+from kvtier.core.pages import page_view
 from kvtier.core.platform import discover_platforms, resolve_platform_class
-from kvtier.cuda.probe import PLATFORM_PATH, probe
+from kvtier.cuda.detect import PLATFORM_PATH, detect
 
 
-def test_importing_the_package_and_its_platform_is_cheap():
+def test_importing_the_package_its_platform_and_mover_is_cheap():
     code = (
-        "import sys, kvtier.cuda, kvtier.cuda.probe, kvtier.cuda.platform, kvtier.cuda.connector\n"
+        "import sys, kvtier.cuda, kvtier.cuda.detect, kvtier.cuda.platform, kvtier.cuda.mover\n"
         "import torch\n"
         "assert 'triton' not in sys.modules, 'triton imported'\n"
         "assert not torch.cuda.is_initialized(), 'CUDA initialised'\n"
-        "kvtier.cuda.probe.probe()\n"
-        "assert 'triton' not in sys.modules, 'the probe imported triton'\n"
-        "assert not torch.cuda.is_initialized(), 'the probe initialised CUDA'\n"
+        "kvtier.cuda.detect.detect()\n"
+        "assert 'triton' not in sys.modules, 'detect imported triton'\n"
+        "assert not torch.cuda.is_initialized(), 'detect initialised CUDA'\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
 
 
-def test_probe_answers_for_this_machine():
+def test_the_entry_point_names_detect():
+    pyproject = Path(__file__).parents[2] / "packages" / "cuda" / "pyproject.toml"
+    text = pyproject.read_text()
+    group = text.split('[project.entry-points."kvtier.platforms"]')[1].split("[")[0]
+    assert group.strip() == 'cuda = "kvtier.cuda.detect:detect"'
+
+
+def test_detect_answers_for_this_machine():
     if ON_GPU:
-        assert probe() == PLATFORM_PATH
+        assert detect() == PLATFORM_PATH
         assert discover_platforms()["cuda"] == PLATFORM_PATH
     elif torch.version.cuda is None:
-        assert probe() is None
+        assert detect() is None
         with pytest.raises(PlatformError, match="not available"):
             resolve_platform_class("cuda")
 
 
-def test_probe_respects_an_empty_cuda_visible_devices(monkeypatch):
+def test_detect_respects_an_empty_cuda_visible_devices(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert probe() is None
+    assert detect() is None
 
 
 def test_cuda_outranks_the_cpu_and_xpu_platforms_and_names_its_device():
@@ -55,54 +65,43 @@ def test_cuda_outranks_the_cpu_and_xpu_platforms_and_names_its_device():
     assert CUDAPlatform(1).device == torch.device("cuda", 1)
 
 
-def test_create_connector_checks_its_options(device):
-    from kvtier.cuda.connector import CUDAPagedConnector
-    from kvtier.cuda.options import CUDAOptions
+def test_create_mover_checks_its_own_options(device):
+    from kvtier.cuda.mover import CUDAPageMover, MoverOptions
     from kvtier.cuda.platform import CUDAPlatform
 
-    layout = make_layout(PagedLayout.FLASH_NHD, torch.float16)
-    caches = make_caches(layout, device, seed=1)
-    conn = CUDAPlatform().create_connector(caches, layout, staging_slots=3, native_planner=False)
-    assert isinstance(conn, CUDAPagedConnector)
-    assert conn.options == CUDAOptions(staging_slots=3, native_planner=False)
-    # Misspelt, removed or foreign options are errors naming them, as are wrong types.
-    for bad in (
-        {"use_gpu": True},
-        {"mode": "zerocopy"},
-        {"staging_slot": 4},
-        {"max_staging_bytes": 1},
-    ):
-        with pytest.raises(TypeError, match=f"unknown CUDA connector option.*{next(iter(bad))}"):
-            CUDAPlatform().create_connector(caches, layout, **bad)
-    with pytest.raises(TypeError, match="staging_buffer"):
-        CUDAPlatform().create_connector(caches, layout, staging_buffer="yes")
+    layout = make_layout()
+    views = make_views(layout, device, seed=1)
+    mover = CUDAPlatform().create_mover(views, layout, staging_slots=3, staging_slot_bytes=4096)
+    assert isinstance(mover, CUDAPageMover) and mover.num_blocks == BLOCKS
+    assert mover.options == MoverOptions(staging_slots=3, staging_slot_bytes=4096)
+    for removed in ("native_planner", "max_staging_bytes"):
+        with pytest.raises(TypeError, match=f"unknown cuda mover option.*{removed}"):
+            CUDAPlatform().create_mover(views, layout, **{removed: 1})
     with pytest.raises(TypeError, match="staging_slot_bytes"):
-        CUDAPlatform().create_connector(caches, layout, staging_slot_bytes=True)
+        CUDAPlatform().create_mover(views, layout, staging_slot_bytes=True)
+    with pytest.raises(ValueError, match="staging_slots"):
+        CUDAPlatform().create_mover(views, layout, staging_slots=1)
     with pytest.raises(ValueError, match="staging_slot_bytes"):
-        CUDAPlatform().create_connector(caches, layout, staging_slot_bytes=0)
+        CUDAPlatform().create_mover(views, layout, staging_slot_bytes=0)
 
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
 @pytest.mark.parametrize("staging", [True, False])
 def test_the_cache_engine_runs_on_the_cuda_platform(device, staging, layerwise):
-    """CacheEngine registers the caches with the CUDA platform (passing its generic options)
-    and a stored prefix comes back byte-identical into fresh slots, whole or layer by layer."""
+    """CacheEngine registers vLLM-placed views with the CUDA platform (passing its generic
+    options) and a stored prefix comes back page for page into other blocks."""
     from kvtier.core import CacheEngine, HostArena, HostMemoryStorageManager, load_config
     from kvtier.cuda.platform import CUDAPlatform
 
-    layout = make_layout(PagedLayout.FLASH_NHD, torch.float16)
-    caches = make_caches(layout, device, seed=3)
+    layout = make_layout(PagedLayout.BLNHC)
+    views = make_views(layout, device, seed=3)
     platform = CUDAPlatform()
-    # two 8B-shaped chunks fill 64 MiB; 1 MiB more holds their alias entries (kvtier.core.aliases)
-    size = (64 << 20) + (1 << 20)
+    chunk = 4 * layout.block_size
+    size = 4 * layout.chunk_nbytes(chunk) + (1 << 20)  # and room for alias entries
     arena = platform.create_arena(size) if device.type == "cuda" else HostArena.create(size)
     config = load_config(
         env={},
-        overrides={
-            "chunk_size": SHAPE.chunk,
-            "tiers": ["local_cpu"],
-            "device_staging_buffer": staging,
-        },
+        overrides={"chunk_size": chunk, "tiers": ["local_cpu"], "device_staging_buffer": staging},
     )
     engine = CacheEngine(
         config,
@@ -111,42 +110,41 @@ def test_the_cache_engine_runs_on_the_cuda_platform(device, staging, layerwise):
         platform=platform,
         storage=HostMemoryStorageManager(arena),
     )
-    engine.register_kv_caches(caches)
-    assert engine.connector is not None
-    n = 2 * SHAPE.chunk
-    total = SHAPE.blocks * SHAPE.block
-    perm = torch.randperm(total, generator=torch.Generator().manual_seed(4))
-    src, dst = perm[:n], perm[n : 2 * n]
+    engine.register_kv_caches(views)
+    assert engine.mover is not None and engine.mover.options.staging_buffer is staging  # type: ignore[attr-defined]
+    n = 2 * chunk
+    perm = torch.randperm(BLOCKS, generator=torch.Generator().manual_seed(4))
+    src, dst = (
+        perm[: n // layout.block_size],
+        perm[n // layout.block_size : 2 * n // layout.block_size],
+    )
+
+    def slots(blocks: torch.Tensor) -> torch.Tensor:
+        return (blocks[:, None] * layout.block_size + torch.arange(layout.block_size)).reshape(-1)
+
     tokens = list(range(1000, 1000 + n))
     if layerwise:
-        assert list(engine.store_layerwise(tokens, src)) == list(range(layout.num_layers))
-        assert engine.stats.stored_tokens == n
+        assert list(engine.store_layerwise(tokens, slots(src))) == list(range(layout.num_layers))
     else:
-        assert engine.store(tokens, src) == n
-    before = [as_bytes(c).clone() for c in caches]
+        assert engine.store(tokens, slots(src)) == n
+    runs = engine.mover.runs
+    stored = [page_view(v, runs)[src.to(device)] for v in views]
     if layerwise:
-        job = engine.retrieve_layerwise(tokens, dst)
+        job = engine.retrieve_layerwise(tokens, slots(dst))
         assert list(job.layers) == list(range(layout.num_layers))
         mask = job.mask
     else:
-        mask = engine.retrieve(tokens, dst)
+        mask = engine.retrieve(tokens, slots(dst))
     assert bool(mask.all())
-    for layer, cache in enumerate(caches):
-        flat = cache.view(torch.int16).permute(1, 2, 0, 3, 4).reshape(total, -1)
-        old = (
-            before[layer]
-            .view(torch.int16)
-            .view(cache.shape)
-            .permute(1, 2, 0, 3, 4)
-            .reshape(total, -1)
-        )
-        assert torch.equal(flat[dst.to(flat.device)], old[src.to(flat.device)])
+    for view, pages in zip(views, stored, strict=True):
+        assert torch.equal(page_view(view, runs)[dst.to(device)], pages)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (KVTIER_TEST_DEVICE=cuda)")
 def test_gpu_discovery_and_registered_arena():
-    from kvtier.cuda.platform import CUDAPlatform, RegisteredHostArena
+    from kvtier.cuda.memory import RegisteredHostArena
+    from kvtier.cuda.platform import CUDAPlatform
 
     assert resolve_platform_class() is CUDAPlatform
     arena = CUDAPlatform().create_arena(3 * (1 << 30) + 12345)
@@ -159,4 +157,3 @@ def test_gpu_discovery_and_registered_arena():
     host.copy_(dev, non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(host, dev.cpu())
-    assert SHAPE.layers > 2  # real sizes in the GPU run

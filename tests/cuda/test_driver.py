@@ -1,5 +1,5 @@
-"""The CUDA driver wrapper (kvtier.cuda._driver): selection, error reporting, and on a GPU that
-the connector's repeated launches go through the kept kernel."""
+"""The CUDA driver wrapper (kvtier.cuda._driver): selection, error reporting, strided copies, and
+on a GPU that its events order streams."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import ctypes
 import pytest
 import torch
 
-from conftest import ON_GPU, make_caches, make_layout
-from kvtier.core.layout import PagedLayout
+from conftest import ON_GPU
 from kvtier.cuda import _driver
 from kvtier.cuda._driver import CudaDriver, CUDADriverError
 
@@ -50,6 +49,9 @@ def test_failed_driver_calls_raise_naming_the_call_and_the_error():
     with pytest.raises(CUDADriverError, match="cuStreamWaitEvent failed: error 999"):
         drv.wait(1, 2)
     drv.memcpy_htod(1, 2, 3, 4)  # success returns quietly
+    bad_2d = CudaDriver(_FakeLib({"cuMemcpy2DAsync_v2": 700}))  # type: ignore[arg-type]
+    with pytest.raises(CUDADriverError, match="cuMemcpy2DAsync failed"):
+        bad_2d.memcpy_2d(1, 64, 2, 32, 32, 4, 5, to_host=True)
 
 
 def test_event_query_tells_ready_from_pending_and_raises_on_errors():
@@ -93,76 +95,48 @@ def test_raw_events_order_streams_and_report_completion(device):
     assert torch.all(y == 2.0)
 
 
+def test_a_lane_on_a_cpu_device_copies_strided_rows_at_once():
+    from kvtier.cuda.lane import Lane
+
+    lane = Lane(torch.device("cpu"), 2, 64)
+    src = torch.arange(4 * 32, dtype=torch.uint8)  # 4 rows of 32 bytes, packed
+    dst = torch.zeros(4 * 48, dtype=torch.uint8)  # rows 48 bytes apart
+    lane.copy_2d(dst.data_ptr(), 48, src.data_ptr(), 32, 32, 4, to_host=True)
+    assert torch.equal(dst.view(4, 48)[:, :32], src.view(4, 32))
+    assert not dst.view(4, 48)[:, 32:].any()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (KVTIER_TEST_DEVICE=cuda)")
-def test_repeated_dma_calls_launch_through_the_kept_compiled_kernel(device, arena):
-    from conftest import SHAPE, Objects, as_bytes, random_slots
-    from kvtier.core.connector import TorchPagedConnector
-    from kvtier.cuda.connector import CUDAPagedConnector
-    from kvtier.cuda.kernels import LAUNCHES
-
-    layout = make_layout(PagedLayout.FLASH_NHD, torch.bfloat16)
-    caches = make_caches(layout, device, seed=3)
-    conn = CUDAPagedConnector(caches, layout)
-    ref = TorchPagedConnector([c.clone() for c in caches], layout)
-    lengths = [SHAPE.chunk]
-    slots = random_slots(SHAPE.blocks * SHAPE.block, lengths, seed=4, holes="none")
-    for round_ in range(3):  # the first call compiles and keeps; the later ones reuse it
-        mine, theirs = (
-            Objects(arena, layout, lengths, 5 + round_),
-            Objects(arena, layout, lengths, 5 + round_),
-        )
-        conn.store(mine.transfers(slots))
-        ref.store(theirs.transfers(slots))
-        assert all(torch.equal(a, b) for a, b in zip(mine.bytes(), theirs.bytes(), strict=True))
-        fresh = Objects(arena, layout, lengths, 9 + round_)
-        conn.load(fresh.transfers(slots))
-        ref.load(fresh.transfers(slots))
-        torch.cuda.synchronize()
-        assert all(
-            torch.equal(as_bytes(a), as_bytes(b))
-            for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True)
-        )
-    # ... and from then on with cuLaunchKernel (the driver reports each parameter's size).
-    assert LAUNCHES.usable is True and LAUNCHES.direct
-
-
-@pytest.mark.parametrize(
-    ("sizes", "runtime", "expected"),
-    [
-        (
-            [8, 8, 4, 4, 4, 4],
-            (1 << 40, 1 << 41, 4096, 16, 2048, 128),
-            ["u64", "u64", "i32", "i32", "i32", "i32"],
-        ),
-        (
-            [8, 8, 4, 8, 8],
-            (1 << 40, 1 << 41, 64, 1 << 33),
-            ["u64", "u64", "i32", "i64", "u64"],
-        ),  # + a scratch pointer
-        ([8, 8, 4, 8, 8], (1, 2, 3), ["u64", "u64", "i32", "u64", "u64"]),  # + two scratch pointers
-        (
-            [8, 8, 4, 4, 4],
-            (1 << 40, 1 << 41, 4096, 1, 2048, 128),
-            None,
-        ),  # a 1 may be passed as a constant
-        (
-            [8, 8, 4, 4, 4, 4],
-            (1 << 40, 1 << 41, 4096, 1, 2048, 128),
-            None,
-        ),  # ... even when the count fits
-        ([8, 8, 4, 4, 8, 8, 8], (1, 2, 3, 4), None),  # three extra parameters: an unknown layout
-        ([8, 4, 4], (1 << 40, 1 << 41, 64), None),  # a pointer that is not 8 bytes
-        ([8, 8, 4], (1 << 40, 1 << 41, 1 << 33), None),  # a value too wide for its parameter
-        ([8, 8, 4, 4], (1 << 40, 1 << 41, 64), None),  # a 4-byte extra is no scratch pointer
-        (None, (1 << 40, 1 << 41, 64), None),  # the driver cannot tell (before CUDA 12.4)
-    ],
-)
-def test_a_kernel_is_launched_directly_only_where_its_parameter_layout_is_certain(
-    sizes, runtime, expected
-):
-    from kvtier.cuda.kernels import param_types
-
-    names = {ctypes.c_uint64: "u64", ctypes.c_int32: "i32", ctypes.c_int64: "i64"}
-    got = param_types(sizes, runtime, pointers=2)
-    assert (None if got is None else [names[t] for t in got]) == expected
+def test_strided_copies_between_device_and_pinned_host(device):
+    drv = _driver.driver()
+    assert drv is not None
+    stream = torch.cuda.Stream()
+    rows, width, host_pitch = 16, 4096, 3 * 4096
+    dev = torch.randint(0, 256, (rows * width,), dtype=torch.uint8, device=device)
+    host = torch.zeros(rows * host_pitch, dtype=torch.uint8, pin_memory=True)
+    drv.memcpy_2d(
+        host.data_ptr(),
+        host_pitch,
+        dev.data_ptr(),
+        width,
+        width,
+        rows,
+        stream.cuda_stream,
+        to_host=True,
+    )
+    stream.synchronize()
+    assert torch.equal(host.view(rows, host_pitch)[:, :width], dev.view(rows, width).cpu())
+    back = torch.zeros_like(dev)
+    drv.memcpy_2d(
+        back.data_ptr(),
+        width,
+        host.data_ptr(),
+        host_pitch,
+        width,
+        rows,
+        stream.cuda_stream,
+        to_host=False,
+    )
+    stream.synchronize()
+    assert torch.equal(back, dev)

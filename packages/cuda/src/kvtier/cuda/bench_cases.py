@@ -1,92 +1,105 @@
-"""The cases and calls ``kvtier bench transfer`` times: model shapes, host objects in a pinned
-arena, the connector's calls (one at a time, streamed, from two threads), the plain-copy
-limit, and the interleaved medians that time them together."""
+"""What ``kvtier bench transfer`` times: KV views placed as vLLM 0.32 places them, host objects
+in a pinned arena, the mover's calls (alone, two threads at once, streamed), the plain-copy
+limit, a per-block DMA alternative for block-outer layouts, and the interleaved medians that time
+them together."""
 
 from __future__ import annotations
 
-import collections
 import re
 import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from kvtier.core.connector import TorchPagedConnector, Transfer
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena, MemoryObj, MemoryObjMeta
+from kvtier.core.mover import PageMover, TorchPageMover, Transfer
 
 CHUNK = 256
 BLOCK = 16
 SHAPES = {"8b": (32, 8, 128), "small": (16, 2, 64)}
-TARGETS = {"8b": 0.95, "small": 0.85}
+# Issue 36's targets: the 8B shape per call, the small one streamed, both directions at once.
+TARGETS = {"8b": ("per_call", 0.97), "small": ("streamed", 0.95)}
 DUPLEX_TARGET = 1.7
+
+Call = Callable[[], None]
+
+
+def layout_of(shape: str, paged: PagedLayout) -> KVLayout:
+    layers, heads, head = SHAPES[shape]
+    return KVLayout(layers, heads, head, "bfloat16", BLOCK, paged, interior="bench")
+
+
+def vllm_views(layout: KVLayout, num_blocks: int, device: torch.device | str) -> list[torch.Tensor]:
+    """Per-layer views ``[num_blocks, H, N, C]`` of one buffer, placed as vLLM 0.32's
+    ``get_kv_cache_config_from_groups`` + ``allocate_kv_cache`` place one cache group's layers:
+    strides from ``compute_layout_strides`` in the layout's physical order, a block-outer
+    layout's block stride spanning every layer's page (``tests/cuda/test_bench.py`` checks these
+    against the test suite's replica, itself checked against vLLM's own allocator)."""
+    lay, h, n, c = layout.num_layers, layout.num_kv_heads, layout.block_size, layout.cell_bytes
+    shape = (lay, num_blocks, h, n, c)
+    order = layout.paged_layout.stride_order
+    fixed: list[int | None] = [None] * 5
+    if layout.paged_layout.block_outer:
+        fixed[1] = layout.page_bytes * lay
+    strides = [0] * 5
+    step = 1
+    for dim in reversed(order):
+        strides[dim] = fixed[dim] or step
+        step = strides[dim] * shape[dim]
+    buf = torch.zeros(layout.page_bytes * lay * num_blocks, dtype=torch.int8, device=device)
+    view5 = torch.as_strided(buf, shape, strides, 0)
+    return [view5[i].view(layout.torch_dtype) for i in range(lay)]
+
+
+def storage_bytes(view: torch.Tensor) -> torch.Tensor:
+    """The whole storage under ``view`` as flat uint8 (writing it writes the cache)."""
+    storage = view.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=view.device).set_(
+        storage, 0, (storage.nbytes(),), (1,)
+    )
 
 
 @dataclass
 class Case:
     shape: str
     layout: KVLayout
-    caches: list[torch.Tensor]
+    views: list[torch.Tensor]
     store_objs: list[MemoryObj]
     load_objs: list[MemoryObj]
-    store_slots: list[torch.Tensor]
-    load_slots: list[torch.Tensor]
+    store_blocks: list[torch.Tensor]
+    load_blocks: list[torch.Tensor]
 
     @property
     def nbytes(self) -> int:
         return sum(o.meta.nbytes for o in self.store_objs)
 
-    def store_transfers(self) -> list[Transfer]:
-        return [Transfer(o, s) for o, s in zip(self.store_objs, self.store_slots, strict=True)]
+    def stores(self) -> list[Transfer]:
+        return [Transfer(o, b) for o, b in zip(self.store_objs, self.store_blocks, strict=True)]
 
-    def load_transfers(self) -> list[Transfer]:
-        return [Transfer(o, s) for o, s in zip(self.load_objs, self.load_slots, strict=True)]
+    def loads(self) -> list[Transfer]:
+        return [Transfer(o, b) for o, b in zip(self.load_objs, self.load_blocks, strict=True)]
 
-
-def device_slug(name: str) -> str:
-    m = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", name)
-    return (m.group(1) if m else re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")).lower()
-
-
-def median_seconds(fn: Callable[[], None], repeat: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    def release(self) -> None:
+        for o in self.store_objs + self.load_objs:
+            o.release()
 
 
-def make_case(shape: str, chunks: int, arena: HostArena, seed: int) -> Case:
-    layers, heads, head = SHAPES[shape]
-    layout = KVLayout(layers, heads, head, "bfloat16", BLOCK, PagedLayout.FLASH_NHD)
-    blocks_per_chunk = CHUNK // BLOCK
-    num_blocks = 2 * chunks * blocks_per_chunk + 7  # room for a store set and a load set
+def make_case(shape: str, paged: PagedLayout, chunks: int, arena: HostArena, seed: int) -> Case:
+    """Views of room for a store set and a load set of ``chunks`` chunks, random bytes; blocks
+    in random order, as a long-running engine hands them out."""
+    layout = layout_of(shape, paged)
+    per_chunk = CHUNK // BLOCK
+    num_blocks = 2 * chunks * per_chunk + 7
+    views = vllm_views(layout, num_blocks, "cuda")
+    raw = storage_bytes(views[0])
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    caches = [
-        torch.randn(layout.expected_cache_shape(num_blocks), device="cuda", generator=gen).to(
-            torch.bfloat16
-        )
-        for _ in range(layers)
-    ]
-    # Blocks in random order, as a long-running engine hands them out.
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, device="cuda", generator=gen))
     perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
-    offsets = torch.arange(BLOCK)
-
-    def slots_of(k: int) -> torch.Tensor:
-        ids = perm[k * blocks_per_chunk : (k + 1) * blocks_per_chunk]
-        return (ids[:, None] * BLOCK + offsets).reshape(-1)
-
-    meta = MemoryObjMeta(layout.chunk_shape(CHUNK), torch.bfloat16, CHUNK)
+    meta = MemoryObjMeta(layout.chunk_shape(CHUNK), layout.chunk_dtype, CHUNK)
 
     def objects() -> list[MemoryObj]:
         objs = []
@@ -94,49 +107,54 @@ def make_case(shape: str, chunks: int, arena: HostArena, seed: int) -> Case:
             obj = arena.allocate(meta)
             if obj is None:
                 raise MemoryError("benchmark arena too small")
-            obj.tensor.normal_()
+            shape = obj.tensor.shape
+            obj.tensor.copy_(
+                torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda", generator=gen)
+            )
             objs.append(obj)
         return objs
 
+    def blocks(k: int) -> torch.Tensor:
+        return perm[k * per_chunk : (k + 1) * per_chunk].clone()
+
     return Case(
-        shape=shape,
-        layout=layout,
-        caches=caches,
-        store_objs=objects(),
-        load_objs=objects(),
-        store_slots=[slots_of(k) for k in range(chunks)],
-        load_slots=[slots_of(chunks + k) for k in range(chunks)],
+        shape,
+        layout,
+        views,
+        objects(),
+        objects(),
+        [blocks(k) for k in range(chunks)],
+        [blocks(chunks + k) for k in range(chunks)],
     )
 
 
-def release_case(case: Case) -> None:
-    for o in case.store_objs + case.load_objs:
-        o.release()
-
-
-def check(case: Case, conn, name: str) -> None:
-    """The connector's bytes equal the torch reference's (store and load), or raise."""
-    ref = TorchPagedConnector([c.clone() for c in case.caches], case.layout)
-    conn.store(case.store_transfers())
+def check(case: Case, mover: PageMover, name: str) -> None:
+    """``mover``'s bytes equal the torch reference's (a store, then a load), or raise."""
+    twin = vllm_views(case.layout, case.views[0].shape[0], "cuda")
+    storage_bytes(twin[0]).copy_(storage_bytes(case.views[0]))
+    ref = TorchPageMover(twin, case.layout, mover.num_blocks)
+    mover.store(case.stores())
     got = [o.tensor.clone() for o in case.store_objs]
-    ref.store(case.store_transfers())
-    if not all(
-        torch.equal(a.view(torch.int16), o.tensor.view(torch.int16))
-        for a, o in zip(got, case.store_objs, strict=True)
-    ):
+    ref.store(case.stores())
+    if not all(torch.equal(a, o.tensor) for a, o in zip(got, case.store_objs, strict=True)):
         raise AssertionError(f"{name}: stored bytes differ from the torch reference")
-    conn.load(case.load_transfers())
-    ref.load(case.load_transfers())
+    mover.load(case.loads())
+    ref.load(case.loads())
     torch.cuda.synchronize()
-    for a, b in zip(conn.kv_caches, ref.kv_caches, strict=True):
-        if not torch.equal(a.view(torch.int16), b.view(torch.int16)):
-            raise AssertionError(f"{name}: loaded cache differs from the torch reference")
+    if not torch.equal(storage_bytes(case.views[0]), storage_bytes(twin[0])):
+        raise AssertionError(f"{name}: loaded cache differs from the torch reference")
+
+
+def device_slug(name: str) -> str:
+    m = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", name)
+    return (m.group(1) if m else re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")).lower()
 
 
 class Pair:
-    """Two persistent threads that run a store and a load at the same moment, on demand."""
+    """Two persistent threads that run a store and a load at the same moment, on demand (an
+    engine's saver and forward threads)."""
 
-    def __init__(self, store: Callable[[], None], load: Callable[[], None]) -> None:
+    def __init__(self, store: Call, load: Call) -> None:
         self._start = threading.Barrier(3, timeout=120)
         self._end = threading.Barrier(3, timeout=120)
         self._stop = False
@@ -147,7 +165,7 @@ class Pair:
         for t in self._threads:
             t.start()
 
-    def _loop(self, fn: Callable[[], None]) -> None:
+    def _loop(self, fn: Call) -> None:
         while True:
             self._start.wait()
             if self._stop:
@@ -171,107 +189,49 @@ class Pair:
             t.join(timeout=30)
 
 
-def whole_calls(case: Case, conn) -> dict[str, Callable[[], None]]:
-    """The case's whole calls on ``conn``, each returning with its copies done: ``store``,
-    ``load`` and ``both`` (``store_and_load_async`` from one thread, both waited)."""
-    stores, loads = case.store_transfers(), case.load_transfers()
+def repeated(fn: Call, times: int) -> Call:
+    """``fn`` called ``times`` times back to back (a stream of synchronous calls)."""
 
-    def both() -> None:
-        for pending in conn.store_and_load_async(stores, loads):
-            pending.wait()
+    def run() -> None:
+        for _ in range(times):
+            fn()
 
-    return {"store": lambda: conn.store(stores), "load": lambda: conn.load(loads), "both": both}
+    return run
 
 
-def async_calls(case: Case, conn) -> dict[str, Callable[[], list[Any]]]:
-    """The case's calls through the ``_async`` API, keyed like ``_measure_connector``'s rows:
-    each issues one call and returns its pending transfers (``wait()`` each)."""
-    stores, loads = case.store_transfers(), case.load_transfers()
-    return {
-        "store": lambda: [conn.store_async(stores)],
-        "retrieve": lambda: [conn.load_async(loads)],
-        "both": lambda: list(conn.store_and_load_async(stores, loads)),
-    }
-
-
-def stream(issue: Callable[[], list[Any]], calls: int, in_flight: int) -> Callable[[], None]:
-    """A call that makes ``calls`` calls of ``issue`` back to back, at most ``in_flight``
-    outstanding (before a call the oldest is waited for when that many are), and waits for all."""
-    if calls < 1 or in_flight < 1:
-        raise ValueError(f"calls and in_flight must be >= 1, got {calls} and {in_flight}")
-
-    def stream() -> None:
-        outstanding: collections.deque[list[Any]] = collections.deque()
-        for _ in range(calls):
-            while len(outstanding) >= in_flight:
-                for pending in outstanding.popleft():
-                    pending.wait()
-            outstanding.append(issue())
-        while outstanding:
-            for pending in outstanding.popleft():
-                pending.wait()
-
-    return stream
-
-
-def interleaved_medians(
-    calls: dict[str, tuple[Callable[[], None], Callable[[], None]]],
-    rounds: int,
-    per_round: int = 3,
-    warmup: int = 3,
-) -> dict[str, float]:
-    """Median seconds of each ``name: (fn, apply)``: every round runs every call ``per_round``
-    times, ``apply()`` first, so a shared machine's drift falls on all of them alike.
-    ``warmup`` untimed runs each first. The order rotates by one call each round, so every call
-    runs after every other about equally often (a call that follows a different kind of call
-    runs slower: the host's caches hold the other code path)."""
+def interleaved_medians(calls: dict[str, Call], rounds: int, warmup: int) -> dict[str, float]:
+    """Median seconds of each call: every round runs every call once, so a shared machine's
+    drift falls on all of them alike; ``warmup`` untimed runs each first. The order rotates by
+    one call each round (a call that follows a different kind of call runs slower: the host's
+    caches hold the other code path)."""
     times: dict[str, list[float]] = {k: [] for k in calls}
-    for fn, apply in calls.values():
-        apply()
+    for fn in calls.values():
         for _ in range(warmup):
             fn()
     names = list(calls)
     for r in range(rounds):
-        k = r % len(names) if names else 0
+        k = r % len(names)
         for name in names[k:] + names[:k]:
-            fn, apply = calls[name]
-            apply()
-            for _ in range(per_round):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fn()
-                torch.cuda.synchronize()
-                times[name].append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            calls[name]()
+            torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
 def bench_arena(chunks: int, shapes: Sequence[str]) -> HostArena:
-    """A pinned arena holding a case's store and load objects of ``chunks`` chunks of the largest
-    of ``shapes``, and the plain copies' buffers of ``_limit_calls``."""
+    """A pinned arena holding a case's store and load objects and the limit's two buffers."""
     from kvtier.cuda.platform import CUDAPlatform
 
-    largest = max(chunk_nbytes(s) for s in shapes)
+    largest = max(layout_of(s, PagedLayout.LBHNC).chunk_nbytes(CHUNK) for s in shapes)
     return CUDAPlatform().create_arena(4 * chunks * largest + (64 << 20))
 
 
-class Queued:
-    """A copy queued on a stream, waited like a PendingTransfer."""
-
-    def __init__(self, stream: torch.cuda.Stream) -> None:
-        self._event = torch.cuda.Event()
-        self._event.record(stream)
-
-    def wait(self) -> None:
-        self._event.synchronize()
-
-
-def limit_calls(
-    nbytes: int, arena: HostArena
-) -> tuple[dict[str, Callable[[], list[Any]]], Callable[[], None]]:
-    """One contiguous copy of ``nbytes`` each way (pinned host <-> device, each on its own
-    stream), and both at once, as calls keyed ``store``/``retrieve``/``both`` that queue the
-    copies and return their waiters (for ``stream``); and the call that releases
-    their host objects."""
+def limit_calls(nbytes: int, arena: HostArena) -> tuple[dict[str, Call], Call]:
+    """One contiguous pinned-host copy of ``nbytes`` each way, each on its own stream, and both
+    at once: calls keyed ``store``/``load``/``both`` that return with the copies done; and the
+    call that releases their host objects."""
     dev_out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dev_in = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     objs = [arena.allocate(MemoryObjMeta((nbytes,), torch.uint8, 1)) for _ in range(2)]
@@ -287,29 +247,60 @@ def limit_calls(
     host_out, host_in = held[0].tensor, held[1].tensor
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 
-    def d2h() -> list[Any]:
+    def d2h() -> None:
         with torch.cuda.stream(s1):
             host_out.copy_(dev_out, non_blocking=True)
-        return [Queued(s1)]
 
-    def h2d() -> list[Any]:
+    def h2d() -> None:
         with torch.cuda.stream(s2):
             dev_in.copy_(host_in, non_blocking=True)
-        return [Queued(s2)]
 
-    return {"store": d2h, "retrieve": h2d, "both": lambda: d2h() + h2d()}, release
+    def waited(*issue: Call) -> Call:
+        def call() -> None:
+            for i in issue:
+                i()
+            s1.synchronize()
+            s2.synchronize()
 
+        return call
 
-def waited(issue: Callable[[], list[Any]]) -> Callable[[], None]:
-    """``issue`` as a call that returns with its copies done."""
-
-    def call() -> None:
-        for q in issue():
-            q.wait()
-
-    return call
+    return {"store": waited(d2h), "load": waited(h2d), "both": waited(d2h, h2d)}, release
 
 
-def chunk_nbytes(shape: str) -> int:
-    """Bytes of one chunk of ``shape`` (bf16, flash layout), as the benchmark stores it."""
-    return KVLayout(*SHAPES[shape], "bfloat16", BLOCK, PagedLayout.FLASH_NHD).chunk_nbytes(CHUNK)
+def block_dma_calls(case: Case, mover: PageMover) -> dict[str, Call] | None:
+    """For a block-outer, block-compact layout (one block's every layer is one run): one DMA
+    per block straight between the cache and the host objects, issued from Python on one stream;
+    None for other layouts. The alternative to the mover's kernel that the layout-preference
+    decision weighs (``docs/cuda-performance.md``)."""
+    if not mover.block_runs:
+        return None
+    from kvtier.cuda._driver import driver
+
+    drv = driver()
+    assert drv is not None
+    row = case.layout.num_layers * case.layout.page_bytes
+    base = case.views[0].untyped_storage().data_ptr() + mover.runs.offset
+    stride = mover.runs.block_stride
+    stream = torch.cuda.Stream()
+    handle = stream.cuda_stream
+
+    def pairs(transfers: list[Transfer]) -> list[tuple[int, int]]:
+        return [
+            (t.obj.tensor.data_ptr() + j * row, base + int(b) * stride)
+            for t in transfers
+            for j, b in enumerate(t.blocks.tolist())
+        ]
+
+    out, into = pairs(case.stores()), pairs(case.loads())
+
+    def store() -> None:
+        for host, dev in out:
+            drv.memcpy_dtoh(host, dev, row, handle)
+        stream.synchronize()
+
+    def load() -> None:
+        for host, dev in into:
+            drv.memcpy_htod(dev, host, row, handle)
+        stream.synchronize()
+
+    return {"store": store, "load": load}

@@ -1,11 +1,15 @@
-"""One direction of a connector (store or load): its streams, events, staging ring and tables,
-and the executor its pipeline issues device work through.
+"""One direction of a page mover (store or load): its two streams, staging slots, events and
+block-id buffers, and the device calls its groups issue.
 
-On a GPU the executor is the CUDA driver (``kvtier.cuda._driver``): every copy, event record,
-event wait and kernel launch names its stream, so torch's current stream is never switched
-(a switch costs more host time than a small chunk's DMA). On a CPU device (the Triton
-interpreter, in tests) ``HostExecutor`` runs the same calls in order, synchronously: the same
-pipeline code runs on both.
+On a GPU every copy, event record and wait goes through the CUDA driver on an explicit stream
+(``kvtier.cuda._driver``), so torch's current stream is never switched. On a CPU device (Triton's
+interpreter, in tests) the same calls run at once, in order: the mover's code is the same on both.
+
+Why a store's block ids go up by a kernel (``Kernels.copy_words``, reading the pinned buffer in
+place) and a load's by DMA: a host-to-device copy queues behind every host-to-device copy already
+on the copy engine, whatever its stream (a 64 KiB copy issued after a 32 MiB one ended ~600 us
+later), so a store's ids copied that way would wait for a concurrent load's DMAs. A load's ids go
+on its own copy stream, ahead of its own DMAs.
 """
 
 from __future__ import annotations
@@ -17,236 +21,180 @@ from typing import Any
 
 import torch
 
-from kvtier.cuda._driver import CudaDriver, CUDADriverError, RawEvent, driver
-from kvtier.cuda.kernels import LAUNCHES, RUN_WORDS, RowGeometry, copy_runs
-from kvtier.cuda.memory import StagingRing, TableBuffer, TableRing
-from kvtier.cuda.plan import Piece
+from kvtier.cuda._driver import CUDADriverError, RawEvent, driver
 
 # Per thread: the devices whose CUDA context the thread has current (see Lane.bind_context).
 _BOUND = threading.local()
 
 
 def _torch_raw_stream(index: int) -> int:
-    return torch.cuda.current_stream(index).cuda_stream
+    return int(torch.cuda.current_stream(index).cuda_stream)
 
 
 # The caller's current stream as a raw handle: torch's private accessor costs ~0.3 us where
-# ``torch.cuda.current_stream()`` builds a Stream object (~3-9 us on a busy host); the public
-# call is the fallback where the private one is missing.
+# ``torch.cuda.current_stream()`` builds a Stream object (~3-9 us on a busy host).
 _get_raw_stream: Callable[[int], int] = getattr(
     torch._C, "_cuda_getCurrentRawStream", _torch_raw_stream
 )
 
 
-def raw_current_stream(device: torch.device) -> int:
-    """The raw handle of the current stream on ``device`` (a CUDA device)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _get_raw_stream(index)
-
-
-class OnDevice:
-    """Makes device ``index`` current for a block and gives the caller its own back afterwards
-    (``set_device`` only when they differ; a no-op on a CPU device, ``index`` None)."""
-
-    __slots__ = ("index", "prev")
-
-    def __init__(self, index: int | None) -> None:
-        self.index = index
-        self.prev = index
-
-    def __enter__(self) -> None:
-        if self.index is not None:
-            self.prev = torch.cuda.current_device()
-            if self.prev != self.index:
-                torch.cuda.set_device(self.index)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.prev != self.index:
-            torch.cuda.set_device(self.prev)
-
-
 class HostEvent:
-    """An event on a CPU device: work has always run when it is recorded."""
+    """An event on a CPU device: the work before it has always run."""
 
     __slots__ = ()
-    handle = 0
 
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
+    def record(self, stream: int) -> None:
         pass
 
     def wait_on(self, stream: int) -> None:
         pass
 
-
-class DriverExecutor:
-    """Device work through the CUDA driver, each call on an explicit stream."""
-
-    def __init__(self, drv: CudaDriver) -> None:
-        self.drv = drv
-        self.record, self.wait = drv.record, drv.wait
-        self.htod, self.dtoh = drv.memcpy_htod, drv.memcpy_dtoh
-
-    def run_pieces(
-        self,
-        lane: Lane,
-        table: TableBuffer,
-        offset: int,
-        piece: Piece,
-        geo: RowGeometry,
-        bases: torch.Tensor,
-        *,
-        to_paged: bool,
-    ) -> None:
-        """One kernel launch over ``piece``'s runs of the table (which starts ``offset`` int64s in)."""
-        LAUNCHES.launch(
-            table.dev,  # type: ignore[arg-type]
-            table.dev_ptr,
-            offset,
-            piece.start,
-            piece.stop,
-            piece.max_rows,
-            piece.max_tokens,
-            geo,
-            bases,
-            to_paged=to_paged,
-            stream=lane.kernel_stream,
-            cache=lane.launch_cache,
-        )
-
-    def table_up(self, lane: Lane, table: TableBuffer, numel: int, *, by_kernel: bool) -> None:
-        """The table's first ``numel`` int64s to the device, on the kernel stream: by a kernel
-        reading the pinned buffer in place, or on the copy engine (see ``Pipeline``)."""
-        if by_kernel:
-            LAUNCHES.copy_words(
-                table.host,  # type: ignore[arg-type]
-                table.host_read_ptr,
-                table.dev,  # type: ignore[arg-type]
-                numel,
-                stream=lane.kernel_stream,
-            )
-        else:
-            self.drv.memcpy_htod(table.dev_ptr, table.host_ptr, 8 * numel, lane.ks_h)
-
-
-class HostExecutor:
-    """The same calls on a CPU device, run at once and in order (streams and events are moot)."""
-
-    def record(self, event: int, stream: int) -> None:
+    def synchronize(self) -> None:
         pass
-
-    def wait(self, stream: int, event: int) -> None:
-        pass
-
-    def htod(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        ctypes.memmove(dst, src, nbytes)
-
-    dtoh = htod
-
-    def run_pieces(
-        self,
-        lane: Lane,
-        table: TableBuffer,
-        offset: int,
-        piece: Piece,
-        geo: RowGeometry,
-        bases: torch.Tensor,
-        *,
-        to_paged: bool,
-    ) -> None:
-        assert table.dev is not None
-        runs = table.dev[offset + piece.start * RUN_WORDS : offset + piece.stop * RUN_WORDS].view(
-            -1, RUN_WORDS
-        )
-        copy_runs(runs, piece.max_rows, piece.max_tokens, geo, bases, to_paged=to_paged)
-
-    def table_up(self, lane: Lane, table: TableBuffer, numel: int, *, by_kernel: bool) -> None:
-        pass  # on a CPU device the kernels read the host buffer itself
 
 
 class Lane:
-    """One direction's streams, staging ring, table ring and slot events.
+    """One direction's streams (``kernel_stream`` runs gathers or scatters, ``copy_stream`` the
+    DMAs), ``slots`` staging buffers used in turn, and two events per slot: ``filled`` (its
+    producer is done writing it) and ``free`` (its consumer is done reading it). A slot is
+    reused only after ``free`` on the device; ``last`` is the event behind the lane's latest
+    work, which the host waits for to end a call."""
 
-    Every slot has two events: ``filled`` (the producer side is done writing it) and ``free``
-    (the consumer side is done reading it). Reusing a slot waits on ``free`` on the device, so
-    calls interleaving on one lane stay correct; ``lock`` keeps the ring positions consistent
-    while a call is planned and issued (a whole-chunk call holds it across its batches).
-    """
-
-    def __init__(self, device: torch.device, num_slots: int, slot_bytes: int) -> None:
+    def __init__(self, device: torch.device, slots: int, slot_bytes: int) -> None:
         self.device = device
-        self.is_cuda = device.type == "cuda"
-        self.index: int | None = device.index if self.is_cuda else None
-        self.lock = threading.RLock()
-        # This lane's kernels, launched directly with their parameters bound (LAUNCHES.launch).
-        self.launch_cache: dict[tuple, Any] = {}
-        self.exe: DriverExecutor | HostExecutor
-        if self.is_cuda:
+        self.gpu = device.type == "cuda"
+        self.index: int | None = device.index if self.gpu else None
+        self.slot_bytes = slot_bytes
+        self.slots: list[torch.Tensor] = []
+        self.next_slot = 0
+        if self.gpu:
             drv = driver()
             if drv is None:
                 raise CUDADriverError(
                     "kvtier-cuda needs the CUDA driver library (libcuda.so.1), which did not load"
                 )
-            self.drv: CudaDriver | None = drv
-            self.kernel_stream = torch.cuda.Stream(device)
-            self.copy_stream = torch.cuda.Stream(device)
-            self.ks_h, self.cs_h = self.kernel_stream.cuda_stream, self.copy_stream.cuda_stream
-            self.exe = DriverExecutor(drv)
-            self.ring = StagingRing(
-                device, num_slots, slot_bytes, (self.kernel_stream, self.copy_stream)
-            )
-            self.tables = TableRing(device, self.new_event, drv.host_device_pointer)
+            self.drv = drv
+            self.kernel_stream: Any = torch.cuda.Stream(device)
+            self.copy_stream: Any = torch.cuda.Stream(device)
+            self.ks, self.cs = self.kernel_stream.cuda_stream, self.copy_stream.cuda_stream
         else:
-            self.drv = None
-            self.ks_h = self.cs_h = 0
-            self.exe = HostExecutor()
-            self.ring = StagingRing(device, num_slots, slot_bytes, None)
-            self.tables = TableRing(device, self.new_event)
-        self.filled = [self.new_event() for _ in range(num_slots)]
-        self.free = [self.new_event() for _ in range(num_slots)]
-        self.after = self.new_event()  # ordering after the caller's stream, per call
+            self.kernel_stream = self.copy_stream = None
+            self.ks = self.cs = 0
+        self.filled = [self.event() for _ in range(slots)]
+        self.free = [self.event() for _ in range(slots)]
+        self.after = self.event()  # the caller's stream, at the call
+        self.layer_done: list[Any] = []  # a layer-by-layer load's per-layer events
+        self.last: Any = None
+        self.ids_host = torch.empty(0, dtype=torch.int64)
+        self.ids_dev = self.ids_host
 
-    def new_event(self) -> Any:
-        """A fresh event (a driver event on a GPU)."""
-        return RawEvent(self.drv) if self.drv is not None else HostEvent()
+    def event(self) -> Any:
+        return RawEvent(self.drv) if self.gpu else HostEvent()
 
-    def take_table(self, numel: int) -> TableBuffer:
-        """The next table buffer, holding at least ``numel`` int64s (see ``TableRing``)."""
-        self.bind_context()
-        with OnDevice(self.index):
-            return self.tables.take(numel)
+    # -- buffers -------------------------------------------------------------------------------
+    def ensure_ids(self, n: int) -> None:
+        """Block-id buffers for ``n`` int64s; only between calls (nothing of this lane in
+        flight), so the old buffers may go."""
+        if self.ids_host.numel() >= n:
+            return
+        size = max(n, 4096)
+        self.ids_host = torch.empty(size, dtype=torch.int64, pin_memory=self.gpu)
+        self.ids_dev = (
+            torch.empty(size, dtype=torch.int64, device=self.device) if self.gpu else self.ids_host
+        )
 
-    def dma_in_flight(self) -> bool:
-        """Whether a DMA this lane issued may still be running (event queries, never a wait)."""
-        return not all(e.query() for e in self.filled)
+    def take_slot(self, nbytes: int) -> int:
+        """The next slot in turn, holding at least ``nbytes`` (all slots are allocated or grown
+        together; a grown ring first waits for the lane's work: the old slots may be in use)."""
+        if not self.slots or nbytes > self.slot_bytes:
+            self.synchronize()
+            self.slot_bytes = max(self.slot_bytes, nbytes)
+            size = -(-self.slot_bytes // 16) * 16  # the kernels view a slot as 8-byte words
+            self.slots = [
+                torch.empty(size, dtype=torch.uint8, device=self.device) for _ in self.filled
+            ]
+        s = self.next_slot
+        self.next_slot = (s + 1) % len(self.filled)
+        return s
 
-    def busy(self) -> bool:
-        """Whether work this lane issued may still be running (event queries, never a wait)."""
-        return self.dma_in_flight() or not all(e.query() for e in self.free)
+    def release(self) -> None:
+        """Give the slots back to torch's allocator (only with nothing of this lane in flight)."""
+        self.slots = []
+
+    # -- device calls --------------------------------------------------------------------------
+    def record(self, event: Any, stream: int) -> None:
+        event.record(stream)
+        self.last = event
+
+    def to_host(self, dst: int, src: int, nbytes: int) -> None:
+        """Device ``src`` -> host ``dst`` on the copy stream."""
+        if self.gpu:
+            self.drv.memcpy_dtoh(dst, src, nbytes, self.cs)
+        else:
+            ctypes.memmove(dst, src, nbytes)
+
+    def to_device(self, dst: int, src: int, nbytes: int) -> None:
+        """Host ``src`` -> device ``dst`` on the copy stream."""
+        if self.gpu:
+            self.drv.memcpy_htod(dst, src, nbytes, self.cs)
+        else:
+            ctypes.memmove(dst, src, nbytes)
+
+    def copy_2d(
+        self,
+        dst: int,
+        dst_pitch: int,
+        src: int,
+        src_pitch: int,
+        width: int,
+        rows: int,
+        *,
+        to_host: bool,
+    ) -> None:
+        """``rows`` rows of ``width`` bytes, each side with its pitch, on the copy stream."""
+        if self.gpu:
+            self.drv.memcpy_2d(
+                dst, dst_pitch, src, src_pitch, width, rows, self.cs, to_host=to_host
+            )
+        else:
+            for r in range(rows):
+                ctypes.memmove(dst + r * dst_pitch, src + r * src_pitch, width)
+
+    def order_after_caller(self) -> None:
+        """The kernel stream waits (on the device) for the work the calling thread has queued on
+        its current stream so far."""
+        if self.gpu:
+            assert self.index is not None
+            caller = _get_raw_stream(self.index)
+            self.after.record(caller)
+            self.after.wait_on(self.ks)
+
+    def caller_waits(self, event: Any) -> None:
+        """The calling thread's current stream waits (on the device) for ``event``."""
+        if self.gpu:
+            assert self.index is not None
+            event.wait_on(_get_raw_stream(self.index))
+
+    def synchronize(self) -> None:
+        """The host waits for all work this lane issued."""
+        if self.last is not None:
+            self.last.synchronize()
+            self.last = None
 
     def bind_context(self) -> None:
         """Make sure this thread has the device's CUDA context current before driver calls (a
-        thread's first CUDA runtime call binds it; remembered per thread and device, so only a
-        thread's first call pays for the device switch and the check)."""
-        if self.drv is None:
+        thread's first CUDA runtime call binds it; remembered per thread and device)."""
+        if not self.gpu:
             return
         bound = getattr(_BOUND, "devices", None)
         if bound is None:
             bound = _BOUND.devices = set()
-        if self.device.index in bound:
+        if self.index in bound:
             return
-        with OnDevice(self.index):
+        if not self.drv.has_context():
+            torch.cuda.current_stream(self.device).query()  # binds the primary context
             if not self.drv.has_context():
-                torch.cuda.current_stream(self.device).query()
-                if not self.drv.has_context():
-                    raise CUDADriverError(
-                        f"no CUDA context is current on this thread for {self.device}"
-                    )
-        bound.add(self.device.index)
-
-    def synchronize(self) -> None:
-        if self.is_cuda:
-            self.kernel_stream.synchronize()
-            self.copy_stream.synchronize()
+                raise CUDADriverError(
+                    f"no CUDA context is current on this thread for {self.device}"
+                )
+        bound.add(self.index)

@@ -1,4 +1,4 @@
-"""The ``kvtier.platforms`` probe for CUDA: cheap, no CUDA context, no triton import."""
+"""The ``kvtier.platforms`` entry point for CUDA: cheap, no CUDA context, no triton import."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _nvml_device_count() -> int | None:
         nvml.nvmlShutdown()
 
 
-def probe() -> str | None:
+def detect() -> str | None:
     """``"kvtier.cuda.platform:CUDAPlatform"`` when an NVIDIA GPU and triton are usable, else None.
 
     Asks NVML (no CUDA context is created, so a process that forks later stays fork-safe);
