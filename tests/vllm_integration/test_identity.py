@@ -31,7 +31,8 @@ from kvtier.core.keys import KeyScope, salt_id
 from kvtier.core.platforms.cpu import CPUPlatform
 from kvtier.vllm_integration.connector import KVTierConnector
 from kvtier.vllm_integration.identity import adapter_identity, identity_tokens
-from kvtier.vllm_integration.layout import build_layout
+from kvtier.core.layout import PagedLayout
+from kvtier.vllm_integration.layout import CacheSpec, page_layout
 
 BLOCK, CHUNK = 32, 64
 TEXT = list(range(100, 100 + 4 * CHUNK))  # 256 tokens; an "image" at [64, 192)
@@ -147,12 +148,19 @@ def test_an_engine_restarted_with_another_fp8_format_misses(tmp_path) -> None:
     )
     tokens = np.arange(2 * CHUNK, dtype=np.int64)
 
+    spec = CacheSpec(BLOCK, 2, 64, 128, use_mla=False, kind="FullAttentionSpec")
+
     def engine(fmt: str) -> CacheEngine:
-        layout = build_layout(
-            caches, block_size=BLOCK, num_kv_heads=2, head_size=64, cache_dtype=fmt
+        reg = page_layout(
+            caches,
+            spec,
+            paged_layout=PagedLayout.LBHNC,
+            num_blocks=8,
+            cache_dtype=fmt,
+            interior="CPU_ATTN/vec",
         )
-        eng = CacheEngine(config, layout, model="m", platform=CPUPlatform())
-        eng.register_kv_caches(list(caches.values()))
+        eng = CacheEngine(config, reg.layout, model="m", platform=CPUPlatform())
+        eng.register_kv_caches(reg.caches, reg.num_blocks)
         return eng
 
     first = engine("fp8_e4m3")

@@ -28,7 +28,7 @@ PROMPT = np.arange(1000, 1000 + 2 * CHUNK, dtype=np.int64)
 
 @pytest.fixture
 def engine():
-    layout = KVLayout(2, 2, 8, "bfloat16", BLOCK, "vllm_cpu")
+    layout = KVLayout(2, 2, 8, "bfloat16", BLOCK, "LBHNC")
     config = load_config(env={}, overrides={"chunk_size": CHUNK, "tiers": ["local_cpu"]})
     arena = HostArena.create(8 * math.prod(layout.chunk_shape(CHUNK)) * 2)
     eng = CacheEngine(
@@ -69,7 +69,7 @@ def store_with(
     """The worker's store; optionally it stalls between its device copy and its commit, as a
     slow copy would."""
     if copied is not None and go is not None:
-        inner = engine.connector
+        inner = engine.mover
         assert inner is not None
         original = inner.store
 

@@ -187,7 +187,7 @@ class Machine(RuleBasedStateMachine):
             arena_chunks=arena,
         )
         for rank in self.h.ranks:
-            for c in rank.engine.connector.kv_caches:  # type: ignore[union-attr]
+            for c in rank.engine.mover.kv_caches:  # type: ignore[union-attr]
                 c.fill_(POISON)
             self.loads.append(
                 WorkerLoads(
@@ -205,7 +205,7 @@ class Machine(RuleBasedStateMachine):
     # -- helpers ---------------------------------------------------------------------------
     def caches(self, rank: int) -> list[torch.Tensor]:
         assert self.h is not None
-        return list(self.h.ranks[rank].engine.connector.kv_caches)  # type: ignore[union-attr]
+        return list(self.h.ranks[rank].engine.mover.kv_caches)  # type: ignore[union-attr]
 
     def paint_kv(self, lv: Live, start: int, end: int, gen: str | None) -> None:
         """The KV of tokens ``[start, end)`` computed into ``lv``'s blocks on every rank."""
@@ -447,7 +447,7 @@ def test_painted_values_are_each_tokens_kv_to_the_engine() -> None:
     h = Harness.create(save_unfull_chunk=True)
     try:
         engine, tokens = h.ranks[0].engine, PROMPTS[1]
-        caches = list(engine.connector.kv_caches)  # type: ignore[union-attr]
+        caches = list(engine.mover.kv_caches)  # type: ignore[union-attr]
         values = token_values(0, None, None, tuple(tokens))
         src, dst = [9, 3, 20, 4, 11, 7], [40, 33, 50, 61, 35, 42]
         paint(caches, slots_of(dst, 0, len(tokens)), [POISON] * len(tokens))
@@ -458,16 +458,19 @@ def test_painted_values_are_each_tokens_kv_to_the_engine() -> None:
         hold = engine.hold(tokens)
         try:
             for span, obj in zip(hold.spans, hold.objs, strict=True):
-                kv = obj.tensor.float()  # [K/V, layer, token, heads * head]
-                for kind, layer in [(0, 0), (1, 0), (0, 1), (1, 1)]:
-                    want = torch.tensor(values[span.start : span.end]) + 64.0 * (kind + 2 * layer)
-                    assert torch.equal(kv[kind, layer], want[:, None].expand_as(kv[kind, layer]))
+                # [blocks, layers, page]: each page is its cache block's bytes, as painted
+                for j in range(span.num_tokens // BLOCK):
+                    block = src[span.start // BLOCK + j]
+                    for layer, cache in enumerate(caches):
+                        page = cache[block].contiguous().view(torch.uint8).flatten()
+                        assert torch.equal(obj.tensor[j, layer], page)
         finally:
             hold.release()
-        slots = slot_mapping(dst, BLOCK, n, BLOCK, n - 3)
-        assert bool(engine.retrieve(tokens, torch.from_numpy(slots))[BLOCK : n - 3].all())
+        end = (n // BLOCK - 1) * BLOCK  # whole blocks, one short of what is stored
+        slots = slot_mapping(dst, BLOCK, n, BLOCK, end)
+        assert bool(engine.retrieve(tokens, torch.from_numpy(slots))[BLOCK:end].all())
         got = read(caches, slots_of(dst, 0, n))
-        assert got == [POISON] * BLOCK + values[BLOCK : n - 3] + [POISON] * 3
+        assert got == [POISON] * BLOCK + values[BLOCK:end] + [POISON] * (n - end)
     finally:
         h.close()
 

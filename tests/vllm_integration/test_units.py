@@ -1,5 +1,4 @@
-"""Fast tests of the integration's parts that need no running engine: layout detection, slot
-mappings, plugin registration and the control channel."""
+"""Fast tests of the integration's parts that need no running engine: slot mappings, plugin registration and the control channel."""
 
 from __future__ import annotations
 
@@ -12,80 +11,13 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (install kvtier[vllm])")
 
-from kvtier.core.errors import LayoutError
-from kvtier.core.layout import PagedLayout
 from kvtier.vllm_integration.channel import (
     ChannelError,
     ControlClient,
     ControlServer,
     socket_path,
 )
-from kvtier.vllm_integration.layout import build_layout, detect_paged_layout, layer_index
 from kvtier.vllm_integration.metadata import slot_mapping
-
-BS, H, D, NB = 32, 2, 64, 5
-
-
-@pytest.mark.parametrize(
-    ("shape", "mla", "expected"),
-    [
-        ((NB, H, BS, 2 * D), False, PagedLayout.VLLM_CPU),
-        ((2, NB, BS, H, D), False, PagedLayout.FLASH_NHD),
-        ((NB, 2, BS, H, D), False, PagedLayout.FLASH_BLOCK_FIRST),
-        ((NB, BS, D), True, PagedLayout.MLA),
-    ],
-)
-def test_detects_known_layouts(shape, mla, expected) -> None:
-    heads = 1 if mla else H
-    assert (
-        detect_paged_layout(shape, block_size=BS, num_kv_heads=heads, head_size=D, use_mla=mla)
-        is expected
-    )
-
-
-@pytest.mark.parametrize(
-    "shape",
-    [
-        (NB, H, BS, D),  # CPU-like but one head size wide
-        (NB, BS, H, 2 * D),  # heads and block swapped
-        (2, NB, BS, H + 1, D),  # wrong head count
-        (3, NB, BS, H, D),
-        (NB * BS, H, D),
-    ],
-)
-def test_refuses_unknown_layouts(shape) -> None:
-    with pytest.raises(LayoutError, match="kvtier knows"):
-        detect_paged_layout(shape, block_size=BS, num_kv_heads=H, head_size=D, use_mla=False)
-
-
-def test_ambiguous_layout_is_refused() -> None:
-    # With 2 blocks, [2, 2, B, H, D] is both flash layouts: guessing could load wrong bytes.
-    with pytest.raises(LayoutError, match="more than one"):
-        detect_paged_layout(
-            (2, 2, BS, H, D), block_size=BS, num_kv_heads=H, head_size=D, use_mla=False
-        )
-
-
-def test_build_layout_orders_layers_and_checks_them() -> None:
-    caches = {
-        f"model.layers.{i}.self_attn.attn": torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16)
-        for i in (2, 0, 10, 1)
-    }
-    layout = build_layout(caches, block_size=BS, num_kv_heads=H, head_size=D)
-    assert (layout.num_layers, layout.paged_layout, layout.dtype) == (
-        4,
-        PagedLayout.VLLM_CPU,
-        "bfloat16",
-    )
-    assert layer_index("model.layers.10.self_attn.attn") == 10
-    caches["model.layers.3.self_attn.attn"] = torch.zeros(
-        NB + 1, H, BS, 2 * D, dtype=torch.bfloat16
-    )
-    with pytest.raises(LayoutError, match="differ between layers"):
-        build_layout(caches, block_size=BS, num_kv_heads=H, head_size=D)
-    with pytest.raises(LayoutError, match="no KV tensors"):
-        build_layout({}, block_size=BS, num_kv_heads=H, head_size=D)
-
 
 def test_slot_mapping_marks_only_the_asked_tokens() -> None:
     slots = slot_mapping([7, 3, 9], 4, 12, 2, 9)
