@@ -26,8 +26,8 @@ from kvtier.core.platforms.cpu import CPUPlatform
 
 SHAPES = {
     # name: (layout, chunk, chunks per prompt, prompts)
-    "cpu-test-model": (KVLayout(4, 2, 64, "bfloat16", 32, PagedLayout.FLASH_NHD), 256, 4, 6),
-    "8b": (KVLayout(32, 8, 128, "bfloat16", 16, PagedLayout.FLASH_NHD), 256, 2, 3),
+    "cpu-test-model": (KVLayout(4, 2, 64, "bfloat16", 32, PagedLayout.LBHNC), 256, 4, 6),
+    "8b": (KVLayout(32, 8, 128, "bfloat16", 16, PagedLayout.LBHNC), 256, 2, 3),
 }
 TIERS = {"host": ["local_cpu"], "host+disk": ["local_cpu", "local_disk"]}
 

@@ -32,7 +32,7 @@ SLEEP_CYCLES = 50_000_000  # ~25-35 ms of GPU time before the KV is written
 
 def run_rounds(rounds: int, use_marker: bool) -> dict:
     platform = get_platform("cuda", device_index=0)
-    layout = KVLayout(LAYERS, HEADS, HEAD, "bfloat16", BLOCK, "flash_nhd")
+    layout = KVLayout(LAYERS, HEADS, HEAD, "bfloat16", BLOCK, "LBHNC")
     config = load_config(env={}, overrides={"chunk_size": CHUNK, "tiers": ["local_cpu"]})
     arena = HostArena.create(
         (rounds + 2) * math.prod(layout.chunk_shape(CHUNK)) * 2, pin_memory=True

@@ -96,7 +96,7 @@ class Harness:
             head_size=8,
             dtype="bfloat16",
             block_size=BLOCK,
-            paged_layout="vllm_cpu",
+            paged_layout="LBHNC",
         )
         config = load_config(
             env={},

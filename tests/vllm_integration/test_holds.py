@@ -47,7 +47,7 @@ def setup():
         head_size=8,
         dtype="bfloat16",
         block_size=BLOCK,
-        paged_layout=PagedLayout.VLLM_CPU,
+        paged_layout=PagedLayout.LBHNC,
     )
     config = load_config(env={}, overrides={"chunk_size": CHUNK, "tiers": ["local_cpu"]})
     chunk_bytes = math.prod(layout.chunk_shape(CHUNK)) * 2
@@ -72,7 +72,7 @@ def setup():
 
 def fill_tier(engine: CacheEngine, count: int = 20) -> None:
     """Put ``count`` other chunks (as other requests' saves do): far more than host memory holds."""
-    meta = MemoryObjMeta(engine.layout.chunk_shape(CHUNK), engine.layout.torch_dtype, CHUNK)
+    meta = MemoryObjMeta(engine.layout.chunk_shape(CHUNK), engine.layout.chunk_dtype, CHUNK)
     for _ in range(count):
         obj = engine.storage.allocate(meta)
         assert obj is not None

@@ -28,7 +28,7 @@ LAYOUT = KVLayout(
     head_size=4,
     dtype="float32",
     block_size=BLOCK,
-    paged_layout="vllm_cpu",
+    paged_layout="LBHNC",
 )
 
 
