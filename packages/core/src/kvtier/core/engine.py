@@ -344,3 +344,6 @@ class CacheEngine:
 
     def close(self) -> None:
         self.storage.close()
+        arena = getattr(self.storage, "arena", None)
+        if arena is not None:
+            arena.close()

@@ -42,9 +42,16 @@ class HostArena:
     Thread-safe. ``allocate`` never blocks and never spins: it returns ``None`` when the bytes are
     not there, and the caller (a storage tier) decides whether to evict and try again
     (``allocate_evicting``).
+
+    Growth: an arena may start with only its first ``ready_bytes`` usable (``capacity``) and
+    grow to ``target_bytes`` as a background thread pins it segment by segment
+    (``kvtier.core.arena_growth``): objects are only ever carved from ready bytes, so a transfer
+    never touches memory still being page-locked, and nothing waits for the whole arena.
     """
 
-    def __init__(self, buffer: torch.Tensor, *, alignment: int = 256) -> None:
+    def __init__(
+        self, buffer: torch.Tensor, *, alignment: int = 256, ready_bytes: int | None = None
+    ) -> None:
         if buffer.dtype != torch.uint8 or buffer.dim() != 1:
             raise ValueError("HostArena needs a one-dimensional uint8 buffer")
         if buffer.device.type != "cpu":
@@ -53,12 +60,15 @@ class HostArena:
             raise ValueError(f"alignment must be a power of two, got {alignment}")
         self.buffer = buffer
         self.alignment = alignment
-        self.capacity = (buffer.numel() // alignment) * alignment
+        self.target_bytes = (buffer.numel() // alignment) * alignment
+        ready = self.target_bytes if ready_bytes is None else ready_bytes // alignment * alignment
+        self.capacity = max(0, min(ready, self.target_bytes))  # usable now
         self._lock = threading.Lock()
         # Free extents as two parallel sorted lists (offset -> size), coalesced on free.
         self._free_offsets: list[int] = [0] if self.capacity else []
         self._free_sizes: list[int] = [self.capacity] if self.capacity else []
         self._used = 0
+        self._closers: list[Callable[[], None]] = []
         self._typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer viewed as each dtype
         self._base = buffer.storage_offset()  # the buffer may be a slice of a larger tensor
 
@@ -70,6 +80,32 @@ class HostArena:
     @property
     def used_bytes(self) -> int:
         return self._used
+
+    def grow(self, upto: int) -> int:
+        """Make the bytes up to ``upto`` usable (at most ``target_bytes``); returns the new
+        capacity. Called as background pinning finishes a segment; never shrinks."""
+        with self._lock:
+            upto = min(upto // self.alignment * self.alignment, self.target_bytes)
+            start = self.capacity
+            if upto <= start:
+                return start
+            if self._free_offsets and self._free_offsets[-1] + self._free_sizes[-1] == start:
+                self._free_sizes[-1] += upto - start
+            else:
+                self._free_offsets.append(start)
+                self._free_sizes.append(upto - start)
+            self.capacity = upto
+            return upto
+
+    def on_close(self, closer: Callable[[], None]) -> None:
+        """Run ``closer`` at ``close()`` (a background grower stops there)."""
+        self._closers.append(closer)
+
+    def close(self) -> None:
+        """Stop anything still preparing the arena (idempotent); its objects stay valid."""
+        closers, self._closers = self._closers, []
+        for closer in closers:
+            closer()
 
     @property
     def free_bytes(self) -> int:
@@ -113,14 +149,18 @@ class HostArena:
 
         Terminates: every round either allocates, frees one object, or gives up.
         """
-        if self._round(meta.nbytes) > self.capacity:
+        size = self._round(meta.nbytes)
+        if size > self.target_bytes:
             raise OutOfHostMemory(
-                f"a {meta.nbytes}-byte object cannot fit a {self.capacity}-byte host arena"
+                f"a {meta.nbytes}-byte object cannot fit a {self.target_bytes}-byte host arena"
             )
         while True:
             obj = self.allocate(meta)
-            if obj is not None or evict_one is None or not evict_one():
+            if obj is not None or evict_one is None:
                 return obj
+            # While the arena is still growing, evicting cannot make room past what is ready.
+            if size > self.capacity or not evict_one():
+                return None
 
     def tensor_at(self, offset: int, meta: MemoryObjMeta) -> torch.Tensor:
         """A contiguous tensor of ``meta``'s shape and dtype over the arena's bytes at ``offset``.

@@ -95,7 +95,10 @@ METRICS: dict[str, MetricDef] = {
     ),
     "prefetched_chunks": MetricDef(COUNTER, "Chunks brought into host memory by prefetches."),
     "host_arena_used_bytes": MetricDef(GAUGE, "Bytes allocated in the host-memory arena."),
-    "host_arena_capacity_bytes": MetricDef(GAUGE, "Size of the host-memory arena."),
+    "host_arena_capacity_bytes": MetricDef(
+        GAUGE, "Usable bytes of the host-memory arena (grows while it is pinned)."
+    ),
+    "host_arena_target_bytes": MetricDef(GAUGE, "Configured size of the host-memory arena."),
     "tier_used_bytes": MetricDef(GAUGE, "Bytes a tier indexes (host memory, disk).", tiered=True),
     # vLLM connector (worker side)
     "load_failed_blocks": MetricDef(
@@ -183,6 +186,7 @@ def storage_values(storage: Any, out: Values) -> None:
     if arena is not None:
         out["host_arena_used_bytes"] = {"": arena.used_bytes}
         out["host_arena_capacity_bytes"] = {"": arena.capacity}
+        out["host_arena_target_bytes"] = {"": arena.target_bytes}
     for tier in getattr(storage, "tiers", ()):
         used = getattr(tier, "used_bytes", None)
         if isinstance(used, int):

@@ -58,11 +58,41 @@ class Platform(ABC):
         """Whether host buffers should be page-locked for this platform's copies."""
         return False
 
+    #: Whether ``pin_host_range`` can page-lock part of an existing buffer: then the arena is
+    #: pinned in the background, segment by segment (``kvtier.core.arena_growth``).
+    pins_ranges: ClassVar[bool] = False
+    #: Bytes page-locked per background step (``kvtier.core.arena_growth.SEGMENT_BYTES``).
+    pin_segment_bytes: ClassVar[int] = 256 << 20
+
     def create_arena(self, nbytes: int, *, pin_memory: bool = True) -> HostArena:
-        """The host arena for this platform: one allocation, pinned where that helps."""
+        """The host arena for this platform: one allocation, pinned where that helps. Where the
+        platform pins ranges, the arena is usable at once and grows as it is pinned."""
         from kvtier.core.memory import HostArena
 
-        return HostArena.create(nbytes, pin_memory=pin_memory and self.has_pinned_memory)
+        pin = pin_memory and self.has_pinned_memory
+        if not (pin and self.pins_ranges):
+            return HostArena.create(nbytes, pin_memory=pin)
+        from kvtier.core.arena_growth import ArenaGrowth
+
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        arena = HostArena(buffer, ready_bytes=0)
+        base = buffer.data_ptr()
+        ArenaGrowth(
+            arena,
+            lambda offset, n: self.pin_host_range(base + offset, n),
+            lambda offset, n: self.unpin_host_range(base + offset, n),
+            segment_bytes=self.pin_segment_bytes,
+        ).start()
+        return arena
+
+    def pin_host_range(self, address: int, nbytes: int) -> bool:
+        """Page-lock ``nbytes`` of host memory at ``address`` for this device's copies; False
+        when refused (it stays pageable). Only called where ``pins_ranges``."""
+        raise NotImplementedError(f"the {self.name} platform does not pin host ranges")
+
+    def unpin_host_range(self, address: int, nbytes: int) -> None:
+        """Undo ``pin_host_range``."""
+        raise NotImplementedError(f"the {self.name} platform does not pin host ranges")
 
     @abstractmethod
     def create_mover(
