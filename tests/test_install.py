@@ -91,8 +91,8 @@ _CHILD = """
 import json, sys
 import torch
 import kvtier.core, kvtier.storage, kvtier.xpu
-from kvtier.xpu import probe
-probe()
+from kvtier.xpu import detect
+detect()
 print(json.dumps({
     "triton": "triton" in sys.modules,
     "vllm": sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")),

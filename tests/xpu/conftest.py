@@ -1,4 +1,4 @@
-"""Fixtures of the XPU tests: the device under test and the KV layouts.
+"""Fixtures of the XPU tests: the device under test and the KV geometries.
 
 ``KVTIER_TEST_DEVICE`` picks the device (cpu in tests-cpu, xpu in tests-xpu); the data-path tests
 run unchanged on both.
@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from xpu_helpers import LAYOUTS, xpu_available
-
-from kvtier.core import KVLayout
+from xpu_helpers import GEOMETRIES, Geometry, xpu_available
 
 
 @pytest.fixture(scope="session")
@@ -23,6 +21,6 @@ def device(test_device: torch.device) -> torch.device:
     return test_device
 
 
-@pytest.fixture(params=sorted(LAYOUTS))
-def layout(request: pytest.FixtureRequest) -> KVLayout:
-    return LAYOUTS[request.param]
+@pytest.fixture(params=list(GEOMETRIES))
+def geometry(request: pytest.FixtureRequest) -> Geometry:
+    return GEOMETRIES[request.param]

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from xpu_helpers import xpu_available
+from xpu_helpers import GEOMETRIES, NUM_BLOCKS, make_caches, xpu_available
 
 from kvtier.core import CacheEngine, HostArena, HostMemoryStorageManager, PlatformError, load_config
-from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.platform import discover_platforms, get_platform, resolve_platform_class
 from kvtier.core.platforms.cpu import CPUPlatform
-from kvtier.xpu import XPUPagedConnector, XPUPlatform, probe
+from kvtier.xpu import XPUPageMover, XPUPlatform, detect
 
 needs_xpu = pytest.mark.skipif(not xpu_available(), reason="needs an Intel XPU (torch.xpu)")
 
@@ -34,11 +33,11 @@ def _platform_from_env(env: dict[str, str]) -> object:
     return get_platform(cfg.platform, cfg.plugins)
 
 
-def test_probe_follows_torch_xpu(no_xpu: pytest.MonkeyPatch) -> None:
-    assert probe() is None
+def test_detect_follows_torch_xpu(no_xpu: pytest.MonkeyPatch) -> None:
+    assert detect() is None
     assert discover_platforms()["xpu"] is None
     no_xpu.setattr(torch.xpu, "is_available", lambda: True)
-    assert probe() == "kvtier.xpu.platform:XPUPlatform"
+    assert detect() == "kvtier.xpu.platform:XPUPlatform"
     assert discover_platforms()["xpu"] == "kvtier.xpu.platform:XPUPlatform"
 
 
@@ -71,18 +70,17 @@ def test_asking_for_xpu_without_one_is_a_clear_error(no_xpu: pytest.MonkeyPatch)
         _platform_from_env({"KVTIER_PLATFORM": "xpu"})
 
 
-def test_cache_engine_picks_xpu_and_builds_its_connector(fake_xpu: pytest.MonkeyPatch) -> None:
-    layout = KVLayout(2, 2, 8, "bfloat16", 4, PagedLayout.FLASH_NHD)
+def test_cache_engine_picks_xpu_and_builds_its_mover(fake_xpu: pytest.MonkeyPatch) -> None:
+    geometry = GEOMETRIES["LBHNC"]
     cfg = load_config(env={"KVTIER_DEVICE_STAGING_BUFFER": "false"}, overrides={"chunk_size": 16})
     # No pinned arena without a real device runtime: hand the engine its storage.
     storage = HostMemoryStorageManager(HostArena.create(1 << 16))
-    engine = CacheEngine(cfg, layout, model="m", storage=storage)
+    engine = CacheEngine(cfg, geometry.layout, model="m", storage=storage)
     assert isinstance(engine.platform, XPUPlatform)
-    engine.register_kv_caches(
-        [torch.zeros(layout.expected_cache_shape(8), dtype=torch.bfloat16)] * 2
-    )
-    assert isinstance(engine.connector, XPUPagedConnector)
-    assert engine.connector.use_staging is False
+    engine.register_kv_caches(make_caches(geometry, torch.device("cpu")))
+    assert isinstance(engine.mover, XPUPageMover)
+    assert engine.mover.num_blocks == NUM_BLOCKS
+    assert engine.mover.use_staging is False
     engine.close()
 
 
@@ -96,12 +94,11 @@ def test_no_pinned_memory_without_a_device(no_xpu: pytest.MonkeyPatch) -> None:
 @pytest.mark.xpu
 @needs_xpu
 def test_real_xpu_is_discovered_with_pinned_arena_and_streams() -> None:
-    assert probe() == "kvtier.xpu.platform:XPUPlatform"
+    assert detect() == "kvtier.xpu.platform:XPUPlatform"
     platform = get_platform("xpu")
     assert isinstance(platform, XPUPlatform)
     assert platform.create_arena(1 << 20).is_pinned
-    layout = KVLayout(1, 1, 8, "float16", 4, PagedLayout.FLASH_NHD)
-    cache = torch.zeros(layout.expected_cache_shape(2), dtype=torch.float16, device="xpu")
-    conn = platform.create_connector([cache], layout)
-    assert conn.streams.is_async
+    geometry = GEOMETRIES["LBHNC"]
+    mover = platform.create_mover(make_caches(geometry, torch.device("xpu")), geometry.layout)
+    assert mover.streams.is_async
     platform.synchronize()

@@ -10,18 +10,21 @@ from collections.abc import Iterator
 import pytest
 import torch
 from xpu_helpers import (
+    NUM_BLOCKS,
     SIZES_3,
-    bits,
-    chunk_slots,
+    Geometry,
+    all_pages,
+    chunk_blocks,
     make_arena,
     make_caches,
     make_obj,
-    obj_token,
-    token_value,
+    pages_of,
+    storage_bytes,
+    transfers_for,
 )
 
-from kvtier.core import KVLayout, MemoryObj, Transfer
-from kvtier.xpu import XPUPagedConnector
+from kvtier.core import MemoryObj
+from kvtier.xpu import XPUPageMover, XPUPlatform
 from kvtier.xpu.streams import Stream
 
 
@@ -49,124 +52,137 @@ def _busy(device: torch.device) -> None:
         x = x / x.norm()
 
 
-def _slow_transfers(conn: XPUPagedConnector, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Whatever the connector issues on one of its transfer streams first waits behind a long
-    kernel on that stream (through the public ``conn.streams``): a missing wait then reads or
+def _slow_transfers(mover: XPUPageMover, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the mover issues on one of its transfer streams first waits behind a long
+    kernel on that stream (through the public ``mover.streams``): a missing wait then reads or
     frees bytes before the transfer ran."""
-    real_use = conn.streams.use
+    real_use = mover.streams.use
 
     @contextlib.contextmanager
     def slow_use(stream: Stream) -> Iterator[None]:
         with real_use(stream):
-            _busy(conn.device)
+            _busy(mover.device)
             yield
 
-    monkeypatch.setattr(conn.streams, "use", slow_use)
+    monkeypatch.setattr(mover.streams, "use", slow_use)
 
 
 def _setup(
-    layout: KVLayout, device: torch.device, staging: str, seed: int
-) -> tuple[
-    list[torch.Tensor], list[torch.Tensor], list[MemoryObj], list[list[int]], XPUPagedConnector
-]:
-    slots = chunk_slots(SIZES_3, seed=seed, holes=False)
-    caches = make_caches(layout, device, seed=seed)
-    originals = [c.cpu().clone() for c in caches]
-    objs = [make_obj(make_arena(device), layout, n, seed=seed + i) for i, n in enumerate(SIZES_3)]
+    geometry: Geometry, device: torch.device, staging: str, seed: int
+) -> tuple[list[torch.Tensor], list[MemoryObj], list[list[int]], XPUPageMover]:
+    blocks = chunk_blocks(SIZES_3, seed=seed, holes=False)
+    caches = make_caches(geometry, device, seed=seed)
+    arena = make_arena(device)
+    objs = [make_obj(arena, geometry.layout, n, seed=seed + i) for i, n in enumerate(SIZES_3)]
     on, cap = STAGINGS[staging]
-    conn = XPUPagedConnector(caches, layout, staging_buffer=on, max_staging_bytes=cap)
-    return caches, originals, objs, slots, conn
-
-
-def _transfers(
-    objs: list[MemoryObj], slots: list[list[int]], device: torch.device
-) -> list[Transfer]:
-    return [Transfer(o, torch.tensor(s, device=device)) for o, s in zip(objs, slots, strict=True)]
+    mover = XPUPlatform().create_mover(
+        caches, geometry.layout, num_blocks=NUM_BLOCKS, staging_buffer=on, max_staging_bytes=cap
+    )
+    return caches, objs, blocks, mover
 
 
 def _objs_hold(
-    objs: list[MemoryObj], slots: list[list[int]], layout: KVLayout, caches: list[torch.Tensor]
+    objs: list[MemoryObj], blocks: list[list[int]], pages: list[list[torch.Tensor]]
 ) -> bool:
+    """Every object holds the ``[layer][block]`` pages of its blocks."""
     return all(
-        torch.equal(
-            bits(obj_token(o, layout, layer, i)), bits(token_value(caches[layer], layout, slot))
-        )
-        for layer in range(layout.num_layers)
-        for o, s in zip(objs, slots, strict=True)
-        for i, slot in enumerate(s)
+        torch.equal(o.tensor[i, layer], pages[layer][block])
+        for o, chunk in zip(objs, blocks, strict=True)
+        for i, block in enumerate(chunk)
+        for layer in range(len(pages))
     )
 
 
-# whole-object staging, layer-at-a-time staging (cap 0), no staging
-STAGINGS = {"whole": (True, 256 << 20), "layer": (True, 0), "off": (False, 0)}
+# whole-batch staging, one chunk per group (bound 0), no staging kept
+STAGINGS = {"whole": (True, 256 << 20), "grouped": (True, 0), "off": (False, 256 << 20)}
 STAGING = pytest.mark.parametrize("staging", sorted(STAGINGS))
 
 
 @STAGING
 def test_store_waits_for_the_engines_pending_writes(
-    layout: KVLayout, accel: torch.device, staging: str
+    geometry: Geometry, accel: torch.device, staging: str
 ) -> None:
-    caches, _, objs, slots, conn = _setup(layout, accel, staging, seed=1)
-    new = [torch.randn(c.shape, device=accel).to(c.dtype) for c in caches]
+    caches, objs, blocks, mover = _setup(geometry, accel, staging, seed=1)
+    raw = storage_bytes(caches[0])
+    new = torch.randint(0, 256, raw.shape, dtype=torch.uint8, device=accel)
     # Built first: creating device tensors from host data would wait for the busy stream.
-    transfers = _transfers(objs, slots, accel)
+    transfers = transfers_for(objs, blocks, accel)
     # Warm the allocator: a fresh device allocation can synchronise the whole device, which
     # would hide a missing wait.
-    conn.store(transfers)
+    mover.store(transfers)
     _busy(accel)  # the engine is still computing ...
-    for c, n in zip(caches, new, strict=True):
-        c.copy_(n)  # ... the KV it then asks to store
-    conn.store(transfers)
+    raw.copy_(new)  # ... the KV it then asks to store
+    mover.store(transfers)
     # No explicit synchronisation: store() returned, so the host objects are final.
-    assert _objs_hold(objs, slots, layout, [n.cpu() for n in new])
+    assert _objs_hold(objs, blocks, all_pages(caches, geometry))
 
 
 @STAGING
 def test_store_returns_only_when_host_objects_are_written(
-    layout: KVLayout, accel: torch.device, staging: str, monkeypatch: pytest.MonkeyPatch
+    geometry: Geometry, accel: torch.device, staging: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _, originals, objs, slots, conn = _setup(layout, accel, staging, seed=2)
-    _slow_transfers(conn, monkeypatch)
-    conn.store(_transfers(objs, slots, accel))
-    assert _objs_hold(objs, slots, layout, originals)
+    caches, objs, blocks, mover = _setup(geometry, accel, staging, seed=2)
+    originals = all_pages(caches, geometry)
+    _slow_transfers(mover, monkeypatch)
+    mover.store(transfers_for(objs, blocks, accel))
+    assert _objs_hold(objs, blocks, originals)
+
+
+@STAGING
+def test_layerwise_store_waits_for_each_layers_pending_write(
+    geometry: Geometry, accel: torch.device, staging: str
+) -> None:
+    caches, objs, blocks, mover = _setup(geometry, accel, staging, seed=6)
+    new = [torch.randn(c.shape, device=accel).to(c.dtype) for c in caches]
+    transfers = transfers_for(objs, blocks, accel)
+    list(mover.store_layerwise(transfers))  # warm the allocator (see above)
+    steps = mover.store_layerwise(transfers)
+    for layer, (c, n) in enumerate(zip(caches, new, strict=True)):
+        _busy(accel)  # the engine computes this layer ...
+        c.copy_(n)  # ... writes it, and saves it
+        assert next(steps) == layer
+    assert next(steps, None) is None
+    assert _objs_hold(objs, blocks, all_pages(caches, geometry))
 
 
 @STAGING
 def test_layerwise_store_orders_the_engines_overwrite_after_the_capture(
-    layout: KVLayout, accel: torch.device, staging: str, monkeypatch: pytest.MonkeyPatch
+    geometry: Geometry, accel: torch.device, staging: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    caches, originals, objs, slots, conn = _setup(layout, accel, staging, seed=3)
-    _slow_transfers(conn, monkeypatch)
-    for layer in conn.store_layerwise(_transfers(objs, slots, accel)):
+    caches, objs, blocks, mover = _setup(geometry, accel, staging, seed=3)
+    originals = all_pages(caches, geometry)
+    _slow_transfers(mover, monkeypatch)
+    for layer in mover.store_layerwise(transfers_for(objs, blocks, accel)):
         caches[layer].fill_(7.0)  # issued on the engine's stream right after the yield
-    assert _objs_hold(objs, slots, layout, originals)
+    assert _objs_hold(objs, blocks, originals)
 
 
 @STAGING
 def test_layerwise_load_orders_the_engines_reads_after_the_layer(
-    layout: KVLayout, accel: torch.device, staging: str, monkeypatch: pytest.MonkeyPatch
+    geometry: Geometry, accel: torch.device, staging: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    caches, _, objs, slots, conn = _setup(layout, accel, staging, seed=4)
-    _slow_transfers(conn, monkeypatch)
+    caches, objs, blocks, mover = _setup(geometry, accel, staging, seed=4)
+    _slow_transfers(mover, monkeypatch)
     seen = []
-    for layer in conn.load_layerwise(_transfers(objs, slots, accel)):
-        seen.append(caches[layer].clone())  # attention reading the layer, on the engine's stream
-    assert _objs_hold(objs, slots, layout, [s.cpu() for s in seen])
+    for layer in mover.load_layerwise(transfers_for(objs, blocks, accel)):
+        # attention reading the layer, on the engine's stream
+        seen.append(storage_bytes(caches[layer]).clone())
+    pages = [pages_of(c, geometry, raw) for c, raw in zip(caches, seen, strict=True)]
+    assert _objs_hold(objs, blocks, pages)
 
 
 @STAGING
 def test_load_returns_only_when_host_objects_may_be_reused(
-    layout: KVLayout, accel: torch.device, staging: str, monkeypatch: pytest.MonkeyPatch
+    geometry: Geometry, accel: torch.device, staging: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    caches, _, objs, slots, conn = _setup(layout, accel, staging, seed=5)
+    caches, objs, blocks, mover = _setup(geometry, accel, staging, seed=5)
     want = [o.tensor.clone() for o in objs]
-    _slow_transfers(conn, monkeypatch)
-    conn.load(_transfers(objs, slots, accel))
+    _slow_transfers(mover, monkeypatch)
+    mover.load(transfers_for(objs, blocks, accel))
     for o in objs:
-        o.tensor.fill_(-3.0)  # the arena hands the bytes to someone else
-    for layer in range(layout.num_layers):
-        for w, s in zip(want, slots, strict=True):
-            for i, slot in enumerate(s):
-                got = token_value(caches[layer], layout, slot)
-                exp = w[layer, i] if layout.use_mla else w[:, layer, i]
-                assert torch.equal(bits(got), bits(exp))
+        o.tensor.fill_(0xA5)  # the arena hands the bytes to someone else
+    pages = all_pages(caches, geometry)
+    for w, chunk in zip(want, blocks, strict=True):
+        for i, block in enumerate(chunk):
+            for layer in range(geometry.layout.num_layers):
+                assert torch.equal(pages[layer][block], w[i, layer])

@@ -1,14 +1,14 @@
-"""kvtier's Intel XPU platform: torch.xpu streams and events, pinned host memory, and a paged
-connector that reuses core's torch paged copy with an optional device staging buffer.
+"""kvtier's Intel XPU platform: torch.xpu streams and events, pinned host memory, and a page
+mover that runs core's torch page copy on transfer streams through device staging buffers.
 
 Importing this package imports torch and kvtier.core only; it touches no device until a
-connector is created.
+mover is created.
 """
 
 from kvtier.xpu.__about__ import __version__
-from kvtier.xpu.connector import XPUPagedConnector
+from kvtier.xpu.detect import detect
+from kvtier.xpu.mover import XPUPageMover
 from kvtier.xpu.platform import XPUPlatform
-from kvtier.xpu.probe import probe
 from kvtier.xpu.streams import StreamAPI
 
-__all__ = ["StreamAPI", "XPUPagedConnector", "XPUPlatform", "__version__", "probe"]
+__all__ = ["StreamAPI", "XPUPageMover", "XPUPlatform", "__version__", "detect"]

@@ -1,11 +1,13 @@
-"""``kvtier bench xpu``: the XPU connector's store/load throughput, staging buffer on and off.
+"""``kvtier bench xpu``: the XPU page mover's store/load throughput per vLLM layout.
 
 Runs on an Intel GPU (``--device xpu``, the default when one exists). Elsewhere it runs the very
 same code on ``cuda`` (torch.cuda has the same stream API) or on ``cpu``, which measures the
-code path, not Intel hardware. Reference, measured in the same run: one contiguous copy of the
-same number of bytes between pinned host memory and the device (the link's limit); each row's
-``ratio`` is its throughput over that reference. Writes ``benchmarks/results/xpu-<device>.json``
-(and a PNG when matplotlib is installed).
+code path, not Intel hardware. The KV views are placed as vLLM 0.32's ``allocate_kv_cache``
+places one cache group's layers (one buffer, the layout's physical order, no padding).
+Reference, measured in the same run: one contiguous copy of the same number of bytes between
+pinned host memory and the device (the link's limit); each row's ``ratio`` is its throughput
+over that reference. Writes ``benchmarks/results/xpu-<device>.json`` (and a PNG when
+matplotlib is installed).
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from kvtier.core.connector import Transfer
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena, MemoryObjMeta
-from kvtier.xpu.connector import XPUPagedConnector
+from kvtier.core.mover import Transfer
+from kvtier.xpu.mover import XPUPageMover
 
 SHAPES = {
     # (layers, kv heads, head size): an 8B-class model and a small one
@@ -61,26 +63,36 @@ def _drain_op(op: Callable[[list[Transfer]], Iterator[int]], transfers: list[Tra
         pass
 
 
-def run_shape(name: str, device: torch.device, chunks: int, chunk: int, repeat: int) -> list[dict]:
+def vllm_placed_views(
+    layout: KVLayout, num_blocks: int, device: torch.device
+) -> list[torch.Tensor]:
+    """Per-layer logical views ``[blocks, H, N, C]`` of one buffer laid out in the layout's
+    physical order (vLLM's placement of one cache group without page padding)."""
+    cell = layout.cell_bytes // layout.torch_dtype.itemsize
+    logical = (layout.num_layers, num_blocks, layout.num_kv_heads, layout.block_size, cell)
+    order = layout.paged_layout.stride_order
+    buf = torch.randn([logical[d] for d in order], device=device).to(layout.torch_dtype)
+    view5 = buf.permute([order.index(d) for d in range(5)])
+    return [view5[i] for i in range(layout.num_layers)]
+
+
+def run_case(
+    name: str, paged: PagedLayout, device: torch.device, chunks: int, chunk: int, repeat: int
+) -> list[dict]:
     layers, heads, head = SHAPES[name]
-    layout = KVLayout(layers, heads, head, "bfloat16", 16, PagedLayout.FLASH_NHD)
+    layout = KVLayout(layers, heads, head, "bfloat16", 16, paged)
     tokens = chunks * chunk
+    blocks_per_chunk = chunk // layout.block_size
     num_blocks = 2 * tokens // layout.block_size
-    caches = [
-        torch.randn(
-            layout.expected_cache_shape(num_blocks), device=device, dtype=layout.torch_dtype
-        )
-        for _ in range(layers)
-    ]
+    caches = vllm_placed_views(layout, num_blocks, device)
     nbytes = layout.chunk_nbytes(tokens)
     pinned = device.type != "cpu"
     arena = HostArena.create(nbytes + 256 * chunks, pin_memory=pinned)  # + alignment slack
-    meta = MemoryObjMeta(layout.chunk_shape(chunk), layout.torch_dtype, chunk)
+    meta = MemoryObjMeta(layout.chunk_shape(chunk), layout.chunk_dtype, chunk)
     objs = [arena.allocate(meta) for _ in range(chunks)]
-    assert all(o is not None for o in objs)
-    slots = torch.randperm(num_blocks * layout.block_size, device=device)[:tokens]
+    blocks = torch.randperm(num_blocks, device=device)[: chunks * blocks_per_chunk]
     transfers = [
-        Transfer(o, slots[i * chunk : (i + 1) * chunk])  # type: ignore[arg-type]
+        Transfer(o, blocks[i * blocks_per_chunk : (i + 1) * blocks_per_chunk])  # type: ignore[arg-type]
         for i, o in enumerate(objs)
     ]
 
@@ -89,32 +101,32 @@ def run_shape(name: str, device: torch.device, chunks: int, chunk: int, repeat: 
     ref_d2h = _best_of(lambda: host.copy_(dev, non_blocking=True), device, repeat)
     ref_h2d = _best_of(lambda: dev.copy_(host, non_blocking=True), device, repeat)
 
+    # staging_buffer only decides whether the buffer outlives a call: one data path to time.
+    mover = XPUPageMover(caches, layout, num_blocks)
+    cases: dict[str, tuple[Callable[[], object], float]] = {
+        "store": (partial(mover.store, transfers), ref_d2h),
+        "store_layerwise": (partial(_drain_op, mover.store_layerwise, transfers), ref_d2h),
+        "load": (partial(mover.load, transfers), ref_h2d),
+        "load_layerwise": (partial(_drain_op, mover.load_layerwise, transfers), ref_h2d),
+    }
     rows = []
-    for staging in (True, False):
-        conn = XPUPagedConnector(caches, layout, staging_buffer=staging)
-        cases: dict[str, tuple[Callable[[], object], float]] = {
-            "store": (partial(conn.store, transfers), ref_d2h),
-            "store_layerwise": (partial(_drain_op, conn.store_layerwise, transfers), ref_d2h),
-            "load": (partial(conn.load, transfers), ref_h2d),
-            "load_layerwise": (partial(_drain_op, conn.load_layerwise, transfers), ref_h2d),
-        }
-        for op, (fn, ref) in cases.items():
-            t = _best_of(fn, device, repeat)
-            rows.append(
-                {
-                    "shape": name,
-                    "op": op,
-                    "staging": staging,
-                    "chunks": chunks,
-                    "chunk_tokens": chunk,
-                    "bytes": nbytes,
-                    "seconds": t,
-                    "gb_per_s": nbytes / t / 1e9,
-                    "reference_s": ref,
-                    "reference_gb_per_s": nbytes / ref / 1e9,
-                    "ratio": ref / t,
-                }
-            )
+    for op, (fn, ref) in cases.items():
+        t = _best_of(fn, device, repeat)
+        rows.append(
+            {
+                "shape": name,
+                "layout": paged.value,
+                "op": op,
+                "chunks": chunks,
+                "chunk_tokens": chunk,
+                "bytes": nbytes,
+                "seconds": t,
+                "gb_per_s": nbytes / t / 1e9,
+                "reference_s": ref,
+                "reference_gb_per_s": nbytes / ref / 1e9,
+                "ratio": ref / t,
+            }
+        )
     for o in objs:
         o.release()  # type: ignore[union-attr]
     return rows
@@ -124,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvtier bench xpu", description=__doc__)
     ap.add_argument("--device", default=_default_device())
     ap.add_argument("--shapes", nargs="+", default=sorted(SHAPES), choices=sorted(SHAPES))
+    layouts = [p.value for p in PagedLayout]
+    ap.add_argument("--layouts", nargs="+", default=layouts, choices=layouts)
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--chunk-size", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=30)
@@ -134,16 +148,19 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"device: {device}  (reference: one contiguous pinned copy of the same bytes)")
     print(
-        f"{'shape':>6} {'op':>16} {'staging':>8} {'MiB':>6} {'GB/s':>7} {'ref GB/s':>9} {'ratio':>6}"
+        f"{'shape':>6} {'layout':>6} {'op':>16} {'MiB':>6} {'GB/s':>7} {'ref GB/s':>9} {'ratio':>6}"
     )
     for shape in args.shapes:
-        for r in run_shape(shape, device, args.chunks, args.chunk_size, args.repeat):
-            rows.append(r)
-            print(
-                f"{r['shape']:>6} {r['op']:>16} {('on' if r['staging'] else 'off'):>8} "
-                f"{r['bytes'] / 2**20:>6.0f} {r['gb_per_s']:>7.2f} "
-                f"{r['reference_gb_per_s']:>9.2f} {r['ratio']:>6.2f}"
+        for paged in args.layouts:
+            case = run_case(
+                shape, PagedLayout(paged), device, args.chunks, args.chunk_size, args.repeat
             )
+            for r in case:
+                rows.append(r)
+                print(
+                    f"{r['shape']:>6} {r['layout']:>6} {r['op']:>16} {r['bytes'] / 2**20:>6.0f} "
+                    f"{r['gb_per_s']:>7.2f} {r['reference_gb_per_s']:>9.2f} {r['ratio']:>6.2f}"
+                )
 
     name = f"xpu-{device.type}"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -151,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type != "cpu":
         device_name = getattr(torch, device.type).get_device_name(device)
     result = {
-        "benchmark": "xpu connector",
+        "benchmark": "xpu page mover",
         "device": device_name,
         "torch": torch.__version__,
         "machine": platform.machine(),
@@ -180,18 +197,15 @@ def plot(result: dict, path: Path) -> None:
     for ax, shape in zip(axes[0], shapes, strict=True):
         sub = [r for r in rows if r["shape"] == shape]
         ops = list(dict.fromkeys(r["op"] for r in sub))
-        for k, staging in enumerate((True, False)):
+        layouts = list(dict.fromkeys(r["layout"] for r in sub))
+        width = 0.8 / len(layouts)
+        for k, layout in enumerate(layouts):
             vals = [
-                next(r["ratio"] for r in sub if r["op"] == op and r["staging"] == staging)
+                next(r["ratio"] for r in sub if r["op"] == op and r["layout"] == layout)
                 for op in ops
             ]
-            ax.bar(
-                [i + 0.4 * k for i in range(len(ops))],
-                vals,
-                width=0.4,
-                label=f"staging {'on' if staging else 'off'}",
-            )
-        ax.set_xticks([i + 0.2 for i in range(len(ops))], ops, rotation=20)
+            ax.bar([i + width * k for i in range(len(ops))], vals, width=width, label=layout)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(ops))], ops, rotation=20)
         ax.set_ylabel("throughput / contiguous copy")
         ax.set_title(f"{shape} on {result['device']}")
         ax.legend()

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.core.connector import check_options
 from kvtier.core.layout import KVLayout
+from kvtier.core.mover import check_options
 from kvtier.core.platform import Platform
-from kvtier.xpu.connector import DEFAULT_MAX_STAGING_BYTES, XPUPagedConnector
+from kvtier.xpu.mover import DEFAULT_MAX_STAGING_BYTES, XPUPageMover
 
 
 def _xpu_available() -> bool:
@@ -31,19 +31,27 @@ class XPUPlatform(Platform):
         # refuses to pin (and the platform is not usable anyway, save for tests on CPU tensors).
         return _xpu_available()
 
-    def create_connector(
-        self, kv_caches: Sequence[torch.Tensor], layout: KVLayout, **options: object
-    ) -> XPUPagedConnector:
-        """An ``XPUPagedConnector``. Options: the common ``staging_buffer`` (bool, default True:
-        per-direction device staging buffers, see ``kvtier.xpu.connector``; False: each chunk
-        moves through a temporary) and ``max_staging_bytes`` (int >= 0, default 256 MiB: the
-        largest whole load staged in one piece; larger ones go layer by layer). Anything else is
-        a ``TypeError``, as on every platform (``kvtier.core.connector.check_options``)."""
+    def create_mover(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        layout: KVLayout,
+        *,
+        num_blocks: int | None = None,
+        **options: object,
+    ) -> XPUPageMover:
+        """An ``XPUPageMover`` (``kvtier.xpu.mover``). Options: the common ``staging_buffer``
+        (bool, default True: keep each direction's device staging buffer between calls; False:
+        allocate it per call) and ``max_staging_bytes`` (int >= 0, default 256 MiB: a whole
+        store or load stages at most this much at once, moving a larger batch in groups of
+        chunks). Anything else is a ``TypeError``, as on every platform
+        (``kvtier.core.mover.check_options``)."""
         opts = check_options(self.name, options, {"max_staging_bytes": int})
         staging = opts.get("staging_buffer", True)
         cap = opts.get("max_staging_bytes", DEFAULT_MAX_STAGING_BYTES)
         assert isinstance(staging, bool) and isinstance(cap, int)
-        return XPUPagedConnector(kv_caches, layout, staging_buffer=staging, max_staging_bytes=cap)
+        return XPUPageMover(
+            kv_caches, layout, num_blocks, staging_buffer=staging, max_staging_bytes=cap
+        )
 
     def synchronize(self) -> None:
         """Wait for every copy issued on this platform's device (every stream)."""

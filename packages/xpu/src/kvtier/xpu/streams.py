@@ -1,6 +1,6 @@
-"""Streams and events for the device a connector's KV cache lives on, behind one small API.
+"""Streams and events for the device a page mover's KV cache lives on, behind one small API.
 
-The XPU connector is written once against ``StreamAPI``: on ``xpu`` it drives ``torch.xpu``
+The XPU page mover is written once against ``StreamAPI``: on ``xpu`` it drives ``torch.xpu``
 streams and events; on ``cpu`` (the tests, and vLLM's CPU backend) every copy is already
 synchronous, so streams and events are no-ops and the very same code path runs. Any other torch
 device module with the same ``Stream``/``Event``/``stream``/``current_stream`` API (``cuda``)
@@ -73,7 +73,7 @@ class StreamAPI:
         return self._mod is not None
 
     def new_stream(self) -> Stream:
-        """A side stream on this device (the connector's transfer stream)."""
+        """A side stream on this device (a transfer stream of the mover)."""
         if self._mod is None:
             return _HostStream()
         stream: Stream = self._mod.Stream(device=self.device)

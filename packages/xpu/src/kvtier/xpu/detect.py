@@ -1,11 +1,11 @@
-"""The ``kvtier.platforms`` probe for Intel XPUs: cheap, imports nothing beyond torch."""
+"""The ``kvtier.platforms`` entry point for Intel XPUs: cheap, imports nothing beyond torch."""
 
 from __future__ import annotations
 
 PLATFORM_PATH = "kvtier.xpu.platform:XPUPlatform"
 
 
-def probe() -> str | None:
+def detect() -> str | None:
     """The XPU platform's class path when torch sees an Intel GPU, else None.
 
     ``torch.xpu.is_available()`` asks the driver for a device count without creating a context.
