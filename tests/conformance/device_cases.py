@@ -199,7 +199,9 @@ class Oracle:
                     want[j, layer] = self.page(layer, b)
         return want
 
-    def after_load(self, objects: Sequence[torch.Tensor], blocks: Sequence[torch.Tensor]) -> torch.Tensor:
+    def after_load(
+        self, objects: Sequence[torch.Tensor], blocks: Sequence[torch.Tensor]
+    ) -> torch.Tensor:
         """The whole storage after a load of ``objects`` into ``blocks``."""
         want = self.storage.clone()
         for obj, ids in zip(objects, blocks, strict=True):
@@ -214,12 +216,16 @@ class Objects:
     """Host objects of ``lengths`` blocks each, filled with random bytes; released at teardown
     by the ``arena`` fixture."""
 
-    def __init__(self, arena: HostArena, layout: KVLayout, lengths: Sequence[int], seed: int) -> None:
+    def __init__(
+        self, arena: HostArena, layout: KVLayout, lengths: Sequence[int], seed: int
+    ) -> None:
         self.layout = layout
         self.objs: list[MemoryObj] = []
         for i, n in enumerate(lengths):
             tokens = n * layout.block_size
-            obj = arena.allocate(MemoryObjMeta(layout.chunk_shape(tokens), layout.chunk_dtype, tokens))
+            obj = arena.allocate(
+                MemoryObjMeta(layout.chunk_shape(tokens), layout.chunk_dtype, tokens)
+            )
             assert obj is not None, "test arena too small"
             obj.tensor.copy_(random_bytes(obj.tensor.shape, torch.device("cpu"), seed * 1000 + i))
             self.objs.append(obj)
@@ -263,6 +269,9 @@ def lengths_of(blocks: Sequence[torch.Tensor]) -> list[int]:
 
 def same_bytes(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
     return all(
-        torch.equal(x.detach().cpu().contiguous().view(torch.uint8), y.detach().cpu().contiguous().view(torch.uint8))
+        torch.equal(
+            x.detach().cpu().contiguous().view(torch.uint8),
+            y.detach().cpu().contiguous().view(torch.uint8),
+        )
         for x, y in zip(a, b, strict=True)
     )

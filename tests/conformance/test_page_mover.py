@@ -148,7 +148,9 @@ def test_round_trip_into_other_blocks(subject, platform, device, arena, case):
     """Store from some blocks, load into others: each page lands byte for byte."""
     mover, oracle = build(platform, subject, case, device, seed=7)
     src = random_blocks(SHAPE.lengths, seed=8, holes=False, device=device)
-    dst = random_blocks(SHAPE.lengths, seed=8, holes=False, device=device, offset=sum(SHAPE.lengths))
+    dst = random_blocks(
+        SHAPE.lengths, seed=8, holes=False, device=device, offset=sum(SHAPE.lengths)
+    )
     objs = Objects(arena, mover.layout, SHAPE.lengths, seed=9)
     mover.store(objs.transfers(src))
     mover.load(objs.transfers(dst))
@@ -169,11 +171,19 @@ def test_round_trip_into_other_blocks(subject, platform, device, arena, case):
         ("uint8", "fp8"),
     ],
 )
-@pytest.mark.parametrize("case", [Case(PagedLayout.LBHNC), Case(PagedLayout.BLHNC), Case(PagedLayout.LHBNC, mla=True)], ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "case",
+    [Case(PagedLayout.LBHNC), Case(PagedLayout.BLHNC), Case(PagedLayout.LHBNC, mla=True)],
+    ids=lambda c: c.id,
+)
 def test_every_kv_dtype_moves_bit_exact(subject, platform, device, arena, case, dtype, cache_dtype):
-    mover, oracle = build(platform, subject, case, device, seed=10, dtype=dtype, cache_dtype=cache_dtype)
+    mover, oracle = build(
+        platform, subject, case, device, seed=10, dtype=dtype, cache_dtype=cache_dtype
+    )
     src = random_blocks(SHAPE.lengths, seed=11, holes=False, device=device)
-    dst = random_blocks(SHAPE.lengths, seed=11, holes=False, device=device, offset=sum(SHAPE.lengths))
+    dst = random_blocks(
+        SHAPE.lengths, seed=11, holes=False, device=device, offset=sum(SHAPE.lengths)
+    )
     objs = Objects(arena, mover.layout, SHAPE.lengths, seed=12)
     before = objs.snapshot()
     mover.store(objs.transfers(src))
@@ -185,7 +195,9 @@ def test_every_kv_dtype_moves_bit_exact(subject, platform, device, arena, case, 
 
 # -- layer by layer -----------------------------------------------------------------------------
 @TWO
-def test_layerwise_load_has_each_layer_in_place_when_it_yields_it(subject, platform, device, arena, case):
+def test_layerwise_load_has_each_layer_in_place_when_it_yields_it(
+    subject, platform, device, arena, case
+):
     mover, oracle = build(platform, subject, case, device, seed=13)
     blocks = random_blocks(SHAPE.lengths, seed=14, holes=True, device=device)
     objs = Objects(arena, mover.layout, lengths_of(blocks), seed=15)
@@ -200,7 +212,9 @@ def test_layerwise_load_has_each_layer_in_place_when_it_yields_it(subject, platf
 
 
 @TWO
-def test_layerwise_store_has_captured_each_layer_when_it_yields_it(subject, platform, device, arena, case):
+def test_layerwise_store_has_captured_each_layer_when_it_yields_it(
+    subject, platform, device, arena, case
+):
     mover, oracle = build(platform, subject, case, device, seed=16)
     blocks = random_blocks(SHAPE.lengths, seed=17, holes=True, device=device)
     objs = Objects(arena, mover.layout, lengths_of(blocks), seed=18)
@@ -213,7 +227,9 @@ def test_layerwise_store_has_captured_each_layer_when_it_yields_it(subject, plat
 
 
 @pytest.mark.parametrize("direction", ["store", "load"])
-def test_closing_a_layerwise_generator_early_finishes_its_copies(subject, platform, device, arena, direction):
+def test_closing_a_layerwise_generator_early_finishes_its_copies(
+    subject, platform, device, arena, direction
+):
     mover, oracle = build(platform, subject, Case(PagedLayout.LBHNC), device, seed=21)
     blocks = random_blocks(SHAPE.lengths, seed=22, holes=False, device=device)
     objs = Objects(arena, mover.layout, SHAPE.lengths, seed=23)
@@ -292,11 +308,15 @@ def test_one_store_and_one_load_from_two_threads_move_exact_bytes(
         loaded = Objects(arena, mover.layout, [2, 2], seed=5000 + r)
         before_store, load_src = stored.snapshot(), loaded.snapshot()
         if want_store is None:
-            want_store = [oracle.after_store(b, ids.cpu()) for b, ids in zip(before_store, store_ids, strict=True)]
+            want_store = [
+                oracle.after_store(b, ids.cpu())
+                for b, ids in zip(before_store, store_ids, strict=True)
+            ]
+        stores, loads = stored.transfers(store_ids), loaded.transfers(load_ids)
         run_concurrently(
             [
-                lambda: run_store(mover, stored.transfers(store_ids), store_mode),
-                lambda: run_load(mover, loaded.transfers(load_ids), load_mode),
+                lambda: run_store(mover, stores, store_mode),  # noqa: B023 (joined in the loop)
+                lambda: run_load(mover, loads, load_mode),  # noqa: B023
             ],
             timeout_s=120,
         )
@@ -305,15 +325,21 @@ def test_one_store_and_one_load_from_two_threads_move_exact_bytes(
         for obj, ids in zip(load_src, load_ids, strict=True):
             for j, b in enumerate(ids.tolist()):
                 for layer in range(mover.layout.num_layers):
-                    assert torch.equal(now[oracle.addresses(layer, b)], obj[j, layer]), f"round {r}: load bytes"
+                    assert torch.equal(now[oracle.addresses(layer, b)], obj[j, layer]), (
+                        f"round {r}: load bytes"
+                    )
         stored.release()
         loaded.release()
 
 
 # -- bad input ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad", ["past_the_cache", "below_minus_one"])
-@pytest.mark.parametrize("op", ["store", "load", "store_layer", "load_layer", "store_layerwise", "load_layerwise"])
-def test_a_bad_block_id_is_an_index_error_and_writes_nothing(subject, platform, device, arena, op, bad):
+@pytest.mark.parametrize(
+    "op", ["store", "load", "store_layer", "load_layer", "store_layerwise", "load_layerwise"]
+)
+def test_a_bad_block_id_is_an_index_error_and_writes_nothing(
+    subject, platform, device, arena, op, bad
+):
     mover, oracle = build(platform, subject, Case(PagedLayout.LBHNC), device, seed=41)
     objs = Objects(arena, mover.layout, [2], seed=42)
     before = objs.snapshot()
@@ -351,7 +377,9 @@ def test_an_object_of_another_geometry_is_a_layout_error(subject, platform, devi
 def test_a_transfer_needs_one_block_id_per_object_block() -> None:
     layout = make_layout(Case(PagedLayout.LBHNC))
     arena = HostArena.create(1 << 20)
-    obj = arena.allocate(MemoryObjMeta(layout.chunk_shape(2 * layout.block_size), torch.uint8, 2 * layout.block_size))
+    obj = arena.allocate(
+        MemoryObjMeta(layout.chunk_shape(2 * layout.block_size), torch.uint8, 2 * layout.block_size)
+    )
     assert obj is not None
     with obj, pytest.raises(ValueError, match="block ids"):
         Transfer(obj, torch.tensor([1, 2, 3]))
@@ -360,7 +388,13 @@ def test_a_transfer_needs_one_block_id_per_object_block() -> None:
 def test_views_that_do_not_match_the_layout_are_layout_errors(subject, platform, device):
     layout = make_layout(Case(PagedLayout.LBHNC))
     caches = make_caches(layout, Case(PagedLayout.LBHNC), device, seed=47)
-    wrong_heads = KVLayout(layout.num_layers, layout.num_kv_heads + 1, layout.head_size, layout.dtype, layout.block_size)
+    wrong_heads = KVLayout(
+        layout.num_layers,
+        layout.num_kv_heads + 1,
+        layout.head_size,
+        layout.dtype,
+        layout.block_size,
+    )
     with pytest.raises(LayoutError, match="pages"):
         platform.create_mover(caches, wrong_heads, num_blocks=SHAPE.blocks, **subject.options)
     with pytest.raises(LayoutError, match="layers"):

@@ -23,7 +23,9 @@ pytest.importorskip("vllm", reason="needs vLLM")
 BLOCKS = 12
 
 
-@pytest.mark.parametrize(("dtype", "cache_dtype"), [("bfloat16", "auto"), ("float8_e4m3fn", "fp8_e4m3")])
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"), [("bfloat16", "auto"), ("float8_e4m3fn", "fp8_e4m3")]
+)
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_replica_views_are_vllms_own(case: Case, dtype: str, cache_dtype: str) -> None:
     layout = make_layout(case, dtype=dtype, cache_dtype=cache_dtype)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.core import CacheEngine, HostMemoryStorageManager, KVLayout, load_config
+from kvtier.core import CacheEngine, KVLayout, load_config
 from kvtier.core.arena_growth import ArenaGrowth
 from kvtier.core.errors import OutOfHostMemory
 from kvtier.core.memory import HostArena, MemoryObjMeta

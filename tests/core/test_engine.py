@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from fixtures.kv_views import replica_views
 from kvtier.core import (
     CacheEngine,
     ConfigError,
@@ -24,15 +25,15 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.memory import MemoryObj
 from kvtier.core.platforms.cpu import CPUPlatform
 
-from fixtures.kv_views import replica_views
-
 BLOCK = 16
 CHUNK = 64
 NUM_BLOCKS = 40
 DTYPES = ["bfloat16", "float16", "float32"]
 
 
-def make_layout(pl: PagedLayout, dtype: str = "bfloat16", layers: int = 3, mla: bool = False) -> KVLayout:
+def make_layout(
+    pl: PagedLayout, dtype: str = "bfloat16", layers: int = 3, mla: bool = False
+) -> KVLayout:
     return KVLayout(
         num_layers=layers,
         num_kv_heads=1 if mla else 2,
@@ -93,7 +94,9 @@ ALL_LAYOUTS = list(PagedLayout)
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 @pytest.mark.parametrize("pl", ALL_LAYOUTS, ids=lambda p: p.value)
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
-def test_round_trip_is_bit_identical(pl: PagedLayout, mla: bool, dtype: str, layerwise: bool) -> None:
+def test_round_trip_is_bit_identical(
+    pl: PagedLayout, mla: bool, dtype: str, layerwise: bool
+) -> None:
     layout = make_layout(pl, dtype, mla=mla)
     engine = make_engine(layout)
     caches = random_caches(layout)

@@ -28,10 +28,10 @@ from vllm.v1.request import Request
 
 from kvtier.core import CacheEngine, load_config
 from kvtier.core.keys import KeyScope, salt_id
+from kvtier.core.layout import PagedLayout
 from kvtier.core.platforms.cpu import CPUPlatform
 from kvtier.vllm_integration.connector import KVTierConnector
 from kvtier.vllm_integration.identity import adapter_identity, identity_tokens
-from kvtier.core.layout import PagedLayout
 from kvtier.vllm_integration.layout import CacheSpec, page_layout
 
 BLOCK, CHUNK = 32, 64

@@ -83,7 +83,9 @@ def test_what_kvtier_cannot_move_is_a_clear_error() -> None:
     want = geometry(PagedLayout.LBHNC)
     config = vllm_kv_cache_config(want, BLOCKS)
     names = layer_names(3)
-    two_groups = type(config)(  # type: ignore[operator]
+    two_groups = type(
+        config
+    )(  # type: ignore[operator]
         num_blocks=BLOCKS,
         kv_cache_tensors=config.kv_cache_tensors,  # type: ignore[attr-defined]
         kv_cache_groups=[
@@ -98,10 +100,24 @@ def test_what_kvtier_cannot_move_is_a_clear_error() -> None:
         CacheSpec.of(mamba)
     views = vllm_views(want, BLOCKS)
     with pytest.raises(LayoutError, match="no KV tensors"):
-        page_layout({}, CacheSpec.of(config.kv_cache_groups[0].kv_cache_spec), paged_layout=want.paged_layout, num_blocks=BLOCKS, cache_dtype="auto", interior="x")  # type: ignore[attr-defined]
+        page_layout(
+            {},
+            CacheSpec.of(config.kv_cache_groups[0].kv_cache_spec),
+            paged_layout=want.paged_layout,
+            num_blocks=BLOCKS,
+            cache_dtype="auto",
+            interior="x",
+        )  # type: ignore[attr-defined]
     flat = {n: v.flatten(1) for n, v in views.items()}
     with pytest.raises(LayoutError, match="logical"):
-        page_layout(flat, CacheSpec.of(config.kv_cache_groups[0].kv_cache_spec), paged_layout=want.paged_layout, num_blocks=BLOCKS, cache_dtype="auto", interior="x")  # type: ignore[attr-defined]
+        page_layout(
+            flat,
+            CacheSpec.of(config.kv_cache_groups[0].kv_cache_spec),
+            paged_layout=want.paged_layout,
+            num_blocks=BLOCKS,
+            cache_dtype="auto",
+            interior="x",
+        )  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("tier", ["local_cpu", "local_disk", "redis"])

@@ -7,7 +7,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (install kvtier[vllm])")
 
@@ -18,6 +17,7 @@ from kvtier.vllm_integration.channel import (
     socket_path,
 )
 from kvtier.vllm_integration.metadata import slot_mapping
+
 
 def test_slot_mapping_marks_only_the_asked_tokens() -> None:
     slots = slot_mapping([7, 3, 9], 4, 12, 2, 9)

@@ -5,7 +5,6 @@ Importing this package imports torch, numpy and yaml only: no triton, no vLLM, n
 
 from kvtier.core.__about__ import __version__
 from kvtier.core.config import KVTierConfig, load_config
-from kvtier.core.mover import PageMover, TorchPageMover, Transfer
 from kvtier.core.engine import CacheEngine
 from kvtier.core.errors import (
     ConfigError,
@@ -20,6 +19,7 @@ from kvtier.core.handles import ChunkSpan, Hold, RetrieveJob
 from kvtier.core.keys import ChunkKey, KeyFactory, KeyScope, prefix_hashes
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena, MemoryObj, MemoryObjMeta
+from kvtier.core.mover import PageMover, TorchPageMover, Transfer
 from kvtier.core.platform import Platform, get_platform
 from kvtier.core.storage import HostMemoryStorageManager, StorageManager
 

@@ -45,7 +45,9 @@ class ArenaGrowth:
         self.arena = arena
         self._pin = pin
         self._unpin = unpin
-        self.segment_bytes = max(arena.alignment, segment_bytes // arena.alignment * arena.alignment)
+        self.segment_bytes = max(
+            arena.alignment, segment_bytes // arena.alignment * arena.alignment
+        )
         self.pinned: list[tuple[int, int]] = []
         self.refused_bytes = 0
         self.seconds = 0.0

@@ -33,13 +33,13 @@ import numpy as np
 import torch
 
 from kvtier.core.config import KVTierConfig
-from kvtier.core.mover import PageMover, Transfer
 from kvtier.core.errors import ConfigError, KVTierError
 from kvtier.core.handles import ChunkSpan, EngineStats, Hold, RetrieveJob, prefix_digest
 from kvtier.core.keys import ChunkKey, KeyFactory, Scope, TokenIds, token_bytes
 from kvtier.core.layout import KVLayout
 from kvtier.core.load_plan import held_objects, load_transfers
 from kvtier.core.memory import MemoryObj
+from kvtier.core.mover import PageMover, Transfer
 from kvtier.core.platform import Marker, Platform, get_platform
 from kvtier.core.slots import checked_slots
 from kvtier.core.sources import TierHits, chunk_sources

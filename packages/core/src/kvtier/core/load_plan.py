@@ -8,11 +8,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from kvtier.core.mover import Transfer
 from kvtier.core.errors import KVTierError
 from kvtier.core.handles import ChunkSpan, Hold, prefix_digest
 from kvtier.core.keys import Scope
 from kvtier.core.memory import MemoryObj
+from kvtier.core.mover import Transfer
 from kvtier.core.slots import span_blocks
 
 

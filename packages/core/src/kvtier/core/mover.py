@@ -114,7 +114,9 @@ class PageMover(ABC):
         self.kv_caches = list(kv_caches)
         if not self.kv_caches:
             raise LayoutError("a page mover needs at least one KV tensor")
-        self.num_blocks = manager_blocks(self.kv_caches[0], layout) if num_blocks is None else num_blocks
+        self.num_blocks = (
+            manager_blocks(self.kv_caches[0], layout) if num_blocks is None else num_blocks
+        )
         self.runs: PageRuns = check_pages(layout, self.kv_caches, self.num_blocks)
         # One block's pages of every layer are one run (block-outer, block-compact layouts).
         self.block_runs = block_runs(self.kv_caches, self.runs)
@@ -197,7 +199,9 @@ class TorchPageMover(PageMover):
         super().__init__(kv_caches, layout, num_blocks)
         page, n = layout.page_bytes, self.num_blocks
         self._pages = [
-            page_view(c, self.runs).reshape(n, page) if not self.runs.dims else page_view(c, self.runs)
+            page_view(c, self.runs).reshape(n, page)
+            if not self.runs.dims
+            else page_view(c, self.runs)
             for c in self.kv_caches
         ]
         self._whole: torch.Tensor | None = None
@@ -230,7 +234,9 @@ class TorchPageMover(PageMover):
         pages.index_copy_(0, p.blocks, values.reshape(-1, *pages.shape[1:]))
 
     # -- host side -----------------------------------------------------------------------------
-    def _copy_to_host(self, dst: torch.Tensor, rows: torch.Tensor | None, src: torch.Tensor) -> None:
+    def _copy_to_host(
+        self, dst: torch.Tensor, rows: torch.Tensor | None, src: torch.Tensor
+    ) -> None:
         """Write device pages ``src`` into host ``dst`` (at ``rows`` of dim 0, or all)."""
         if rows is None:
             dst.copy_(src)

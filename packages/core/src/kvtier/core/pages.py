@@ -14,6 +14,7 @@ page's bytes in host memory are its runs in that order, so two caches with the s
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -81,7 +82,10 @@ def page_runs(cache: torch.Tensor, num_blocks: int) -> PageRuns:
         )
     ratio = kernel_blocks // num_blocks
     item = cache.element_size()
-    inner = [(int(s), int(st) * item) for s, st in zip(cache.shape[1:-1], cache.stride()[1:-1])]
+    inner = [
+        (int(s), int(st) * item)
+        for s, st in zip(cache.shape[1:-1], cache.stride()[1:-1], strict=True)
+    ]
     inner.append((int(cache.shape[-1]) * item, 1))
     kernel_stride = int(cache.stride(0)) * item
     dims = _merge([(ratio, kernel_stride), *inner])
@@ -97,7 +101,7 @@ def page_runs(cache: torch.Tensor, num_blocks: int) -> PageRuns:
         run_bytes=run_bytes,
     )
     offsets = sorted(runs.run_offsets())
-    if any(b - a < run_bytes for a, b in zip(offsets, offsets[1:])):
+    if any(b - a < run_bytes for a, b in itertools.pairwise(offsets)):
         raise LayoutError(f"a KV view with strides {cache.stride()} has overlapping pages")
     return runs
 

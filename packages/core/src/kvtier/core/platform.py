@@ -25,9 +25,9 @@ import torch
 from kvtier.core.errors import PlatformError
 
 if TYPE_CHECKING:
-    from kvtier.core.mover import PageMover
     from kvtier.core.layout import KVLayout
     from kvtier.core.memory import HostArena
+    from kvtier.core.mover import PageMover
 
 logger = logging.getLogger("kvtier")
 

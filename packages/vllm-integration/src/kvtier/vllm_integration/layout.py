@@ -150,7 +150,9 @@ def interior_writer(
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         isas.add(
-            _get_attn_isa(vllm_config.model_config.dtype, spec.block_size, spec.head_size, cache_dtype)
+            _get_attn_isa(
+                vllm_config.model_config.dtype, spec.block_size, spec.head_size, cache_dtype
+            )
         )
     if len(isas) != 1:
         raise LayoutError(f"the layers were given several CPU attention ISAs: {sorted(isas)}")
