@@ -215,15 +215,22 @@ def test_layerwise_load_has_each_layer_in_place_when_it_yields_it(
 def test_layerwise_store_has_captured_each_layer_when_it_yields_it(
     subject, platform, device, arena, case
 ):
+    """Once the generator yields layer ``i`` the engine may overwrite it: scribbling over that
+    layer's pages right after the yield changes nothing in what the store leaves in its
+    objects (captured on the device or already on the host, as the platform likes)."""
     mover, oracle = build(platform, subject, case, device, seed=16)
     blocks = random_blocks(SHAPE.lengths, seed=17, holes=True, device=device)
     objs = Objects(arena, mover.layout, lengths_of(blocks), seed=18)
     before = objs.snapshot()
     want = [oracle.after_store(b, ids.cpu()) for b, ids in zip(before, blocks, strict=True)]
+    storage = storage_bytes(mover.kv_caches[0])
     for layer in mover.store_layerwise(objs.transfers(blocks)):
-        got = objs.snapshot()
-        for g, w in zip(got, want, strict=True):
-            assert torch.equal(g[:, layer], w[:, layer]), f"layer {layer} not captured"
+        for ids in blocks:
+            for b in ids.tolist():
+                if b >= 0:
+                    addr = oracle.addresses(layer, b).to(storage.device)
+                    storage[addr] = storage[addr] ^ 0xFF  # the engine reuses the layer
+    assert same_bytes(objs.snapshot(), want)
 
 
 @pytest.mark.parametrize("direction", ["store", "load"])
