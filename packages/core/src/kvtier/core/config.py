@@ -132,7 +132,8 @@ class KVTierConfig:
         default=True,
     )
     device_staging_buffer: bool = _doc(
-        "XPU: gather a layer into a device buffer, then one copy to host (layer-wise); CUDA: False moves KV by kernels reading/writing pinned host memory (zerocopy) instead of staging slots + copy engines.",
+        "Keep the device staging memory of the CUDA and XPU movers between calls (False: "
+        "allocated per call and released after it; the copies are the same). No effect on CPU.",
         default=True,
     )
     encryption_key: str | None = _doc(
