@@ -30,11 +30,17 @@ from vllm.v1.request import Request
 
 from kvtier.core import CacheEngine, HostArena, HostMemoryStorageManager, KVLayout, load_config
 from kvtier.core.platforms.cpu import CPUPlatform
-from kvtier.vllm_integration.holds import HoldTable
-from kvtier.vllm_integration.lazy import LazyWorkerMeta
-from kvtier.vllm_integration.metadata import KVTierMetadata, SaveSpec, slot_mapping
-from kvtier.vllm_integration.presence import KVTierWorkerMeta, PresenceFeed, ProbeAnswer
-from kvtier.vllm_integration.scheduler import SchedulerSide
+from kvtier.vllm_integration.messages import (
+    KVTierMetadata,
+    KVTierWorkerMeta,
+    LazyWorkerMeta,
+    ProbeAnswer,
+    SaveSpec,
+    slot_mapping,
+)
+from kvtier.vllm_integration.scheduler.side import SchedulerSide
+from kvtier.vllm_integration.worker.feed import PresenceFeed
+from kvtier.vllm_integration.worker.holds import HoldTable
 
 BLOCK, CHUNK = 32, 64
 CACHE_BLOCKS = 64  # blocks of the fake paged cache each rank's engine reads

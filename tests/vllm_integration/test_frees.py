@@ -21,7 +21,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (install kvtier[vllm])
 from sched_harness import CHUNK, Harness, empty_output, request
 from vllm.v1.outputs import KVConnectorOutput
 
-from kvtier.vllm_integration.frees import BlockFrees
+from kvtier.vllm_integration.scheduler.frees import BlockFrees
 
 TEXT = list(range(500, 500 + 3 * CHUNK))
 

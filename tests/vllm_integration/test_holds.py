@@ -23,7 +23,7 @@ from kvtier.core import (
 )
 from kvtier.core.memory import MemoryObjMeta
 from kvtier.core.platforms.cpu import CPUPlatform
-from kvtier.vllm_integration.holds import HoldTable
+from kvtier.vllm_integration.worker.holds import HoldTable
 
 BLOCK, CHUNK, NUM_BLOCKS = 16, 64, 16
 TTL = 10.0

@@ -15,8 +15,8 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier.core import load_config
 from kvtier.core.errors import ConfigError
-from kvtier.vllm_integration.presence import KVTierWorkerMeta, RankReport
-from kvtier.vllm_integration.scheduler import SchedulerSide
+from kvtier.vllm_integration.messages import KVTierWorkerMeta, RankReport
+from kvtier.vllm_integration.scheduler.side import SchedulerSide
 
 DOC = list(range(1000, 1000 + 3 * CHUNK + BLOCK))  # 3 chunks and a tail block
 MOST = len(DOC) - BLOCK  # the last block holds the last prompt token: always recomputed

@@ -18,8 +18,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (install kvtier[vllm])")
 
 from kvtier.core.keys import KeyScope
-from kvtier.vllm_integration.loader import Loader
-from kvtier.vllm_integration.metadata import LoadSpec
+from kvtier.vllm_integration.messages import LoadSpec
+from kvtier.vllm_integration.worker.loader import Loader
 
 
 def spec(rid: str) -> LoadSpec:

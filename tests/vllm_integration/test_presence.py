@@ -18,8 +18,9 @@ from sched_harness import BLOCK, CHUNK, Harness, request
 from kvtier.core import CacheEngine, HostArena, HostMemoryStorageManager, KVLayout, load_config
 from kvtier.core.keys import KeyFactory, KeyScope, prefix_hashes
 from kvtier.core.platforms.cpu import CPUPlatform
-from kvtier.vllm_integration.presence import KVTierWorkerMeta, PresenceIndex, RankReport
-from kvtier.vllm_integration.probes import PromptHashes
+from kvtier.vllm_integration.messages import KVTierWorkerMeta, RankReport
+from kvtier.vllm_integration.scheduler.index import PresenceIndex
+from kvtier.vllm_integration.scheduler.prompts import PromptHashes
 
 DOC = list(range(1000, 1000 + 3 * CHUNK + BLOCK))  # 3 chunks and a tail block
 LAYOUT = KVLayout(

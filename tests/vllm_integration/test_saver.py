@@ -19,8 +19,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (install kvtier[vllm])
 from kvtier.core import CacheEngine, HostArena, HostMemoryStorageManager, KVLayout, load_config
 from kvtier.core.keys import KeyScope
 from kvtier.core.platforms.cpu import CPUPlatform
-from kvtier.vllm_integration.metadata import SaveSpec
-from kvtier.vllm_integration.saver import Saver
+from kvtier.vllm_integration.messages import SaveSpec
+from kvtier.vllm_integration.worker.saver import Saver
 
 BLOCK, CHUNK = 16, 64
 PROMPT = np.arange(1000, 1000 + 2 * CHUNK, dtype=np.int64)

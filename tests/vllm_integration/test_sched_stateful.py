@@ -42,9 +42,9 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.output import NewRequestData
 from vllm.v1.request import Request
 
-from kvtier.vllm_integration.metadata import KVTierMetadata, LoadSpec, slot_mapping
+from kvtier.vllm_integration.messages import KVTierMetadata, LoadSpec, slot_mapping
 from kvtier.vllm_integration.stats import StatsTracker
-from kvtier.vllm_integration.worker_loads import WorkerLoads
+from kvtier.vllm_integration.worker.loads import WorkerLoads
 
 HEADS, HEAD = 2, 8  # the harness's layout
 POISON = -7.0  # never a painted value (those are 0..255)

@@ -16,7 +16,7 @@ from kvtier.vllm_integration.channel import (
     ControlServer,
     socket_path,
 )
-from kvtier.vllm_integration.metadata import slot_mapping
+from kvtier.vllm_integration.messages import slot_mapping
 
 
 def test_slot_mapping_marks_only_the_asked_tokens() -> None:

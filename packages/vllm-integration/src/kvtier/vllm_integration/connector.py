@@ -2,10 +2,10 @@
 
 vLLM builds two instances: a *scheduler-side* one (in the EngineCore process, next to the
 scheduler) and a *worker-side* one (in each worker, next to the KV tensors). They talk only
-through vLLM: the per-step metadata the scheduler side builds (``metadata.py``) and the reports
-each worker sends back after the step (``presence.py``). This class is the facade vLLM calls;
-the work is done by ``SchedulerSide`` (``scheduler.py``: the index of stored chunks, probes,
-which tokens to load and save, weights generations) and ``WorkerSide`` (``worker.py``: the
+through vLLM: the per-step metadata the scheduler side builds (``messages.py``) and the reports
+each worker sends back after the step (``scheduler/index.py``). This class is the facade vLLM calls;
+the work is done by ``SchedulerSide`` (``scheduler/side.py``: the index of stored chunks, probes,
+which tokens to load and save, weights generations) and ``WorkerSide`` (``worker/side.py``: the
 ``CacheEngine``, probes and holds, loads, the saver thread).
 
 What keys a chunk (``identity.py``): the model's identity, the KV layout (with vLLM's cache
@@ -42,10 +42,10 @@ from kvtier.core.config import KVTierConfig, load_config
 from kvtier.core.engine import CacheEngine
 from kvtier.core.errors import ConfigError
 from kvtier.vllm_integration import logs
-from kvtier.vllm_integration.metadata import KVTierMetadata
-from kvtier.vllm_integration.scheduler import SchedulerSide
+from kvtier.vllm_integration.messages import KVTierMetadata
+from kvtier.vllm_integration.scheduler.side import SchedulerSide
 from kvtier.vllm_integration.stats import KVTierPromMetrics, KVTierStats
-from kvtier.vllm_integration.worker import WorkerSide
+from kvtier.vllm_integration.worker.side import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.attention.backends.abstract import AttentionMetadata
@@ -154,7 +154,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Keep the blocks until the worker's saves of this request are done (``get_finished``),
-        unless every worker has reported them copied already (``frees.py``)."""
+        unless every worker has reported them copied already (``scheduler/frees.py``)."""
         side = self.scheduler_side
         with side.timer.timed():
             return side.request_finished(request, block_ids), None
@@ -171,7 +171,7 @@ class KVTierConnector(KVConnectorBase_V1):
         return self.scheduler_side.has_pending_block_frees()
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        """KV events for kvtier's host tier (``events.py``), published with vLLM's own."""
+        """KV events for kvtier's host tier (``scheduler/events.py``), published with vLLM's own."""
         return self.scheduler_side.events.take()
 
     def get_external_cache_hit_sources(

@@ -20,7 +20,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvtier.vllm_integration.probes import Probe
+    from kvtier.vllm_integration.scheduler.prompts import Probe
 
 LOGGER = "kvtier"
 logger = logging.getLogger(LOGGER)

@@ -1,7 +1,7 @@
 """The scheduler side's lookups: per-request state, and the probe state machine.
 
-A waiting request is first checked against the index of stored chunks (``presence.py``); if
-it may hit beyond what vLLM already has, a *probe* (``probes.py``) goes to the workers with the
+A waiting request is first checked against the index of stored chunks (``scheduler/index.py``); if
+it may hit beyond what vLLM already has, a *probe* (``scheduler/prompts.py``) goes to the workers with the
 next step's metadata and the lookup answers "not yet" until every rank has answered or
 ``lookup_timeout_s`` has passed (a miss). The answer is the minimum hit over ranks; each rank's
 hold keeps the chunks it found until the load (or a release) reaches it.
@@ -25,23 +25,14 @@ import numpy as np
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import KeyScope
-from kvtier.vllm_integration.presence import PresenceIndex, ProbeAnswer
-from kvtier.vllm_integration.probes import Probe, ProbeSpec, PromptHashes
+from kvtier.vllm_integration.messages import ProbeAnswer, ProbeSpec, hold_ttl_s
+from kvtier.vllm_integration.scheduler.index import PresenceIndex
+from kvtier.vllm_integration.scheduler.prompts import Probe, PromptHashes
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("kvtier")
-
-HOLD_TTL_MIN_S = 30.0
-
-
-def hold_ttl_s(config: KVTierConfig) -> float:
-    """How long the worker keeps a probe's hold with no load: 10x ``lookup_timeout_s``, at
-    least 30 s. A load normally follows its probe within a step or two, and a request waiting
-    longer than half of this is probed again, so only a lost hold (a decision the worker never
-    heard of) lives this long."""
-    return max(HOLD_TTL_MIN_S, 10.0 * config.lookup_timeout_s)
 
 
 def lookup_mode(config: KVTierConfig, policy: str) -> str:

@@ -1,10 +1,10 @@
 """Probes: the asynchronous lookups that replace a blocking one inside ``schedule()``.
 
-When the scheduler's index (``presence.py``) says a waiting request may hit beyond what vLLM
+When the scheduler's index (``scheduler/index.py``) says a waiting request may hit beyond what vLLM
 already has, or a tier the index cannot list (Redis) may hold more, the scheduler sends a probe
 to every worker with the next step's metadata and answers vLLM "not yet" (``None``: the request
 stays waiting, others are scheduled). Each worker runs the probe on its own threads: it looks
-the prompt up in every tier and *holds* what it finds (``holds.py``; lower-tier hits are read
+the prompt up in every tier and *holds* what it finds (``worker/holds.py``; lower-tier hits are read
 into host memory now, like a prefetch), then reports the hit with its next step's output. Once
 every rank has answered, vLLM's next call gets the hit (the minimum over ranks), and the load
 reads exactly the held chunks. A probe not answered within ``lookup_timeout_s`` is a miss.
@@ -18,30 +18,18 @@ predicts the hit a probe finds.
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
 import numpy as np
 
 from kvtier.core.keys import KeyScope, chain_hash, salt_seed, tail_hashes, token_bytes
-from kvtier.vllm_integration.presence import AliasHash, PresenceIndex, ProbeAnswer
+from kvtier.vllm_integration.messages import AliasHash
+from kvtier.vllm_integration.scheduler.index import PresenceIndex
 
 logger = logging.getLogger("kvtier")
-
-
-@dataclass
-class ProbeSpec:
-    """Look ``tokens`` (a prompt's identity tokens) up under ``scope`` and hold the hit as hold
-    ``hold_id`` of ``req_id``."""
-
-    req_id: str
-    hold_id: int
-    tokens: np.ndarray
-    scope: KeyScope
 
 
 @dataclass
@@ -229,39 +217,3 @@ class Sightings:
                     break
                 tokens += hashes.block_size
         return tokens
-
-
-class Prober:
-    """A worker's probe threads: ``probe(spec) -> (hit, sources)`` runs off the step thread and
-    each answer goes to ``answer``; a probe that raises answers 0 (a miss), never nothing."""
-
-    def __init__(
-        self,
-        probe: Callable[[ProbeSpec], tuple[int, list[list[Any]]]],
-        answer: Callable[[ProbeAnswer], None],
-        threads: int = 2,
-    ) -> None:
-        self._probe = probe
-        self._answer = answer
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-probe")
-
-    def submit(self, spec: ProbeSpec) -> None:
-        self._pool.submit(self._run, spec)
-
-    def _run(self, spec: ProbeSpec) -> None:
-        t0 = time.perf_counter()
-        try:
-            hit, sources = self._probe(spec)
-        except Exception:
-            logger.exception("kvtier: probe of request %s failed; a miss", spec.req_id)
-            hit, sources = 0, []
-        logger.debug(
-            "kvtier: probe of %s: %d tokens in %.1f ms",
-            spec.req_id,
-            hit,
-            1e3 * (time.perf_counter() - t0),
-        )
-        self._answer(ProbeAnswer(spec.req_id, spec.hold_id, hit, sources))
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)

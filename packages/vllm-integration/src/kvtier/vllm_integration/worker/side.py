@@ -2,31 +2,31 @@
 
 ``register_kv_caches`` detects the paged layout (``layout.py``), builds the ``CacheEngine`` on
 the configured tiers, keyed by the engine's identity and engine-local rank (``identity.py``),
-and starts reporting to the scheduler's index of stored chunks (``presence.py``): what the
+and starts reporting to the scheduler's index of stored chunks (``scheduler/index.py``): what the
 local tiers hold, then every chunk a save commits, sent with each step's output
 (``build_connector_worker_meta``).
 
-Probes (``probes.py``) arrive in the step's metadata and run on the probe threads: each looks a
-prompt up in every tier and keeps what it finds as a *hold* (``holds.py``), reading lower-tier
+Probes (``scheduler/prompts.py``) arrive in the step's metadata and run on the probe threads: each looks a
+prompt up in every tier and keeps what it finds as a *hold* (``worker/holds.py``), reading lower-tier
 hits into host memory now; the answer goes back with a later step's output. The load that
 follows reads exactly the held chunks, so a chunk evicted between probe and load is still
 loaded; the hold is released right after. The one way a load can still come up short is a hold
-that expired before its load (``lookups.hold_ttl_s``); such a load reads the tiers again and
+that expired before its load (``messages.hold_ttl_s``); such a load reads the tiers again and
 may miss chunks evicted meanwhile. A short load is reported through
 ``get_block_ids_with_load_errors``: with ``kv_load_failure_policy="recompute"`` vLLM recomputes
 those blocks, with "fail" the request fails. Synchronous loads run in ``start_load_kv`` before
 the forward pass, or layer by layer in ``wait_for_layer_load`` with ``use_layerwise``; loads
 marked ``load_async`` go to the loader thread and are reported through ``get_finished`` (their
 failed blocks through ``get_block_ids_with_load_errors`` in the same step's output). The loads
-themselves: ``worker_loads.py``.
+themselves: ``worker/loads.py``.
 
-Saves are asynchronous (``saver.py``): ``wait_for_save`` hands the step's saves to the saver
+Saves are asynchronous (``worker/saver.py``): ``wait_for_save`` hands the step's saves to the saver
 thread with a device marker of the forward pass. The scheduler side keeps the blocks of every
 request that had a save until the worker reports, through ``get_finished``, that the request's
 saves are done. Before vLLM reuses the blocks of a preempted request (``handle_preemptions``)
 the saver is drained. With ``use_layerwise`` each layer is captured in ``save_kv_layer`` right
 after attention wrote it, so the saves are complete when the step ends. Lazy saves
-(``lazy.py``: blocks of finished requests the scheduler touched) go to the same saver; each
+(``scheduler/lazy.py``: blocks of finished requests the scheduler touched) go to the same saver; each
 one's copy is reported done in the next ``LazyWorkerMeta``.
 
 A step whose metadata carries a new weights generation (``reset_cache`` on the scheduler)
@@ -51,17 +51,24 @@ from kvtier.core.metrics import engine_values
 from kvtier.core.platform import Marker, get_platform
 from kvtier.core.thread_cpu import PROCESS_THREADS
 from kvtier.vllm_integration.channel import ControlServer, socket_path
-from kvtier.vllm_integration.holds import HoldTable
 from kvtier.vllm_integration.identity import engine_rank, model_identity
 from kvtier.vllm_integration.layout import register
-from kvtier.vllm_integration.lazy import LazyWorkerMeta
-from kvtier.vllm_integration.lookups import hold_ttl_s
-from kvtier.vllm_integration.metadata import KVTierMetadata, LoadSpec, SaveSpec, slot_mapping
-from kvtier.vllm_integration.presence import KVTierWorkerMeta, PresenceFeed
-from kvtier.vllm_integration.probes import Prober, ProbeSpec
-from kvtier.vllm_integration.saver import Saver
+from kvtier.vllm_integration.messages import (
+    KVTierMetadata,
+    KVTierWorkerMeta,
+    LazyWorkerMeta,
+    LoadSpec,
+    ProbeSpec,
+    SaveSpec,
+    hold_ttl_s,
+    slot_mapping,
+)
 from kvtier.vllm_integration.stats import Counters, KVTierStats, StatsTracker, StepTimer
-from kvtier.vllm_integration.worker_loads import WorkerLoads
+from kvtier.vllm_integration.worker.feed import PresenceFeed
+from kvtier.vllm_integration.worker.holds import HoldTable
+from kvtier.vllm_integration.worker.loads import WorkerLoads
+from kvtier.vllm_integration.worker.prober import Prober
+from kvtier.vllm_integration.worker.saver import Saver
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,7 +77,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvtier")
 
 SAVE_DRAIN_TIMEOUT_S = 60.0
-# How long get_finished waits for this step's asynchronous loads (``loader.py``): a host-memory
+# How long get_finished waits for this step's asynchronous loads (``worker/loader.py``): a host-memory
 # load is done within it and its request is scheduled a step sooner.
 LOAD_REPORT_WAIT_S = 0.005
 WORKER_COUNTERS = (

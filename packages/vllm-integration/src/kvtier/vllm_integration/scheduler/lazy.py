@@ -36,10 +36,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
-
-from kvtier.vllm_integration.metadata import SaveSpec
-from kvtier.vllm_integration.presence import KVTierWorkerMeta
+from kvtier.vllm_integration.messages import SaveSpec
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
@@ -58,21 +55,6 @@ def target_blocks(max_num_batched_tokens: int, block_size: int) -> int:
     """How many blocks at the head of vLLM's free queue are "about to be evicted": twice what
     one step can allocate (vLLM's SimpleCPUOffloadConnector uses the same watermark)."""
     return 2 * -(-max_num_batched_tokens // block_size)
-
-
-@dataclass
-class LazyWorkerMeta(KVTierWorkerMeta):
-    """A step's reports plus, per worker rank, the lazy saves whose copies are done."""
-
-    saved: dict[int, list[str]] = field(default_factory=dict)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        base = super().aggregate(other)
-        reports = base.reports if isinstance(base, KVTierWorkerMeta) else self.reports
-        saved = {rank: list(ids) for rank, ids in self.saved.items()}
-        for rank, ids in getattr(other, "saved", {}).items():
-            saved.setdefault(rank, []).extend(ids)
-        return LazyWorkerMeta(reports, saved)
 
 
 @dataclass(eq=False)

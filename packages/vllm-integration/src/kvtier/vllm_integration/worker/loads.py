@@ -2,7 +2,7 @@
 
 Synchronous loads run before the forward pass (``run``), or layer by layer with
 ``use_layerwise`` (``wait_for_layer``); loads marked ``load_async`` go to the loader thread
-(``loader.py``) with a device marker of the forward pass and come back through
+(``worker/loader.py``) with a device marker of the forward pass and come back through
 ``take_finished``. A load that fills fewer tokens than asked reports the blocks it left
 unfilled (``take_failed``, vLLM's ``get_block_ids_with_load_errors``): with
 ``kv_load_failure_policy="recompute"`` vLLM recomputes them, with "fail" the request fails.
@@ -25,10 +25,10 @@ from kvtier.core.config import KVTierConfig
 from kvtier.core.engine import CacheEngine
 from kvtier.core.handles import Hold, RetrieveJob
 from kvtier.core.platform import Marker
-from kvtier.vllm_integration.holds import HoldTable
-from kvtier.vllm_integration.loader import Loader
-from kvtier.vllm_integration.metadata import LoadSpec, slot_mapping
+from kvtier.vllm_integration.messages import LoadSpec, slot_mapping
 from kvtier.vllm_integration.stats import StatsTracker
+from kvtier.vllm_integration.worker.holds import HoldTable
+from kvtier.vllm_integration.worker.loader import Loader
 
 logger = logging.getLogger("kvtier")
 
@@ -181,7 +181,7 @@ class WorkerLoads:
 
     def take_finished(self, wait_s: float = 0.0) -> set[str]:
         """Requests whose asynchronous loads finished (their failed blocks join ``take_failed``),
-        after waiting up to ``wait_s`` for those submitted since the last call (``loader.py``)."""
+        after waiting up to ``wait_s`` for those submitted since the last call (``worker/loader.py``)."""
         done, failed = self._loader.take_finished(wait_s)
         self._failed |= failed
         return done

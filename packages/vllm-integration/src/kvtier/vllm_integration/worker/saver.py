@@ -25,7 +25,7 @@ import numpy as np
 
 from kvtier.core.keys import KeyScope
 from kvtier.core.platform import Marker
-from kvtier.vllm_integration.metadata import SaveSpec
+from kvtier.vllm_integration.messages import SaveSpec
 
 logger = logging.getLogger("kvtier")
 

@@ -1,18 +1,18 @@
 """The scheduler half of ``KVTierConnector`` (EngineCore process, next to vLLM's scheduler).
 
 Nothing here waits: no socket, disk or Redis call runs inside ``schedule()``. A lookup
-(``get_num_new_matched_tokens``) asks the index of stored chunks (``presence.py``, fed by the
+(``get_num_new_matched_tokens``) asks the index of stored chunks (``scheduler/index.py``, fed by the
 workers' per-step reports); a prompt that may hit beyond what vLLM has is *probed* on the
-workers (``lookups.py``, ``probes.py``) and answered "not yet" (``None``) until every rank has
-answered with what it holds for the load (``holds.py``); with ``lookup: index`` a hit the index
-knows is answered at once and loaded without a hold (``lookups.py``). The hit is the minimum
+workers (``scheduler/lookups.py``, ``scheduler/prompts.py``) and answered "not yet" (``None``) until every rank has
+answered with what it holds for the load (``worker/holds.py``); with ``lookup: index`` a hit the index
+knows is answered at once and loaded without a hold (``scheduler/lookups.py``). The hit is the minimum
 over ranks, cut
 to whole blocks and at most ``n - 1`` tokens (the last prompt token is always recomputed).
 ``build_connector_meta`` turns each step's schedule into probes, loads, hold releases and saves
-(``save_plan.py``: chunks completed by this step's forward pass). With ``load_async`` (the
+(``scheduler/save_plan.py``: chunks completed by this step's forward pass). With ``load_async`` (the
 default; not with ``use_layerwise``) a hit loads on a worker thread while the request waits in
 WAITING_FOR_REMOTE_KVS. With ``offload: lazy`` nothing is saved while a request runs: its save
-is remembered when it finishes and sent once vLLM is about to evict its blocks (``lazy.py``).
+is remembered when it finishes and sent once vLLM is about to evict its blocks (``scheduler/lazy.py``).
 The whole path, step by step: ``docs/serving.md``.
 
 Every lookup, load and save is keyed by the request's identity (``identity.py``): its scope
@@ -31,20 +31,27 @@ from typing import TYPE_CHECKING
 
 from kvtier.core.config import KVTierConfig
 from kvtier.vllm_integration import logs
-from kvtier.vllm_integration.events import EventLog
-from kvtier.vllm_integration.frees import BlockFrees
 from kvtier.vllm_integration.identity import adapter_identity, cacheable, identity_tokens
-from kvtier.vllm_integration.lazy import LazyOffload, LazyWorkerMeta, target_blocks
-from kvtier.vllm_integration.lookups import (
+from kvtier.vllm_integration.messages import (
+    KVTierMetadata,
+    KVTierWorkerMeta,
+    LazyWorkerMeta,
+    LoadSpec,
+    RankReport,
+    SaveSpec,
+)
+from kvtier.vllm_integration.scheduler.events import EventLog
+from kvtier.vllm_integration.scheduler.frees import BlockFrees
+from kvtier.vllm_integration.scheduler.index import PresenceIndex
+from kvtier.vllm_integration.scheduler.lazy import LazyOffload, target_blocks
+from kvtier.vllm_integration.scheduler.lookups import (
     Lookups,
     RequestState,
     lookup_mode,
     warn_load_failure_policy,
 )
-from kvtier.vllm_integration.metadata import KVTierMetadata, LoadSpec, SaveSpec
-from kvtier.vllm_integration.presence import KVTierWorkerMeta, PresenceIndex, RankReport
-from kvtier.vllm_integration.probes import PromptHashes, Sightings
-from kvtier.vllm_integration.save_plan import SavePlanner
+from kvtier.vllm_integration.scheduler.prompts import PromptHashes, Sightings
+from kvtier.vllm_integration.scheduler.save_plan import SavePlanner
 from kvtier.vllm_integration.stats import KVTierStats, StatsTracker, StepTimer
 
 if TYPE_CHECKING:
@@ -289,7 +296,7 @@ class SchedulerSide:
 
     def request_finished(self, request: Request, block_ids: list[int] | None = None) -> bool:
         """Whether to keep the request's blocks until the worker's saves of it are done
-        (``get_finished``); not when every rank has copied them already (``frees.py``). A hold
+        (``get_finished``); not when every rank has copied them already (``scheduler/frees.py``). A hold
         still pending for the request is released through the next step's metadata. With lazy
         offload the request's save is remembered instead (its blocks stay in vLLM's prefix
         cache)."""

@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 from kvtier.core.config import KVTierConfig
 from kvtier.vllm_integration.identity import cacheable, identity_tokens
-from kvtier.vllm_integration.lookups import RequestState
-from kvtier.vllm_integration.metadata import SaveSpec
-from kvtier.vllm_integration.probes import PromptHashes, Sightings
+from kvtier.vllm_integration.messages import SaveSpec
+from kvtier.vllm_integration.scheduler.lookups import RequestState
+from kvtier.vllm_integration.scheduler.prompts import PromptHashes, Sightings
 
 
 class SavePlanner:

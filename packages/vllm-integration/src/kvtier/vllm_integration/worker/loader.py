@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from kvtier.core.handles import Hold
 from kvtier.core.platform import Marker
-from kvtier.vllm_integration.metadata import LoadSpec
+from kvtier.vllm_integration.messages import LoadSpec
 
 logger = logging.getLogger("kvtier")
 
