@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -97,8 +98,24 @@ WORKER_COUNTERS = (
 WORKER_METRICS = ("load_failed_blocks", "loads_without_hold", "save_errors", "saves_abandoned")
 
 
+@dataclass(frozen=True)
+class Runtime:
+    """What a worker runs once vLLM has registered its KV tensors (``register_kv_caches``)."""
+
+    engine: CacheEngine
+    rank: int  # this worker's engine-local rank
+    layer_of: dict[str, int]  # vLLM's layer name -> layer index
+    holds: HoldTable
+    saver: Saver
+    loads: WorkerLoads
+    feed: PresenceFeed
+    prober: Prober
+    server: ControlServer
+
+
 class WorkerSide:
-    """Loads and saves on one worker (see the module docstring)."""
+    """Loads and saves on one worker (see the module docstring). Before ``register_kv_caches``
+    there is no runtime and every hook is a no-op."""
 
     def __init__(
         self,
@@ -115,18 +132,10 @@ class WorkerSide:
         self.chunk_size = config.chunk_size
         self._vllm_config = vllm_config
         self._engine_id = engine_id
-        self.engine: CacheEngine | None = None
-        self._server: ControlServer | None = None
-        self._layer_of: dict[str, int] = {}
+        self._rt: Runtime | None = None  # built by register_kv_caches
         self._store_gens: list[Iterator[int]] = []
-        self._holds: HoldTable | None = None
-        self._saver: Saver | None = None
-        self._loads: WorkerLoads | None = None
-        self._feed: PresenceFeed | None = None
-        self._prober: Prober | None = None
         self._saving_reqs: set[str] = set()  # requests that had a save (their blocks are held)
         self._lazy_saves: set[str] = set()  # lazy saves submitted, not yet reported copied
-        self._rank = 0  # this worker's engine-local rank (set by register_kv_caches)
         self._finishing: set[str] = set()
         self._generation: str | None = None
         self.counters = Counters(WORKER_COUNTERS)
@@ -134,14 +143,18 @@ class WorkerSide:
         self.metrics = StatsTracker()
         self.timer = StepTimer(self.metrics, "worker")  # kvtier's time in each step (connector.py)
 
+    @property
+    def engine(self) -> CacheEngine | None:
+        return self._rt.engine if self._rt is not None else None
+
     def get_kv_connector_stats(self) -> KVTierStats | None:
         """What changed since the last call (``stats.py``); vLLM calls it after every step."""
-        if self.engine is None:
+        rt = self._rt
+        if rt is None:
             return None
-        values = engine_values(self.engine)
+        values = engine_values(rt.engine)
         values.update(self.counters.values(WORKER_METRICS))
-        if self._holds is not None:
-            values["hold_expiries"] = {"": self._holds.stats()["hold_expiries"]}
+        values["hold_expiries"] = {"": rt.holds.stats()["hold_expiries"]}
         values["background_cpu_seconds"] = {"": PROCESS_THREADS.seconds()}
         return self.metrics.delta(values)
 
@@ -154,17 +167,15 @@ class WorkerSide:
                 f"vLLM's cache spec has blocks of {layout.block_size} tokens, its cache config "
                 f"{self.block_size}: kvtier needs one block size"
             )
-        self._layer_of = reg.layer_of
         # The control socket is per worker; the key's rank collapses MLA's identical TP shards.
         _, worker = engine_rank(vc, use_mla=False)
-        self._rank = worker
         key_world, key_rank = engine_rank(vc, layout.use_mla)
         platform = get_platform(
             self.config.platform or caches[0].device.type,
             self.config.plugins,
             device_index=caches[0].device.index,
         )
-        self.engine = CacheEngine(
+        engine = CacheEngine(
             self.config,
             layout,
             model=model_identity(vc),
@@ -172,64 +183,75 @@ class WorkerSide:
             rank=key_rank,
             platform=platform,
         )
-        self.engine.register_kv_caches(caches, reg.num_blocks)
-        self._holds = HoldTable(self.engine, hold_ttl_s(self.config))
-        self._server = ControlServer(socket_path(self._engine_id, worker), self._serve)
-        self._saver = Saver(self._store, self._saved)
-        self._loads = WorkerLoads(
-            self.config,
-            self.engine,
-            self._holds,
-            block_size=self.block_size,
-            layer_of=self._layer_of,
-            count=self._count,
-            metrics=self.metrics,
-            before_indexed=self._before_indexed,
-            shortfall=self._shortfall,
-        )
+        engine.register_kv_caches(caches, reg.num_blocks)
+        holds = HoldTable(engine, hold_ttl_s(self.config))
         kv_events = vc.kv_events_config
-        self._feed = PresenceFeed(
-            worker, self.engine, tier_events=bool(kv_events and kv_events.enable_kv_cache_events)
+        feed = PresenceFeed(
+            worker, engine, tier_events=bool(kv_events and kv_events.enable_kv_cache_events)
         )
-        self._prober = Prober(self._probe, self._feed.answer)
+        self._rt = Runtime(
+            engine=engine,
+            rank=worker,
+            layer_of=reg.layer_of,
+            holds=holds,
+            saver=Saver(self._store, self._saved),
+            loads=WorkerLoads(
+                self.config,
+                engine,
+                holds,
+                block_size=self.block_size,
+                layer_of=reg.layer_of,
+                count=self._count,
+                metrics=self.metrics,
+                before_indexed=self._before_indexed,
+                shortfall=feed.shortfall,
+            ),
+            feed=feed,
+            prober=Prober(self._probe, feed.answer),
+            server=ControlServer(socket_path(self._engine_id, worker), self._serve),
+        )
         logger.info(
             "kvtier: %s (fingerprint %s), tiers %s, control channel %s",
             layout.describe(),
             layout.fingerprint(),
             self.config.tiers,
-            self._server.path,
+            self._rt.server.path,
         )
+
+    def _runtime(self) -> Runtime:
+        """The runtime, for the callbacks it calls (they only run once it exists)."""
+        assert self._rt is not None, "kvtier worker used before register_kv_caches"
+        return self._rt
 
     def _serve(self, request: dict[str, Any]) -> dict[str, Any]:
         """A control channel request (``channel``): ``stats`` or ``flush``."""
-        assert self.engine is not None and self._holds is not None and self._saver is not None
+        rt = self._runtime()
         op = request.get("op")
         if op == "stats":
             stats: dict[str, int] = self.counters.snapshot()
-            stats.update(self._holds.stats())
-            stats.update({f"engine_{k}": v for k, v in self.engine.stats.as_dict().items()})
+            stats.update(rt.holds.stats())
+            stats.update({f"engine_{k}": v for k, v in rt.engine.stats.as_dict().items()})
             return {"stats": stats}
         if op == "flush":
             # Saves queued so far, then lower-tier writes: what a planned restart waits for.
             timeout = float(request.get("timeout_s", SAVE_DRAIN_TIMEOUT_S))
-            ok = self._saver.drain(timeout) and self.engine.storage.flush(timeout)
+            ok = rt.saver.drain(timeout) and rt.engine.storage.flush(timeout)
             return {"flushed": ok}
         raise ValueError(f"unknown control channel request {op!r}")
 
     def _probe(self, spec: ProbeSpec) -> tuple[int, list[list[Any]]]:
         """One probe on a probe thread: hold what the tiers have of the prompt."""
-        assert self._holds is not None
+        rt = self._runtime()
         self._await_related_saves(spec.tokens, spec.scope)
         t0 = time.perf_counter()
-        hit = self._holds.lookup(spec.req_id, spec.hold_id, spec.tokens, spec.scope)
+        hit = rt.holds.lookup(spec.req_id, spec.hold_id, spec.tokens, spec.scope)
         self.metrics.observe("lookup_seconds", time.perf_counter() - t0)
-        return hit, self._holds.sources(spec.req_id)
+        return hit, rt.holds.sources(spec.req_id)
 
     def _await_related_saves(self, tokens: np.ndarray, scope: KeyScope) -> None:
         """Before a probe's lookup or an index-answered load: a save of the same prefix still
         copying would be missed, give it a moment (at most half of ``lookup_timeout_s``)."""
-        assert self._saver is not None
-        if not self._saver.wait_related(
+        if not self._runtime().saver.wait_related(
             tokens, scope, self.chunk_size, self.config.lookup_timeout_s / 2
         ):
             logger.warning("kvtier: lookup answered before a save of the same prefix finished")
@@ -238,36 +260,33 @@ class WorkerSide:
         """A load answered by the scheduler's index, on the loader thread."""
         self._await_related_saves(spec.tokens, spec.scope)
 
-    def _shortfall(self, req_id: str, found: int) -> None:
-        if self._feed is not None:
-            self._feed.shortfall(req_id, found)
-
     @property
     def loads_in_flight(self) -> int:
         """Asynchronous loads submitted to the loader thread and not finished yet."""
-        return self._loads.in_flight if self._loads is not None else 0
+        return self._rt.loads.in_flight if self._rt is not None else 0
 
     def build_connector_worker_meta(self) -> KVTierWorkerMeta | None:
         """This step's report; with lazy offload always a ``LazyWorkerMeta`` (so every rank's
         object aggregates the lazy saves copied), naming those whose copies are done."""
-        if self._feed is not None and self._saver is not None:
-            self._feed.saves_copied(self._saver.copied_through)
-        report = self._feed.take() if self._feed is not None else None
-        if self.config.offload != "lazy" or self._saver is None:
+        rt = self._rt
+        if rt is None:
+            return None
+        rt.feed.saves_copied(rt.saver.copied_through)
+        report = rt.feed.take()
+        if self.config.offload != "lazy":
             return report
-        done = self._lazy_saves - self._saver.pending(self._lazy_saves)
+        done = self._lazy_saves - rt.saver.pending(self._lazy_saves)
         self._lazy_saves -= done
         reports = report.reports if report is not None else {}
-        return LazyWorkerMeta(reports, {self._rank: sorted(done)} if done else {})
+        return LazyWorkerMeta(reports, {rt.rank: sorted(done)} if done else {})
 
-    def _new_generation(self, meta: KVTierMetadata) -> None:
+    def _new_generation(self, rt: Runtime, meta: KVTierMetadata) -> None:
         """Drop host-memory chunks of older weights when the scheduler starts a generation."""
-        if meta.generation == self._generation or self.engine is None:
+        if meta.generation == self._generation:
             return
         self._generation = meta.generation
-        if self._holds is not None:
-            self._holds.close()
-        dropped = self.engine.storage.drop_host()
+        rt.holds.close()
+        dropped = rt.engine.storage.drop_host()
         self._count(generation_resets=1)
         logger.info(
             "kvtier: new weights generation %s: %d host-memory chunk(s) dropped",
@@ -275,25 +294,25 @@ class WorkerSide:
             dropped,
         )
 
-    # -- loads (worker_loads.py) ----------------------------------------------------------------
+    # -- loads (worker/loads.py) --------------------------------------------------------------
     def start_load_kv(self, meta: KVTierMetadata) -> None:
-        if self._holds is None or self._loads is None:
+        rt = self._rt
+        if rt is None:
             return
-        self._new_generation(meta)
+        self._new_generation(rt, meta)
         for rid, hold_id in meta.releases:
-            self._holds.release(rid, hold_id)
-        self._holds.expire()
-        if self._prober is not None:
-            for probe in meta.probes:
-                self._prober.submit(probe)
-        self._loads.run(meta.loads)
+            rt.holds.release(rid, hold_id)
+        rt.holds.expire()
+        for probe in meta.probes:
+            rt.prober.submit(probe)
+        rt.loads.run(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if self._loads is not None:
-            self._loads.wait_for_layer(layer_name)
+        if self._rt is not None:
+            self._rt.loads.wait_for_layer(layer_name)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._loads.take_failed() if self._loads is not None else set()
+        return self._rt.loads.take_failed() if self._rt is not None else set()
 
     # -- saves ---------------------------------------------------------------------------------
     def _save_slots(self, spec: SaveSpec) -> torch.Tensor:
@@ -301,9 +320,8 @@ class WorkerSide:
         return torch.from_numpy(slot_mapping(spec.block_ids, self.block_size, n, spec.skip, n))
 
     def _store(self, spec: SaveSpec, ready: Marker, keep: Any) -> int:
-        assert self.engine is not None
         t0 = time.perf_counter()
-        n = self.engine.store(
+        n = self._runtime().engine.store(
             spec.tokens, self._save_slots(spec), salt=spec.scope, ready=ready, keep=keep
         )
         self.metrics.observe("save_seconds", time.perf_counter() - t0)
@@ -313,11 +331,12 @@ class WorkerSide:
         self._count(save_jobs=1, saved_tokens=tokens, save_errors=int(failed))
 
     def save_kv_layer(self, layer_name: str, meta: KVTierMetadata) -> None:
-        if not self.config.use_layerwise or self.engine is None or not meta.saves:
+        rt = self._rt
+        if not self.config.use_layerwise or rt is None or not meta.saves:
             return
-        if self._layer_of.get(layer_name) == 0:
+        if rt.layer_of.get(layer_name) == 0:
             self._store_gens = [
-                self.engine.store_layerwise(s.tokens, self._save_slots(s), salt=s.scope)
+                rt.engine.store_layerwise(s.tokens, self._save_slots(s), salt=s.scope)
                 for s in meta.saves
             ]
             self._count(save_jobs=len(meta.saves))
@@ -325,9 +344,11 @@ class WorkerSide:
             next(gen, None)
 
     def wait_for_save(self, meta: KVTierMetadata | None) -> None:
-        if self._loads is not None:
-            self._loads.finish()
-        if meta is None or self.engine is None or self._saver is None:
+        rt = self._rt
+        if rt is None:
+            return
+        rt.loads.finish()
+        if meta is None:
             return
         # Freed by vLLM already (their saves were copied): never reported in finished_sending.
         self._saving_reqs.difference_update(meta.unheld)
@@ -335,30 +356,30 @@ class WorkerSide:
             # Blocks of finished requests, touched by the scheduler until reported copied; the
             # marker orders the copy after any device work still writing them.
             self._lazy_saves.update(spec.req_id for spec in meta.lazy_saves)
-            marker = self.engine.platform.record_marker()
-            self._saver.submit(meta.lazy_saves, marker, meta.step)
+            marker = rt.engine.platform.record_marker()
+            rt.saver.submit(meta.lazy_saves, marker, meta.step)
         # The scheduler holds the blocks of every request with a save until get_finished says so.
         self._saving_reqs.update(spec.req_id for spec in meta.saves)
         if self.config.use_layerwise:
             gens, self._store_gens = self._store_gens, []
-            before = self.engine.stats.stored_tokens
+            before = rt.engine.stats.stored_tokens
             for gen in gens:
                 for _ in gen:
                     pass
-            self._count(saved_tokens=self.engine.stats.stored_tokens - before)
-            self._saver.mark(meta.step)  # copied already, layer by layer
+            self._count(saved_tokens=rt.engine.stats.stored_tokens - before)
+            rt.saver.mark(meta.step)  # copied already, layer by layer
             return
         if meta.saves:
             # On the thread and stream of vLLM's forward pass: the saver's copies wait for it.
-            self._saver.submit(meta.saves, self.engine.platform.record_marker(), meta.step)
-        self._saver.mark(meta.step)
+            rt.saver.submit(meta.saves, rt.engine.platform.record_marker(), meta.step)
+        rt.saver.mark(meta.step)
 
     def handle_preemptions(self, meta: KVTierMetadata) -> None:
         """A preempted request's blocks are reused by this step: finish reading them first (a
         save still copying when the drain times out is abandoned, never committed)."""
-        if not meta.preempted or self._saver is None:
+        if not meta.preempted or self._rt is None:
             return
-        if not self._saver.drain(SAVE_DRAIN_TIMEOUT_S):
+        if not self._rt.saver.drain(SAVE_DRAIN_TIMEOUT_S):
             self._count(saves_abandoned=1)
             logger.error(
                 "kvtier: saves did not finish in %.0f s before blocks were reused; "
@@ -369,36 +390,28 @@ class WorkerSide:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``(saves done, async loads done)``; the failed blocks of the loads reported here go
         out through ``get_block_ids_with_load_errors``, which vLLM calls right after."""
-        if self._holds is not None and finished_req_ids:
-            self._holds.release_requests(finished_req_ids)
-        recving: set[str] = set()
-        if self._loads is not None:
-            recving = self._loads.take_finished(LOAD_REPORT_WAIT_S)
+        rt = self._rt
+        if rt is None:
+            return None, None
+        if finished_req_ids:
+            rt.holds.release_requests(finished_req_ids)
+        recving = rt.loads.take_finished(LOAD_REPORT_WAIT_S)
         self._finishing |= finished_req_ids & self._saving_reqs
-        if not self._finishing or self._saver is None:
+        if not self._finishing:
             return None, (recving or None)
-        done = self._finishing - self._saver.pending(self._finishing)
+        done = self._finishing - rt.saver.pending(self._finishing)
         self._finishing -= done
         self._saving_reqs -= done
         return (done or None), (recving or None)
 
     def shutdown(self) -> None:
-        if self._prober is not None:
-            self._prober.close()
-            self._prober = None
-        if self._loads is not None:
-            self._loads.close(SAVE_DRAIN_TIMEOUT_S)
-            self._loads = None
-        if self._saver is not None:
-            self._saver.close(SAVE_DRAIN_TIMEOUT_S)
-            self._saver = None
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        if self._holds is not None:
-            self._holds.close()
-            self._holds = None
-        if self.engine is not None:
-            self.engine.storage.flush(timeout=SAVE_DRAIN_TIMEOUT_S)
-            self.engine.close()
-            self.engine = None
+        rt, self._rt = self._rt, None
+        if rt is None:
+            return
+        rt.prober.close()
+        rt.loads.close(SAVE_DRAIN_TIMEOUT_S)
+        rt.saver.close(SAVE_DRAIN_TIMEOUT_S)
+        rt.server.close()
+        rt.holds.close()
+        rt.engine.storage.flush(timeout=SAVE_DRAIN_TIMEOUT_S)
+        rt.engine.close()
