@@ -137,6 +137,20 @@ class Lookups:
             return True
         return self._indexed_hit(state, hashes, most) > computed
 
+    def record(self, req_id: str, hit: int, sources: list[list[Any]]) -> None:
+        """The hit vLLM was given for ``req_id`` and where it was found (for ``sources``)."""
+        self.spans[req_id] = (hit, sources)
+
+    def finished(self, rid: str, state: RequestState | None) -> None:
+        """Request ``rid`` is done: forget its lookup and release any hold it still has on the
+        workers (its probe's, or the one kept for its load)."""
+        self.spans.pop(rid, None)
+        if state is None:
+            return
+        self.release(state)
+        if state.hold_id is not None:
+            self.releases.append((rid, state.hold_id))
+
     def release(self, state: RequestState) -> None:
         """Let the worker drop the request's probe hold (it will not be loaded)."""
         if state.probe is not None:

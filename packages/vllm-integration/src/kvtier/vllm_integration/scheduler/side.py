@@ -163,7 +163,7 @@ class SchedulerSide:
         self._counts["lookups"] += 1
         hit = min(probe.hit, most)
         hit -= hit % bs
-        self.lookups.spans[request.request_id] = (hit, probe.sources)
+        self.lookups.record(request.request_id, hit, probe.sources)
         new = max(0, hit - num_computed_tokens)
         self._counts["hit_tokens"] += new
         state.computed_at_lookup = num_computed_tokens
@@ -302,12 +302,9 @@ class SchedulerSide:
         cache)."""
         rid = request.request_id
         state = self._reqs.pop(rid, None)
-        self.lookups.spans.pop(rid, None)
+        self.lookups.finished(rid, state)
         if state is None:
             return False
-        self.lookups.release(state)
-        if state.hold_id is not None:
-            self.lookups.releases.append((rid, state.hold_id))
         if self.lazy is not None:
             if block_ids is not None:
                 state.block_ids = list(block_ids)
