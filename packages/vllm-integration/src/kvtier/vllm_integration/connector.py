@@ -103,6 +103,7 @@ class KVTierConnector(KVConnectorBase_V1):
                     vllm_config.kv_events_config
                     and vllm_config.kv_events_config.enable_kv_cache_events
                 ),
+                role=str(self._kv_transfer_config.kv_role),
             )
         else:
             self._worker = WorkerSide(
@@ -112,6 +113,12 @@ class KVTierConnector(KVConnectorBase_V1):
                 block_size=self.block_size,
                 engine_id=engine_id,
             )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: kvtier is a cache, a save that does not happen is a later miss. (True would
+        make vLLM drop a preempted request's in-flight output under asynchronous scheduling.)"""
+        return False
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -30,6 +30,7 @@ import os
 from typing import TYPE_CHECKING
 
 from kvtier.core.config import KVTierConfig
+from kvtier.core.errors import ConfigError
 from kvtier.vllm_integration import logs
 from kvtier.vllm_integration.identity import adapter_identity, cacheable, identity_tokens
 from kvtier.vllm_integration.messages import (
@@ -63,6 +64,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvtier")
 
+ROLES = ("kv_both", "kv_producer", "kv_consumer")
+
 
 class SchedulerSide:
     """Lookups, loads and saves decided on the scheduler (see the module docstring)."""
@@ -76,8 +79,15 @@ class SchedulerSide:
         load_failure_policy: str,
         kv_events: bool = False,
         max_num_batched_tokens: int = 2048,
+        role: str = "kv_both",
     ) -> None:
         self.config = config
+        # vLLM's kv_role: a producer (prefill instance) saves and never loads, a consumer
+        # (decode instance) loads and never saves; kv_both does both.
+        if role not in ROLES:
+            raise ConfigError("kv_role", role, f"must be one of {', '.join(ROLES)}")
+        self.loads_enabled = role in ("kv_both", "kv_consumer")
+        self.saves_enabled = role in ("kv_both", "kv_producer")
         self.block_size = block_size
         self.chunk_size = config.chunk_size
         self._reqs: dict[str, RequestState] = {}
@@ -92,7 +102,7 @@ class SchedulerSide:
         self.sightings = Sightings(config.store_threshold)
         self.saves = SavePlanner(config, block_size, self.sightings, self._hashes)
         self.lazy: LazyOffload | None = None
-        if config.offload == "lazy":
+        if config.offload == "lazy" and self.saves_enabled:
             target = target_blocks(max_num_batched_tokens, block_size)
             self.lazy = LazyOffload(block_size, target, num_workers)
         self._async_loads: list[LoadSpec] = []  # for the next step's metadata
@@ -144,7 +154,7 @@ class SchedulerSide:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         prompt = request.prompt_token_ids
-        if not prompt:
+        if not prompt or not self.loads_enabled:
             return 0, False
         if not cacheable(request):
             self._counts["uncacheable"] += 1
@@ -211,6 +221,8 @@ class SchedulerSide:
     ) -> SaveSpec | None:
         """The save this step's forward pass makes possible (tokens ``[0, end)`` have KV); the
         index is told what it will store unless ``expect`` is False."""
+        if not self.saves_enabled:
+            return None
         spec = self.saves.plan(rid, state, end, self.generation)
         if spec is not None:
             state.last_save_step = self._step
