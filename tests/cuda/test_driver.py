@@ -66,6 +66,7 @@ def test_no_driver_library_means_no_driver_path(monkeypatch):
         raise OSError(f"{name}: cannot open shared object file")
 
     monkeypatch.setattr(_driver.ctypes, "CDLL", missing)
+    monkeypatch.setattr(_driver.ctypes, "PyDLL", missing)
     _driver.driver.cache_clear()
     try:
         assert _driver.driver() is None

@@ -7,6 +7,11 @@ microsecond from Python and needs no stream switch; ``cuEventRecord``/``cuStream
 same. The handles are the ones torch uses (a runtime ``cudaStream_t`` is a driver ``CUstream``),
 so these calls order correctly with torch's own work.
 
+The calls that return at once (copies and events queued on a stream) keep the GIL: a store and
+a load issued from two threads (vLLM's saver and forward threads) would otherwise hand the GIL
+back and forth at every call, each hand-off a thread wake-up. Only ``cuEventSynchronize``, the
+host's wait for the device, releases it.
+
 ``libcuda.so.1`` comes with the NVIDIA driver, so this adds no dependency and compiles nothing.
 Every call's result is checked: a failure raises ``CUDADriverError`` naming the call and the
 driver's error name, never a silent skip.
@@ -55,9 +60,12 @@ class _Memcpy2D(ctypes.Structure):
 class CudaDriver:
     """Thin wrappers over ``libcuda`` entry points (arguments are raw handles and addresses)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        def fn(name: str, *argtypes: type) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
-            f = getattr(lib, name)
+    def __init__(self, lib: ctypes.CDLL, waiting: ctypes.CDLL | None = None) -> None:
+        """``lib``: the library loaded to keep the GIL during calls (``ctypes.PyDLL``);
+        ``waiting``: loaded to release it (``ctypes.CDLL``), for the one call that waits."""
+
+        def fn(name: str, *argtypes: type, of: ctypes.CDLL = lib) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+            f = getattr(of, name)
             f.argtypes = list(argtypes)
             f.restype = c_int
             return f
@@ -70,9 +78,20 @@ class CudaDriver:
         self._create = fn("cuEventCreate", ctypes.POINTER(c_void_p), c_uint)
         self._destroy = fn("cuEventDestroy_v2", c_void_p)
         self._query = fn("cuEventQuery", c_void_p)
-        self._sync = fn("cuEventSynchronize", c_void_p)
+        self._sync = fn("cuEventSynchronize", c_void_p, of=waiting or lib)
         self._ctx_get = fn("cuCtxGetCurrent", ctypes.POINTER(c_void_p))
         self._err_name = fn("cuGetErrorName", c_int, ctypes.POINTER(ctypes.c_char_p))
+        self._launch = fn("cuLaunchKernel", c_void_p, *([c_uint] * 7), c_void_p, c_void_p, c_void_p)
+        try:  # CUDA 12.4+
+            self._param_info: ctypes._CFuncPtr | None = fn(  # type: ignore[name-defined]
+                "cuFuncGetParamInfo",
+                c_void_p,
+                c_size_t,
+                ctypes.POINTER(c_size_t),
+                ctypes.POINTER(c_size_t),
+            )
+        except AttributeError:
+            self._param_info = None
 
     def _fail(self, call: str, res: int) -> CUDADriverError:
         name = ctypes.c_char_p()
@@ -128,6 +147,34 @@ class CudaDriver:
         res = self._wait(stream, event, 0)
         if res:
             raise self._fail("cuStreamWaitEvent", res)
+
+    def launch(
+        self,
+        function: int,
+        grid: tuple[int, int, int],
+        block_x: int,
+        shared: int,
+        stream: int,
+        params: int,
+    ) -> None:
+        """``cuLaunchKernel`` of ``function`` on ``stream``; ``params``: the address of its array
+        of pointers to each parameter's value."""
+        res = self._launch(function, *grid, block_x, 1, 1, shared, stream, params, None)
+        if res:
+            raise self._fail("cuLaunchKernel", res)
+
+    def param_sizes(self, function: int, limit: int = 64) -> list[int] | None:
+        """The byte size of each parameter of kernel ``function`` (a ``CUfunction``), in order;
+        None where the driver cannot tell (before CUDA 12.4)."""
+        if self._param_info is None:
+            return None
+        offset, size = c_size_t(), c_size_t()
+        sizes: list[int] = []
+        for i in range(limit):
+            if self._param_info(function, i, ctypes.byref(offset), ctypes.byref(size)):
+                break  # past the last parameter
+            sizes.append(size.value)
+        return sizes
 
     def has_context(self) -> bool:
         """Whether this thread has a current context (the driver calls above need one)."""
@@ -196,10 +243,10 @@ class RawEvent:
 def driver() -> CudaDriver | None:
     """The driver wrapper, or None when ``libcuda.so.1`` cannot be loaded or is too old."""
     try:
-        lib = ctypes.CDLL("libcuda.so.1")
+        lib, waiting = ctypes.PyDLL("libcuda.so.1"), ctypes.CDLL("libcuda.so.1")
     except OSError:
         return None
     try:
-        return CudaDriver(lib)
+        return CudaDriver(lib, waiting)
     except AttributeError:  # a driver too old for one of the entry points
         return None

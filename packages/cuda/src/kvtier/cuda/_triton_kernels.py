@@ -69,6 +69,6 @@ def page_copy_kernel(
 def copy_words_kernel(src, dst, start, n, BLOCK: tl.constexpr):
     """``dst[start:start + n] = src[start:start + n]`` (int64): a store's block ids from pinned
     host memory, read in place, to the device (``kvtier.cuda.lane`` says why not by DMA)."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < n
-    tl.store(dst + start + i, tl.load(src + start + i, mask=mask), mask=mask)
+    i = start + tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < start + n
+    tl.store(dst + i, tl.load(src + i, mask=mask), mask=mask)

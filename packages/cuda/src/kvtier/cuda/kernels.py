@@ -6,16 +6,19 @@ lowest-addressed layer's storage. Each layer's block-0 page is a word offset fro
 every layer of a cache group in one buffer; tests may give each layer its own allocation, and
 addresses are flat either way).
 
-After a configuration's first launch its compiled kernel is kept and launched again through its
-launcher on an explicit stream, the way ``JITFunction.run`` does at its end: ``kernel[grid]``
-costs ~15 us of Python per launch and launches on torch's current stream, which a caller on a
-side stream must switch to and back (~10 us each). Every argument that changes between launches
-is a pointer to an allocation (16-byte aligned) or marked ``do_not_specialize``, so one compiled
-kernel serves them all.
+After a configuration's first launch (``kernel[grid]``, which compiles) its compiled kernel is
+kept and launched again on an explicit stream with ``cuLaunchKernel`` through ctypes, its
+parameter array built once, where the driver confirms the parameter layout (CUDA 12.4+); else
+through Triton's launcher, the way ``JITFunction.run`` does at its end. ``kernel[grid]`` costs
+~15-20 us of Python a launch on a GPU host and launches on torch's current stream, which a caller
+on a side stream must switch to and back; a small model's 2 MiB chunk crosses PCIe in ~40 us.
+Every argument that changes between launches is a pointer to an allocation (16-byte aligned) or
+marked ``do_not_specialize``, so one compiled kernel serves them all.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import threading
 from collections.abc import Sequence
@@ -60,10 +63,6 @@ class Geometry:
     run_offsets: tuple[int, ...]  # words from a page's start to each run
 
     @property
-    def page_words(self) -> int:
-        return self.run * self.runs
-
-    @property
     def dtype(self) -> torch.dtype:
         return _WORD_DTYPES[self.word]
 
@@ -106,8 +105,71 @@ def _jit() -> tuple[Any, Any]:
     return page_copy_kernel, copy_words_kernel
 
 
+class _Kept:
+    """A compiled kernel kept after its first launch, launched on an explicit stream with its
+    non-constexpr values (addresses for pointers) followed by its constexprs."""
+
+    __slots__ = ("ck", "consts", "direct", "function", "params", "values")
+
+    def __init__(self, ck: Any, runtime: Sequence[int], pointers: int, consts: tuple) -> None:
+        self.ck, self.consts = ck, consts
+        self.direct: tuple[Any, int, int] | None = None
+        self.values: list[Any] = []
+        self.params: tuple[Any, int] = (None, 0)
+        self.function = 0
+        from kvtier.cuda._driver import driver
+
+        drv = driver()
+        md = getattr(ck, "metadata", None)
+        function = getattr(ck, "function", None)
+        if drv is None or md is None or not isinstance(function, int) or not function:
+            return
+        if (
+            getattr(md, "num_ctas", 1) != 1
+            or getattr(md, "launch_cooperative_grid", False)
+            or getattr(md, "launch_pdl", False)
+            or getattr(md, "global_scratch_size", 0)
+            or getattr(md, "profile_scratch_size", 0)
+        ):
+            return
+        sizes = drv.param_sizes(function)
+        n = len(runtime)
+        want = [8] * pointers + [4] * (n - pointers)  # the ints are do_not_specialize i32s
+        # Triton appends up to two scratch pointers (null here: the kernels use none).
+        if sizes is None or sizes[:n] != want or not set(sizes[n:]) <= {8} or len(sizes) > n + 2:
+            return
+        types = [ctypes.c_uint64] * pointers + [ctypes.c_int32] * (n - pointers)
+        self.values = [t() for t in types] + [ctypes.c_uint64() for _ in sizes[n:]]
+        array = (ctypes.c_void_p * len(self.values))(*[ctypes.addressof(v) for v in self.values])
+        self.params = (array, ctypes.addressof(array))  # the array stays alive with its address
+        self.function = function
+        self.direct = (drv, 32 * int(md.num_warps), int(md.shared))
+
+    def __call__(self, grid: tuple[int, int, int], stream: int, runtime: Sequence[int]) -> None:
+        if self.direct is not None:
+            drv, block_x, shared = self.direct
+            values = self.values
+            for i, v in enumerate(runtime):
+                values[i].value = v
+            drv.launch(self.function, grid, block_x, shared, stream, self.params[1])
+            return
+        ck = self.ck
+        args = (*runtime, *self.consts)
+        knobs = _knobs()
+        ck.run(
+            *grid,
+            stream,
+            ck.function,
+            ck.packed_metadata,
+            ck.launch_metadata(grid, stream, *args),
+            knobs.launch_enter_hook,
+            knobs.launch_exit_hook,
+            *args,
+        )
+
+
 class Kernels:
-    """One mover's kernel launches: ``pages`` (gather or scatter) and ``copy_words``.
+    """One mover's kernel launches: ``pages`` (a gather or a scatter) and ``copy_words``.
 
     ``stream``: a ``torch.cuda.Stream`` on a GPU; None on a CPU device, where Triton's
     interpreter runs each launch at once."""
@@ -123,7 +185,12 @@ class Kernels:
         self._cache = raw[:usable].view(geo.dtype)
         self._layer_offsets = torch.tensor(geo.layer_offsets, dtype=torch.int64, device=device)
         self._run_offsets = torch.tensor(geo.run_offsets, dtype=torch.int64, device=device)
-        self._kept: dict[tuple, Any] = {}
+        self._fixed = (
+            self._cache.data_ptr(),
+            self._layer_offsets.data_ptr(),
+            self._run_offsets.data_ptr(),
+        )
+        self._kept: dict[tuple, _Kept] = {}
 
     def pages(
         self,
@@ -143,8 +210,8 @@ class Kernels:
         if entries <= 0:
             return
         g = self.geo
-        kernel, _ = _jit()
         grid = (entries * layers, g.runs * g.tiles_per_run, 1)
+        consts = (layers, g.block_stride, g.run, g.runs, g.tile, g.tiles_per_run, g.align, to_cache)
         args = (
             self._cache,
             staging.view(g.dtype),
@@ -153,16 +220,15 @@ class Kernels:
             self._run_offsets,
             first_entry,
             first_layer,
-            layers,
-            g.block_stride,
-            g.run,
-            g.runs,
-            g.tile,
-            g.tiles_per_run,
-            g.align,
-            to_cache,
         )
-        self._launch(kernel, ("pages", to_cache, layers), grid, args, (1, 2), stream)
+        if stream is None:
+            self._first(_jit()[0], grid, (*args, *consts), stream)
+            return
+        s, i = staging.data_ptr(), ids.data_ptr()
+        key = ("pages", to_cache, layers, s % 16 == 0, i % 16 == 0)
+        c, lo, ro = self._fixed
+        runtime = (c, s, i, lo, ro, first_entry, first_layer)
+        self._run(key, _jit()[0], grid, args, runtime, 5, consts, stream)
 
     def copy_words(
         self, src: torch.Tensor, dst: torch.Tensor, start: int, n: int, *, stream: Any
@@ -171,58 +237,56 @@ class Kernels:
         pinned host memory, read in place."""
         if n <= 0:
             return
-        _, kernel = _jit()
         grid = (-(-n // _COPY_BLOCK), 1, 1)
-        self._launch(kernel, ("words",), grid, (src, dst, start, n, _COPY_BLOCK), (0, 1), stream)
+        consts = (_COPY_BLOCK,)
+        if stream is None:
+            self._first(_jit()[1], grid, (src, dst, start, n, *consts), stream)
+            return
+        s, d = src.data_ptr(), dst.data_ptr()
+        key = ("words", s % 16 == 0, d % 16 == 0)
+        self._run(key, _jit()[1], grid, (src, dst, start, n), (s, d, start, n), 2, consts, stream)
 
-    def _launch(
+    def _run(
         self,
-        kernel: Any,
         key: tuple,
+        kernel: Any,
         grid: tuple[int, int, int],
         args: tuple,
-        changing: tuple[int, ...],
+        runtime: tuple[int, ...],
+        pointers: int,
+        consts: tuple,
         stream: Any,
     ) -> None:
-        """Launch ``kernel`` with ``args`` (constexprs included, in signature order) on
-        ``stream``; ``changing``: the positions of tensor arguments that may differ between
-        launches (passed to a kept kernel as addresses)."""
-        if stream is None:  # the interpreter, on a CPU device
+        """Launch on a GPU ``stream``: the kept kernel for ``key`` with ``runtime`` (``args``'
+        values, addresses for tensors), else a first launch whose kernel is kept."""
+        kept = self._kept.get(key)
+        if kept is not None:
+            kept(grid, stream.cuda_stream, runtime)
+            return
+        ck = self._first(kernel, grid, (*args, *consts), stream)
+        if ck is not None:
+            self._kept[key] = _Kept(ck, runtime, pointers, consts)
+
+    @staticmethod
+    def _first(kernel: Any, grid: tuple[int, int, int], args: tuple, stream: Any) -> Any:
+        """Launch through ``kernel[grid]`` (the interpreter on a CPU device, ``stream`` None);
+        on a GPU return the compiled kernel to keep, where this Triton lets it be launched
+        again (else None: every launch comes here)."""
+        if stream is None:
             with _INTERPRETER:
                 kernel[grid](*args, num_warps=_NUM_WARPS)
-            return
-        ptrs = [args[i].data_ptr() for i in changing]
-        full = (*key, *(p % 16 == 0 for p in ptrs))
-        ck = self._kept.get(full)
-        if ck is not None:
-            values = list(args)
-            for i, p in zip(changing, ptrs, strict=True):
-                values[i] = p
-            handle = stream.cuda_stream
-            knobs = _knobs()
-            ck.run(
-                *grid,
-                handle,
-                ck.function,
-                ck.packed_metadata,
-                ck.launch_metadata(grid, handle, *values),
-                knobs.launch_enter_hook,
-                knobs.launch_exit_hook,
-                *values,
-            )
-            return
+            return None
         with torch.cuda.stream(stream):
             ck = kernel[grid](*args, num_warps=_NUM_WARPS)
-        if _knobs() is not None and all(
+        usable = _knobs() is not None and all(
             hasattr(ck, a) for a in ("run", "function", "packed_metadata", "launch_metadata")
-        ):
-            self._kept[full] = ck
+        )
+        return ck if usable else None
 
 
 @functools.cache
 def _knobs() -> Any:
-    """Triton's runtime knobs (launch hooks), where this Triton has them (>= 3.3); without
-    them every launch goes through ``kernel[grid]``."""
+    """Triton's runtime knobs (launch hooks), where this Triton has them (>= 3.3)."""
     try:
         import triton
 

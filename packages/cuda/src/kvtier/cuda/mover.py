@@ -9,23 +9,24 @@ load DMAs into a slot, then scatters it. Each direction has its own lane (``kvti
 two streams, two staging slots, events), so a group's gather runs while the previous group's DMA
 is on the copy engine, and a store and a load run at once (PCIe is full duplex).
 
-Host time is the other budget: a small model's 2 MiB chunk crosses PCIe in under 40 us. The
-first group is the call's first transfer, checked and issued before the rest of the call is
-checked and planned (vectorised, in numpy); groups then double in size up to a slot.
+Host time is the other budget: a small model's 2 MiB chunk crosses PCIe in under 40 us. A call's
+first transfer is checked and issued first, then the rest is checked and planned (vectorised, in
+numpy) while its copies run; groups start at 2 MiB and double in size up to a slot.
 
 Streams: every call first orders its kernel stream after the calling thread's current stream (a
 store reads what the forward pass wrote; a load overwrites blocks only after the engine's earlier
-use of them). Whole calls, ``store_layer``/``load_layer`` and each layer a ``store_layerwise``
-yields return after the host has waited for their copies. ``load_layerwise`` issues every layer
-at its first step and, before yielding layer ``i``, makes the caller's current stream wait (on the
-device) for that layer's scatter, so attention can be queued at once.
+use of them). Whole calls and ``store_layer``/``load_layer`` return after the host has waited for
+their copies. ``store_layerwise`` makes the caller's current stream wait (on the device) for each
+layer's gather before yielding it, its DMAs running on until the generator is exhausted;
+``load_layerwise`` issues every layer at its first step and, before yielding layer ``i``, makes
+the caller's current stream wait for that layer's scatter, so attention can be queued at once.
 
 On a CPU device (tests, under ``TRITON_INTERPRET=1``) the same code runs synchronously.
 """
 
 from __future__ import annotations
 
-import contextlib
+import bisect
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ class MoverOptions:
 
     staging_buffer: bool = True
     staging_slots: int = 2
-    staging_slot_bytes: int = 16 << 20
+    staging_slot_bytes: int = 32 << 20
 
     def __post_init__(self) -> None:
         if self.staging_slots < 2:
@@ -74,17 +75,55 @@ OPTION_TYPES = {"staging_slots": int, "staging_slot_bytes": int}
 
 @dataclass
 class Plan:
-    """Some transfers' blocks to move: block ids at ``at`` in the lane's id buffers (``ids``
-    holds them) and each block's row address in host memory (``addrs``); skipped blocks left
-    out."""
+    """Some transfers' blocks to move, skipped blocks left out: ``count`` block ids at ``at`` in
+    the lane's id buffers; ``cuts``, the indices where a block's row does not follow the
+    previous one's in host memory (a copy ends there); and where each block's row is: the
+    transfers' first indices and row-0 addresses (``starts``, ``ptrs``), or with skipped blocks
+    every row's address (``addrs``)."""
 
     at: int
-    ids: np.ndarray
-    addrs: np.ndarray
+    count: int
+    cuts: list[int]
+    starts: list[int]
+    ptrs: list[int]
+    addrs: np.ndarray | None = None
 
-    @property
-    def count(self) -> int:
-        return int(self.ids.shape[0])
+    def host(self, i: int, row: int) -> int:
+        """The host address of block ``i``'s row."""
+        if self.addrs is not None:
+            return int(self.addrs[i])
+        t = bisect.bisect_right(self.starts, i) - 1
+        return self.ptrs[t] + (i - self.starts[t]) * row
+
+
+class _Call:
+    """One call on a lane: its device current, and at the end (errors and closed generators
+    too) the host waits for every copy it issued, so its objects may go."""
+
+    __slots__ = ("keep", "lane", "prev")
+
+    def __init__(self, lane: Lane, keep: bool) -> None:
+        self.lane, self.keep, self.prev = lane, keep, -1
+
+    def __enter__(self) -> Lane:
+        lane = self.lane
+        if lane.gpu:
+            current = torch.cuda.current_device()
+            if current != lane.index:
+                torch.cuda.set_device(lane.device)
+                self.prev = current
+            lane.bind_context()
+        lane.gathered = None
+        return lane
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.lane.synchronize()
+            if not self.keep:
+                self.lane.release()
+        finally:
+            if self.prev >= 0:
+                torch.cuda.set_device(self.prev)
 
 
 class CUDAPageMover(PageMover):
@@ -104,227 +143,201 @@ class CUDAPageMover(PageMover):
             raise LayoutError(f"the CUDA mover moves KV on cuda (or cpu, in tests), not {device}")
         self.geometry = Geometry.of(self.kv_caches, self.runs)
         self._kernels = Kernels(self.kv_caches, self.geometry)
+        self._page = layout.page_bytes
         self._row = layout.num_layers * layout.page_bytes
+        self._chunk = (layout.num_layers, layout.page_bytes)
         self._store = Lane(device, opts.staging_slots, opts.staging_slot_bytes)
         self._load = Lane(device, opts.staging_slots, opts.staging_slot_bytes)
 
     # -- whole calls ---------------------------------------------------------------------------
     def store(self, transfers: Sequence[Transfer]) -> None:
-        lane = self._store
-        with self._call(lane):
+        with _Call(self._store, self.options.staging_buffer) as lane:
             lane.order_after_caller()
-            size = self._first_size(self._row)
-            for plan in self._phases(lane, transfers):
-                self._upload(lane, plan, store=True)
-                size = self._run(lane, plan, [None], size, store=True)
+            self._whole(lane, transfers, store=True)
 
     def load(self, transfers: Sequence[Transfer]) -> None:
-        lane = self._load
-        with self._call(lane):
+        with _Call(self._load, self.options.staging_buffer) as lane:
             lane.order_after_caller()
-            size = self._first_size(self._row)
-            for plan in self._phases(lane, transfers):
-                self._upload(lane, plan, store=False)
-                size = self._run(lane, plan, [None], size, store=False)
+            self._whole(lane, transfers, store=False)
+
+    def _whole(self, lane: Lane, transfers: Sequence[Transfer], *, store: bool) -> None:
+        """The first transfer is checked and issued, then the rest is checked and planned while
+        its copies run."""
+        if not transfers:
+            return
+        lane.ensure_ids(sum(t.blocks.shape[0] for t in transfers) + 2)
+        first = self._plan(lane, transfers[:1], 0)
+        self._upload(lane, first, store=store)
+        size = self._run(lane, first, None, max(1, FIRST_GROUP_BYTES // self._row), store=store)
+        if len(transfers) > 1:
+            rest = self._plan(lane, transfers[1:], first.count + (first.count & 1))
+            self._upload(lane, rest, store=store)
+            self._run(lane, rest, None, size, store=store)
 
     # -- one layer -----------------------------------------------------------------------------
     def store_layer(self, layer: int, transfers: Sequence[Transfer]) -> None:
         self.check_layer(layer)
-        lane = self._store
-        with self._call(lane):
-            plan = self._plan_all(lane, transfers)
-            self._upload(lane, plan, store=True)
+        with _Call(self._store, self.options.staging_buffer) as lane:
+            plan = self._plan_all(lane, transfers, store=True)
             lane.order_after_caller()
-            self._run(lane, plan, [layer], 0, store=True)
+            self._run(lane, plan, layer, 0, store=True)
 
     def load_layer(self, layer: int, transfers: Sequence[Transfer]) -> None:
         self.check_layer(layer)
-        lane = self._load
-        with self._call(lane):
-            plan = self._plan_all(lane, transfers)
-            self._upload(lane, plan, store=False)
+        with _Call(self._load, self.options.staging_buffer) as lane:
+            plan = self._plan_all(lane, transfers, store=False)
             lane.order_after_caller()
-            self._run(lane, plan, [layer], 0, store=False)
+            self._run(lane, plan, layer, 0, store=False)
 
     def store_layerwise(self, transfers: Sequence[Transfer]) -> Iterator[int]:
-        """Each step captures one layer into the host objects (done when it yields)."""
-        lane = self._store
-        with self._call(lane):
-            plan = self._plan_all(lane, transfers)
-            self._upload(lane, plan, store=True)
+        """Each step gathers one layer into staging and makes the caller's current stream wait
+        (on the device) for the gather before yielding: the engine may then overwrite the layer.
+        Its DMA to the host runs on; exhausting the generator waits for them all."""
+        with _Call(self._store, self.options.staging_buffer) as lane:
+            plan = self._plan_all(lane, transfers, store=True)
             for layer in range(self.layout.num_layers):
                 lane.order_after_caller()
-                self._run(lane, plan, [layer], 0, store=True)
-                lane.synchronize()
+                self._run(lane, plan, layer, 0, store=True)
+                if lane.gathered is not None:
+                    lane.caller_waits(lane.gathered)
                 yield layer
 
     def load_layerwise(self, transfers: Sequence[Transfer]) -> Iterator[int]:
         """The first step issues every layer; layer ``i`` is yielded once the caller's current
         stream waits for it (attention queued after the yield reads it loaded)."""
-        lane = self._load
-        with self._call(lane):
-            plan = self._plan_all(lane, transfers)
-            self._upload(lane, plan, store=False)
+        with _Call(self._load, self.options.staging_buffer) as lane:
+            plan = self._plan_all(lane, transfers, store=False)
             lane.order_after_caller()
             layers = self.layout.num_layers
             while len(lane.layer_done) < layers:
                 lane.layer_done.append(lane.event())
             for layer in range(layers):
-                self._run(lane, plan, [layer], 0, store=False)
+                self._run(lane, plan, layer, 0, store=False)
                 lane.record(lane.layer_done[layer], lane.ks)
             for layer in range(layers):
                 lane.caller_waits(lane.layer_done[layer])
                 yield layer
 
     # -- planning ------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _call(self, lane: Lane) -> Iterator[None]:
-        """One call on ``lane``: its device current, and at the end (errors and closed
-        generators too) the host waits for every copy it issued, so its objects may go."""
-        switch = lane.gpu and lane.index is not None and torch.cuda.current_device() != lane.index
-        with torch.cuda.device(lane.index) if switch else contextlib.nullcontext():
-            lane.bind_context()
-            try:
-                yield
-            finally:
-                lane.synchronize()
-                if not self.options.staging_buffer:
-                    lane.release()
-
-    def _phases(self, lane: Lane, transfers: Sequence[Transfer]) -> Iterator[Plan]:
-        """The first transfer's plan, then the rest's: the rest is checked while the first
-        one's copies run."""
-        if not transfers:
-            return
-        lane.ensure_ids(sum(int(t.blocks.numel()) for t in transfers) + 2)
-        first = self._plan(lane, transfers[:1], 0)
-        yield first
-        if len(transfers) > 1:
-            yield self._plan(lane, transfers[1:], first.count + (first.count & 1))
-
-    def _plan_all(self, lane: Lane, transfers: Sequence[Transfer]) -> Plan:
-        lane.ensure_ids(sum(int(t.blocks.numel()) for t in transfers) + 2)
-        return self._plan(lane, transfers, 0)
+    def _plan_all(self, lane: Lane, transfers: Sequence[Transfer], *, store: bool) -> Plan:
+        lane.ensure_ids(sum(t.blocks.shape[0] for t in transfers) + 2)
+        plan = self._plan(lane, transfers, 0)
+        self._upload(lane, plan, store=store)
+        return plan
 
     def _plan(self, lane: Lane, transfers: Sequence[Transfer], at: int) -> Plan:
-        """Check ``transfers`` (contract errors) and write their kept block ids at ``at``."""
-        if not transfers:
-            return Plan(at, np.empty(0, np.int64), np.empty(0, np.int64))
-        lay, row = self.layout, self._row
-        counts, ptrs, ids = [], [], []
+        """Check ``transfers`` (the contract's errors) and write their kept block ids at ``at``
+        of the lane's host id buffer. (Tiny numpy calls cost microseconds each: this runs before
+        a call's first DMA, so it makes few.)"""
+        row, chunk = self._row, self._chunk
+        starts, ptrs, ids, cuts = [], [], [], []
+        end, total = -1, 0
         for t in transfers:
-            obj = t.obj.tensor
-            n = int(t.blocks.numel())
-            if obj.shape != (n, lay.num_layers, lay.page_bytes) or obj.dtype != lay.chunk_dtype:
+            obj, blocks = t.obj, t.blocks
+            n = blocks.shape[0]
+            meta = obj.meta  # the object's tensor is this shape and dtype
+            if meta.shape != (n, *chunk) or meta.dtype != torch.uint8:
+                lay = self.layout
                 raise LayoutError(
-                    f"a memory object {tuple(obj.shape)} {obj.dtype} does not match the "
-                    f"layout's chunk {(n, lay.num_layers, lay.page_bytes)} {lay.chunk_dtype} "
-                    f"({lay.describe()})"
+                    f"a memory object {meta.shape} {meta.dtype} does not match the layout's "
+                    f"chunk {(n, *chunk)} {lay.chunk_dtype} ({lay.describe()})"
                 )
-            counts.append(n)
-            ptrs.append(obj.data_ptr())
-            blocks = t.blocks if t.blocks.device.type == "cpu" else t.blocks.cpu()
-            ids.append(blocks.numpy())
-        block_ids = np.concatenate(ids).astype(np.int64, copy=False)
-        if block_ids.size:
+            ptr = obj.tensor.data_ptr()
+            if ptr != end and total:
+                cuts.append(total)
+            starts.append(total)
+            ptrs.append(ptr)
+            end, total = ptr + n * row, total + n
+            try:
+                ids.append(blocks.numpy())
+            except TypeError:  # on the device
+                ids.append(blocks.cpu().numpy())
+        if not total:
+            return Plan(at, 0, [], starts, ptrs)
+        block_ids = ids[0] if len(ids) == 1 else np.concatenate(ids)
+        if total <= 64:  # Python's min and max beat numpy's below this
+            listed = block_ids.tolist()
+            lo, hi = min(listed), max(listed)
+        else:
             lo, hi = int(block_ids.min()), int(block_ids.max())
-            if lo < -1 or hi >= self.num_blocks:
-                raise IndexError(
-                    f"block ids must be -1 or in [0, {self.num_blocks}), got [{lo}, {hi}]"
-                )
-        sizes = np.asarray(counts, dtype=np.int64)
-        starts = np.cumsum(sizes) - sizes
-        addrs = np.repeat(np.asarray(ptrs, dtype=np.int64) - starts * row, sizes)
-        addrs += np.arange(block_ids.size, dtype=np.int64) * row
+        if lo < -1 or hi >= self.num_blocks:
+            raise IndexError(f"block ids must be -1 or in [0, {self.num_blocks}), got [{lo}, {hi}]")
+        if lo >= 0:
+            lane.ids_np[at : at + total] = block_ids
+            return Plan(at, total, cuts, starts, ptrs)
+        sizes = np.diff(np.asarray([*starts, total], dtype=np.int64))
+        addrs = np.repeat(np.asarray(ptrs, dtype=np.int64) - np.asarray(starts) * row, sizes)
+        addrs += np.arange(total, dtype=np.int64) * row
         keep = block_ids >= 0
-        if not keep.all():
-            block_ids, addrs = block_ids[keep], addrs[keep]
-        k = block_ids.size
-        lane.ids_host.numpy()[at : at + k] = block_ids
-        return Plan(at, block_ids, addrs)
-
-    def _first_size(self, width: int) -> int:
-        return max(1, FIRST_GROUP_BYTES // width)
+        block_ids, addrs = block_ids[keep], addrs[keep]
+        k = int(block_ids.size)
+        lane.ids_np[at : at + k] = block_ids
+        gaps = (np.flatnonzero(np.diff(addrs) != row) + 1).tolist()
+        return Plan(at, k, gaps, starts, ptrs, addrs)
 
     def _upload(self, lane: Lane, plan: Plan, *, store: bool) -> None:
-        """``plan``'s block ids to the device, ahead of the kernels that read them."""
+        """``plan``'s block ids to the device, ahead of the kernels that read them (why this
+        way: ``kvtier.cuda.lane``)."""
         if not lane.gpu or not plan.count:
             return
         if store:
             self._kernels.copy_words(
-                lane.ids_host, lane.ids_dev, plan.at, plan.count, stream=lane.kernel_stream
+                lane.ids_host, lane.ids, plan.at, plan.count, stream=lane.kernel_stream
             )
         else:
             lane.to_device(
-                lane.ids_dev.data_ptr() + 8 * plan.at,
+                lane.ids.data_ptr() + 8 * plan.at,
                 lane.ids_host.data_ptr() + 8 * plan.at,
                 8 * plan.count,
             )
 
     # -- issuing -------------------------------------------------------------------------------
-    def _run(
-        self,
-        lane: Lane,
-        plan: Plan,
-        layers: Sequence[int | None],
-        size: int,
-        *,
-        store: bool,
-    ) -> int:
-        """Issue ``plan``'s groups for each of ``layers`` (None: every layer at once, a block's
-        pages one row). Groups start at ``size`` blocks (0: as many as a slot holds) and double
-        up to a slot; returns the size the next group would have."""
-        for layer in layers:
-            width = self._row if layer is None else self.layout.page_bytes
-            cap = max(1, lane.slot_bytes // width)
-            a, n = 0, min(size or cap, cap)
-            while a < plan.count:
-                b = min(plan.count, a + n)
-                self._group(lane, plan, a, b, layer, width, store=store)
-                a, n = b, min(2 * n, cap)
-            size = n
-        return size
+    def _run(self, lane: Lane, plan: Plan, layer: int | None, size: int, *, store: bool) -> int:
+        """Issue ``plan``'s groups for ``layer`` (None: every layer at once, a block's pages one
+        row). Groups start at ``size`` blocks (0: as many as a slot holds) and double up to a
+        slot; returns the size the next group would have."""
+        width = self._row if layer is None else self._page
+        cap = max(1, lane.slot_bytes // width)
+        a, n = 0, min(size or cap, cap)
+        while a < plan.count:
+            b = min(plan.count, a + n)
+            self._group(lane, plan, a, b, layer, width, store=store)
+            a, n = b, min(2 * n, cap)
+        return n
 
     def _group(
         self, lane: Lane, plan: Plan, a: int, b: int, layer: int | None, width: int, *, store: bool
     ) -> None:
-        """One group: blocks ``a:b`` of ``plan`` (``layer`` None: every layer), through one slot."""
+        """One group: blocks ``a:b`` of ``plan`` (``layer`` None: every layer), through one slot:
+        a store gathers then DMAs, a load DMAs then scatters."""
         s = lane.take_slot((b - a) * width)
         slot = lane.slots[s]
         base = slot.data_ptr()
         row = self._row
-        count = b - a
         layers, first = (self.layout.num_layers, 0) if layer is None else (1, layer)
-        offset = 0 if layer is None else layer * self.layout.page_bytes
-        addrs = plan.addrs[a:b]
-        # runs of blocks back to back in host memory: one copy each
-        cuts = np.flatnonzero(np.diff(addrs) != row) + 1
-        bounds = [0, *cuts.tolist(), count]
+        offset = 0 if layer is None else layer * self._page
+        cuts = plan.cuts
+        # one copy per run of blocks back to back in host memory
+        bounds = [a, *cuts[bisect.bisect_right(cuts, a) : bisect.bisect_left(cuts, b)], b]
         if store:
             lane.free[s].wait_on(lane.ks)
             self._kernels.pages(
-                slot,
-                lane.ids_dev,
-                plan.at + a,
-                count,
-                layers,
-                first,
-                to_cache=False,
-                stream=lane.kernel_stream,
-            )
+                slot, lane.ids, plan.at + a, b - a, layers, first,
+                to_cache=False, stream=lane.kernel_stream,
+            )  # fmt: skip
             lane.record(lane.filled[s], lane.ks)
+            lane.gathered = lane.filled[s]
             lane.filled[s].wait_on(lane.cs)
         else:
             lane.free[s].wait_on(lane.cs)
         for j0, j1 in itertools.pairwise(bounds):
-            host = int(addrs[j0]) + offset
-            dev = base + j0 * width
+            host = plan.host(j0, row) + offset
+            dev = base + (j0 - a) * width
             if width == row:
-                nbytes = (j1 - j0) * row
                 if store:
-                    lane.to_host(host, dev, nbytes)
+                    lane.to_host(host, dev, (j1 - j0) * row)
                 else:
-                    lane.to_device(dev, host, nbytes)
+                    lane.to_device(dev, host, (j1 - j0) * row)
             elif store:
                 lane.copy_2d(host, row, dev, width, width, j1 - j0, to_host=True)
             else:
@@ -335,13 +348,7 @@ class CUDAPageMover(PageMover):
             lane.record(lane.filled[s], lane.cs)
             lane.filled[s].wait_on(lane.ks)
             self._kernels.pages(
-                slot,
-                lane.ids_dev,
-                plan.at + a,
-                count,
-                layers,
-                first,
-                to_cache=True,
-                stream=lane.kernel_stream,
-            )
+                slot, lane.ids, plan.at + a, b - a, layers, first,
+                to_cache=True, stream=lane.kernel_stream,
+            )  # fmt: skip
             lane.record(lane.free[s], lane.ks)
