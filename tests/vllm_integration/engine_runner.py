@@ -29,6 +29,8 @@ literally that. The spec:
   parent_block_hash, token_ids, medium, ownership}``.
 - ``"num_gpu_blocks_override": n`` gives vLLM's KV cache exactly ``n`` blocks of 32 tokens
   (block 0 is vLLM's null block); ``"max_model_len": n`` (default 4096) must fit in them.
+- ``"report_cached_tokens": true`` adds ``cached_tokens`` to each generate's result: the prompt
+  tokens vLLM did not compute (its prefix cache's hit plus a connector's).
 - ``"log_stats": true`` turns vLLM's stats on (``disable_log_stats=False``);
   ``{"op": "metrics", "prefixes": [...]}`` -> ``llm.get_metrics()`` rows whose name starts with
   one of the prefixes (default ``vllm:kvtier_``) as ``{name, labels, value}`` (histograms:
@@ -62,22 +64,9 @@ from collections.abc import Iterator
 
 
 def _corrupt(prompt: list[int], salt: str | None) -> int:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from kvtier.vllm_integration.workload import zero_stored_chunks
 
-    from kvtier.core.memory import MemoryObjMeta
-
-    engine = get_kv_transfer_group().engine
-    lay = engine.layout
-    n = 0
-    for span in engine.store_spans(prompt, salt):
-        meta = MemoryObjMeta(lay.chunk_shape(span.num_tokens), lay.torch_dtype, span.num_tokens)
-        obj = engine.storage.allocate(meta)
-        assert obj is not None
-        with obj:
-            obj.tensor.zero_()
-            engine.storage.put(span.key, obj)
-        n += 1
-    return n
+    return zero_stored_chunks(prompt, salt)
 
 
 def _corrupt_in_worker(worker, rank: int, prompt: list[int], salt: str | None) -> int:
@@ -405,12 +394,15 @@ def main(spec_path: str, out_path: str) -> None:
                 lora = LoRARequest(step["lora"]["name"], step["lora"]["id"], step["lora"]["path"])
             evicting = step.get("evict_after_lookup")
             with _evict_after_lookup(llm) if evicting else contextlib.nullcontext({}) as evict:
-                out = llm.generate([prompt], step_params, use_tqdm=False, lora_request=lora)[
-                    0
-                ].outputs[0]
+                request_out = llm.generate(
+                    [prompt], step_params, use_tqdm=False, lora_request=lora
+                )[0]
+            out = request_out.outputs[0]
             logprobs = [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
             last_output = list(out.token_ids)
             results.append({"tokens": last_output, "logprobs": logprobs})
+            if spec.get("report_cached_tokens"):
+                results[-1]["cached_tokens"] = request_out.num_cached_tokens
             if evicting:
                 results[-1]["evict"] = evict
         elif op == "stats":

@@ -15,15 +15,15 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 CONFIG = {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.25}
 
 
-def test_another_request_keeps_decoding_while_a_hit_loads(run_engine, reference) -> None:
+def test_another_request_keeps_decoding_while_a_hit_loads(run_engine, hit_reference) -> None:
     """DOC is stored; then DOC (a full hit whose load takes 2 s) and OTHER (decoding 24 tokens)
     are added together, once with asynchronous loads and once with synchronous ones. Both times
     OTHER decodes while DOC's lookup is probed (a step or two) and along DOC's 8 tokens;
     asynchronously it also decodes during the 2 s load, synchronously the whole step waits for
-    it (a step takes well under 0.5 s here). DOC's tokens equal vLLM without kvtier; its
-    logprobs are not compared here: it decodes batched with OTHER, and CPU kernels are not
-    batch-invariant (a logprob moved by 0.06 in one such run with no KV involved). The KV itself
-    is compared exactly by the one-request tests."""
+    it (a step takes well under 0.5 s here). DOC's tokens equal vLLM's prefix cache hitting the
+    same blocks (``hit_reference``); its logprobs are not compared here: it decodes batched with
+    OTHER, and CPU kernels are not batch-invariant (a logprob moved by 0.06 in one such run with
+    no KV involved). The KV itself is compared exactly by the one-request tests."""
     before = {}
     for load_async in (True, False):
         steps = [
@@ -39,7 +39,7 @@ def test_another_request_keeps_decoding_while_a_hit_loads(run_engine, reference)
         ]
         out = run_engine({"kvtier": {**CONFIG, "load_async": load_async}, "steps": steps})
         both = out[1]
-        assert both["first"]["tokens"] == reference["doc"]["tokens"]
+        assert both["first"]["tokens"] == hit_reference["doc"]["tokens"]
         assert out[2]["loaded_tokens"] == FULL_HIT
         assert out[2]["holds"] == out[2]["held_objects"] == 0
         before[load_async] = both["second_tokens_when_first_finished"]
@@ -47,7 +47,7 @@ def test_another_request_keeps_decoding_while_a_hit_loads(run_engine, reference)
     assert before[True] >= before[False] + 4  # ... and only asynchronously during the load
 
 
-def test_an_abort_during_a_load_gives_every_block_back(run_engine, reference) -> None:
+def test_an_abort_during_a_load_gives_every_block_back(run_engine, hit_reference) -> None:
     steps = [
         gen(DOC),
         {"op": "abort_during_load", "prompt": DOC, "delay_s": 2.0},
@@ -58,19 +58,19 @@ def test_an_abort_during_a_load_gives_every_block_back(run_engine, reference) ->
     out = run_engine({"kvtier": CONFIG, "steps": steps})
     assert out[1] is True  # reset_prefix_cache succeeded: no block was kept
     assert out[2]["holds"] == out[2]["held_objects"] == 0
-    assert out[3] == reference["doc"]
+    assert out[3] == hit_reference["doc"]
     assert out[4]["loaded_tokens"] - out[2]["loaded_tokens"] == FULL_HIT  # served after all
 
 
 def test_a_disk_only_hit_is_probed_without_stalling_the_scheduler(
-    run_engine, reference, tmp_path
+    run_engine, hit_reference, tmp_path
 ) -> None:
     """After a restart DOC is only on disk. Its lookup (a probe on the worker's threads, slowed
     to 2 s by a test hook as a slow disk would be) runs while OTHER decodes: the scheduler
     answers "not yet" instead of waiting, so OTHER keeps decoding and no scheduler step
     takes anywhere near the probe's 2 s (kvtier's share of each step is the
     ``scheduler_seconds`` histogram, read through vLLM's own metrics). DOC is then loaded from
-    disk and equals vLLM without kvtier."""
+    disk; its tokens equal vLLM's prefix cache hitting the same blocks."""
     config = {
         "tiers": ["local_cpu", "local_disk"],
         "local_cpu_size_gb": 0.25,
@@ -92,7 +92,7 @@ def test_a_disk_only_hit_is_probed_without_stalling_the_scheduler(
     ]
     out = run_engine({"kvtier": config, "log_stats": True, "steps": steps})
     both = out[0]
-    assert both["first"]["tokens"] == reference["doc"]["tokens"]
+    assert both["first"]["tokens"] == hit_reference["doc"]["tokens"]
     # OTHER got tokens beyond the 8 it decodes batched with DOC (how many depends on the
     # machine's step time); that no step waited for the probe is the histogram's to say.
     assert both["second_tokens_when_first_finished"] > 8

@@ -1,8 +1,9 @@
 """Request identity through real vLLM on CPU: LoRA adapters and weight updates.
 
-Each reference runs in the same mode (in-process, prefix caching off, LoRA enabled where the
-kvtier run has it) with only kvtier switched off. Outputs are compared token for token and
-logprob for logprob: every request here is either cold or a full hit.
+Each reference runs the same requests in the same mode (in-process, LoRA enabled where the
+kvtier run has it) with kvtier switched off and vLLM's own prefix cache on, so a full hit is
+compared with vLLM's prefix cache hitting the same blocks and a cold request with a cold one.
+Outputs are compared token for token and logprob for logprob.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ def test_lora_adapters_and_base_never_share_kv(run_engine, lora_adapters, tmp_pa
         with_lora(gen(DOC), lora_adapters, "a"),
         with_lora(gen(DOC), lora_adapters, "b"),
     ]
-    ref = run_engine({"kvtier": None, "enable_lora": True, "steps": steps})
+    steps.append(steps[1])
+    ref = run_engine({"kvtier": None, "prefix_caching": True, "enable_lora": True, "steps": steps})
     assert ref[0] != ref[1] != ref[2]  # the adapters do change the output
-    kv_steps = [s for step in [*steps, steps[1]] for s in (step, STATS)]
+    kv_steps = [s for step in steps for s in (step, STATS)]
     out = run_engine(
         {
             "kvtier": {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.25},
@@ -38,17 +40,22 @@ def test_lora_adapters_and_base_never_share_kv(run_engine, lora_adapters, tmp_pa
             "steps": kv_steps,
         }
     )
-    assert out[0::2] == [*ref, ref[1]]
+    assert out[0::2] == ref
     assert loaded_after_each(out) == [0, 0, 0, FULL_HIT]
 
 
 def test_weight_update_then_reset_serves_the_new_weights(run_engine, tmp_path) -> None:
     """A prompt is stored, the weights its KV comes from change (as an RL weight update would),
     the cache is reset: the next request recomputes with the new weights (equal to vLLM without
-    kvtier after the same update), and its own chunks are then served."""
+    kvtier after the same update), and its own chunks are then served (equal to vLLM's prefix
+    cache hitting them after the same update)."""
     perturb = {"op": "perturb_kv", "seed": 7}
-    ref = run_engine({"kvtier": None, "steps": [gen(DOC), perturb, gen(DOC)]})
-    assert ref[0] != ref[2]  # the update changes the output
+    reset = {"op": "reset_prefix_cache"}
+    steps = [gen(DOC), perturb, reset, gen(DOC), gen(DOC)]
+    ref = run_engine({"kvtier": None, "prefix_caching": True, "steps": steps})
+    assert ref[1] > 0 and ref[2] is True
+    del ref[1:3]
+    assert ref[0] != ref[1]  # the update changes the output
     config = {"local_cpu_size_gb": 0.25, "local_disk_path": str(tmp_path / "disk")}
     out = run_engine(
         {
@@ -68,6 +75,6 @@ def test_weight_update_then_reset_serves_the_new_weights(run_engine, tmp_path) -
     assert out[2] > 0  # layers perturbed
     assert out[3] is True
     del out[2:4]
-    assert out[0::2] == [ref[0], ref[2], ref[2]]
+    assert out[0::2] == ref
     assert loaded_after_each(out) == [0, 0, FULL_HIT]
     assert out[-1]["generation_resets"] == 1

@@ -1,8 +1,8 @@
 """Tensor parallelism 2 through real vLLM on CPU (two worker processes, one core each).
 
 Keys use the engine-local rank, each rank stores and loads its own shard, and the scheduler
-counts a hit only where both ranks hold it. The reference runs vLLM without kvtier in the same
-TP mode. A restarted engine hits the disk tier on both ranks; zeroing one rank's chunks
+counts a hit only where both ranks hold it. The references run vLLM without kvtier in the same
+TP mode with its own prefix cache on: DOC cold, then DOC again (a hit of the same blocks). A restarted engine hits the disk tier on both ranks; zeroing one rank's chunks
 changes the output (both ranks' loaded KV is what attention reads).
 """
 
@@ -18,8 +18,16 @@ def stats(rank: int) -> dict:
     return {"op": "stats", "rank": rank}
 
 
+def tp2_reference(run_engine) -> tuple[dict, dict]:
+    """DOC cold and DOC hit by vLLM's own prefix cache, TP 2, no kvtier."""
+    cold, hit = run_engine(
+        {"kvtier": None, "tp": 2, "prefix_caching": True, "steps": [gen(DOC), gen(DOC)]}
+    )
+    return cold, hit
+
+
 def test_tp2_cold_warm_and_restart_equal_vllm(run_engine, tmp_path) -> None:
-    ref = run_engine({"kvtier": None, "tp": 2, "steps": [gen(DOC)]})[0]
+    cold, hit = tp2_reference(run_engine)
     config = {"local_cpu_size_gb": 0.25, "local_disk_path": str(tmp_path / "disk")}
     first = run_engine(
         {
@@ -35,7 +43,7 @@ def test_tp2_cold_warm_and_restart_equal_vllm(run_engine, tmp_path) -> None:
             ],
         }
     )
-    assert first[:2] == [ref, ref]
+    assert first[:2] == [cold, hit]
     assert [first[2]["loaded_tokens"], first[3]["loaded_tokens"]] == [FULL_HIT, FULL_HIT]
     assert first[4:] == [True, True]
     second = run_engine(
@@ -52,18 +60,19 @@ def test_tp2_cold_warm_and_restart_equal_vllm(run_engine, tmp_path) -> None:
             ],
         }
     )
-    assert second[0] == ref  # restart: from disk, on both ranks
+    assert second[0] == hit  # restart: from disk, on both ranks
     assert [second[1]["loaded_tokens"], second[2]["loaded_tokens"]] == [FULL_HIT, FULL_HIT]
     assert second[3] > 0  # rank 1's chunks zeroed
     assert second[5]["loaded_tokens"] == 2 * FULL_HIT
-    assert second[4]["logprobs"] != ref["logprobs"]  # rank 1's KV is what attention read
+    assert second[4]["logprobs"] != hit["logprobs"]  # rank 1's KV is what attention read
 
 
 def test_tp2_hits_answered_by_the_index_load_on_both_ranks(run_engine) -> None:
     """Under ``kv_load_failure_policy="recompute"`` (``lookup: auto`` -> index) a hit is answered
     from the scheduler's index only where both ranks reported the chunk, and each rank loads its
-    own shard without a hold; the output equals vLLM's without kvtier in the same TP mode."""
-    ref = run_engine({"kvtier": None, "tp": 2, "steps": [gen(DOC)]})[0]
+    own shard without a hold; the outputs equal vLLM's without kvtier in the same TP mode (the hit:
+    its prefix cache hitting the same blocks)."""
+    cold, hit = tp2_reference(run_engine)
     out = run_engine(
         {
             "kvtier": {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.25},
@@ -72,7 +81,7 @@ def test_tp2_hits_answered_by_the_index_load_on_both_ranks(run_engine) -> None:
             "steps": [gen(DOC), gen(DOC), stats(0), stats(1)],
         }
     )
-    assert out[:2] == [ref, ref]
+    assert out[:2] == [cold, hit]
     for s in out[2:]:
         assert s["loaded_tokens"] == FULL_HIT
         assert s["indexed_loads"] == 1

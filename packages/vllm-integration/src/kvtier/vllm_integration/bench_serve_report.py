@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.vllm_integration.bench_serve_plot import Scrape
+from kvtier.vllm_integration.workload import cpu_kind
 
 SCHED_HISTOGRAM = "vllm:kvtier_scheduler_seconds"
 SCHED_CPU_HISTOGRAM = "vllm:kvtier_scheduler_cpu_seconds"
@@ -200,11 +201,7 @@ def source_revision() -> str | None:
 
 
 def cpu_flags() -> str:
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split()
-    except (OSError, IndexError):
-        return "cpu flags unknown"
-    return "AVX-512" if "avx512f" in flags else ("AVX2 only" if "avx2" in flags else "no AVX2")
+    return cpu_kind()
 
 
 def table(console: Any, results: list[dict[str, Any]], skipped: dict[str, str]) -> None:

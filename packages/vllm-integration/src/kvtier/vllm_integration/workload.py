@@ -17,6 +17,9 @@ from typing import Any
 
 from kvtier.vllm_integration.model import synthetic_text
 
+# vLLM's KV block size in the demo and the benches (vLLM CPU needs a multiple of 32).
+BLOCK_SIZE = 32
+
 _TOPICS = (
     "the river system",
     "the national market",
@@ -64,6 +67,7 @@ class Result:
     tokens: list[int]
     text: str
     loaded_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens not computed: vLLM's prefix cache plus kvtier's hit
 
 
 @dataclass
@@ -98,7 +102,7 @@ class Engine:
         self.llm = LLM(
             model=self.model,
             enforce_eager=True,
-            block_size=32,
+            block_size=BLOCK_SIZE,
             dtype="bfloat16",
             kv_cache_memory_bytes=self.kv_cache_bytes,
             max_model_len=self.max_model_len,
@@ -140,7 +144,8 @@ class Engine:
         out = self.llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
         ttft = out.metrics.first_token_latency if out.metrics is not None else float("nan")
         comp = out.outputs[0]
-        return Result(ttft, list(comp.token_ids), comp.text, self.loaded_tokens() - before)
+        loaded = self.loaded_tokens() - before
+        return Result(ttft, list(comp.token_ids), comp.text, loaded, out.num_cached_tokens or 0)
 
     def warm_up(self, num_tokens: int = 512) -> None:
         """The first requests of a process pay one-time kernel set-up (growing with the prompt
@@ -156,9 +161,61 @@ class Engine:
 
         return flush_worker(self.engine_id)
 
+    def zero_stored_kv(self, tokens: list[int]) -> int:
+        """Overwrite every chunk kvtier stored for ``tokens`` with zeros, in the worker (after
+        its pending saves landed): a later hit then loads wrong KV. The demo's negative
+        control; the engine must have been started with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``
+        (a function is sent to the worker). Returns the chunks overwritten."""
+        assert self.flush(), "kvtier's saves did not land"
+        return sum(self.llm.collective_rpc(_zero_stored_kv, args=(tokens,)))
+
     def close(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()
         del self.llm
+
+
+def zero_stored_chunks(tokens: list[int], salt: str | None = None) -> int:
+    """In a vLLM process that runs kvtier's worker side: put zeros under every key kvtier stores
+    ``tokens`` under (its chunks and tail blocks, through the storage manager's public API), so
+    a later hit loads wrong KV. The negative control of the demo and the end-to-end tests.
+    Returns the chunks overwritten."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvtier.core.memory import MemoryObjMeta
+    from kvtier.vllm_integration.connector import KVTierConnector
+
+    connector = get_kv_transfer_group()
+    assert isinstance(connector, KVTierConnector), "kvtier is not this engine's connector"
+    engine = connector.engine
+    assert engine is not None, "kvtier's worker side has no KV caches registered yet"
+    lay = engine.layout
+    n = 0
+    for span in engine.store_spans(tokens, salt):
+        meta = MemoryObjMeta(lay.chunk_shape(span.num_tokens), lay.chunk_dtype, span.num_tokens)
+        obj = engine.storage.allocate(meta)
+        assert obj is not None, "no host memory for the zeros"
+        with obj:
+            obj.tensor.zero_()
+            engine.storage.put(span.key, obj)
+        n += 1
+    return n
+
+
+def _zero_stored_kv(worker: Any, tokens: list[int]) -> int:
+    """``zero_stored_chunks`` as a ``collective_rpc`` call (vLLM passes the worker first)."""
+    return zero_stored_chunks(tokens)
+
+
+def cpu_kind() -> str:
+    """Which of the CPU kinds vLLM's CPU kernels tell apart this machine is: "AVX-512 + AMX"
+    (vLLM picks its ``amx`` attention for bf16), "AVX-512", "AVX2 only" or "no AVX2"."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split()
+    except (OSError, IndexError):
+        return "cpu flags unknown"
+    if "avx512f" in flags:
+        return "AVX-512 + AMX" if "amx_tile" in flags else "AVX-512"
+    return "AVX2 only" if "avx2" in flags else "no AVX2"
 
 
 def require_extras() -> None:
