@@ -7,7 +7,8 @@ literally that. The spec:
 - ``model`` (path), ``multiprocess`` (bool: vLLM's default multiprocess mode, else in-process),
   ``prefix_caching`` (bool), ``engine_id`` (str), ``kvtier`` (None = no connector, else the
   ``kv_connector_extra_config`` dict), ``max_tokens`` (int), ``load_failure_policy`` (vLLM's
-  ``kv_load_failure_policy``; left out: vLLM's default, "fail").
+  ``kv_load_failure_policy``; left out: vLLM's default, "fail"), ``kv_role`` (default
+  ``kv_both``).
 - ``steps``: ``{"op": "generate", "prompt": [token ids], "salt": str|None, "max_tokens": n}``
   (max_tokens optional; ``"extend_with_previous": k`` instead sends the previous generate's
   prompt plus its first k generated tokens) -> generated token ids and the logprob of each; ``{"op": "stats"}`` -> the worker connector's counters (over the
@@ -208,7 +209,7 @@ def _evict_after_lookup(llm) -> Iterator[dict]:
             return
         keys = [s.key for s in engine.store_spans(request.prompt_token_ids, request.cache_salt)]
         stored = sum(engine.storage.contains(keys))
-        meta = MemoryObjMeta(lay.chunk_shape(engine.chunk_size), lay.torch_dtype, engine.chunk_size)
+        meta = MemoryObjMeta(lay.chunk_shape(engine.chunk_size), lay.chunk_dtype, engine.chunk_size)
         # More than the whole tier: without a hold, LRU eviction reaches every older chunk.
         capacity = engine.config.local_cpu_size_gb * (1 << 30)
         for _ in range(int(capacity // meta.nbytes) + 2):
@@ -334,7 +335,7 @@ def main(spec_path: str, out_path: str) -> None:
     if spec.get("kvtier") is not None:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KVTierConnector",
-            "kv_role": "kv_both",
+            "kv_role": spec.get("kv_role", "kv_both"),
             "engine_id": engine_id,
             "kv_connector_extra_config": spec["kvtier"],
         }

@@ -113,10 +113,11 @@ def test_the_index_promises_what_the_engine_finds(stored_len, diverge, tails, sa
     from kvtier.core import CacheEngine, HostArena, HostMemoryStorageManager, KVLayout, load_config
     from kvtier.core.keys import KeyScope
     from kvtier.core.platforms.cpu import CPUPlatform
-    from kvtier.vllm_integration.presence import PresenceIndex, RankReport
-    from kvtier.vllm_integration.probes import PromptHashes
+    from kvtier.vllm_integration.messages import RankReport
+    from kvtier.vllm_integration.scheduler.index import PresenceIndex
+    from kvtier.vllm_integration.scheduler.prompts import PromptHashes
 
-    layout = KVLayout(1, 1, 4, "float32", U_BLOCK, "flash_nhd")
+    layout = KVLayout(1, 1, 4, "float32", U_BLOCK, "LBHNC")
     config = load_config(env={}, overrides={"chunk_size": U_CHUNK, "save_unfull_chunk": tails})
     storage = HostMemoryStorageManager(HostArena.create(4 << 20))
     engine = CacheEngine(config, layout, model="m", platform=CPUPlatform(), storage=storage)

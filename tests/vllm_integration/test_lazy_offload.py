@@ -150,8 +150,7 @@ def test_worker_reports_of_copies_done_aggregate_over_ranks() -> None:
     """vLLM aggregates every worker's report into one: each rank's finished copies survive,
     with or without the ranks' index reports, and a lazy save counts as copied only once every
     rank reported it."""
-    from kvtier.vllm_integration.lazy import LazyWorkerMeta
-    from kvtier.vllm_integration.presence import KVTierWorkerMeta, RankReport
+    from kvtier.vllm_integration.messages import KVTierWorkerMeta, LazyWorkerMeta, RankReport
 
     report = RankReport(1, ("m", "fp", 2, 1), True, 10, added=["d"])
     merged = LazyWorkerMeta({}, {0: ["a", "b"]}).aggregate(LazyWorkerMeta({1: report}, {1: ["a"]}))
