@@ -1,10 +1,11 @@
 """kvtier configuration: a YAML file, ``KVTIER_*`` environment variables over it, and a dict over
 those (what vLLM's ``kv_connector_extra_config`` passes).
 
-Every field is declared once below with its type, default and meaning; the README's config
-reference is generated from the same table (``python -m kvtier.core.config``). Unknown keys and
-bad values raise ``ConfigError`` naming the field and the value (secrets masked: the Redis
-password, and the password inside a Redis URL, never appear in an error or in ``repr``).
+Every field is declared once below with its type, default and meaning; the config reference
+(docs/configuration.md) is generated from the same table (``python -m kvtier.core.config``).
+Unknown keys and bad values raise ``ConfigError`` naming the field and the value (secrets
+masked: the Redis password, and the password inside a Redis URL, never appear in an error or in
+``repr``).
 Each value is turned into its field's type by ``kvtier.core.config_coerce`` and the whole config
 is checked by ``kvtier.core.config_checks``.
 """
@@ -261,7 +262,7 @@ def load_config(
 
 
 def reference_table() -> str:
-    """The README's config reference, in Markdown."""
+    """The config reference of docs/configuration.md, in Markdown."""
     hints = _hints()
     rows = ["| key | env | type | default | meaning |", "| --- | --- | --- | --- | --- |"]
     for f in fields(KVTierConfig):
