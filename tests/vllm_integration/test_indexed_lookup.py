@@ -135,3 +135,24 @@ def test_index_lookups_without_what_they_need_are_config_errors() -> None:
             load_config(env={}, overrides={"lookup": "index", **bad})
     with pytest.raises(ConfigError, match=r"lookup.*one of auto, probe, index"):
         load_config(env={}, overrides={"lookup": "sometimes"})
+
+
+@pytest.mark.parametrize("how", ["blocks", "request"])
+def test_a_request_whose_load_failed_is_not_offered_the_hit_again(h, how) -> None:
+    """vLLM reports a failed load (``invalid_block_ids`` or ``failed_recving``) and recomputes
+    the request; asked again, kvtier must not offer the same hit (a chunk that cannot be
+    loaded would otherwise be retried step after step, forever)."""
+    h.store(request(DOC))
+    req = request(DOC)
+    assert h.sched.get_num_new_matched_tokens(req, 0) == (MOST, True)
+    h.sched.update_state_after_alloc(req, blocks(len(DOC)), MOST)
+    h.step()
+    failed = (
+        KVConnectorOutput(invalid_block_ids={1})
+        if how == "blocks"
+        else KVConnectorOutput(failed_recving={req.request_id})
+    )
+    h.sched.update_connector_output(failed)
+    assert h.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    # another request for the same prompt still hits
+    assert h.sched.get_num_new_matched_tokens(request(DOC), 0) == (MOST, True)

@@ -82,6 +82,9 @@ class RequestState:
     saved_upto: int = 0  # tokens handed to the worker for saving
     prompt_saved: bool = False
     last_save_step: int = -1  # the step whose metadata carried its last save (-1: none)
+    # A load of it failed (vLLM recomputes the blocks): never offered again, so a chunk that
+    # cannot be loaded is not retried step after step.
+    load_failed: bool = False
 
     @property
     def scope(self) -> KeyScope:

@@ -165,6 +165,8 @@ class SchedulerSide:
         if most <= num_computed_tokens:
             return 0, False
         state = self._state(request)
+        if state.load_failed:
+            return 0, False
         if state.generation != self.generation:
             return 0, False  # it started under older weights: nothing of theirs is served
         probe = self.lookups.probe(state, self._hashes(state), num_computed_tokens, most)
@@ -199,6 +201,7 @@ class SchedulerSide:
         start = state.computed_at_lookup
         end = start + num_external_tokens
         block_ids = list(blocks.get_block_ids()[0])
+        state.block_ids = list(block_ids)  # where a failed load is reported (_load_failures)
         self._async_loads.append(
             LoadSpec(
                 request.request_id, state.prompt, block_ids, start, end, state.scope, hold_id, True
@@ -337,6 +340,7 @@ class SchedulerSide:
         """A step's results: saves done (vLLM frees those requests' blocks now), and the
         workers' reports (new chunks for the index, probe answers, lazy copies done)."""
         self.frees.sent(set(output.finished_sending or ()))
+        self._load_failures(output.invalid_block_ids, output.failed_recving)
         meta = output.kv_connector_worker_meta
         if isinstance(meta, KVTierWorkerMeta):
             for report in meta.reports.values():
@@ -344,6 +348,23 @@ class SchedulerSide:
         if isinstance(meta, LazyWorkerMeta) and self.lazy is not None:
             for rank, lazy_ids in meta.saved.items():
                 self.lazy.copied(rank, lazy_ids)
+
+    def _load_failures(self, blocks: set[int], requests: set[str]) -> None:
+        """Requests whose load failed (a block in ``blocks``, or named in ``requests``): vLLM
+        recomputes them; kvtier stops offering them a hit."""
+        if not blocks and not requests:
+            return
+        for rid, state in self._reqs.items():
+            if state.load_failed:
+                continue
+            if rid in requests or not blocks.isdisjoint(state.block_ids):
+                state.load_failed = True
+                self.lookups.release(state)
+                logger.warning(
+                    "kvtier: loading request %s failed; it is recomputed and not offered a "
+                    "kvtier hit again",
+                    rid,
+                )
 
     def _apply(self, report: RankReport) -> None:
         self.index.apply(report)
