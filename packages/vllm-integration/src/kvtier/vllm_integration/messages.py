@@ -134,7 +134,8 @@ class RankReport:
     short: list[tuple[str, int]] = field(default_factory=list)
     lower_tier: str = ""  # the tier below host memory the index lists ("": none)
     listed: int = 0  # how many of ``added`` were listed in lower tiers at start (the first ones)
-    saves_copied: int = -1  # the last step whose saves this rank has all copied (``scheduler/frees.py``)
+    # the last step whose saves this rank has all copied (``scheduler/frees.py``)
+    saves_copied: int = -1
 
 
 @dataclass
