@@ -146,7 +146,11 @@ def make_arena(platform: Platform, device: torch.device) -> HostArena:
     if device.type == "cpu":
         return HostArena.create(4 << 20, pin_memory=False)
     if platform.name == "cuda":
-        return platform.create_arena(512 << 20)
+        from kvtier.cuda.memory import wait_grown
+
+        arena = platform.create_arena(512 << 20)  # pinned in the background: wait for all of it
+        assert wait_grown(arena, 60.0), "the CUDA arena was not pinned in 60 s"
+        return arena
     return HostArena.create(512 << 20, pin_memory=True)
 
 

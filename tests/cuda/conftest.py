@@ -118,11 +118,14 @@ def random_blocks(lengths: list[int], seed: int, offset: int = 0) -> list[torch.
 
 @pytest.fixture
 def arena(device: torch.device) -> Iterator[HostArena]:
-    """A host arena (one registration, pinned, on CUDA); test objects are released at teardown."""
+    """A host arena (one segment, so one registration, pinned, on CUDA); test objects are
+    released at teardown."""
     if device.type == "cuda":
+        from kvtier.cuda.memory import wait_grown
         from kvtier.cuda.platform import CUDAPlatform
 
         a = CUDAPlatform().create_arena(256 << 20)
+        assert wait_grown(a, 30.0), "the arena was not pinned in 30 s"
     else:
         a = HostArena.create(1 << 20)
     a.tracked = []  # type: ignore[attr-defined]

@@ -221,11 +221,20 @@ def interleaved_medians(calls: dict[str, Call], rounds: int, warmup: int) -> dic
 
 
 def bench_arena(chunks: int, shapes: Sequence[str]) -> HostArena:
-    """A pinned arena holding a case's store and load objects and the limit's two buffers."""
+    """A pinned arena holding a case's store and load objects and the limit's two buffers: one
+    registration, fully pinned before it is returned (the limit's and the block-DMA rows'
+    single copies must not cross a registration; the mover splits its own)."""
+    from kvtier.cuda.memory import wait_grown
     from kvtier.cuda.platform import CUDAPlatform
 
+    class OneRegistration(CUDAPlatform):
+        pin_segment_bytes = 1 << 62
+
     largest = max(layout_of(s, PagedLayout.LBHNC).chunk_nbytes(CHUNK) for s in shapes)
-    return CUDAPlatform().create_arena(4 * chunks * largest + (64 << 20))
+    arena = OneRegistration().create_arena(4 * chunks * largest + (64 << 20))
+    if not wait_grown(arena, 600.0):
+        raise RuntimeError("the benchmark arena was not pinned within 600 s")
+    return arena
 
 
 def limit_calls(nbytes: int, arena: HostArena) -> tuple[dict[str, Call], Call]:

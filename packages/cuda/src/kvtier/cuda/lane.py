@@ -11,6 +11,10 @@ stream, ahead of its own DMAs; a store's by a small kernel reading the pinned bu
 already on the copy engine, whatever its stream (a 64 KiB copy issued after a 32 MiB one ended
 ~600 us later), so a store's ids copied that way would wait for a concurrent load's DMAs. (The
 kernels reading the pinned ids in place were slower: a 16 MiB gather 90 us instead of 28, H100.)
+
+A copy whose host range crosses where one host registration ends and another (or pageable memory)
+begins is split there (``kvtier.cuda.memory``: the arena is pinned segment by segment, and the
+driver takes no copy that spans two registrations); the check is one bisect of a short tuple.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 import torch
 
 from kvtier.cuda._driver import CUDADriverError, RawEvent, driver
+from kvtier.cuda.memory import REGISTRATIONS, crosses, pieces, row_pieces
 
 # Per thread: the devices whose CUDA context the thread has current (see Lane.bind_context).
 _BOUND = threading.local()
@@ -132,17 +137,27 @@ class Lane:
 
     def to_host(self, dst: int, src: int, nbytes: int) -> None:
         """Device ``src`` -> host ``dst`` on the copy stream."""
-        if self.gpu:
-            self.drv.memcpy_dtoh(dst, src, nbytes, self.cs)
-        else:
+        if not self.gpu:
             ctypes.memmove(dst, src, nbytes)
+            return
+        cuts = REGISTRATIONS.cuts
+        if cuts and crosses(cuts, dst, dst + nbytes):
+            for off, n in pieces(cuts, dst, dst + nbytes):
+                self.drv.memcpy_dtoh(dst + off, src + off, n, self.cs)
+        else:
+            self.drv.memcpy_dtoh(dst, src, nbytes, self.cs)
 
     def to_device(self, dst: int, src: int, nbytes: int) -> None:
         """Host ``src`` -> device ``dst`` on the copy stream."""
-        if self.gpu:
-            self.drv.memcpy_htod(dst, src, nbytes, self.cs)
-        else:
+        if not self.gpu:
             ctypes.memmove(dst, src, nbytes)
+            return
+        cuts = REGISTRATIONS.cuts
+        if cuts and crosses(cuts, src, src + nbytes):
+            for off, n in pieces(cuts, src, src + nbytes):
+                self.drv.memcpy_htod(dst + off, src + off, n, self.cs)
+        else:
+            self.drv.memcpy_htod(dst, src, nbytes, self.cs)
 
     def copy_2d(
         self,
@@ -156,13 +171,28 @@ class Lane:
         to_host: bool,
     ) -> None:
         """``rows`` rows of ``width`` bytes, each side with its pitch, on the copy stream."""
-        if self.gpu:
+        if not self.gpu:
+            for r in range(rows):
+                ctypes.memmove(dst + r * dst_pitch, src + r * src_pitch, width)
+            return
+        host, pitch = (dst, dst_pitch) if to_host else (src, src_pitch)
+        cuts = REGISTRATIONS.cuts
+        if not (cuts and crosses(cuts, host, host + (rows - 1) * pitch + width)):
             self.drv.memcpy_2d(
                 dst, dst_pitch, src, src_pitch, width, rows, self.cs, to_host=to_host
             )
-        else:
-            for r in range(rows):
-                ctypes.memmove(dst + r * dst_pitch, src + r * src_pitch, width)
+            return
+        for r, n, off, w in row_pieces(cuts, host, pitch, width, rows):
+            self.drv.memcpy_2d(
+                dst + r * dst_pitch + off,
+                dst_pitch,
+                src + r * src_pitch + off,
+                src_pitch,
+                w,
+                n,
+                self.cs,
+                to_host=to_host,
+            )
 
     def order_after_caller(self) -> None:
         """The kernel stream waits (on the device) for the work the calling thread has queued on

@@ -1,8 +1,17 @@
-"""The CUDA platform: priority 100 (above xpu's 50 and cpu's 0)."""
+"""The CUDA platform: priority 100 (above xpu's 50 and cpu's 0).
+
+Its host arena is one ordinary allocation, page-locked segment by segment on a background thread
+(``cudaHostRegister``, ``kvtier.cuda.memory``): usable at once, its capacity growing as segments
+are pinned (``kvtier.core.arena_growth``). Not ``torch.empty(pin_memory=True)``: torch's pinned
+allocator rounds a request up to a power of two (a 40 GiB arena would pin 64 GiB) and pins it
+all before returning.
+"""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 
@@ -11,7 +20,12 @@ from kvtier.core.memory import HostArena
 from kvtier.core.mover import check_options
 from kvtier.core.pages import manager_blocks
 from kvtier.core.platform import Platform
-from kvtier.cuda.memory import RegisteredHostArena
+from kvtier.cuda.memory import (
+    REGISTRATIONS,
+    default_prefault_threads,
+    prefault,
+    unregister_when_collected,
+)
 from kvtier.cuda.mover import OPTION_TYPES, CUDAPageMover, MoverOptions
 
 
@@ -20,16 +34,48 @@ class CUDAPlatform(Platform):
     priority = 100
     device_type = "cuda"
 
+    pins_ranges = True
+    #: Threads that fault a segment's pages in before it is registered (0: the registration
+    #: does, on the pinning thread).
+    prefault_threads: ClassVar[int] = default_prefault_threads()
+
+    def __init__(self, device_index: int | None = None) -> None:
+        super().__init__(device_index)
+        self._pin_device: int | None = None
+        self._bound = threading.local()
+
     @property
     def has_pinned_memory(self) -> bool:
         return True
 
     def create_arena(self, nbytes: int, *, pin_memory: bool = True) -> HostArena:
-        """One host allocation of ``nbytes``, page-locked with one registration when asked."""
-        if not pin_memory:
-            return HostArena.create(nbytes, pin_memory=False)
-        torch.cuda.init()
-        return RegisteredHostArena(torch.empty(nbytes, dtype=torch.uint8))
+        """One host allocation of ``nbytes``, usable at once; when ``pin_memory``, page-locked
+        in the background, segment by segment. CUDA is initialised here, on the calling thread,
+        and the pinning thread uses this thread's device (a new thread's is device 0: pinning
+        from it would create a context on another rank's GPU)."""
+        if pin_memory:
+            torch.cuda.init()
+            if self.device_index is not None:
+                self._pin_device = self.device_index
+            else:
+                self._pin_device = torch.cuda.current_device()
+        arena = super().create_arena(nbytes, pin_memory=pin_memory)
+        if pin_memory and arena.target_bytes:
+            unregister_when_collected(arena)
+        return arena
+
+    def pin_host_range(self, address: int, nbytes: int) -> bool:
+        """``cudaHostRegister`` (portable) of the range, rounded out to whole pages a neighbour
+        does not hold; False when the driver refuses (e.g. the memlock limit)."""
+        if not getattr(self._bound, "device", False):
+            device = self._pin_device
+            torch.cuda.set_device(torch.cuda.current_device() if device is None else device)
+            self._bound.device = True
+        prefault(address, nbytes, self.prefault_threads)
+        return REGISTRATIONS.register(address, nbytes)
+
+    def unpin_host_range(self, address: int, nbytes: int) -> None:
+        REGISTRATIONS.unregister(address)
 
     def create_mover(
         self,
