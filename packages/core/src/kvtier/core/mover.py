@@ -177,6 +177,14 @@ class PageMover(ABC):
         """Load one layer of every transfer (attention may read it on return)."""
 
 
+def _widest_word(byte_counts: Sequence[int]) -> torch.dtype:
+    """The widest integer dtype whose size divides every one of ``byte_counts``."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if all(n % dtype.itemsize == 0 for n in byte_counts):
+            return dtype
+    return torch.uint8
+
+
 @dataclass(frozen=True)
 class Picked:
     """A transfer's blocks split into the ones to move and where they sit in the object."""
@@ -198,20 +206,36 @@ class TorchPageMover(PageMover):
     ) -> None:
         super().__init__(kv_caches, layout, num_blocks)
         page, n = layout.page_bytes, self.num_blocks
-        self._pages = [
-            page_view(c, self.runs).reshape(n, page)
-            if not self.runs.dims
-            else page_view(c, self.runs)
-            for c in self.kv_caches
-        ]
+        # Pages are copied in the widest word every run, stride and offset divides: indexing
+        # ops cost per element, and a uint8 element is an eighth of an int64 one.
+        offsets = [int(c.storage_offset()) * c.element_size() for c in self.kv_caches]
+        self.word = _widest_word(
+            [
+                self.runs.run_bytes,
+                self.runs.block_stride,
+                *(st for _, st in self.runs.dims),
+                *offsets,
+            ]
+        )
+        pages = [page_view(c, self.runs) for c in self.kv_caches]
+        if not self.runs.dims:
+            pages = [p.reshape(n, page) for p in pages]
+        self._pages = [p.view(self.word) for p in pages]
         self._whole: torch.Tensor | None = None
         if self.block_runs:
-            whole = self._pages[0].as_strided(
-                (n, layout.num_layers * page),
-                (self.runs.block_stride, 1),
-                self._pages[0].storage_offset(),
+            self._whole = (
+                pages[0]
+                .as_strided(
+                    (n, layout.num_layers * page),
+                    (self.runs.block_stride, 1),
+                    pages[0].storage_offset(),
+                )
+                .view(self.word)
             )
-            self._whole = whole
+
+    def words(self, t: torch.Tensor) -> torch.Tensor:
+        """A uint8 tensor of whole pages (innermost dimension contiguous) as ``word`` elements."""
+        return t.view(self.word)
 
     # -- picking -------------------------------------------------------------------------------
     def _pick(self, transfer: Transfer) -> Picked:
@@ -225,13 +249,14 @@ class TorchPageMover(PageMover):
 
     # -- device side ---------------------------------------------------------------------------
     def gather(self, layer: int, p: Picked) -> torch.Tensor:
-        """One layer's pages of the picked blocks, on the device: ``[k, page_bytes]``."""
-        return self._pages[layer].index_select(0, p.blocks).reshape(-1, self.layout.page_bytes)
+        """One layer's pages of the picked blocks, on the device: ``[k, page_bytes]`` uint8."""
+        pages = self._pages[layer].index_select(0, p.blocks)
+        return pages.view(torch.uint8).reshape(-1, self.layout.page_bytes)
 
     def scatter(self, layer: int, p: Picked, values: torch.Tensor) -> None:
         """Write one layer's pages of the picked blocks (``values`` as ``gather`` returns)."""
         pages = self._pages[layer]
-        pages.index_copy_(0, p.blocks, values.reshape(-1, *pages.shape[1:]))
+        pages.index_copy_(0, p.blocks, self.words(values).reshape(-1, *pages.shape[1:]))
 
     # -- host side -----------------------------------------------------------------------------
     def _copy_to_host(
@@ -241,7 +266,7 @@ class TorchPageMover(PageMover):
         if rows is None:
             dst.copy_(src)
         else:
-            dst.index_copy_(0, rows.to(dst.device), src.to(dst.device))
+            self.words(dst).index_copy_(0, rows.to(dst.device), self.words(src.to(dst.device)))
 
     def _copy_to_device(self, src: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         """Host pages (all rows or the selected ones) as a tensor on the cache device."""
@@ -274,7 +299,8 @@ class TorchPageMover(PageMover):
             for t, p in picked:
                 if p.blocks.numel():
                     flat = t.obj.tensor.view(t.obj.tensor.shape[0], -1)
-                    self._copy_to_host(flat, p.rows, self._whole.index_select(0, p.blocks))
+                    gathered = self._whole.index_select(0, p.blocks).view(torch.uint8)
+                    self._copy_to_host(flat, p.rows, gathered)
             return
         for layer in range(self.layout.num_layers):
             self._store_layer(layer, picked)
@@ -285,7 +311,8 @@ class TorchPageMover(PageMover):
             for t, p in picked:
                 if p.blocks.numel():
                     flat = t.obj.tensor.view(t.obj.tensor.shape[0], -1)
-                    self._whole.index_copy_(0, p.blocks, self._copy_to_device(flat, p.rows))
+                    values = self.words(self._copy_to_device(flat, p.rows))
+                    self._whole.index_copy_(0, p.blocks, values)
             return
         for layer in range(self.layout.num_layers):
             self._load_layer(layer, picked)

@@ -203,7 +203,7 @@ class XPUPageMover(TorchPageMover):
             for layer in range(self.layout.num_layers):
                 stage[:, layer].copy_(self.gather(layer, group.picked))
             return
-        out = stage.view(group.num_blocks, *self._stacked.shape[1:])
+        out = self.words(stage).view(group.num_blocks, *self._stacked.shape[1:])
         torch.index_select(self._stacked, 0, group.picked.blocks, out=out)
 
     def _scatter_all(self, group: _Group, stage: torch.Tensor) -> None:
@@ -212,7 +212,7 @@ class XPUPageMover(TorchPageMover):
             for layer in range(self.layout.num_layers):
                 self.scatter(layer, group.picked, stage[:, layer])
             return
-        values = stage.view(group.num_blocks, *self._stacked.shape[1:])
+        values = self.words(stage).view(group.num_blocks, *self._stacked.shape[1:])
         self._stacked.index_copy_(0, group.picked.blocks, values)
 
     @contextlib.contextmanager
