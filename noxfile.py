@@ -49,7 +49,8 @@ MEMBERS = {
     "storage": "packages/storage[redis,encryption]",
     "cuda": "packages/cuda",
     "xpu": "packages/xpu",
-    "vllm": "packages/vllm-integration[demo]",
+    "vllm": "packages/vllm-integration",
+    "bench": "packages/bench[vllm]",
 }
 TOOL_DEPS = ("matplotlib>=3.7", "rich>=13", "tqdm>=4.66", "transformers>=4.45", "tokenizers>=0.20")
 
@@ -211,7 +212,11 @@ def tests_py310(session: nox.Session) -> None:
         session.skip(reason)
     _ensure_redis_server(session)
     # kvtier-vllm without vLLM: the control socket's tests use its channel module only.
-    _install(session, ("core", "storage", "xpu"), extra=("-epackages/vllm-integration", *TEST_DEPS))
+    _install(
+        session,
+        ("core", "storage", "xpu"),
+        extra=("-epackages/vllm-integration", "-epackages/bench", *TEST_DEPS),
+    )
     _run_tests(
         session,
         ("tests/core", "tests/storage", "tests/conformance"),
@@ -231,7 +236,7 @@ def tests_cuda(session: nox.Session) -> None:
     if not _has_nvidia_gpu():
         session.skip("no NVIDIA GPU on this machine")
     session.install("torch", "triton")
-    session.install("-e" + MEMBERS["core"], "-e" + MEMBERS["cuda"], *TEST_DEPS)
+    session.install("-e" + MEMBERS["core"], "-e" + MEMBERS["cuda"], "-epackages/bench", *TEST_DEPS)
     _run_tests(session, ("tests/cuda", "tests/core"), {"KVTIER_TEST_DEVICE": "cuda"})
 
 
@@ -249,7 +254,7 @@ def tests_xpu(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
     """The README's main job: real vLLM + kvtier on host memory + disk, cold vs warm TTFT."""
-    _install(session, ("core", "storage", "vllm"), vllm=True, extra=TOOL_DEPS)
+    _install(session, ("core", "storage", "vllm", "bench"), vllm=True, extra=TOOL_DEPS)
     session.run(
         "kvtier", "demo", *session.posargs, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     )

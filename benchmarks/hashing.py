@@ -2,7 +2,7 @@
 
 import sys
 
-from kvtier.core.bench import main
+from kvtier.bench.hashing import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -2,7 +2,7 @@
 
 import sys
 
-from kvtier.storage.bench import main
+from kvtier.bench.storage import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

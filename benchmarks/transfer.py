@@ -5,7 +5,7 @@ Needs an NVIDIA GPU; writes ``benchmarks/results/transfer-<device>.json`` and ``
 
 import sys
 
-from kvtier.cuda.bench import main
+from kvtier.bench.transfer import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

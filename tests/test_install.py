@@ -87,6 +87,22 @@ def test_kvtier_cuda_does_pull_triton(tmp_path: Path) -> None:
     assert "kvtier-xpu" not in names
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(PIP_TIMEOUT_S + 60)
+def test_the_connector_installs_no_benchmark_or_demo_code(tmp_path: Path) -> None:
+    """A serving deployment's packages hold only the library: benchmarks, the demo and their
+    plotting and progress dependencies are kvtier-bench's."""
+    names = _resolve(
+        tmp_path, "./packages/core", "./packages/storage", "./packages/vllm-integration"
+    )
+    assert {"kvtier-core", "kvtier-storage", "kvtier-vllm"} <= names
+    assert not names & {"kvtier-bench", "matplotlib", "rich"}, sorted(names)
+    library = [
+        p for p in (REPO / "packages").glob("*/src/kvtier/**/*.py") if "/bench/" not in str(p)
+    ]
+    assert library and not [p for p in library if p.stem.startswith(("bench", "demo"))]
+
+
 _CHILD = """
 import json, sys
 import torch

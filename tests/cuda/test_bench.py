@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from fixtures.kv_views import replica_views
+from kvtier.bench.transfer import _rows, target_check
+from kvtier.bench.transfer_cases import Case, device_slug, layout_of, vllm_views
 from kvtier.core.cli import main as kvtier_main
 from kvtier.core.layout import PagedLayout
-from kvtier.cuda.bench import _rows, target_check
-from kvtier.cuda.bench_cases import Case, device_slug, layout_of, vllm_views
 
 
 def test_device_names_become_file_slugs():

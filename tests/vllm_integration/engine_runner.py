@@ -65,7 +65,7 @@ from collections.abc import Iterator
 
 
 def _corrupt(prompt: list[int], salt: str | None) -> int:
-    from kvtier.vllm_integration.workload import zero_stored_chunks
+    from kvtier.bench.workload import zero_stored_chunks
 
     return zero_stored_chunks(prompt, salt)
 

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("prometheus_client", reason="bench serve's reports parse /metrics")
 
-from kvtier.vllm_integration.bench_serve_report import targets
-from kvtier.vllm_integration.bench_serve_rounds import combine, schedule
+from kvtier.bench.serve_report import targets
+from kvtier.bench.serve_rounds import combine, schedule
 
 
 @given(st.lists(st.sampled_from("abcdef"), min_size=1, max_size=5, unique=True), st.integers(1, 6))

@@ -65,7 +65,7 @@ def complete(server, prompt: list[int]) -> dict:
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_serve_metrics_carry_kvtier_series(vllm_model_dir: Path, tmp_path: Path) -> None:
-    from kvtier.vllm_integration.serve_launcher import ServeConfig, VLLMServer, server_args
+    from kvtier.bench.serve_launcher import ServeConfig, VLLMServer, server_args
 
     cfg = ServeConfig(
         model=str(vllm_model_dir), kv_cache_bytes=64 << 20, max_model_len=2048, max_num_seqs=4
@@ -142,7 +142,7 @@ def test_scrape_deltas_and_histogram_quantiles() -> None:
     """What ``kvtier bench serve`` reads from two scrapes: counter deltas with label filters and
     quantiles of the observations between them, interpolated inside a bucket."""
     pytest.importorskip("prometheus_client")
-    from kvtier.vllm_integration.bench_serve_plot import Scrape
+    from kvtier.bench.serve_plot import Scrape
 
     def page(hits: int, buckets: dict[str, int]) -> str:
         lines = [
@@ -175,9 +175,9 @@ def test_the_first_request_of_each_prefix_is_found_in_the_clients_order(
     every mode) and the repeats, from vLLM's own dataset rebuilt with the run's seed: exactly
     one first per prefix, in an order that differs from seed to seed (the client shuffles)."""
     pytest.importorskip("vllm", reason="kvtier bench serve drives vLLM")
-    from kvtier.vllm_integration.bench_serve_plan import Workload
-    from kvtier.vllm_integration.bench_serve_plot import Scrape
-    from kvtier.vllm_integration.bench_serve_report import row
+    from kvtier.bench.serve_plan import Workload
+    from kvtier.bench.serve_plot import Scrape
+    from kvtier.bench.serve_report import row
 
     w = Workload("A", num_prefixes=5, per_prefix=3, prefix_len=64, suffix_len=8, output_len=2)
     first = w.first_of_prefix(str(vllm_model_dir), w.seed(4))
@@ -235,7 +235,7 @@ def test_the_first_request_of_each_prefix_is_found_in_the_clients_order(
 def test_targets_are_judged_for_each_kvtier_mode() -> None:
     """Issue 19's targets for every kvtier mode that ran (lazy offload too), from the rows'
     ratios to vLLM's prefix cache; a missing row is 'not measured', never 'met'."""
-    from kvtier.vllm_integration.bench_serve_report import add_ratios, targets
+    from kvtier.bench.serve_report import add_ratios, targets
 
     def row(workload: str, mode: str, c: int, ttft: float, rps: float, p99: float) -> dict:
         return {
@@ -279,7 +279,7 @@ def test_bench_serve_refuses_a_bad_tier_list_before_starting_anything(
     tiers: str, named: str, capsys, tmp_path: Path
 ) -> None:
     pytest.importorskip("vllm", reason="kvtier bench serve drives vLLM")
-    from kvtier.vllm_integration.bench_serve import main
+    from kvtier.bench.serve import main
 
     assert main(["--kvtier-tiers", tiers, "--cache-dir", str(tmp_path)]) == 2
     out = capsys.readouterr().out

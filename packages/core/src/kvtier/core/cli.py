@@ -1,5 +1,6 @@
 """The ``kvtier`` command. Subcommands come from the ``kvtier.cli`` entry-point group, so each
-package adds its own (``demo`` from kvtier-vllm, ``bench storage`` from kvtier-storage, ...).
+package adds its own (``demo`` and ``bench ...`` from kvtier-bench, ``ls``/``stats``/``clear``
+from kvtier-storage).
 
 An entry named ``"bench.storage"`` is run as ``kvtier bench storage``. Each entry point is a
 ``main(argv: list[str]) -> int``.
@@ -11,11 +12,13 @@ import sys
 from importlib.metadata import entry_points
 
 _EXTRA_HINT = {
-    "demo": "vllm",
-    "bench.e2e": "vllm",
-    "bench.serve": "vllm",
-    "bench.storage": "redis",
-    "bench.transfer": "cuda",
+    "demo": "demo",
+    "bench.e2e": "demo",
+    "bench.serve": "demo",
+    "bench.storage": "bench,redis",
+    "bench.transfer": "bench,cuda",
+    "bench.xpu": "bench,xpu",
+    "bench.hashing": "bench",
 }
 
 

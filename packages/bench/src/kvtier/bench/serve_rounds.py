@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any, TypeGuard
 
-from kvtier.vllm_integration.bench_serve_report import KVTIER_MODES, REFERENCE, add_ratios
+from kvtier.bench.serve_report import KVTIER_MODES, REFERENCE, add_ratios
 
 
 def schedule(modes: Sequence[str], rounds: int) -> list[tuple[int, str]]:

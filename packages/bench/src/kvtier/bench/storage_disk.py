@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtier.bench.storage_common import Bench, Shape, filled_objects, make_backend
 from kvtier.core.keys import ChunkKey, KeyFactory
-from kvtier.storage.bench_common import Bench, Shape, filled_objects, make_backend
 
 
 def _write_raw(path: str, view: memoryview) -> None:

@@ -35,9 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.core.config import default_cache_dir
-from kvtier.vllm_integration.model import ModelSpec, build_model
-from kvtier.vllm_integration.workload import (
+from kvtier.bench.model import ModelSpec, build_model
+from kvtier.bench.workload import (
     BLOCK_SIZE,
     Engine,
     Request,
@@ -47,6 +46,7 @@ from kvtier.vllm_integration.workload import (
     require_extras,
     results_dir,
 )
+from kvtier.core.config import default_cache_dir
 
 DEMO_MODEL = ModelSpec(
     hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1024

@@ -1,7 +1,7 @@
 """vLLM's benchmark client (``vllm bench serve``) kept in one long-lived process.
 
 ``BenchClient`` is the driver's side; ``bench_loop`` is the client process's side, run by
-``python -m kvtier.vllm_integration.serve_launcher bench-loop FD``.
+``python -m kvtier.bench.serve_launcher bench-loop FD``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvtier.vllm_integration.serve_process import Process, ServerError, server_env, vllm_command
+from kvtier.bench.serve_process import Process, ServerError, server_env, vllm_command
 
 
 class BenchClient:

@@ -18,7 +18,7 @@ next to a reference over the same bytes, measured in the same run and interleave
 - redis: the tier's ``batched_put``/``batched_get`` (codec included) against ``redis-benchmark``
   (the C client) moving values of the tier's segment size over as many connections, and a
   3-shard cluster against one server, and with ``encryption_key`` against without (``variant:
-  sealed``): see ``kvtier.storage.bench_redis``. Private
+  sealed``): see ``kvtier.bench.storage_redis``. Private
   ``redis-server`` processes are started on free loopback ports; without ``redis-server`` the
   redis rows are skipped.
 
@@ -45,10 +45,10 @@ from typing import Any
 
 import torch
 
+from kvtier.bench.storage_common import SHAPES, Bench, Shape, chart, make_backend, touched_arena
+from kvtier.bench.storage_disk import bench_disk
 from kvtier.core.keys import KeyFactory
 from kvtier.storage.backends.local_cpu import LocalCPUBackend
-from kvtier.storage.bench_common import SHAPES, Bench, Shape, chart, make_backend, touched_arena
-from kvtier.storage.bench_disk import bench_disk
 from kvtier.storage.manager import TieredStorageManager
 
 __all__ = ["SHAPES", "Shape", "bench_cpu", "bench_disk", "main"]

@@ -1,7 +1,7 @@
 """Child processes for the serving benchmark: a command in its own process group on loopback,
 waited for over HTTP within a bounded time, and always killed with its whole group.
 
-``vllm_command`` runs vLLM's command line through ``kvtier.vllm_integration.serve_launcher``
+``vllm_command`` runs vLLM's command line through ``kvtier.bench.serve_launcher``
 (see there why), possibly with another environment's python (``foreign_python_env``).
 """
 
@@ -31,7 +31,7 @@ def free_port() -> int:
 
 def vllm_command(*args: str, python: str | None = None) -> list[str]:
     """The ``vllm`` command line: this module run by ``python`` (default the current one)."""
-    return [python or sys.executable, "-m", "kvtier.vllm_integration.serve_launcher", *args]
+    return [python or sys.executable, "-m", "kvtier.bench.serve_launcher", *args]
 
 
 def foreign_python_env() -> dict[str, str]:

@@ -39,29 +39,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvtier.core.config import load_config
-from kvtier.core.errors import ConfigError
-from kvtier.storage.tiers import load_backend_class
-from kvtier.vllm_integration.bench_serve_plan import (
-    BENCH_MODEL,
-    WARMUP_SEED,
-    Workload,
-    kv_bytes_per_token,
-    parse,
-    serve_config,
-    workloads,
-)
-from kvtier.vllm_integration.bench_serve_plot import Scrape, chart
-from kvtier.vllm_integration.bench_serve_report import (
-    cpu_flags,
-    row,
-    source_revision,
-    table,
-    targets,
-)
-from kvtier.vllm_integration.bench_serve_rounds import combine, schedule
-from kvtier.vllm_integration.model import build_model
-from kvtier.vllm_integration.serve_launcher import (
+from kvtier.bench.model import build_model
+from kvtier.bench.serve_launcher import (
     MODES,
     BenchClient,
     LMCacheServer,
@@ -70,7 +49,28 @@ from kvtier.vllm_integration.serve_launcher import (
     VLLMServer,
     server_args,
 )
-from kvtier.vllm_integration.workload import require_extras, results_dir
+from kvtier.bench.serve_plan import (
+    BENCH_MODEL,
+    WARMUP_SEED,
+    Workload,
+    kv_bytes_per_token,
+    parse,
+    serve_config,
+    workloads,
+)
+from kvtier.bench.serve_plot import Scrape, chart
+from kvtier.bench.serve_report import (
+    cpu_flags,
+    row,
+    source_revision,
+    table,
+    targets,
+)
+from kvtier.bench.serve_rounds import combine, schedule
+from kvtier.bench.workload import require_extras, results_dir
+from kvtier.core.config import load_config
+from kvtier.core.errors import ConfigError
+from kvtier.storage.tiers import load_backend_class
 
 
 def main(argv: list[str]) -> int:

@@ -8,9 +8,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.bench.model import ModelSpec
+from kvtier.bench.serve_launcher import MODES, ServeConfig
 from kvtier.core.config import default_cache_dir
-from kvtier.vllm_integration.model import ModelSpec
-from kvtier.vllm_integration.serve_launcher import MODES, ServeConfig
 
 BENCH_MODEL = ModelSpec()  # hidden 256, 4 layers, 2 kv heads of 64: 2 KiB of KV per token
 WARMUP_SEED = 999_999

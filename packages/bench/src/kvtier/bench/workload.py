@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.vllm_integration.model import synthetic_text
+from kvtier.bench.model import synthetic_text
 
 # vLLM's KV block size in the demo and the benches (vLLM CPU needs a multiple of 32).
 BLOCK_SIZE = 32

@@ -35,9 +35,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.model import ModelSpec, build_model
+from kvtier.bench.workload import Engine, build_requests, require_extras, results_dir
 from kvtier.core.config import default_cache_dir
-from kvtier.vllm_integration.model import ModelSpec, build_model
-from kvtier.vllm_integration.workload import Engine, build_requests, require_extras, results_dir
 
 BENCH_MODEL = ModelSpec(
     hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=8, intermediate_size=2816
@@ -92,7 +92,7 @@ def main(argv: list[str]) -> int:
         print(f"kvtier bench e2e: unknown mode(s) {sorted(unknown)}; known: {known}")
         return 2
     if args.workload == "doc-question":
-        from kvtier.vllm_integration.bench_docq import run_doc_question
+        from kvtier.bench.docq import run_doc_question
 
         return run_doc_question(args, modes, BENCH_MODEL)
     model_dir = build_model(Path(args.cache_dir).expanduser() / "model", BENCH_MODEL)

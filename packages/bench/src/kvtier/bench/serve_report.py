@@ -13,8 +13,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from kvtier.vllm_integration.bench_serve_plot import Scrape
-from kvtier.vllm_integration.workload import cpu_kind
+from kvtier.bench.serve_plot import Scrape
+from kvtier.bench.workload import cpu_kind
 
 SCHED_HISTOGRAM = "vllm:kvtier_scheduler_seconds"
 SCHED_CPU_HISTOGRAM = "vllm:kvtier_scheduler_cpu_seconds"

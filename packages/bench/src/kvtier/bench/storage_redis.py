@@ -26,10 +26,10 @@ import statistics
 import time
 from typing import Any
 
+from kvtier.bench.storage_common import Bench, Shape, filled_objects, make_backend
+from kvtier.bench.storage_redis_servers import PrivateRedis, redis_benchmark, start_servers
 from kvtier.core.keys import KeyFactory
 from kvtier.storage.backends.redis import RedisBackend
-from kvtier.storage.bench_common import Bench, Shape, filled_objects, make_backend
-from kvtier.storage.bench_redis_servers import PrivateRedis, redis_benchmark, start_servers
 
 TARGET = 0.8  # of redis-benchmark
 READ_GBPS_TARGET = 2.0  # 8B-shaped reads: what beats recomputing the prefill on a GPU

@@ -30,10 +30,7 @@ from pathlib import Path
 
 import torch
 
-from kvtier.core.layout import PagedLayout
-from kvtier.core.memory import HostArena
-from kvtier.core.mover import TorchPageMover
-from kvtier.cuda.bench_cases import (
+from kvtier.bench.transfer_cases import (
     BLOCK,
     CHUNK,
     DUPLEX_TARGET,
@@ -51,6 +48,9 @@ from kvtier.cuda.bench_cases import (
     make_case,
     repeated,
 )
+from kvtier.core.layout import PagedLayout
+from kvtier.core.memory import HostArena
+from kvtier.core.mover import TorchPageMover
 
 LAYOUTS = [p.value for p in PagedLayout]
 
