@@ -90,7 +90,7 @@ def test_cli_says_a_gpu_is_needed(capsys):
 
 
 def test_layouts_are_named_as_vllm_names_them():
-    from kvtier.cuda import bench
+    from kvtier.bench import transfer as bench
 
     with pytest.raises(SystemExit):
         bench.main(["--layouts", "flash_nhd"])

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from kvtier.storage import bench
+from kvtier.bench import storage as bench
 
 pytestmark = pytest.mark.redis
 

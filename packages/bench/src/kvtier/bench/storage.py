@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     server = cluster = None
     redis_note = None
     if "redis" in args.tiers:
-        from kvtier.storage import bench_redis
+        from kvtier.bench import storage_redis as bench_redis
 
         try:
             server, cluster = bench_redis.start_servers(not args.no_redis_cluster)
