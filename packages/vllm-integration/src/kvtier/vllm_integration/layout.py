@@ -149,11 +149,10 @@ def interior_writer(
     if not isas:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        isas.add(
-            _get_attn_isa(
-                vllm_config.model_config.dtype, spec.block_size, spec.head_size, cache_dtype
-            )
-        )
+        dtype = vllm_config.model_config.dtype  # resolved to a torch dtype by vLLM's config
+        if not isinstance(dtype, torch.dtype):
+            raise LayoutError(f"vLLM's model dtype {dtype!r} is not resolved to a torch dtype")
+        isas.add(_get_attn_isa(dtype, spec.block_size, spec.head_size, cache_dtype))
     if len(isas) != 1:
         raise LayoutError(f"the layers were given several CPU attention ISAs: {sorted(isas)}")
     return f"{backend_name}/{isas.pop()}"
