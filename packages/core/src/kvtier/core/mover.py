@@ -194,8 +194,8 @@ class Picked:
 
 
 class TorchPageMover(PageMover):
-    """Reference mover: ``index_select``/``index_copy_`` over per-layer page views (one view
-    over a block's every layer where ``block_runs`` holds).
+    """Reference mover: ``index_select``/``index_copy_`` over per-layer page views (a whole call
+    over one view of every layer, ``stacked``, where the layers share a storage and a stride).
 
     Subclasses change *where* the bytes go between device and host by overriding
     ``_copy_to_host``/``_copy_to_device`` (streams, staging buffers), not the page indexing.
@@ -221,17 +221,27 @@ class TorchPageMover(PageMover):
         if not self.runs.dims:
             pages = [p.reshape(n, page) for p in pages]
         self._pages = [p.view(self.word) for p in pages]
-        self._whole: torch.Tensor | None = None
-        if self.block_runs:
-            self._whole = (
-                pages[0]
-                .as_strided(
-                    (n, layout.num_layers * page),
-                    (self.runs.block_stride, 1),
-                    pages[0].storage_offset(),
-                )
-                .view(self.word)
-            )
+        self.stacked = self._stacked_pages()
+
+    def _stacked_pages(self) -> torch.Tensor | None:
+        """Every layer's pages as one view ``[blocks, layers, *grid, run]`` (in ``word``s) when
+        the layers' pages sit at one positive stride in one storage (how vLLM allocates, on every
+        layout); else None. A whole call then gathers or scatters all layers in one op."""
+        first = self._pages[0]
+        if len(self._pages) == 1:
+            return first.unsqueeze(1)
+        storage = self.kv_caches[0].untyped_storage().data_ptr()
+        step = self._pages[1].storage_offset() - first.storage_offset()
+        if step <= 0:
+            return None
+        for i, (cache, pages) in enumerate(zip(self.kv_caches, self._pages, strict=True)):
+            if cache.untyped_storage().data_ptr() != storage:
+                return None
+            if pages.storage_offset() != first.storage_offset() + i * step:
+                return None
+        sizes = (first.shape[0], len(self._pages), *first.shape[1:])
+        strides = (first.stride(0), step, *first.stride()[1:])
+        return first.as_strided(sizes, strides, first.storage_offset())
 
     def words(self, t: torch.Tensor) -> torch.Tensor:
         """A uint8 tensor of whole pages (innermost dimension contiguous) as ``word`` elements."""
@@ -295,24 +305,25 @@ class TorchPageMover(PageMover):
 
     def store(self, transfers: Sequence[Transfer]) -> None:
         picked = [(t, self._pick(t)) for t in transfers]
-        if self._whole is not None:
+        if self.stacked is not None:
             for t, p in picked:
                 if p.blocks.numel():
                     flat = t.obj.tensor.view(t.obj.tensor.shape[0], -1)
-                    gathered = self._whole.index_select(0, p.blocks).view(torch.uint8)
-                    self._copy_to_host(flat, p.rows, gathered)
+                    gathered = self.stacked.index_select(0, p.blocks).view(torch.uint8)
+                    self._copy_to_host(flat, p.rows, gathered.reshape(-1, flat.shape[1]))
             return
         for layer in range(self.layout.num_layers):
             self._store_layer(layer, picked)
 
     def load(self, transfers: Sequence[Transfer]) -> None:
         picked = [(t, self._pick(t)) for t in transfers]
-        if self._whole is not None:
+        if self.stacked is not None:
+            shape = self.stacked.shape[1:]
             for t, p in picked:
                 if p.blocks.numel():
                     flat = t.obj.tensor.view(t.obj.tensor.shape[0], -1)
-                    values = self.words(self._copy_to_device(flat, p.rows))
-                    self._whole.index_copy_(0, p.blocks, values)
+                    values = self.words(self._copy_to_device(flat, p.rows)).view(-1, *shape)
+                    self.stacked.index_copy_(0, p.blocks, values)
             return
         for layer in range(self.layout.num_layers):
             self._load_layer(layer, picked)

@@ -117,33 +117,12 @@ class XPUPageMover(TorchPageMover):
         self.max_staging_bytes = max_staging_bytes
         self._store_lane = _Lane(self.streams.new_stream())
         self._load_lane = _Lane(self.streams.new_stream())
-        self._stacked = self._stacked_pages()
 
     @property
     def staging_nbytes(self) -> int:
         """Device bytes the staging buffers hold between calls (0 before the first transfer,
         and always 0 with ``staging_buffer=False``)."""
         return self._store_lane.nbytes + self._load_lane.nbytes
-
-    # -- geometry ------------------------------------------------------------------------------
-    def _stacked_pages(self) -> torch.Tensor | None:
-        """Every layer's pages as one view ``[blocks, layers, *grid, run]`` when the layers'
-        pages sit at one positive stride in one storage; else None."""
-        first = self._pages[0]
-        if len(self._pages) == 1:
-            return first.unsqueeze(1)
-        storage = self.kv_caches[0].untyped_storage().data_ptr()
-        step = self._pages[1].storage_offset() - first.storage_offset()
-        if step <= 0:
-            return None
-        for i, (cache, pages) in enumerate(zip(self.kv_caches, self._pages, strict=True)):
-            if cache.untyped_storage().data_ptr() != storage:
-                return None
-            if pages.storage_offset() != first.storage_offset() + i * step:
-                return None
-        sizes = (first.shape[0], len(self._pages), *first.shape[1:])
-        strides = (first.stride(0), step, *first.stride()[1:])
-        return first.as_strided(sizes, strides, first.storage_offset())
 
     def _group_bytes(self, num_blocks: int) -> int:
         return num_blocks * self.layout.num_layers * self.layout.page_bytes
@@ -199,21 +178,21 @@ class XPUPageMover(TorchPageMover):
 
     def _gather_all(self, group: _Group, stage: torch.Tensor) -> None:
         """Every layer of the group's pages into ``stage``."""
-        if self._stacked is None:
+        if self.stacked is None:
             for layer in range(self.layout.num_layers):
                 stage[:, layer].copy_(self.gather(layer, group.picked))
             return
-        out = self.words(stage).view(group.num_blocks, *self._stacked.shape[1:])
-        torch.index_select(self._stacked, 0, group.picked.blocks, out=out)
+        out = self.words(stage).view(group.num_blocks, *self.stacked.shape[1:])
+        torch.index_select(self.stacked, 0, group.picked.blocks, out=out)
 
     def _scatter_all(self, group: _Group, stage: torch.Tensor) -> None:
         """Every layer of ``stage`` into the group's pages."""
-        if self._stacked is None:
+        if self.stacked is None:
             for layer in range(self.layout.num_layers):
                 self.scatter(layer, group.picked, stage[:, layer])
             return
-        values = self.words(stage).view(group.num_blocks, *self._stacked.shape[1:])
-        self._stacked.index_copy_(0, group.picked.blocks, values)
+        values = self.words(stage).view(group.num_blocks, *self.stacked.shape[1:])
+        self.stacked.index_copy_(0, group.picked.blocks, values)
 
     @contextlib.contextmanager
     def _lane(self, lane: _Lane) -> Iterator[Stream]:
