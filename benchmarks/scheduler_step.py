@@ -124,7 +124,7 @@ def _round(
         harness.deliver(meta)
         for rank in harness.ranks:
             for spec in meta.saves:
-                rank.engine.store(spec.tokens, torch.arange(len(spec.tokens)), salt=spec.scope)
+                rank.engine.store(spec.tokens, torch.arange(len(spec.tokens)), scope=spec.scope)
     reports = [rank.feed.take() for rank in harness.ranks]
     _, ms = _timed(
         lambda: sched.update_connector_output(

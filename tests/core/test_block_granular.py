@@ -185,7 +185,7 @@ def test_full_spans_are_the_prefix_hashes() -> None:
 
     engine, _ = engine_with_caches()
     tokens = list(range(3 * CHUNK + 5))
-    spans = engine.full_spans(tokens, salt="s")
+    spans = engine.full_spans(tokens, scope="s")
     assert [bytes.fromhex(s.key.chunk_hash) for s in spans] == prefix_hashes(
         token_bytes(tokens), CHUNK, "s"
     )

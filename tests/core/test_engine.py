@@ -189,11 +189,11 @@ def test_salts_do_not_share() -> None:
     engine = make_engine(layout)
     engine.register_kv_caches(random_caches(layout))
     tokens = list(range(128))
-    engine.store(tokens, random_slots(128), salt="alice")
-    assert engine.lookup(tokens, salt="alice") == 128
-    assert engine.lookup(tokens, salt="bob") == 0
+    engine.store(tokens, random_slots(128), scope="alice")
+    assert engine.lookup(tokens, scope="alice") == 128
+    assert engine.lookup(tokens, scope="bob") == 0
     assert engine.lookup(tokens) == 0
-    mask = engine.retrieve(tokens, random_slots(128), salt="bob")
+    mask = engine.retrieve(tokens, random_slots(128), scope="bob")
     assert not mask.any()
 
 
@@ -325,7 +325,7 @@ def test_hold_keeps_the_prefix_through_eviction() -> None:
         with pytest.raises(ValueError, match="other tokens"):
             engine.retrieve([5, *tokens[1:]], slots, hold=hold)
         with pytest.raises(ValueError, match="other tokens"):
-            engine.retrieve(tokens, slots, hold=hold, salt="x")
+            engine.retrieve(tokens, slots, hold=hold, scope="x")
     assert hold.released
     hold.release()  # idempotent
     with pytest.raises(KVTierError, match="released"):

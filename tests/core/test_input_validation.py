@@ -119,7 +119,7 @@ def test_minus_one_and_the_last_slot_are_valid(engine):
 @pytest.mark.parametrize("salt", [123, b"bytes", 1.5, ["a"]])
 def test_a_salt_that_is_not_text_is_a_value_error(engine, salt):
     tokens = list(range(CHUNK))
-    with pytest.raises(ValueError, match="salt"):
-        engine.lookup(tokens, salt=salt)
-    with pytest.raises(ValueError, match="salt"):
-        engine.store(tokens, torch.arange(CHUNK), salt=salt)
+    with pytest.raises(ValueError, match="scope"):
+        engine.lookup(tokens, scope=salt)
+    with pytest.raises(ValueError, match="scope"):
+        engine.store(tokens, torch.arange(CHUNK), scope=salt)

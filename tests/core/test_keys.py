@@ -34,11 +34,11 @@ def test_chunk_hash_equal_iff_whole_prefix_equal(a: list[int], b: list[int], chu
 @given(tokens=st.lists(st.integers(0, 1000), min_size=8, max_size=64))
 def test_salt_separates_every_chunk(tokens: list[int]) -> None:
     plain = prefix_hashes(tokens, 4)
-    salted = prefix_hashes(tokens, 4, salt="tenant-a")
-    other = prefix_hashes(tokens, 4, salt="tenant-b")
+    salted = prefix_hashes(tokens, 4, scope="tenant-a")
+    other = prefix_hashes(tokens, 4, scope="tenant-b")
     assert not set(plain) & set(salted)
     assert not set(salted) & set(other)
-    assert salted == prefix_hashes(tokens, 4, salt="tenant-a")
+    assert salted == prefix_hashes(tokens, 4, scope="tenant-a")
 
 
 def test_token_container_does_not_matter() -> None:
@@ -59,7 +59,7 @@ _CHILD = """
 import json, sys
 from kvtier.core.keys import prefix_hashes
 tokens = list(range(5000)) + [7] * 300
-print(json.dumps([h.hex() for h in prefix_hashes(tokens, 256, salt="s")]))
+print(json.dumps([h.hex() for h in prefix_hashes(tokens, 256, scope="s")]))
 """
 
 
@@ -77,7 +77,9 @@ def test_hashes_stable_across_processes_and_hash_seeds() -> None:
         )
         outs.append(json.loads(res.stdout))
     assert outs[0] == outs[1]
-    assert outs[0] == [h.hex() for h in prefix_hashes(list(range(5000)) + [7] * 300, 256, salt="s")]
+    assert outs[0] == [
+        h.hex() for h in prefix_hashes(list(range(5000)) + [7] * 300, 256, scope="s")
+    ]
     # a pinned value: a change to the hash function (and so to every stored key) must be deliberate
     assert prefix_hashes(list(range(256)), 256)[0].hex() == _PINNED_FIRST_CHUNK
 
@@ -117,7 +119,7 @@ def test_key_factory_separates_model_layout_rank_and_salt() -> None:
         KeyFactory("org/other", "fp1").key(h),
         KeyFactory("org/model", "fp2").key(h),
         KeyFactory("org/model", "fp1", world_size=2, rank=1).key(h),
-        KeyFactory("org/model", "fp1").key(h, salt="x"),
+        KeyFactory("org/model", "fp1").key(h, scope="x"),
     ]
     strings = {base.to_string(), *(v.to_string() for v in variants)}
     assert len(strings) == 5

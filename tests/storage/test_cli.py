@@ -59,7 +59,7 @@ def engine(tmp_path, **cfg) -> CacheEngine:
 
 def fill(e: CacheEngine) -> None:
     for salt, tokens in PROMPTS.items():
-        assert e.store(tokens, torch.arange(len(tokens)), salt=salt) == len(tokens)
+        assert e.store(tokens, torch.arange(len(tokens)), scope=salt) == len(tokens)
     assert e.storage.flush(30), e.storage.last_flush
 
 
@@ -133,8 +133,8 @@ def test_disk_stats_ls_and_clear_one_salt_on_a_running_deployment(tmp_path, caps
     # a restarted engine: salt a misses, the others hit
     e2 = engine(tmp_path)
     try:
-        assert e2.lookup(PROMPTS["tenant-a"], salt="tenant-a") == 0
-        assert e2.lookup(PROMPTS["tenant-b"], salt="tenant-b") == len(PROMPTS["tenant-b"])
+        assert e2.lookup(PROMPTS["tenant-a"], scope="tenant-a") == 0
+        assert e2.lookup(PROMPTS["tenant-b"], scope="tenant-b") == len(PROMPTS["tenant-b"])
     finally:
         e2.close()
     # clear everything of a stopped deployment, through the installed command

@@ -189,7 +189,7 @@ class Harness:
             for spec in specs:
                 n = len(spec.tokens)
                 slots = slot_mapping(spec.block_ids, BLOCK, n, spec.skip, n)
-                rank.engine.store(spec.tokens, torch.from_numpy(slots), salt=spec.scope)
+                rank.engine.store(spec.tokens, torch.from_numpy(slots), scope=spec.scope)
                 self.copied.setdefault(i, []).append(spec.req_id)
 
     def step(self, answer: bool = True, copy: bool = True) -> KVTierMetadata:
@@ -256,7 +256,7 @@ class Harness:
                 continue
             for spec in meta.saves:
                 n = len(spec.tokens)
-                rank.engine.store(spec.tokens, torch.arange(n), salt=spec.scope)
+                rank.engine.store(spec.tokens, torch.arange(n), scope=spec.scope)
             rank.feed.saves_copied(meta.step)  # as the worker's saver reports it
         self.report()
 

@@ -126,7 +126,7 @@ def test_the_index_promises_what_the_engine_finds(stored_len, diverge, tails, sa
     engine.watch_stores(lambda keys: added.extend(k.digest() for k in keys))
     scope = KeyScope(salt, None, None)
     stored = list(range(100, 100 + stored_len))
-    engine.store(stored, torch.arange(stored_len), salt=scope)
+    engine.store(stored, torch.arange(stored_len), scope=scope)
     keys = engine.keys
     index = PresenceIndex(1)
     namespace = (keys.model, keys.layout_fp, keys.world_size, keys.rank)

@@ -82,7 +82,7 @@ def store_with(
 
     def store(s: SaveSpec, ready, keep) -> int:
         slots = torch.arange(len(s.tokens))
-        return engine.store(s.tokens, slots, salt=s.scope, ready=ready, keep=keep)
+        return engine.store(s.tokens, slots, scope=s.scope, ready=ready, keep=keep)
 
     return store
 

@@ -300,7 +300,7 @@ class Machine(RuleBasedStateMachine):
             for spec in meta.saves:
                 n = len(spec.tokens)
                 slots = slot_mapping(spec.block_ids, BLOCK, n, spec.skip, n)
-                rank.engine.store(spec.tokens, torch.from_numpy(slots), salt=spec.scope)
+                rank.engine.store(spec.tokens, torch.from_numpy(slots), scope=spec.scope)
                 if r == 0:
                     lv = self.live[spec.req_id]
                     self.saved.append((lv.salt, lv.gen, tuple(int(t) for t in spec.tokens)))

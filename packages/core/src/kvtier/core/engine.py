@@ -15,7 +15,7 @@ Holds: ``hold(tokens)`` looks a prompt up *and* keeps its hit objects in host me
 lower-tier hits now, like a prefetch) until the hold is released, so a load that follows the
 lookup cannot come up short because a chunk was evicted in between.
 
-Scopes: every method that takes ``salt`` accepts a bare cache salt or a ``KeyScope`` (salt,
+Scopes: every method that takes ``scope`` accepts a bare cache salt or a ``KeyScope`` (salt,
 adapter identity, weights generation); see ``kvtier.core.keys``.
 
 Slot mappings: ``slot_mapping[i]`` is token ``i``'s slot in the paged cache, ``-1`` when the
@@ -119,35 +119,35 @@ class CacheEngine:
         return self.mover
 
     # -- chunking ------------------------------------------------------------------------------
-    def full_spans(self, tokens: TokenIds, salt: Scope = None) -> list[ChunkSpan]:
+    def full_spans(self, tokens: TokenIds, scope: Scope = None) -> list[ChunkSpan]:
         """The full chunks of ``tokens`` (``keys.prefix_hashes``)."""
-        return self.spans.full(token_bytes(tokens), salt)
+        return self.spans.full(token_bytes(tokens), scope)
 
     def tail_spans(
         self,
         tokens: TokenIds,
         index: int,
-        salt: Scope = None,
+        scope: Scope = None,
         spans: Sequence[ChunkSpan] | None = None,
     ) -> list[ChunkSpan]:
         """Block-sized spans after full chunk ``index - 1``: whole blocks of ``tokens`` up to one
         block short of a chunk, each keyed by chaining its block onto the previous key (a tail
         key never equals a full-chunk key: their hash inputs differ in length)."""
-        return self.spans.tail(token_bytes(tokens), index, salt, spans)
+        return self.spans.tail(token_bytes(tokens), index, scope, spans)
 
-    def hit_spans(self, tokens: TokenIds, salt: Scope = None) -> list[ChunkSpan]:
+    def hit_spans(self, tokens: TokenIds, scope: Scope = None) -> list[ChunkSpan]:
         """The contiguous run of stored spans covering a prefix of ``tokens`` (full chunks, then
         tail blocks or an alias into a stored chunk: ``kvtier.core.spans``)."""
-        return self.spans.hits(token_bytes(tokens), salt)
+        return self.spans.hits(token_bytes(tokens), scope)
 
-    def store_spans(self, tokens: TokenIds, salt: Scope = None) -> list[ChunkSpan]:
+    def store_spans(self, tokens: TokenIds, scope: Scope = None) -> list[ChunkSpan]:
         """Spans ``store`` would save for ``tokens``: full chunks, then the tail block by block."""
-        return self.spans.store(token_bytes(tokens), salt)
+        return self.spans.store(token_bytes(tokens), scope)
 
     # -- API -----------------------------------------------------------------------------------
-    def lookup(self, tokens: TokenIds, salt: Scope = None) -> int:
+    def lookup(self, tokens: TokenIds, scope: Scope = None) -> int:
         """Number of leading tokens of ``tokens`` whose KV is stored (a multiple of the block size)."""
-        hits = self.hit_spans(tokens, salt)
+        hits = self.hit_spans(tokens, scope)
         n = hits[-1].end if hits else 0
         self.stats.add(lookups=1, lookup_hit_tokens=n)
         return n
@@ -171,27 +171,27 @@ class CacheEngine:
             self.stats.add(retrieve_misses=1)
         return list(spans[: len(kept)]), kept
 
-    def hold(self, tokens: TokenIds, salt: Scope = None) -> Hold:
+    def hold(self, tokens: TokenIds, scope: Scope = None) -> Hold:
         """Look ``tokens`` up and keep the hit prefix's objects in host memory (see ``Hold``)."""
         arr = token_bytes(tokens)
-        hits = self.hit_spans(arr, salt)
+        hits = self.hit_spans(arr, scope)
         sources = self.chunk_sources([s.key for s in hits])
         spans, objs = self._fetch_prefix(hits)
         hold = Hold(
             spans,
             objs,
-            prefix_digest(arr[: spans[-1].end if spans else 0], salt),
+            prefix_digest(arr[: spans[-1].end if spans else 0], scope),
             sources=sources[: len(spans)],
-            pins=self._alias_pins(arr, spans, salt),
+            pins=self._alias_pins(arr, spans, scope),
         )
         self.stats.add(lookups=1, lookup_hit_tokens=hold.num_tokens)
         self._tier_hits.count(spans, hold.sources)
         return hold
 
-    def _alias_pins(self, arr: np.ndarray, spans: list[ChunkSpan], salt: Scope) -> list[MemoryObj]:
+    def _alias_pins(self, arr: np.ndarray, spans: list[ChunkSpan], scope: Scope) -> list[MemoryObj]:
         """Host handles on the held full chunks' alias entries (which marks them recently used:
         aliases age with their chunk)."""
-        keys = self.spans.alias_keys_of(arr, spans, salt)
+        keys = self.spans.alias_keys_of(arr, spans, scope)
         return [o for o in self.storage.host_get(keys) if o is not None] if keys else []
 
     def chunk_sources(self, keys: Sequence[ChunkKey]) -> list[str]:
@@ -210,17 +210,17 @@ class CacheEngine:
         )
 
     def _plan_store(
-        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], salt: Scope
+        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], scope: Scope
     ) -> tuple[StorePlan, AliasPlan]:
         arr = token_bytes(tokens)
-        return self._writer.plan(arr, self._slots(slot_mapping, len(arr)), salt)
+        return self._writer.plan(arr, self._slots(slot_mapping, len(arr)), scope)
 
     def store(
         self,
         tokens: TokenIds,
         slot_mapping: torch.Tensor | Sequence[int],
         *,
-        salt: Scope = None,
+        scope: Scope = None,
         ready: Marker = None,
         keep: Callable[[], bool] | None = None,
     ) -> int:
@@ -237,7 +237,7 @@ class CacheEngine:
         are dropped, nothing is stored (the engine's blocks may have been reused meanwhile).
         """
         mover = self._require_mover()
-        plan, aliases = self._plan_store(tokens, slot_mapping, salt)
+        plan, aliases = self._plan_store(tokens, slot_mapping, scope)
         if not plan:
             return 0
         try:
@@ -253,11 +253,11 @@ class CacheEngine:
         return self._writer.commit(plan, aliases)
 
     def store_layerwise(
-        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], *, salt: Scope = None
+        self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], *, scope: Scope = None
     ) -> Iterator[int]:
         """Like ``store``, one layer per ``next()``; the chunks are saved when it is exhausted."""
         mover = self._require_mover()
-        plan, aliases = self._plan_store(tokens, slot_mapping, salt)
+        plan, aliases = self._plan_store(tokens, slot_mapping, scope)
         try:
             if plan:
                 yield from mover.store_layerwise([t for _, t in plan])
@@ -272,7 +272,7 @@ class CacheEngine:
         self,
         tokens: TokenIds,
         slot_mapping: torch.Tensor | Sequence[int],
-        salt: Scope,
+        scope: Scope,
         hold: Hold | None,
     ) -> tuple[list[Transfer], torch.Tensor]:
         arr = token_bytes(tokens)
@@ -282,9 +282,9 @@ class CacheEngine:
             return bool((cpu_slots[span.start : span.end] >= 0).any())
 
         if hold is None:
-            spans, objs = self._fetch_prefix([s for s in self.hit_spans(arr, salt) if wanted(s)])
+            spans, objs = self._fetch_prefix([s for s in self.hit_spans(arr, scope) if wanted(s)])
         else:
-            spans, objs = held_objects(hold, arr, salt, wanted)
+            spans, objs = held_objects(hold, arr, scope, wanted)
         try:
             return load_transfers(spans, objs, cpu_slots, self.layout.block_size)
         except BaseException:
@@ -296,19 +296,19 @@ class CacheEngine:
         tokens: TokenIds,
         slot_mapping: torch.Tensor | Sequence[int],
         *,
-        salt: Scope = None,
+        scope: Scope = None,
         hold: Hold | None = None,
         ready: Marker = None,
     ) -> torch.Tensor:
         """Load the stored prefix of ``tokens`` into the slots that are not -1.
 
-        With ``hold`` (from ``hold(tokens, salt)``), load exactly the held objects (the hold stays
+        With ``hold`` (from ``hold(tokens, scope)``), load exactly the held objects (the hold stays
         the caller's to release). Returns a bool mask (one per token) of the tokens whose KV was
         written into the cache. ``ready``: as for ``store`` (a load issued on another thread
         must not overwrite blocks that earlier device work on the compute stream still reads).
         """
         mover = self._require_mover()
-        transfers, mask = self._plan_retrieve(tokens, slot_mapping, salt, hold)
+        transfers, mask = self._plan_retrieve(tokens, slot_mapping, scope, hold)
         try:
             if transfers:
                 self.platform.wait_marker(ready)
@@ -323,12 +323,12 @@ class CacheEngine:
         tokens: TokenIds,
         slot_mapping: torch.Tensor | Sequence[int],
         *,
-        salt: Scope = None,
+        scope: Scope = None,
         hold: Hold | None = None,
     ) -> RetrieveJob:
         """Fetch the stored prefix now; load it layer by layer as the job's ``layers`` is iterated."""
         mover = self._require_mover()
-        transfers, mask = self._plan_retrieve(tokens, slot_mapping, salt, hold)
+        transfers, mask = self._plan_retrieve(tokens, slot_mapping, scope, hold)
 
         def layers() -> Iterator[int]:
             try:

@@ -58,9 +58,9 @@ class EngineStats:
         return {k: v for k, v in vars(self).items() if not k.startswith("_")}
 
 
-def prefix_digest(arr: np.ndarray, salt: Scope) -> bytes:
+def prefix_digest(arr: np.ndarray, scope: Scope) -> bytes:
     """The hash of a whole token prefix under a scope: what a hold was taken for."""
-    return chain_hash(salt_seed(salt), arr)
+    return chain_hash(salt_seed(scope), arr)
 
 
 class Hold:

@@ -93,7 +93,7 @@ class KeyScope:
         if isinstance(scope, KeyScope):
             return scope
         if scope is not None and not isinstance(scope, str):
-            raise ValueError(f"salt must be a str, a KeyScope or None, got {scope!r}")
+            raise ValueError(f"scope must be a cache salt (str), a KeyScope or None, got {scope!r}")
         return cls(salt=scope)
 
     def seed(self) -> bytes:
@@ -113,9 +113,9 @@ class KeyScope:
 Scope = KeyScope | str | None
 
 
-def salt_seed(salt: Scope) -> bytes:
+def salt_seed(scope: Scope) -> bytes:
     """The chain's seed for a cache salt or a full ``KeyScope``."""
-    return KeyScope.of(salt).seed()
+    return KeyScope.of(scope).seed()
 
 
 def chain_hash(prev: bytes, token_arr: np.ndarray) -> bytes:
@@ -125,12 +125,12 @@ def chain_hash(prev: bytes, token_arr: np.ndarray) -> bytes:
     return h.digest()
 
 
-def prefix_hashes(tokens: TokenIds, chunk_size: int, salt: Scope = None) -> list[bytes]:
+def prefix_hashes(tokens: TokenIds, chunk_size: int, scope: Scope = None) -> list[bytes]:
     """Hashes of every *full* chunk of ``tokens`` (a trailing partial chunk is not included)."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     arr = token_bytes(tokens)
-    prev = salt_seed(salt)
+    prev = salt_seed(scope)
     out: list[bytes] = []
     for start in range(0, len(arr) - chunk_size + 1, chunk_size):
         prev = chain_hash(prev, arr[start : start + chunk_size])
@@ -209,10 +209,10 @@ def model_id(model: str) -> str:
     return safe or "model"
 
 
-def salt_id(salt: Scope) -> str:
+def salt_id(scope: Scope) -> str:
     """The salt's short id in a key (``-`` for none); a scope's adapter and generation are not
     part of it (they are in the chain's seed)."""
-    value = KeyScope.of(salt).salt
+    value = KeyScope.of(scope).salt
     if not value:
         return "-"
     return hashlib.blake2b(value.encode(), digest_size=6).hexdigest()
@@ -227,19 +227,19 @@ class KeyFactory:
     world_size: int = 1
     rank: int = 0
 
-    def key(self, chunk_hash: bytes, salt: Scope = None) -> ChunkKey:
-        return self._key(chunk_hash.hex(), salt)
+    def key(self, chunk_hash: bytes, scope: Scope = None) -> ChunkKey:
+        return self._key(chunk_hash.hex(), scope)
 
-    def alias_key(self, tail_hash: bytes, salt: Scope = None) -> ChunkKey:
+    def alias_key(self, tail_hash: bytes, scope: Scope = None) -> ChunkKey:
         """The key of the alias entry for the tail hash ``tail_hash`` (see ``ALIAS_PREFIX``)."""
-        return self._key(ALIAS_PREFIX + tail_hash.hex(), salt)
+        return self._key(ALIAS_PREFIX + tail_hash.hex(), scope)
 
-    def digest(self, chunk_hash: bytes, salt: Scope = None, *, alias: bool = False) -> str:
-        """``key(chunk_hash, salt).digest()`` (``alias_key``'s with ``alias``) without building
+    def digest(self, chunk_hash: bytes, scope: Scope = None, *, alias: bool = False) -> str:
+        """``key(chunk_hash, scope).digest()`` (``alias_key``'s with ``alias``) without building
         the key: the scheduler's index digests every chunk, tail-block and alias hash of each
         prompt it sees, inside vLLM's scheduler step."""
         hash_field = (ALIAS_PREFIX if alias else "") + chunk_hash.hex()
-        return _digest(f"{self._key_prefix}{salt_id(salt)}@{hash_field}")
+        return _digest(f"{self._key_prefix}{salt_id(scope)}@{hash_field}")
 
     @cached_property
     def _key_prefix(self) -> str:
@@ -248,12 +248,12 @@ class KeyFactory:
         blank = ChunkKey(model_id(self.model), self.layout_fp, self.world_size, self.rank, "", "")
         return blank.to_string()[:-1]
 
-    def _key(self, hash_field: str, salt: Scope) -> ChunkKey:
+    def _key(self, hash_field: str, scope: Scope) -> ChunkKey:
         return ChunkKey(
             model_id(self.model),
             self.layout_fp,
             self.world_size,
             self.rank,
-            salt_id(salt),
+            salt_id(scope),
             hash_field,
         )

@@ -17,14 +17,14 @@ from kvtier.core.slots import span_blocks
 
 
 def held_objects(
-    hold: Hold, arr: np.ndarray, salt: Scope, wanted: Callable[[ChunkSpan], bool]
+    hold: Hold, arr: np.ndarray, scope: Scope, wanted: Callable[[ChunkSpan], bool]
 ) -> tuple[list[ChunkSpan], list[MemoryObj]]:
     """The spans of ``hold`` that ``wanted`` keeps, each with a new handle on its object (the
-    hold stays its owner's); ``hold`` must be live and taken for ``arr``'s tokens and ``salt``."""
+    hold stays its owner's); ``hold`` must be live and taken for ``arr``'s tokens and ``scope``."""
     if hold.released:
         raise KVTierError("retrieve got a hold that was already released")
-    if hold.num_tokens > len(arr) or hold.digest != prefix_digest(arr[: hold.num_tokens], salt):
-        raise ValueError("retrieve got a hold taken for other tokens or another salt")
+    if hold.num_tokens > len(arr) or hold.digest != prefix_digest(arr[: hold.num_tokens], scope):
+        raise ValueError("retrieve got a hold taken for other tokens or another scope")
     pairs = [(s, o.share()) for s, o in zip(hold.spans, hold.objs, strict=True) if wanted(s)]
     return [s for s, _ in pairs], [o for _, o in pairs]
 

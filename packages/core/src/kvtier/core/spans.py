@@ -44,42 +44,42 @@ class SpanPlanner:
         self.write_aliases = True
 
     # -- spans -------------------------------------------------------------------------------
-    def full(self, arr: np.ndarray, salt: Scope) -> list[ChunkSpan]:
+    def full(self, arr: np.ndarray, scope: Scope) -> list[ChunkSpan]:
         """The full chunks of ``arr``."""
         c = self.chunk_size
         return [
-            ChunkSpan(i * c, (i + 1) * c, self.keys.key(h, salt))
-            for i, h in enumerate(prefix_hashes(arr, c, salt))
+            ChunkSpan(i * c, (i + 1) * c, self.keys.key(h, scope))
+            for i, h in enumerate(prefix_hashes(arr, c, scope))
         ]
 
     @staticmethod
-    def prev_hash(spans: Sequence[ChunkSpan], index: int, salt: Scope) -> bytes:
+    def prev_hash(spans: Sequence[ChunkSpan], index: int, scope: Scope) -> bytes:
         """The hash that chunk ``index``'s tail (or chunk) is chained from."""
-        return bytes.fromhex(spans[index - 1].key.chunk_hash) if index else salt_seed(salt)
+        return bytes.fromhex(spans[index - 1].key.chunk_hash) if index else salt_seed(scope)
 
     def tail(
-        self, arr: np.ndarray, index: int, salt: Scope, spans: Sequence[ChunkSpan] | None = None
+        self, arr: np.ndarray, index: int, scope: Scope, spans: Sequence[ChunkSpan] | None = None
     ) -> list[ChunkSpan]:
         """Block-sized spans after full chunk ``index - 1`` (see ``CacheEngine.tail_spans``)."""
         if spans is None:
-            spans = self.full(arr[: index * self.chunk_size], salt)
+            spans = self.full(arr[: index * self.chunk_size], scope)
         bs = self.block_size
         start = index * self.chunk_size
-        hashes = tail_hashes(arr, start, self.chunk_size, bs, self.prev_hash(spans, index, salt))
+        hashes = tail_hashes(arr, start, self.chunk_size, bs, self.prev_hash(spans, index, scope))
         return [
-            ChunkSpan(start + i * bs, start + (i + 1) * bs, self.keys.key(h, salt))
+            ChunkSpan(start + i * bs, start + (i + 1) * bs, self.keys.key(h, scope))
             for i, h in enumerate(hashes)
         ]
 
-    def store(self, arr: np.ndarray, salt: Scope) -> list[ChunkSpan]:
+    def store(self, arr: np.ndarray, scope: Scope) -> list[ChunkSpan]:
         """Spans a store saves: full chunks, then (``tails``) the tail block by block."""
-        spans = self.full(arr, salt)
+        spans = self.full(arr, scope)
         if self.tails:
-            spans.extend(self.tail(arr, len(spans), salt, spans))
+            spans.extend(self.tail(arr, len(spans), scope, spans))
         return spans
 
     def aliases(
-        self, arr: np.ndarray, index: int, salt: Scope, spans: Sequence[ChunkSpan]
+        self, arr: np.ndarray, index: int, scope: Scope, spans: Sequence[ChunkSpan]
     ) -> list[tuple[ChunkKey, Alias]]:
         """The alias entries of full chunk ``index`` of ``arr`` (``spans``: its full chunks):
         one per leading run of 1 .. n-1 of its blocks (none when ``write_aliases`` is off)."""
@@ -88,29 +88,29 @@ class SpanPlanner:
         target = bytes.fromhex(spans[index].key.chunk_hash)
         bs = self.block_size
         out = []
-        for j, span in enumerate(self.tail(arr[: spans[index].end], index, salt, spans), 1):
+        for j, span in enumerate(self.tail(arr[: spans[index].end], index, scope, spans), 1):
             t = bytes.fromhex(span.key.chunk_hash)
-            out.append((self.keys.alias_key(t, salt), Alias(t, target, j * bs)))
+            out.append((self.keys.alias_key(t, scope), Alias(t, target, j * bs)))
         return out
 
     def alias_keys_of(
-        self, arr: np.ndarray, spans: Sequence[ChunkSpan], salt: Scope
+        self, arr: np.ndarray, spans: Sequence[ChunkSpan], scope: Scope
     ) -> list[ChunkKey]:
         """The alias keys of the full chunks among ``spans`` (a hit, from token 0)."""
         full = [s for s in spans if s.num_tokens == self.chunk_size]
-        return [k for i in range(len(full)) for k, _ in self.aliases(arr, i, salt, full)]
+        return [k for i in range(len(full)) for k, _ in self.aliases(arr, i, scope, full)]
 
     # -- hits --------------------------------------------------------------------------------
-    def hits(self, arr: np.ndarray, salt: Scope) -> list[ChunkSpan]:
+    def hits(self, arr: np.ndarray, scope: Scope) -> list[ChunkSpan]:
         """The contiguous run of stored spans covering a prefix of ``arr``."""
-        spans = self.full(arr, salt)
+        spans = self.full(arr, scope)
         n_hit = self.storage.prefix_hits([s.key for s in spans])
         hits = spans[:n_hit]
-        tail = self.tail(arr, n_hit, salt, spans)
+        tail = self.tail(arr, n_hit, scope, spans)
         if not tail:
             return hits
         run = self.storage.prefix_hits([s.key for s in tail]) if self.tails else 0
-        alias = self._longest_alias(tail, run, salt)
+        alias = self._longest_alias(tail, run, scope)
         if alias is not None:
             hits.append(alias)
         else:
@@ -118,7 +118,7 @@ class SpanPlanner:
         return hits
 
     def _longest_alias(
-        self, tail: Sequence[ChunkSpan], beyond: int, salt: Scope
+        self, tail: Sequence[ChunkSpan], beyond: int, scope: Scope
     ) -> ChunkSpan | None:
         """The span of the longest alias covering more than ``beyond`` of ``tail``'s blocks
         whose chunk is stored; None if there is none."""
@@ -126,20 +126,20 @@ class SpanPlanner:
         if not candidates:
             return None
         hashes = [bytes.fromhex(s.key.chunk_hash) for s in candidates]
-        keys = [self.keys.alias_key(h, salt) for h in hashes]
+        keys = [self.keys.alias_key(h, scope) for h in hashes]
         present = self.storage.contains(keys)
         start = tail[0].start
         for i in reversed(range(len(candidates))):
             if not present[i]:
                 continue
             end = candidates[i].end
-            target = self._resolve(keys[i], hashes[i], end - start, salt)
+            target = self._resolve(keys[i], hashes[i], end - start, scope)
             if target is not None:
                 return ChunkSpan(start, end, target, self.chunk_size)
         return None
 
     def _resolve(
-        self, key: ChunkKey, tail_hash: bytes, num_tokens: int, salt: Scope
+        self, key: ChunkKey, tail_hash: bytes, num_tokens: int, scope: Scope
     ) -> ChunkKey | None:
         """The key of the stored chunk the alias ``key`` names, if it is an alias of exactly
         ``tail_hash`` over ``num_tokens`` tokens and that chunk is stored."""
@@ -152,5 +152,5 @@ class SpanPlanner:
             obj.release()
         if target is None:
             return None
-        chunk = self.keys.key(target, salt)
+        chunk = self.keys.key(target, scope)
         return chunk if self.storage.contains([chunk])[0] else None

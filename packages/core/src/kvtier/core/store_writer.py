@@ -62,13 +62,13 @@ class StoreWriter:
         )
 
     def plan(
-        self, arr: np.ndarray, slots: torch.Tensor, salt: Scope
+        self, arr: np.ndarray, slots: torch.Tensor, scope: Scope
     ) -> tuple[StorePlan, AliasPlan]:
         """The spans of ``arr`` (token bytes) to copy out of the cache now (those whose
         ``slots`` are all valid and that storage does not hold yet), each with a new host
         object, and the alias entries of each full chunk among them (written at commit)."""
         cpu_slots = slots.cpu()
-        every = self.spans.store(arr, salt)
+        every = self.spans.store(arr, scope)
         spans = [s for s in every if bool((cpu_slots[s.start : s.end] >= 0).all())]
         if not spans:
             return [], {}
@@ -93,7 +93,7 @@ class StoreWriter:
             plan.append((span, Transfer(obj, blocks[span.key])))
             if span.num_tokens == self.chunk_size:
                 aliases[span.key] = self.spans.aliases(
-                    arr, span.start // self.chunk_size, salt, full
+                    arr, span.start // self.chunk_size, scope, full
                 )
         return plan, aliases
 

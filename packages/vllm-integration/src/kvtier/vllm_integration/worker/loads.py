@@ -118,7 +118,7 @@ class WorkerLoads:
         try:
             t0 = time.perf_counter()
             mask = self.engine.retrieve(
-                spec.tokens, self._slots(spec), salt=spec.scope, hold=hold, ready=ready
+                spec.tokens, self._slots(spec), scope=spec.scope, hold=hold, ready=ready
             )
             self._metrics.observe("load_seconds", time.perf_counter() - t0)
         finally:
@@ -145,13 +145,13 @@ class WorkerLoads:
                 # as soon as it is planned, also for a layer-wise load still to run.
                 if self.config.use_layerwise:
                     job = self.engine.retrieve_layerwise(
-                        spec.tokens, slots, salt=spec.scope, hold=hold
+                        spec.tokens, slots, scope=spec.scope, hold=hold
                     )
                     self._failed |= self._check_loaded(spec, job.mask)
                     self._jobs.append(job)
                 else:
                     t0 = time.perf_counter()
-                    mask = self.engine.retrieve(spec.tokens, slots, salt=spec.scope, hold=hold)
+                    mask = self.engine.retrieve(spec.tokens, slots, scope=spec.scope, hold=hold)
                     self._metrics.observe("load_seconds", time.perf_counter() - t0)
                     self._failed |= self._check_loaded(spec, mask)
             finally:

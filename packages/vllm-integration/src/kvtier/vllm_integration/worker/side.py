@@ -322,7 +322,7 @@ class WorkerSide:
     def _store(self, spec: SaveSpec, ready: Marker, keep: Any) -> int:
         t0 = time.perf_counter()
         n = self._runtime().engine.store(
-            spec.tokens, self._save_slots(spec), salt=spec.scope, ready=ready, keep=keep
+            spec.tokens, self._save_slots(spec), scope=spec.scope, ready=ready, keep=keep
         )
         self.metrics.observe("save_seconds", time.perf_counter() - t0)
         return n
@@ -336,7 +336,7 @@ class WorkerSide:
             return
         if rt.layer_of.get(layer_name) == 0:
             self._store_gens = [
-                rt.engine.store_layerwise(s.tokens, self._save_slots(s), salt=s.scope)
+                rt.engine.store_layerwise(s.tokens, self._save_slots(s), scope=s.scope)
                 for s in meta.saves
             ]
             self._count(save_jobs=len(meta.saves))
