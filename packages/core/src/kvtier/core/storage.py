@@ -27,6 +27,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.lru import HostObjectLRU
 from kvtier.core.memory import HostArena, MemoryObj, MemoryObjMeta
 from kvtier.core.platform import load_object, plugin_entry_points
+from kvtier.core.quarantine import Quarantine
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvtier")
 
 STORAGE_GROUP = "kvtier.storage"
+HOST_TIER = "local_cpu"
 
 
 def count_leading(hits: Iterable[bool]) -> int:
@@ -117,6 +119,14 @@ class StorageManager(ABC):
         below host memory writes or drops chunks; False if there is none."""
         return False
 
+    def remove(self, keys: Sequence[ChunkKey]) -> None:
+        """Forget ``keys`` in every tier (a chunk found wrong: ``kvtier.core.verify``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot remove chunks")
+
+    def quarantine(self, tier: str, seconds: float) -> None:
+        """Answer every read of ``tier`` with a miss for ``seconds`` (it served wrong KV)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot quarantine a tier")
+
     def close(self) -> None:
         """Stop background work and release every object this manager holds."""
 
@@ -128,6 +138,7 @@ class HostMemoryStorageManager(StorageManager):
     def __init__(self, arena: HostArena) -> None:
         self.arena = arena
         self._index = HostObjectLRU()
+        self.quarantined = Quarantine()
 
     def allocate(self, meta: MemoryObjMeta) -> MemoryObj | None:
         return self.arena.allocate_evicting(meta, self._index.evict_one)
@@ -136,10 +147,20 @@ class HostMemoryStorageManager(StorageManager):
         self._index.put([(key, obj)])
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        if self.quarantined.blocked(HOST_TIER):
+            return [False] * len(keys)
         return self._index.contains(keys)
 
     def batched_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
+        if self.quarantined.blocked(HOST_TIER):
+            return [None] * len(keys)
         return self._index.get(keys)
+
+    def remove(self, keys: Sequence[ChunkKey]) -> None:
+        self._index.remove(keys)
+
+    def quarantine(self, tier: str, seconds: float) -> None:
+        self.quarantined.add(tier, seconds)
 
     def drop_host(self) -> int:
         return self._index.clear()

@@ -19,6 +19,9 @@ Contract (on top of ``kvtier.core.storage``):
   each tier only for keys past the prefix already found.
 - A lower tier that raises (it should not: see ``backends.base``) is logged and treated as a
   miss; nothing from a lower tier reaches the caller as an exception.
+- ``remove`` forgets keys in every tier; ``quarantine(tier, seconds)`` makes every read of a
+  tier (lookups, gets, prefetches) a miss for a while (``kvtier.core.verify``: it served wrong
+  KV). Writes still reach a quarantined tier.
 - ``close`` stops the threads within a bounded time and releases every object held. Queued
   writes, and tiers a dequeued batch did not reach yet, are dropped and counted
   (``write_queue.dropped_at_close``, ``<tier>.dropped_at_close``).
@@ -34,6 +37,7 @@ from functools import partial
 from typing import TYPE_CHECKING, TypeVar
 
 from kvtier.core.errors import ConfigError, OutOfHostMemory
+from kvtier.core.quarantine import Quarantine
 from kvtier.core.storage import StorageManager
 from kvtier.storage._log import warn_throttled
 from kvtier.storage.backends.base import StorageBackend
@@ -92,6 +96,11 @@ class TieredStorageManager(StorageManager):
             self.lower, stats, queue_size=write_queue_size, threads=io_threads
         )
         self._readers = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-reader")
+        self.quarantined = Quarantine()
+
+    def _readable(self, tiers: Sequence[StorageBackend]) -> list[StorageBackend]:
+        """``tiers`` without the quarantined ones."""
+        return [t for t in tiers if not self.quarantined.blocked(t.name)]
 
     @property
     def last_flush(self) -> FlushReport:
@@ -168,7 +177,7 @@ class TieredStorageManager(StorageManager):
         self._check_open()
         found = [False] * len(keys)
         unknown = list(range(len(keys)))
-        for tier in self.tiers:
+        for tier in self._readable(self.tiers):
             if not unknown:
                 break
             sub = [keys[i] for i in unknown]
@@ -192,7 +201,7 @@ class TieredStorageManager(StorageManager):
         pos = 0
         while pos < len(keys):
             run = 0
-            for tier in self.tiers:
+            for tier in self._readable(self.tiers):
                 run = self._prefix_length(tier, keys[pos:])
                 if run:
                     break
@@ -215,14 +224,14 @@ class TieredStorageManager(StorageManager):
 
     def batched_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
         self._check_open()
-        result = self.host.batched_get(keys)
+        result = self.host_get(keys)
         missing = [i for i, obj in enumerate(result) if obj is None]
         self.stats.add_entries(
             self.host.name,
             "hits",
             (k for k, obj in zip(keys, result, strict=True) if obj is not None),
         )
-        for tier in self.lower:
+        for tier in self._readable(self.lower):
             if not missing:
                 break
             got = self._lower_get(tier, [keys[i] for i in missing])
@@ -242,6 +251,8 @@ class TieredStorageManager(StorageManager):
     def host_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
         """Objects the host tier holds for ``keys`` (no lower tier is asked)."""
         self._check_open()
+        if self.quarantined.blocked(self.host.name):
+            return [None] * len(keys)
         return self.host.batched_get(keys)
 
     def get_non_blocking(self, key: ChunkKey) -> Future[MemoryObj | None]:
@@ -265,9 +276,11 @@ class TieredStorageManager(StorageManager):
     def _prefetch(self, keys: list[ChunkKey]) -> int:
         pos = 0
         while pos < len(keys) and not self._closed:
-            run = self._prefix_length(self.host, keys[pos:])
+            run = 0
+            if not self.quarantined.blocked(self.host.name):
+                run = self._prefix_length(self.host, keys[pos:])
             if not run:
-                for tier in self.lower:
+                for tier in self._readable(self.lower):
                     run = self._fetch_run(tier, keys[pos:])
                     if run:
                         break
@@ -295,6 +308,16 @@ class TieredStorageManager(StorageManager):
                 if obj is not None:
                     obj.release()
         return len(back)
+
+    # -- verification ------------------------------------------------------------------------
+    def remove(self, keys: Sequence[ChunkKey]) -> None:
+        """Forget ``keys`` in every tier (a tier that fails is logged; its copy ages out)."""
+        self._check_open()
+        for tier in self.tiers:
+            self._tier_call(tier, "remove", partial(tier.remove, list(keys)), None)
+
+    def quarantine(self, tier: str, seconds: float) -> None:
+        self.quarantined.add(tier, seconds)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.platform import load_object, plugin_entry_points
+from kvtier.core.storage import HOST_TIER
 from kvtier.storage.backends.base import BackendContext, StorageBackend
 from kvtier.storage.sealing import Sealer
 
@@ -18,7 +19,6 @@ if TYPE_CHECKING:
     from kvtier.storage.stats import StorageStats
 
 BACKEND_GROUP = "kvtier.backends"
-HOST_TIER = "local_cpu"
 
 
 def load_backend_class(name: str, allow: Sequence[str] | None = None) -> type[StorageBackend]:
