@@ -111,6 +111,11 @@ def test_the_config_reference_documents_every_key() -> None:
         ({"redis_url": "redis://127.0.0.1:6379/zero"}, "redis_url"),
         ({"redis_url": "unix://"}, "redis_url"),
         ({"backend_options": {"redis": 3}}, "backend_options.redis"),
+        ({"verify_fraction": 1.5}, "verify_fraction"),
+        ({"verify_fraction": -0.1}, "verify_fraction"),
+        ({"verify_max_tokens": 0}, "verify_max_tokens"),
+        ({"verify_tolerance": -1}, "verify_tolerance"),
+        ({"verify_quarantine_s": "nan"}, "verify_quarantine_s"),
         (
             {"backend_options": {"redis": {"retry_interval_s": float("nan")}}},
             "backend_options.redis.retry_interval_s",

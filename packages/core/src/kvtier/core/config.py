@@ -161,6 +161,27 @@ class KVTierConfig:
         "before it counts as a miss (s); the scheduler never waits for it.",
         default=2.0,
     )
+    verify_fraction: float = _doc(
+        "vLLM: the fraction of requests with a kvtier hit that are verified: told there is no "
+        "hit, so vLLM computes the prefix, whose pages are then compared with the stored chunks; "
+        "a wrong chunk is removed from every tier and its tier quarantined "
+        "(docs/verification.md). 0 = off.",
+        default=0.01,
+    )
+    verify_max_tokens: int = _doc(
+        "vLLM: only a request whose hit is at most this many tokens is sampled for "
+        "verification (what one verification may cost in extra prefill).",
+        default=4096,
+    )
+    verify_tolerance: float = _doc(
+        "Largest page error (mean abs(stored - fresh) / mean abs(fresh) over one layer's block) "
+        "taken for rounding; 0 = the measured default of the cache's dtype (docs/verification.md).",
+        default=0.0,
+    )
+    verify_quarantine_s: float = _doc(
+        "How long a tier that served a wrong chunk answers every read with a miss (s).",
+        default=300.0,
+    )
     log_level: str = _doc(
         "Log level of the kvtier logger (DEBUG: a line per request decision, by request id).",
         default="WARNING",

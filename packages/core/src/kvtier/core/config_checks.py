@@ -23,7 +23,13 @@ from kvtier.core.masking import MASK
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig
 
-_POSITIVE_INT = ("chunk_size", "write_queue_size", "io_threads", "store_threshold")
+_POSITIVE_INT = (
+    "chunk_size",
+    "write_queue_size",
+    "io_threads",
+    "store_threshold",
+    "verify_max_tokens",
+)
 _POSITIVE_FLOAT = (
     "local_cpu_size_gb",
     "local_disk_size_gb",
@@ -112,6 +118,15 @@ def check_modes(cfg: KVTierConfig) -> None:
         )
 
 
+def check_verify(cfg: KVTierConfig) -> None:
+    """The verification fields (``kvtier.core.verify``)."""
+    if not 0 <= cfg.verify_fraction <= 1:
+        raise ConfigError("verify_fraction", cfg.verify_fraction, "must be between 0 and 1")
+    for name in ("verify_tolerance", "verify_quarantine_s"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(name, getattr(cfg, name), "must be >= 0")
+
+
 def validated(cfg: KVTierConfig) -> KVTierConfig:
     """``cfg`` itself once every check passes; else the ``ConfigError`` of the first failure."""
     hints = get_type_hints(type(cfg))
@@ -129,6 +144,7 @@ def validated(cfg: KVTierConfig) -> KVTierConfig:
         raise ConfigError(
             "local_disk_rescan_s", cfg.local_disk_rescan_s, "must be >= 0 (0 = before every write)"
         )
+    check_verify(cfg)
     if cfg.redis_ttl_s < 0:
         raise ConfigError("redis_ttl_s", cfg.redis_ttl_s, "must be >= 0 (0 = no expiry)")
     check_modes(cfg)

@@ -111,6 +111,15 @@ METRICS: dict[str, MetricDef] = {
     "saves_abandoned": MetricDef(
         COUNTER, "Times unfinished saves were abandoned before block reuse."
     ),
+    "verify_chunks": MetricDef(
+        COUNTER, "Stored chunks a verification found equal to the KV vLLM recomputed."
+    ),
+    "verify_mismatches": MetricDef(
+        COUNTER,
+        "Stored chunks a verification found wrong (removed; their tier quarantined), by the "
+        "tier that served them.",
+        tiered=True,
+    ),
     "hold_expiries": MetricDef(COUNTER, "Lookup holds released unused after their time limit."),
     "lookup_seconds": MetricDef(HISTOGRAM, "Time a worker took to answer one lookup."),
     "load_seconds": MetricDef(HISTOGRAM, "Time of one request's load, end to end."),
@@ -141,6 +150,12 @@ METRICS: dict[str, MetricDef] = {
     ),
     "lookup_failures": MetricDef(
         COUNTER, "Lookups the scheduler could not complete (channel error or timeout: a miss)."
+    ),
+    "verify_requests": MetricDef(
+        COUNTER, "Requests with a hit sampled for verification (computed instead of loaded)."
+    ),
+    "verify_tokens": MetricDef(
+        COUNTER, "Prefill tokens verified requests computed instead of loading (the cost)."
     ),
 }
 

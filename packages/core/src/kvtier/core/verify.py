@@ -1,0 +1,243 @@
+"""Verification by recompute: KV the engine has just computed for a prefix, compared page by
+page with the stored chunks a lookup found for that prefix.
+
+Checksums catch a payload damaged after it was written; they cannot catch KV that was wrong
+when it was written or read into the wrong place (a layout read the wrong way, another host's
+interior, a key missing part of a request's identity, a race). The vLLM connector samples
+requests that have a hit (``verify_fraction``), lets vLLM compute their prefix itself and then
+calls ``Verifier.check`` with the held chunks and the slots vLLM wrote.
+
+The comparison: each page (one layer's one block) is read as the cache's element type, and its
+error is ``mean |stored - fresh| / mean |fresh|``. KV recomputed by the same engine in another
+batch shape differs from the stored KV by rounding only (the worst page measured on vLLM CPU:
+docs/verification.md); another prompt's KV, another layer's, or pages packed for another ISA
+differ by the size of the values themselves (an error near 1). A chunk whose worst page is over
+the tolerance is removed from every tier, and the tier it came from is quarantined (every read a
+miss) for ``verify_quarantine_s``.
+
+Pages whose elements kvtier cannot read as numbers (a quantized cache with scales packed into
+its pages) cannot be verified: ``verify_dtype`` is None and the connector does not sample.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvtier.core.errors import KVTierError
+from kvtier.core.handles import ChunkSpan, Hold
+from kvtier.core.keys import ChunkKey
+from kvtier.core.layout import KVLayout
+from kvtier.core.memory import MemoryObj, MemoryObjMeta
+from kvtier.core.mover import PageMover, Transfer
+from kvtier.core.slots import checked_slots, span_blocks
+from kvtier.core.store_writer import release_all
+
+if TYPE_CHECKING:
+    from kvtier.core.engine import CacheEngine
+    from kvtier.core.platform import Marker
+
+logger = logging.getLogger("kvtier")
+
+# The largest page error (mean |stored - fresh| / mean |fresh|) still taken for rounding, by the
+# cache's element type. Measured on vLLM CPU (docs/verification.md): recomputed bf16 pages stay
+# below 0.01 where wrong KV is at 0.8 or more; the 8-bit formats round 8 to 16 times coarser.
+DEFAULT_TOLERANCE = {
+    torch.float32: 0.02,
+    torch.float16: 0.05,
+    torch.bfloat16: 0.05,
+    torch.float8_e4m3fn: 0.25,
+    torch.float8_e5m2: 0.25,
+}
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def verify_dtype(layout: KVLayout) -> torch.dtype | None:
+    """The element type a page of ``layout`` is read as, or None when its bytes are not plain
+    elements (scales packed next to values)."""
+    if layout.cache_dtype.startswith("fp8"):
+        dtype = torch.float8_e5m2 if "e5m2" in layout.cache_dtype else torch.float8_e4m3fn
+    elif layout.torch_dtype in _FLOATS:
+        dtype = layout.torch_dtype
+    else:
+        return None
+    dense = layout.head_size * (1 if layout.use_mla else 2) * dtype.itemsize
+    return dtype if layout.content_bytes in (0, dense) else None
+
+
+def page_errors(fresh: torch.Tensor, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[blocks, layers]`` errors of two chunks' pages (``[blocks, layers, page_bytes]`` uint8,
+    same shape): ``mean |stored - fresh| / mean |fresh|`` per page; a page of NaNs or infinities
+    (bytes that are not KV) is an infinite error, two all-zero pages none."""
+    blocks, layers, _ = fresh.shape
+    f = fresh.contiguous().view(dtype).to(torch.float32).reshape(blocks, layers, -1)
+    s = stored.contiguous().view(dtype).to(torch.float32).reshape(blocks, layers, -1)
+    diff = (s - f).abs().mean(-1)
+    scale = f.abs().mean(-1)
+    err = torch.where(diff == 0, torch.zeros_like(diff), diff / scale.clamp_min(1e-30))
+    return torch.nan_to_num(err, nan=float("inf"))
+
+
+@dataclass(frozen=True)
+class _Picked:
+    """A held chunk to check: its span, object, source tier and the cache block of each of its
+    blocks (-1: not computed by the engine itself, not compared)."""
+
+    span: ChunkSpan
+    held: MemoryObj
+    tier: str
+    blocks: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ChunkCheck:
+    """One stored chunk against the recomputed KV: its worst page's error (at ``layer`` and
+    ``block``, the block's index in the chunk) and the tier the chunk was read from."""
+
+    key: ChunkKey
+    tier: str
+    error: float
+    layer: int
+    block: int
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.tolerance
+
+
+class Verifier:
+    """Checks held chunks against freshly computed KV for one engine; removes and quarantines
+    what is wrong; counts what it checked (see the module docstring)."""
+
+    def __init__(self, engine: CacheEngine, *, tolerance: float, quarantine_s: float) -> None:
+        self.engine = engine
+        self.dtype = verify_dtype(engine.layout)
+        default = DEFAULT_TOLERANCE.get(self.dtype, 0.0) if self.dtype is not None else 0.0
+        self.tolerance = tolerance or default
+        self.quarantine_s = quarantine_s
+        self._lock = threading.Lock()
+        self.chunks = 0  # chunks found right
+        self.mismatches: dict[str, int] = {}  # by tier
+        self.worst_ok = 0.0  # the largest error of a chunk found right
+
+    @property
+    def available(self) -> bool:
+        return self.dtype is not None
+
+    def _mover(self) -> PageMover:
+        mover = self.engine.mover
+        if mover is None:
+            raise KVTierError("register_kv_caches must be called before verification")
+        return mover
+
+    def check(
+        self,
+        tokens: Sequence[int],
+        slot_mapping: torch.Tensor | Sequence[int],
+        hold: Hold,
+        *,
+        ready: Marker = None,
+    ) -> list[ChunkCheck]:
+        """Compare the chunks of ``hold`` with the KV at ``slot_mapping`` (computed for
+        ``tokens``; ``-1`` for tokens the engine did not compute itself, which are not
+        compared; ``ready`` orders the copy after the device work that wrote the KV), block by
+        block. Wrong chunks are removed and their tiers quarantined. The hold stays the
+        caller's."""
+        if self.dtype is None:
+            raise NotImplementedError(
+                f"kvtier cannot read {self.engine.layout.describe()} pages as numbers: "
+                "verification needs plain float or fp8 elements"
+            )
+        bs = self.engine.layout.block_size
+        limit = self._mover().num_blocks * bs
+        slots = checked_slots(slot_mapping, len(tokens), limit)
+        tiers = hold.sources + ["unknown"] * (len(hold.spans) - len(hold.sources))
+        picked: list[_Picked] = []
+        for span, obj, tier in zip(hold.spans, hold.objs, tiers, strict=False):
+            if span.end > len(tokens):
+                break
+            blocks = span_blocks(slots[span.start : span.end], bs)
+            if bool((blocks >= 0).any()):
+                picked.append(_Picked(span, obj, tier, blocks))
+        fresh = self._copies(picked, ready)
+        try:
+            checks = [self._compare(p, obj) for p, obj in zip(picked, fresh, strict=False)]
+        finally:
+            release_all(fresh)
+        self._act(checks)
+        return checks
+
+    def _copies(self, picked: list[_Picked], ready: Marker) -> list[MemoryObj]:
+        """The recomputed pages of each picked span, in new host objects (fewer when host
+        memory runs out: the rest is not checked)."""
+        layout = self.engine.layout
+        transfers: list[Transfer] = []
+        for p in picked:
+            n = p.span.num_tokens
+            obj = self.engine.storage.allocate(
+                MemoryObjMeta(layout.chunk_shape(n), layout.chunk_dtype, n)
+            )
+            if obj is None:
+                logger.warning("kvtier: host memory full, %d chunk(s) not verified", len(picked))
+                break
+            transfers.append(Transfer(obj, p.blocks))
+        objs = [t.obj for t in transfers]
+        try:
+            if transfers:
+                self.engine.platform.wait_marker(ready)
+                self._mover().store(transfers)
+        except BaseException:
+            release_all(objs)
+            raise
+        return objs
+
+    def _compare(self, p: _Picked, fresh: MemoryObj) -> ChunkCheck:
+        assert self.dtype is not None
+        rows = torch.nonzero(p.blocks >= 0).flatten()
+        stored = p.held.tensor[: len(p.blocks)]
+        err = page_errors(fresh.tensor[rows], stored[rows], self.dtype)
+        worst = int(torch.argmax(err))
+        row, layer = divmod(worst, err.shape[1])
+        return ChunkCheck(
+            p.span.key, p.tier, float(err.flatten()[worst]), layer, int(rows[row]), self.tolerance
+        )
+
+    def _act(self, checks: list[ChunkCheck]) -> None:
+        bad = [c for c in checks if not c.ok]
+        with self._lock:
+            good = [c.error for c in checks if c.ok]
+            self.chunks += len(good)
+            self.worst_ok = max([self.worst_ok, *good])
+            for c in bad:
+                self.mismatches[c.tier] = self.mismatches.get(c.tier, 0) + 1
+        if not bad:
+            return
+        storage = self.engine.storage
+        storage.remove([c.key for c in bad])
+        for tier in sorted({c.tier for c in bad}):
+            storage.quarantine(tier, self.quarantine_s)
+        for c in bad:
+            logger.error(
+                "kvtier: verification: chunk %s from tier %s is not the KV vLLM recomputed "
+                "(layer %d, block %d of the chunk: error %.3g, tolerance %.3g); removed from "
+                "every tier, %s quarantined for %.0f s",
+                c.key.to_string(),
+                c.tier,
+                c.layer,
+                c.block,
+                c.error,
+                c.tolerance,
+                c.tier,
+                self.quarantine_s,
+            )
+
+    def values(self) -> dict[str, dict[str, float]]:
+        """``verify_chunks`` and ``verify_mismatches`` (by tier), as metric values."""
+        with self._lock:
+            return {"verify_chunks": {"": self.chunks}, "verify_mismatches": dict(self.mismatches)}
