@@ -70,6 +70,21 @@ def _corrupt(prompt: list[int], salt: str | None) -> int:
     return zero_stored_chunks(prompt, salt)
 
 
+def _plant(prompt: list[int], source: list[int]) -> str:
+    """Another prompt's KV under this prompt's key: the stored first chunk of ``source`` put
+    under ``prompt``'s first chunk key, through the storage manager's public API (a valid
+    payload, checksums and all). Returns the key planted."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    engine = get_kv_transfer_group().engine
+    target = engine.full_spans(prompt)[0].key
+    obj = engine.storage.get(engine.full_spans(source)[0].key)
+    assert obj is not None, "the source prompt's first chunk is not stored"
+    with obj:
+        engine.storage.put(target, obj)
+    return target.to_string()
+
+
 def _corrupt_in_worker(worker, rank: int, prompt: list[int], salt: str | None) -> int:
     """Runs in each worker: the one whose engine-local rank is ``rank`` zeroes its chunks."""
     from vllm.distributed.parallel_state import get_tp_group
@@ -333,6 +348,8 @@ def main(spec_path: str, out_path: str) -> None:
     kwargs = {}
     engine_id = spec["engine_id"]
     if spec.get("kvtier") is not None:
+        # Hits are what these tests compare: none is turned into a verification unless asked.
+        spec["kvtier"].setdefault("verify_fraction", 0.0)
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KVTierConnector",
             "kv_role": spec.get("kv_role", "kv_both"),
@@ -426,6 +443,15 @@ def main(spec_path: str, out_path: str) -> None:
             # next step reports the saves done; the offline LLM steps only inside generate().
             llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
             results.append(llm.reset_prefix_cache(reset_connector=op == "reset_connector"))
+        elif op == "plant":
+            flush_worker(engine_id, 0)
+            results.append(_plant(step["prompt"], step["source"]))
+            flush_worker(engine_id, 0)  # its lower-tier copies land too
+        elif op == "sleep":
+            import time
+
+            time.sleep(step["seconds"])
+            results.append(None)
         elif op == "perturb_kv":
             results.append(_perturb_kv(llm, step["seed"]))
         elif op == "corrupt":

@@ -69,6 +69,7 @@ class Rank:
     engine: CacheEngine
     holds: HoldTable
     feed: PresenceFeed
+    caches: list[torch.Tensor] = field(default_factory=list)  # the paged cache it reads
 
 
 @dataclass
@@ -106,7 +107,13 @@ class Harness:
         )
         config = load_config(
             env={},
-            overrides={"chunk_size": CHUNK, "tiers": ["local_cpu"], "lookup": "probe", **overrides},
+            overrides={
+                "chunk_size": CHUNK,
+                "tiers": ["local_cpu"],
+                "lookup": "probe",
+                "verify_fraction": 0.0,
+                **overrides,
+            },
         )
         ranks = []
         for r in range(world_size):
@@ -132,7 +139,10 @@ class Harness:
             engine.register_kv_caches(caches)
             ranks.append(
                 Rank(
-                    engine, HoldTable(engine, 30.0), PresenceFeed(r, engine, tier_events=kv_events)
+                    engine,
+                    HoldTable(engine, 30.0),
+                    PresenceFeed(r, engine, tier_events=kv_events),
+                    caches,
                 )
             )
         sched = SchedulerSide(
@@ -227,17 +237,20 @@ class Harness:
             self.step()
         raise AssertionError("the lookup was never answered")
 
-    def prefill(self, req: Request, blocks: list[int] | None = None) -> KVTierMetadata:
+    def prefill(
+        self, req: Request, blocks: list[int] | None = None, computed: int = 0
+    ) -> KVTierMetadata:
         """One scheduler step that computes the whole prompt (no load) into ``blocks`` (default
-        0, 1, ...); its metadata."""
+        0, 1, ...), after the first ``computed`` tokens vLLM's prefix cache had; its metadata."""
         n = len(req.prompt_token_ids or ())
         blocks = blocks if blocks is not None else list(range(-(-n // BLOCK)))
         self.sched.update_state_after_alloc(req, None, 0)  # type: ignore[arg-type]
+        req.num_computed_tokens = computed
         out = SchedulerOutput(
             scheduled_new_reqs=[NewRequestData.from_request(req, (blocks,))],
             scheduled_cached_reqs=CachedRequestData.make_empty(),
-            num_scheduled_tokens={req.request_id: n},
-            total_num_scheduled_tokens=n,
+            num_scheduled_tokens={req.request_id: n - computed},
+            total_num_scheduled_tokens=n - computed,
             scheduled_spec_decode_tokens={},
             scheduled_encoder_inputs={},
             num_common_prefix_blocks=[0],

@@ -142,7 +142,13 @@ def main(argv: list[str]) -> int:
     with console.status("building the demo model (once)"):
         build_model(model_dir, DEMO_MODEL)
     shutil.rmtree(disk_dir, ignore_errors=True)
-    kvtier_cfg = {"local_disk_path": str(disk_dir), "local_cpu_size_gb": 1.0}
+    # Every hit is compared with vLLM's prefix cache: no request is sampled for verification
+    # (which would compute it instead of loading it).
+    kvtier_cfg = {
+        "local_disk_path": str(disk_dir),
+        "local_cpu_size_gb": 1.0,
+        "verify_fraction": 0.0,
+    }
 
     answers: dict[str, dict[tuple[int, str], Result]] = {}
     by_tier: dict[str, dict[str, int]] = {}  # phase -> tier -> hit tokens, from vLLM's metrics

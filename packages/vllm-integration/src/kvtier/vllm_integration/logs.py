@@ -69,3 +69,13 @@ def lookup(
 def finished(req_id: str, what: str) -> None:
     """A request's end, and what happens to its blocks."""
     logger.debug("kvtier: request %s: finished: %s", req_id, what, stacklevel=2)
+
+
+def verify(req_id: str, computed: int, hit: int) -> None:
+    logger.debug(
+        "kvtier: request %s: sampled for verification: vLLM computes tokens %d-%d itself "
+        "(kvtier holds them), then they are compared with the stored chunks",
+        req_id,
+        computed,
+        hit,
+    )

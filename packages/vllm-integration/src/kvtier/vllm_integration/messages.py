@@ -72,6 +72,20 @@ class SaveSpec:
 
 
 @dataclass
+class VerifySpec:
+    """Compare the stored chunks of ``tokens`` (a prompt prefix this step's forward pass has
+    computed, in ``block_ids``) with that KV (``kvtier.core.verify``). ``hold_id``: the worker's
+    hold from the request's lookup; None (or a hold gone since) looks the prefix up again."""
+
+    req_id: str
+    tokens: np.ndarray
+    block_ids: list[int]
+    scope: KeyScope
+    hold_id: int | None = None
+    start: int = 0  # tokens before it (whole blocks) were not computed by this request
+
+
+@dataclass
 class KVTierMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
@@ -89,6 +103,9 @@ class KVTierMetadata(KVConnectorMetadata):
     # Finished requests whose blocks vLLM freed at once, their saves copied already
     # (``scheduler/frees.py``): the workers do not report them in ``finished_sending``.
     unheld: list[str] = field(default_factory=list)
+    # Sampled requests whose recomputed prefix is compared with what kvtier stores; run on the
+    # saver before this step's saves, and like saves they keep the request's blocks until done.
+    verifies: list[VerifySpec] = field(default_factory=list)
 
 
 def slot_mapping(
@@ -136,6 +153,8 @@ class RankReport:
     listed: int = 0  # how many of ``added`` were listed in lower tiers at start (the first ones)
     # the last step whose saves this rank has all copied (``scheduler/frees.py``)
     saves_copied: int = -1
+    # tiers a verification quarantined, with the seconds it lasts (``kvtier.core.verify``)
+    quarantined: list[tuple[str, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -167,6 +186,7 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
                     rep.lower_tier,
                     mine.listed + rep.listed,
                     max(mine.saves_copied, rep.saves_copied),
+                    mine.quarantined + rep.quarantined,
                 )
         return KVTierWorkerMeta(merged)
 

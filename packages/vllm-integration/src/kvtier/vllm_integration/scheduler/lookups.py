@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +65,16 @@ def warn_load_failure_policy(policy: str, config: KVTierConfig) -> None:
 
 
 @dataclass
+class PendingVerify:
+    """A request sampled for verification (``scheduler/verify.py``): checked once vLLM has
+    computed tokens ``[start, end)`` itself."""
+
+    start: int  # tokens vLLM had already (its prefix cache): not recomputed, not compared
+    end: int  # the hit the lookup found
+    hold_id: int | None  # the workers' hold of the hit (None: the index answered)
+
+
+@dataclass
 class RequestState:
     """What the scheduler side tracks for one live request."""
 
@@ -85,6 +96,8 @@ class RequestState:
     # A load of it failed (vLLM recomputes the blocks): never offered again, so a chunk that
     # cannot be loaded is not retried step after step.
     load_failed: bool = False
+    verify: PendingVerify | None = None  # sampled for verification, its check not sent yet
+    verify_step: int = -1  # the step whose metadata carried its check (-1: none)
 
     @property
     def scope(self) -> KeyScope:
@@ -95,9 +108,17 @@ class Lookups:
     """Probes: which to send, which are answered, which holds to release."""
 
     def __init__(
-        self, config: KVTierConfig, index: PresenceIndex, num_workers: int, mode: str = "probe"
+        self,
+        config: KVTierConfig,
+        index: PresenceIndex,
+        num_workers: int,
+        mode: str = "probe",
+        index_trusted: Callable[[], bool] = lambda: True,
     ) -> None:
+        """``index_trusted()``: False while the index's answers must be confirmed by probes
+        (a tier is quarantined: ``scheduler/verify.py``)."""
         self.config = config
+        self._index_trusted = index_trusted
         self.index = index
         self.num_workers = num_workers
         self.mode = mode  # lookup_mode()
@@ -168,7 +189,7 @@ class Lookups:
         request may hit) or it is in flight."""
         now = time.monotonic()
         probe = state.probe
-        if probe is None and self.mode == "index" and self.index.complete:
+        if probe is None and self.mode == "index" and self.index.complete and self._index_trusted():
             hit = self._indexed_hit(state, hashes, most)
             if hit > computed:
                 self.indexed += 1

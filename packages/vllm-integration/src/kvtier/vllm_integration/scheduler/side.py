@@ -53,6 +53,7 @@ from kvtier.vllm_integration.scheduler.lookups import (
 )
 from kvtier.vllm_integration.scheduler.prompts import PromptHashes, Sightings
 from kvtier.vllm_integration.scheduler.save_plan import SavePlanner
+from kvtier.vllm_integration.scheduler.verify import VerifySampling
 from kvtier.vllm_integration.stats import KVTierStats, StatsTracker, StepTimer
 
 if TYPE_CHECKING:
@@ -93,8 +94,13 @@ class SchedulerSide:
         self._reqs: dict[str, RequestState] = {}
         self.num_workers = num_workers
         self.index = PresenceIndex(num_workers)
+        self.verify = VerifySampling(config, role, block_size)
         self.lookups = Lookups(
-            config, self.index, num_workers, lookup_mode(config, load_failure_policy)
+            config,
+            self.index,
+            num_workers,
+            lookup_mode(config, load_failure_policy),
+            index_trusted=lambda: self.verify.index_trusted,
         )
         self.events = EventLog(
             block_size, kv_events, lambda h, scope: self.index.digest(0, h, scope)
@@ -169,12 +175,19 @@ class SchedulerSide:
             return 0, False
         if state.generation != self.generation:
             return 0, False  # it started under older weights: nothing of theirs is served
+        if state.verify is not None:
+            return 0, False  # sampled for verification: vLLM computes its prefix
         probe = self.lookups.probe(state, self._hashes(state), num_computed_tokens, most)
         if probe is None:
             return None, False  # not yet: the workers are looking
         self._counts["lookups"] += 1
         hit = min(probe.hit, most)
         hit -= hit % bs
+        hold_id = None if probe.indexed else probe.hold_id
+        if self.verify.sample(state, num_computed_tokens, hit, hold_id):
+            state.probe = None  # its hold now belongs to the check
+            logs.verify(request.request_id, num_computed_tokens, hit)
+            return 0, False
         self.lookups.record(request.request_id, hit, probe.sources)
         new = max(0, hit - num_computed_tokens)
         self._counts["hit_tokens"] += new
@@ -237,6 +250,9 @@ class SchedulerSide:
         state = self._reqs.get(rid)
         if state is None:
             return
+        check = self.verify.due(rid, state, computed + scheduled, self._step)
+        if check is not None:
+            meta.verifies.append(check)
         if state.external:
             end = computed
             start = end - state.external
@@ -280,6 +296,8 @@ class SchedulerSide:
             if state is None:
                 continue
             state.block_ids = list(new.block_ids[0])
+            if state.verify is not None:  # what vLLM's prefix cache gave it is not recomputed
+                state.verify.start = max(state.verify.start, new.num_computed_tokens)
             self._schedule(
                 meta,
                 new.req_id,
@@ -320,6 +338,8 @@ class SchedulerSide:
         self.lookups.finished(rid, state)
         if state is None:
             return False
+        if state.verify is not None and state.verify.hold_id is not None:
+            self.lookups.releases.append((rid, state.verify.hold_id))  # never checked
         if self.lazy is not None:
             if block_ids is not None:
                 state.block_ids = list(block_ids)
@@ -327,14 +347,21 @@ class SchedulerSide:
             if spec is not None:
                 self.lazy.remember(spec, self.saves.step, state)
             logs.finished(rid, "lazy save remembered" if spec else "nothing to save")
-            return False
-        held = self.frees.finished(rid, state.last_save_step)
+            # A check still reading its blocks keeps them (lazy saves are copied later).
+            return self.frees.finished(rid, state.verify_step)
+        held = self.frees.finished(rid, max(state.last_save_step, state.verify_step))
         logs.finished(rid, "blocks held for its saves" if held else "blocks freed now")
         return held
 
     def get_kv_connector_stats(self) -> KVTierStats | None:
         """The scheduler's metrics changed since the last call (``stats.py``)."""
-        return self.metrics.delta({"lookup_failures": {"": self.lookups.failures}})
+        return self.metrics.delta(
+            {
+                "lookup_failures": {"": self.lookups.failures},
+                "verify_requests": {"": self.verify.requests},
+                "verify_tokens": {"": self.verify.tokens},
+            }
+        )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """A step's results: saves done (vLLM frees those requests' blocks now), and the
@@ -368,6 +395,8 @@ class SchedulerSide:
 
     def _apply(self, report: RankReport) -> None:
         self.index.apply(report)
+        for _, seconds in report.quarantined:
+            self.verify.quarantined(seconds)
         self.frees.copied(report.rank, report.saves_copied)
         if report.rank == 0:
             self.events.stored("local_cpu", report.added)

@@ -37,6 +37,7 @@ class PresenceFeed:
         self._answers: list[ProbeAnswer] = []
         self._evicted: list[str] = []
         self._short: list[tuple[str, int]] = []
+        self._quarantined: list[tuple[str, float]] = []
         self._saves_copied = self._copied_sent = -1
         self._sent_once = False
         self._host_only = list(engine.config.tiers) == ["local_cpu"]
@@ -76,6 +77,11 @@ class PresenceFeed:
         with self._lock:
             self._short.append((req_id, found))
 
+    def quarantined(self, tiers: list[tuple[str, float]]) -> None:
+        """A verification quarantined ``tiers`` (name, seconds)."""
+        with self._lock:
+            self._quarantined.extend(tiers)
+
     def saves_copied(self, step: int) -> None:
         """The worker's saver has copied every save of the steps up to ``step``."""
         with self._lock:
@@ -90,6 +96,7 @@ class PresenceFeed:
                 or self._evicted
                 or self._tier_events
                 or self._short
+                or self._quarantined
                 or self._saves_copied != self._copied_sent
             ):
                 return None
@@ -99,6 +106,7 @@ class PresenceFeed:
             answers, self._answers = self._answers, []
             evicted, self._evicted = self._evicted, []
             short, self._short = self._short, []
+            quarantined, self._quarantined = self._quarantined, []
             listed, self._listed = self._listed, 0
             self._sent_once = True
         report = RankReport(
@@ -115,6 +123,7 @@ class PresenceFeed:
             self._lower_tier,
             listed,
             self._copied_sent,
+            quarantined,
         )
         return KVTierWorkerMeta({self.rank: report})
 

@@ -25,17 +25,19 @@ import numpy as np
 
 from kvtier.core.keys import KeyScope
 from kvtier.core.platform import Marker
-from kvtier.vllm_integration.messages import SaveSpec
+from kvtier.vllm_integration.messages import SaveSpec, VerifySpec
 
 logger = logging.getLogger("kvtier")
 
-# Saves one store call: (spec, ready marker, keep) -> tokens stored.
-StoreFn = Callable[[SaveSpec, Marker, Callable[[], bool]], int]
+# A job: a save, or a verification (which reads the blocks as a save does).
+Spec = SaveSpec | VerifySpec
+# Runs one job: (spec, ready marker, keep) -> tokens stored.
+StoreFn = Callable[[Spec, Marker, Callable[[], bool]], int]
 
 
 @dataclass(eq=False)
 class _Job:
-    spec: SaveSpec
+    spec: Spec
     marker: Marker
     step: int  # the scheduler step whose metadata carried it
     abandoned: bool = field(default=False)
@@ -56,8 +58,8 @@ class Saver:
         self._thread = threading.Thread(target=self._loop, name="kvtier-saver", daemon=True)
         self._thread.start()
 
-    def submit(self, specs: list[SaveSpec], marker: Marker, step: int = -1) -> None:
-        """Queue ``specs``, the saves of scheduler step ``step``."""
+    def submit(self, specs: list[Spec], marker: Marker, step: int = -1) -> None:
+        """Queue ``specs``, jobs of scheduler step ``step`` (run in order)."""
         for spec in specs:
             job = _Job(spec, marker, step)
             with self._cv:

@@ -61,6 +61,7 @@ from kvtier.vllm_integration.messages import (
     LoadSpec,
     ProbeSpec,
     SaveSpec,
+    VerifySpec,
     hold_ttl_s,
     slot_mapping,
 )
@@ -70,6 +71,7 @@ from kvtier.vllm_integration.worker.holds import HoldTable
 from kvtier.vllm_integration.worker.loads import WorkerLoads
 from kvtier.vllm_integration.worker.prober import Prober
 from kvtier.vllm_integration.worker.saver import Saver
+from kvtier.vllm_integration.worker.verify import WorkerVerify
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -111,6 +113,7 @@ class Runtime:
     feed: PresenceFeed
     prober: Prober
     server: ControlServer
+    verify: WorkerVerify
 
 
 class WorkerSide:
@@ -156,6 +159,7 @@ class WorkerSide:
         values.update(self.counters.values(WORKER_METRICS))
         values["hold_expiries"] = {"": rt.holds.stats()["hold_expiries"]}
         values["background_cpu_seconds"] = {"": PROCESS_THREADS.seconds()}
+        values.update(rt.verify.verifier.values())
         return self.metrics.delta(values)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -209,6 +213,9 @@ class WorkerSide:
             feed=feed,
             prober=Prober(self._probe, feed.answer),
             server=ControlServer(socket_path(self._engine_id, worker), self._serve),
+            verify=WorkerVerify(
+                engine, holds, block_size=self.block_size, quarantined=feed.quarantined
+            ),
         )
         logger.info(
             "kvtier: %s (fingerprint %s), tiers %s, control channel %s",
@@ -231,6 +238,7 @@ class WorkerSide:
             stats: dict[str, int] = self.counters.snapshot()
             stats.update(rt.holds.stats())
             stats.update({f"engine_{k}": v for k, v in rt.engine.stats.as_dict().items()})
+            stats.update(rt.verify.stats())
             return {"stats": stats}
         if op == "flush":
             # Saves queued so far, then lower-tier writes: what a planned restart waits for.
@@ -319,7 +327,10 @@ class WorkerSide:
         n = len(spec.tokens)
         return torch.from_numpy(slot_mapping(spec.block_ids, self.block_size, n, spec.skip, n))
 
-    def _store(self, spec: SaveSpec, ready: Marker, keep: Any) -> int:
+    def _store(self, spec: SaveSpec | VerifySpec, ready: Marker, keep: Any) -> int:
+        if isinstance(spec, VerifySpec):
+            self._runtime().verify.run(spec, ready)
+            return 0
         t0 = time.perf_counter()
         n = self._runtime().engine.store(
             spec.tokens, self._save_slots(spec), scope=spec.scope, ready=ready, keep=keep
@@ -358,8 +369,12 @@ class WorkerSide:
             self._lazy_saves.update(spec.req_id for spec in meta.lazy_saves)
             marker = rt.engine.platform.record_marker()
             rt.saver.submit(meta.lazy_saves, marker, meta.step)
-        # The scheduler holds the blocks of every request with a save until get_finished says so.
-        self._saving_reqs.update(spec.req_id for spec in meta.saves)
+        # The scheduler holds the blocks of every request with a save (or a verification)
+        # until get_finished says so.
+        self._saving_reqs.update(spec.req_id for spec in [*meta.saves, *meta.verifies])
+        if meta.verifies:
+            # Before this step's saves: a chunk found wrong is removed, and saved afresh.
+            rt.saver.submit(meta.verifies, rt.engine.platform.record_marker(), meta.step)
         if self.config.use_layerwise:
             gens, self._store_gens = self._store_gens, []
             before = rt.engine.stats.stored_tokens

@@ -1,0 +1,80 @@
+"""The scheduler's part of verification by recompute (``kvtier.core.verify``): which requests
+with a kvtier hit are verified instead of loaded, and when their check goes to the workers.
+
+A sampled request is told "no external hit" (its probe's hold is kept for the check), so vLLM
+computes its prefix; the step whose forward pass computes the last token of the hit sends a
+``VerifySpec`` (the workers compare that KV with the held chunks on their savers, before the
+step's saves). Only ``kv_both`` engines sample (a producer never loads, a consumer's prefill is
+someone else's), only hits of at most ``verify_max_tokens``, and a request at most once.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+
+from kvtier.core.config import KVTierConfig
+from kvtier.vllm_integration.messages import VerifySpec
+from kvtier.vllm_integration.scheduler.lookups import PendingVerify, RequestState
+
+
+class VerifySampling:
+    """Samples requests for verification and counts what they cost (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: KVTierConfig,
+        role: str,
+        block_size: int,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.fraction = config.verify_fraction if role == "kv_both" else 0.0
+        self.max_tokens = config.verify_max_tokens
+        self.block_size = block_size
+        self._rng = rng or random.Random()
+        self._clock = clock
+        self.requests = 0  # sampled
+        self.tokens = 0  # hit tokens the sampled requests computed instead of loading
+        self._quarantine_ends = 0.0
+
+    def sample(self, state: RequestState, computed: int, hit: int, hold_id: int | None) -> bool:
+        """Whether the lookup that found ``hit`` tokens (vLLM had ``computed``) is verified
+        instead of loaded; if so the request keeps ``hold_id`` for its check."""
+        new = hit - computed
+        if self.fraction <= 0 or new <= 0 or new > self.max_tokens or state.verify_step >= 0:
+            return False
+        if self._rng.random() >= self.fraction:
+            return False
+        state.verify = PendingVerify(computed, hit, hold_id)
+        self.requests += 1
+        self.tokens += new
+        return True
+
+    def due(self, rid: str, state: RequestState, end: int, step: int) -> VerifySpec | None:
+        """The check to send with step ``step``, after whose forward pass the request has KV
+        for tokens ``[0, end)``; None before its hit is computed."""
+        pending = state.verify
+        if pending is None or end < pending.end:
+            return None
+        state.verify = None
+        state.verify_step = step
+        n_blocks = -(-pending.end // self.block_size)
+        return VerifySpec(
+            rid,
+            state.prompt[: pending.end],
+            list(state.block_ids[:n_blocks]),
+            state.scope,
+            pending.hold_id,
+            -(-pending.start // self.block_size) * self.block_size,  # whole blocks computed
+        )
+
+    def quarantined(self, seconds: float) -> None:
+        """A worker quarantined a tier for ``seconds``: the index's answers may name its chunks."""
+        self._quarantine_ends = max(self._quarantine_ends, self._clock() + seconds)
+
+    @property
+    def index_trusted(self) -> bool:
+        """False while a tier is quarantined: hits are confirmed by probes, not the index."""
+        return self._clock() >= self._quarantine_ends
