@@ -22,12 +22,12 @@ from device_cases import (
     ON_GPU,
     SHAPE,
     SUBJECTS,
+    Arenas,
     Case,
     Objects,
     Oracle,
     Subject,
     lengths_of,
-    make_arena,
     make_caches,
     make_layout,
     make_platform,
@@ -70,14 +70,21 @@ def platform(subject: Subject, device: torch.device) -> Platform:
     return make_platform(subject, device)
 
 
+@pytest.fixture(scope="session")
+def arenas() -> Iterator[Arenas]:
+    kept = Arenas()
+    yield kept
+    kept.close()
+
+
 @pytest.fixture
-def arena(platform: Platform, device: torch.device) -> Iterator[HostArena]:
-    a = make_arena(platform, device)
+def arena(arenas: Arenas, platform: Platform, device: torch.device) -> Iterator[HostArena]:
+    a = arenas.get(platform, device)
     a.tracked = []  # type: ignore[attr-defined]
     yield a
     for objs in a.tracked:  # type: ignore[attr-defined]
         objs.release()
-    assert a.used_bytes == 0, "a test leaked host objects"
+    arenas.check(a)
 
 
 def build(
