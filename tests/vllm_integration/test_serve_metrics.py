@@ -74,6 +74,7 @@ def test_vllm_serve_metrics_carry_kvtier_series(vllm_model_dir: Path, tmp_path: 
         "tiers": ["local_cpu", "local_disk"],
         "local_disk_path": str(tmp_path / "disk"),
         "local_cpu_size_gb": 0.25,
+        "verify_fraction": 0.0,  # the repeat must be loaded, never sampled
     }
     args = [
         *server_args(

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.model import ModelSpec, build_model
-from kvtier.bench.workload import Engine, Request, build_requests, results_dir
+from kvtier.bench.workload import BENCH_KVTIER, Engine, Request, build_requests, results_dir
 
 TARGET = 1.1
 
@@ -39,7 +39,7 @@ def _engine(model_dir: Path, mode: str, disk: Path, doc_tokens: int) -> Engine:
     return Engine(
         str(model_dir),
         prefix_caching=mode == "prefix_cache",
-        kvtier={"local_disk_path": str(disk)} if mode != "prefix_cache" else None,
+        kvtier=BENCH_KVTIER | {"local_disk_path": str(disk)} if mode != "prefix_cache" else None,
         max_model_len=max(4096, doc_tokens + 256),
     )
 

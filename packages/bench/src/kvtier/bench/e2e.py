@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.model import ModelSpec, build_model
-from kvtier.bench.workload import Engine, build_requests, require_extras, results_dir
+from kvtier.bench.workload import BENCH_KVTIER, Engine, build_requests, require_extras, results_dir
 from kvtier.core.config import default_cache_dir
 
 BENCH_MODEL = ModelSpec(
@@ -104,7 +104,7 @@ def main(argv: list[str]) -> int:
             engine = Engine(
                 str(model_dir),
                 prefix_caching=mode == "prefix_cache",
-                kvtier={"local_disk_path": str(disk)} if mode == "kvtier" else None,
+                kvtier=BENCH_KVTIER | {"local_disk_path": str(disk)} if mode == "kvtier" else None,
                 max_model_len=max(4096, args.doc_tokens + 256),
             )
             try:

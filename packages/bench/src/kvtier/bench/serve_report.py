@@ -98,6 +98,9 @@ def row(
         "kvtier_loaded_tokens": after.delta(before, "vllm:kvtier_loaded_tokens_total"),
         "kvtier_saved_tokens": after.delta(before, "vllm:kvtier_saved_tokens_total"),
         "kvtier_saved_bytes": saved_bytes,
+        # verification by recompute (verify_fraction): requests computed instead of loaded
+        "kvtier_verify_requests": after.delta(before, "vllm:kvtier_verify_requests_total"),
+        "kvtier_verify_tokens": after.delta(before, "vllm:kvtier_verify_tokens_total"),
         "saved_bytes_per_request": saved_bytes / res["completed"] if res["completed"] else None,
         "preemptions": after.delta(before, "vllm:num_preemptions_total"),
         **step,

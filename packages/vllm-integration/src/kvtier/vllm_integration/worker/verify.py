@@ -54,13 +54,16 @@ class WorkerVerify:
             )
 
     def stats(self) -> dict[str, int]:
-        """Counters for the control channel's ``stats``: chunks found right and wrong, and the
-        largest error of a chunk found right, in millionths."""
+        """Counters for the control channel's ``stats``: chunks found right and wrong, the
+        largest error of a chunk found right and the smallest of one found wrong (-1: none),
+        in millionths."""
         v = self.verifier
+        least_bad = v.least_bad if v.least_bad != float("inf") else -1e-6
         return {
             "verify_chunks": v.chunks,
             "verify_mismatches": sum(v.mismatches.values()),
             "verify_worst_ok_ppm": round(v.worst_ok * 1e6),
+            "verify_least_bad_ppm": round(least_bad * 1e6),
         }
 
     def run(self, spec: VerifySpec, ready: Marker) -> None:
