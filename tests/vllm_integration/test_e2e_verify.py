@@ -63,9 +63,10 @@ def test_a_planted_chunk_is_caught_removed_and_stored_again_right(
 
 
 def test_a_right_cache_raises_no_alarm_under_full_verification(run_engine, tmp_path) -> None:
+    """In vLLM's multiprocess mode (the checks cross from the scheduler's process)."""
     config = tiers(tmp_path, verify_fraction=1.0)
     steps = [gen(DOC), gen(DOC), gen(SHARED), gen(SHARED), gen(OTHER), gen(DOC), STATS]
-    out = run_engine({"kvtier": config, "steps": steps})
+    out = run_engine({"kvtier": config, "multiprocess": True, "steps": steps})
     stats = out[-1]
     assert stats["verify_mismatches"] == 0
     assert stats["verify_chunks"] >= 3
