@@ -14,6 +14,7 @@ positions with ids derived from the item's content hash (``kvtier.vllm_integrati
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections.abc import Sequence
@@ -45,7 +46,9 @@ def token_bytes(tokens: TokenIds) -> np.ndarray:
         if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
             raise ValueError(f"token ids must be integers, got a tensor of {tokens.dtype}")
         tokens = tokens.detach().cpu().numpy()
-    elif isinstance(tokens, list | tuple) and any(isinstance(t, bool | np.bool_) for t in tokens):
+    elif isinstance(tokens, list | tuple) and any(
+        issubclass(t, bool | np.bool_) for t in set(map(type, tokens))
+    ):
         raise ValueError("token ids must be integers, got a bool among them")
     arr = np.asarray(tokens)
     if arr.ndim != 1:
@@ -212,10 +215,15 @@ def model_id(model: str) -> str:
 def salt_id(scope: Scope) -> str:
     """The salt's short id in a key (``-`` for none); a scope's adapter and generation are not
     part of it (they are in the chain's seed)."""
-    value = KeyScope.of(scope).salt
-    if not value:
+    return _salt_id(KeyScope.of(scope).salt)
+
+
+@functools.lru_cache(maxsize=1024)
+def _salt_id(salt: str | None) -> str:
+    """``salt_id`` of a cache salt, kept for the salts in use: every key carries it."""
+    if not salt:
         return "-"
-    return hashlib.blake2b(value.encode(), digest_size=6).hexdigest()
+    return hashlib.blake2b(salt.encode(), digest_size=6).hexdigest()
 
 
 @dataclass(frozen=True)
