@@ -7,6 +7,10 @@ leading blocks (``kvtier.core.aliases``). A lookup takes the run of full-chunk h
 at the first full-chunk miss, every whole block there that a stored tail or alias holds: a
 prompt hits every whole block it shares with a stored one, wherever they diverge.
 
+Hashing: each call hashes its prompt once (``kvtier.core.prompt.PromptHashes``, made by the
+span planner) and hands those hashes to the spans, the hold check, the load plan and the store
+writer.
+
 Storing: ``kvtier.core.store_writer`` plans which spans a store copies and commits them (with
 their alias entries) once the copy is done; ``kvtier.core.load_plan`` builds a retrieve's
 transfers.
@@ -29,18 +33,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
-import numpy as np
 import torch
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError, KVTierError
-from kvtier.core.handles import ChunkSpan, EngineStats, Hold, RetrieveJob, prefix_digest
-from kvtier.core.keys import ChunkKey, KeyFactory, Scope, TokenIds, token_bytes
+from kvtier.core.handles import ChunkSpan, EngineStats, Hold, RetrieveJob
+from kvtier.core.keys import ChunkKey, KeyFactory, Scope, TokenIds
 from kvtier.core.layout import KVLayout
 from kvtier.core.load_plan import held_objects, load_transfers
 from kvtier.core.memory import MemoryObj
 from kvtier.core.mover import PageMover, Transfer
 from kvtier.core.platform import Marker, Platform, get_platform
+from kvtier.core.prompt import PromptHashes
 from kvtier.core.slots import checked_slots
 from kvtier.core.sources import TierHits, chunk_sources
 from kvtier.core.spans import SpanPlanner
@@ -121,28 +125,22 @@ class CacheEngine:
     # -- chunking ------------------------------------------------------------------------------
     def full_spans(self, tokens: TokenIds, scope: Scope = None) -> list[ChunkSpan]:
         """The full chunks of ``tokens`` (``keys.prefix_hashes``)."""
-        return self.spans.full(token_bytes(tokens), scope)
+        return self.spans.full(self.spans.prompt(tokens, scope))
 
-    def tail_spans(
-        self,
-        tokens: TokenIds,
-        index: int,
-        scope: Scope = None,
-        spans: Sequence[ChunkSpan] | None = None,
-    ) -> list[ChunkSpan]:
+    def tail_spans(self, tokens: TokenIds, index: int, scope: Scope = None) -> list[ChunkSpan]:
         """Block-sized spans after full chunk ``index - 1``: whole blocks of ``tokens`` up to one
         block short of a chunk, each keyed by chaining its block onto the previous key (a tail
         key never equals a full-chunk key: their hash inputs differ in length)."""
-        return self.spans.tail(token_bytes(tokens), index, scope, spans)
+        return self.spans.tail(self.spans.prompt(tokens, scope), index)
 
     def hit_spans(self, tokens: TokenIds, scope: Scope = None) -> list[ChunkSpan]:
         """The contiguous run of stored spans covering a prefix of ``tokens`` (full chunks, then
         tail blocks or an alias into a stored chunk: ``kvtier.core.spans``)."""
-        return self.spans.hits(token_bytes(tokens), scope)
+        return self.spans.hits(self.spans.prompt(tokens, scope))
 
     def store_spans(self, tokens: TokenIds, scope: Scope = None) -> list[ChunkSpan]:
         """Spans ``store`` would save for ``tokens``: full chunks, then the tail block by block."""
-        return self.spans.store(token_bytes(tokens), scope)
+        return self.spans.store(self.spans.prompt(tokens, scope))
 
     # -- API -----------------------------------------------------------------------------------
     def lookup(self, tokens: TokenIds, scope: Scope = None) -> int:
@@ -173,25 +171,25 @@ class CacheEngine:
 
     def hold(self, tokens: TokenIds, scope: Scope = None) -> Hold:
         """Look ``tokens`` up and keep the hit prefix's objects in host memory (see ``Hold``)."""
-        arr = token_bytes(tokens)
-        hits = self.hit_spans(arr, scope)
+        prompt = self.spans.prompt(tokens, scope)
+        hits = self.spans.hits(prompt)
         sources = self.chunk_sources([s.key for s in hits])
         spans, objs = self._fetch_prefix(hits)
         hold = Hold(
             spans,
             objs,
-            prefix_digest(arr[: spans[-1].end if spans else 0], scope),
+            prompt.digest(spans[-1].end if spans else 0),
             sources=sources[: len(spans)],
-            pins=self._alias_pins(arr, spans, scope),
+            pins=self._alias_pins(prompt, spans),
         )
         self.stats.add(lookups=1, lookup_hit_tokens=hold.num_tokens)
         self._tier_hits.count(spans, hold.sources)
         return hold
 
-    def _alias_pins(self, arr: np.ndarray, spans: list[ChunkSpan], scope: Scope) -> list[MemoryObj]:
+    def _alias_pins(self, prompt: PromptHashes, spans: list[ChunkSpan]) -> list[MemoryObj]:
         """Host handles on the held full chunks' alias entries (which marks them recently used:
         aliases age with their chunk)."""
-        keys = self.spans.alias_keys_of(arr, spans, scope)
+        keys = self.spans.alias_keys_of(prompt, spans)
         return [o for o in self.storage.host_get(keys) if o is not None] if keys else []
 
     def chunk_sources(self, keys: Sequence[ChunkKey]) -> list[str]:
@@ -212,8 +210,8 @@ class CacheEngine:
     def _plan_store(
         self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], scope: Scope
     ) -> tuple[StorePlan, AliasPlan]:
-        arr = token_bytes(tokens)
-        return self._writer.plan(arr, self._slots(slot_mapping, len(arr)), scope)
+        prompt = self.spans.prompt(tokens, scope)
+        return self._writer.plan(prompt, self._slots(slot_mapping, len(prompt.arr)))
 
     def store(
         self,
@@ -275,16 +273,16 @@ class CacheEngine:
         scope: Scope,
         hold: Hold | None,
     ) -> tuple[list[Transfer], torch.Tensor]:
-        arr = token_bytes(tokens)
-        cpu_slots = self._slots(slot_mapping, len(arr)).cpu()
+        prompt = self.spans.prompt(tokens, scope)
+        cpu_slots = self._slots(slot_mapping, len(prompt.arr)).cpu()
 
         def wanted(span: ChunkSpan) -> bool:
             return bool((cpu_slots[span.start : span.end] >= 0).any())
 
         if hold is None:
-            spans, objs = self._fetch_prefix([s for s in self.hit_spans(arr, scope) if wanted(s)])
+            spans, objs = self._fetch_prefix([s for s in self.spans.hits(prompt) if wanted(s)])
         else:
-            spans, objs = held_objects(hold, arr, scope, wanted)
+            spans, objs = held_objects(hold, prompt, wanted)
         try:
             return load_transfers(spans, objs, cpu_slots, self.layout.block_size)
         except BaseException:

@@ -7,10 +7,9 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from kvtier.core.keys import ChunkKey, Scope, chain_hash, salt_seed
+from kvtier.core.keys import ChunkKey
 from kvtier.core.memory import MemoryObj
 
 
@@ -58,11 +57,6 @@ class EngineStats:
         return {k: v for k, v in vars(self).items() if not k.startswith("_")}
 
 
-def prefix_digest(arr: np.ndarray, scope: Scope) -> bytes:
-    """The hash of a whole token prefix under a scope: what a hold was taken for."""
-    return chain_hash(salt_seed(scope), arr)
-
-
 class Hold:
     """Host objects of a looked-up prefix, kept until ``release()`` (idempotent).
 
@@ -81,7 +75,7 @@ class Hold:
     ) -> None:
         self.spans = spans
         self.objs = objs
-        self.digest = digest
+        self.digest = digest  # ``PromptHashes.digest``: the tokens and scope it was taken for
         # Other entries kept in host memory while held (the held chunks' alias entries: a chunk
         # that survives eviction because it is held keeps its aliases too); never loaded.
         self.pins: list[MemoryObj] = list(pins) if pins is not None else []

@@ -5,25 +5,26 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
 from kvtier.core.errors import KVTierError
-from kvtier.core.handles import ChunkSpan, Hold, prefix_digest
-from kvtier.core.keys import Scope
+from kvtier.core.handles import ChunkSpan, Hold
 from kvtier.core.memory import MemoryObj
 from kvtier.core.mover import Transfer
+from kvtier.core.prompt import PromptHashes
 from kvtier.core.slots import span_blocks
 
 
 def held_objects(
-    hold: Hold, arr: np.ndarray, scope: Scope, wanted: Callable[[ChunkSpan], bool]
+    hold: Hold, prompt: PromptHashes, wanted: Callable[[ChunkSpan], bool]
 ) -> tuple[list[ChunkSpan], list[MemoryObj]]:
     """The spans of ``hold`` that ``wanted`` keeps, each with a new handle on its object (the
-    hold stays its owner's); ``hold`` must be live and taken for ``arr``'s tokens and ``scope``."""
+    hold stays its owner's); ``hold`` must be live and taken for the prompt's tokens and
+    scope."""
     if hold.released:
         raise KVTierError("retrieve got a hold that was already released")
-    if hold.num_tokens > len(arr) or hold.digest != prefix_digest(arr[: hold.num_tokens], scope):
+    n = hold.num_tokens
+    if n > len(prompt.arr) or hold.digest != prompt.digest(n):
         raise ValueError("retrieve got a hold taken for other tokens or another scope")
     pairs = [(s, o.share()) for s, o in zip(hold.spans, hold.objs, strict=True) if wanted(s)]
     return [s for s, _ in pairs], [o for _, o in pairs]

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 from kvtier.core.aliases import Alias, decode_alias
 from kvtier.core.handles import ChunkSpan
-from kvtier.core.keys import ChunkKey, KeyFactory, Scope, prefix_hashes, salt_seed, tail_hashes
+from kvtier.core.keys import ChunkKey, KeyFactory, Scope, TokenIds
+from kvtier.core.prompt import PromptHashes
 from kvtier.core.storage import StorageManager
 
 
@@ -43,74 +42,63 @@ class SpanPlanner:
         # they cost; hits inside chunks then need the stored prompt's tail entries).
         self.write_aliases = True
 
+    def prompt(self, tokens: TokenIds, scope: Scope) -> PromptHashes:
+        """The hashes of ``tokens`` under ``scope``, for one engine call's spans."""
+        return PromptHashes(tokens, scope, self.chunk_size, self.block_size)
+
     # -- spans -------------------------------------------------------------------------------
-    def full(self, arr: np.ndarray, scope: Scope) -> list[ChunkSpan]:
-        """The full chunks of ``arr``."""
+    def full(self, prompt: PromptHashes) -> list[ChunkSpan]:
+        """The full chunks of the prompt."""
         c = self.chunk_size
         return [
-            ChunkSpan(i * c, (i + 1) * c, self.keys.key(h, scope))
-            for i, h in enumerate(prefix_hashes(arr, c, scope))
+            ChunkSpan(i * c, (i + 1) * c, self.keys.key(h, prompt.scope))
+            for i, h in enumerate(prompt.full)
         ]
 
-    @staticmethod
-    def prev_hash(spans: Sequence[ChunkSpan], index: int, scope: Scope) -> bytes:
-        """The hash that chunk ``index``'s tail (or chunk) is chained from."""
-        return bytes.fromhex(spans[index - 1].key.chunk_hash) if index else salt_seed(scope)
-
-    def tail(
-        self, arr: np.ndarray, index: int, scope: Scope, spans: Sequence[ChunkSpan] | None = None
-    ) -> list[ChunkSpan]:
+    def tail(self, prompt: PromptHashes, index: int) -> list[ChunkSpan]:
         """Block-sized spans after full chunk ``index - 1`` (see ``CacheEngine.tail_spans``)."""
-        if spans is None:
-            spans = self.full(arr[: index * self.chunk_size], scope)
         bs = self.block_size
         start = index * self.chunk_size
-        hashes = tail_hashes(arr, start, self.chunk_size, bs, self.prev_hash(spans, index, scope))
         return [
-            ChunkSpan(start + i * bs, start + (i + 1) * bs, self.keys.key(h, scope))
-            for i, h in enumerate(hashes)
+            ChunkSpan(start + i * bs, start + (i + 1) * bs, self.keys.key(h, prompt.scope))
+            for i, h in enumerate(prompt.tail_hashes(index))
         ]
 
-    def store(self, arr: np.ndarray, scope: Scope) -> list[ChunkSpan]:
+    def store(self, prompt: PromptHashes) -> list[ChunkSpan]:
         """Spans a store saves: full chunks, then (``tails``) the tail block by block."""
-        spans = self.full(arr, scope)
+        spans = self.full(prompt)
         if self.tails:
-            spans.extend(self.tail(arr, len(spans), scope, spans))
+            spans.extend(self.tail(prompt, len(spans)))
         return spans
 
-    def aliases(
-        self, arr: np.ndarray, index: int, scope: Scope, spans: Sequence[ChunkSpan]
-    ) -> list[tuple[ChunkKey, Alias]]:
-        """The alias entries of full chunk ``index`` of ``arr`` (``spans``: its full chunks):
-        one per leading run of 1 .. n-1 of its blocks (none when ``write_aliases`` is off)."""
+    def aliases(self, prompt: PromptHashes, index: int) -> list[tuple[ChunkKey, Alias]]:
+        """The alias entries of full chunk ``index`` of the prompt: one per leading run of
+        1 .. n-1 of its blocks (none when ``write_aliases`` is off)."""
         if not self.write_aliases:
             return []
-        target = bytes.fromhex(spans[index].key.chunk_hash)
+        target = prompt.full[index]
         bs = self.block_size
-        out = []
-        for j, span in enumerate(self.tail(arr[: spans[index].end], index, scope, spans), 1):
-            t = bytes.fromhex(span.key.chunk_hash)
-            out.append((self.keys.alias_key(t, scope), Alias(t, target, j * bs)))
-        return out
+        return [
+            (self.keys.alias_key(t, prompt.scope), Alias(t, target, j * bs))
+            for j, t in enumerate(prompt.tail_hashes(index), 1)
+        ]
 
-    def alias_keys_of(
-        self, arr: np.ndarray, spans: Sequence[ChunkSpan], scope: Scope
-    ) -> list[ChunkKey]:
+    def alias_keys_of(self, prompt: PromptHashes, spans: Sequence[ChunkSpan]) -> list[ChunkKey]:
         """The alias keys of the full chunks among ``spans`` (a hit, from token 0)."""
         full = [s for s in spans if s.num_tokens == self.chunk_size]
-        return [k for i in range(len(full)) for k, _ in self.aliases(arr, i, scope, full)]
+        return [k for i in range(len(full)) for k, _ in self.aliases(prompt, i)]
 
     # -- hits --------------------------------------------------------------------------------
-    def hits(self, arr: np.ndarray, scope: Scope) -> list[ChunkSpan]:
-        """The contiguous run of stored spans covering a prefix of ``arr``."""
-        spans = self.full(arr, scope)
+    def hits(self, prompt: PromptHashes) -> list[ChunkSpan]:
+        """The contiguous run of stored spans covering a prefix of the prompt."""
+        spans = self.full(prompt)
         n_hit = self.storage.prefix_hits([s.key for s in spans])
         hits = spans[:n_hit]
-        tail = self.tail(arr, n_hit, scope, spans)
+        tail = self.tail(prompt, n_hit)
         if not tail:
             return hits
         run = self.storage.prefix_hits([s.key for s in tail]) if self.tails else 0
-        alias = self._longest_alias(tail, run, scope)
+        alias = self._longest_alias(prompt, n_hit, tail, run)
         if alias is not None:
             hits.append(alias)
         else:
@@ -118,22 +106,22 @@ class SpanPlanner:
         return hits
 
     def _longest_alias(
-        self, tail: Sequence[ChunkSpan], beyond: int, scope: Scope
+        self, prompt: PromptHashes, index: int, tail: Sequence[ChunkSpan], beyond: int
     ) -> ChunkSpan | None:
         """The span of the longest alias covering more than ``beyond`` of ``tail``'s blocks
-        whose chunk is stored; None if there is none."""
+        (those after full chunk ``index - 1``) whose chunk is stored; None if there is none."""
         candidates = list(tail[beyond:])
         if not candidates:
             return None
-        hashes = [bytes.fromhex(s.key.chunk_hash) for s in candidates]
-        keys = [self.keys.alias_key(h, scope) for h in hashes]
+        hashes = prompt.tail_hashes(index)[beyond:]
+        keys = [self.keys.alias_key(h, prompt.scope) for h in hashes]
         present = self.storage.contains(keys)
         start = tail[0].start
         for i in reversed(range(len(candidates))):
             if not present[i]:
                 continue
             end = candidates[i].end
-            target = self._resolve(keys[i], hashes[i], end - start, scope)
+            target = self._resolve(keys[i], hashes[i], end - start, prompt.scope)
             if target is not None:
                 return ChunkSpan(start, end, target, self.chunk_size)
         return None

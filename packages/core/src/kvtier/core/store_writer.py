@@ -11,15 +11,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
 from kvtier.core.aliases import Alias, alias_objects
 from kvtier.core.handles import ChunkSpan, EngineStats
-from kvtier.core.keys import ChunkKey, Scope
+from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.memory import MemoryObj, MemoryObjMeta
 from kvtier.core.mover import Transfer
+from kvtier.core.prompt import PromptHashes
 from kvtier.core.slots import span_blocks
 from kvtier.core.spans import SpanPlanner
 from kvtier.core.storage import StorageManager
@@ -61,14 +61,12 @@ class StoreWriter:
             self.layout.chunk_shape(num_tokens), self.layout.chunk_dtype, num_tokens
         )
 
-    def plan(
-        self, arr: np.ndarray, slots: torch.Tensor, scope: Scope
-    ) -> tuple[StorePlan, AliasPlan]:
-        """The spans of ``arr`` (token bytes) to copy out of the cache now (those whose
-        ``slots`` are all valid and that storage does not hold yet), each with a new host
-        object, and the alias entries of each full chunk among them (written at commit)."""
+    def plan(self, prompt: PromptHashes, slots: torch.Tensor) -> tuple[StorePlan, AliasPlan]:
+        """The spans of the prompt to copy out of the cache now (those whose ``slots`` are all
+        valid and that storage does not hold yet), each with a new host object, and the alias
+        entries of each full chunk among them (written at commit)."""
         cpu_slots = slots.cpu()
-        every = self.spans.store(arr, scope)
+        every = self.spans.store(prompt)
         spans = [s for s in every if bool((cpu_slots[s.start : s.end] >= 0).all())]
         if not spans:
             return [], {}
@@ -79,7 +77,6 @@ class StoreWriter:
         present = self.storage.contains([s.key for s in spans])
         plan: StorePlan = []
         aliases: AliasPlan = {}
-        full = every[: len(arr) // self.chunk_size]
         for span, have in zip(spans, present, strict=True):
             if have:
                 continue
@@ -92,9 +89,7 @@ class StoreWriter:
                 break
             plan.append((span, Transfer(obj, blocks[span.key])))
             if span.num_tokens == self.chunk_size:
-                aliases[span.key] = self.spans.aliases(
-                    arr, span.start // self.chunk_size, scope, full
-                )
+                aliases[span.key] = self.spans.aliases(prompt, span.start // self.chunk_size)
         return plan, aliases
 
     def commit(self, plan: Sequence[tuple[ChunkSpan, Transfer]], aliases: AliasPlan) -> int:

@@ -9,23 +9,23 @@ into host memory now, like a prefetch), then reports the hit with its next step'
 every rank has answered, vLLM's next call gets the hit (the minimum over ranks), and the load
 reads exactly the held chunks. A probe not answered within ``lookup_timeout_s`` is a miss.
 
-``PromptHashes`` computes a prompt's chunk hashes on the scheduler the way ``CacheEngine``
-does (full chunks, then block-sized tail spans, and the alias keys those tail hashes name:
-``kvtier.core.aliases``), once per request and only as far as they are needed, so the index
-predicts the hit a probe finds.
+``PromptHashes`` holds a request's chunk hashes (``kvtier.core.prompt``: the engine's own, full
+chunks, then block-sized tail spans, and the alias keys those tail hashes name:
+``kvtier.core.aliases``), computed once per request and only as far as they are needed, so the
+index predicts the hit a probe finds.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, overload
+from typing import Any
 
 import numpy as np
 
-from kvtier.core.keys import KeyScope, chain_hash, salt_seed, tail_hashes, token_bytes
+from kvtier.core import prompt
+from kvtier.core.keys import KeyScope
 from kvtier.vllm_integration.messages import AliasHash
 from kvtier.vllm_integration.scheduler.index import PresenceIndex
 
@@ -54,73 +54,24 @@ class Probe:
         return min(self.answers.values())
 
 
-class ChainHashes(Sequence[bytes]):
-    """``prefix_hashes(arr, chunk_size, scope)``, each hash computed when first asked for (and
-    every hash before it): a lookup that stops at the first chunk the index lacks hashes only
-    that far, and a long prompt's saves hash their chunks step by step."""
-
-    def __init__(self, arr: np.ndarray, chunk_size: int, scope: KeyScope) -> None:
-        self._arr = arr
-        self._chunk = chunk_size
-        self._len = len(arr) // chunk_size
-        self._done: list[bytes] = []
-        self._prev = salt_seed(scope)
-
-    def __len__(self) -> int:
-        return self._len
-
-    @overload
-    def __getitem__(self, i: int) -> bytes: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[bytes]: ...
-    def __getitem__(self, i: int | slice) -> bytes | list[bytes]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(self._len))]
-        if i < 0:
-            i += self._len
-        if not 0 <= i < self._len:
-            raise IndexError(i)
-        c = self._chunk
-        while len(self._done) <= i:
-            k = len(self._done)
-            self._prev = chain_hash(self._prev, self._arr[k * c : (k + 1) * c])
-            self._done.append(self._prev)
-        return self._done[i]
-
-
-class PromptHashes:
-    """One prompt's chunk hashes under its scope, as ``CacheEngine`` keys them."""
+class PromptHashes(prompt.PromptHashes):
+    """One prompt's hashes (``kvtier.core.prompt``, the ones ``CacheEngine`` keys chunks with)
+    and what the scheduler asks its index about them."""
 
     def __init__(
         self, tokens: np.ndarray, scope: KeyScope, chunk_size: int, block_size: int, tails: bool
     ) -> None:
-        self.arr = token_bytes(tokens)
-        self.scope = scope
-        self.chunk_size = chunk_size
-        self.block_size = block_size
+        super().__init__(tokens, scope, chunk_size, block_size)
         self.tails = tails  # the engine stores tail blocks (save_unfull_chunk)
-        self.full = ChainHashes(self.arr, chunk_size, scope)
-        self._tails: dict[int, list[bytes]] = {}
-
-    def tail_keys(self, index: int) -> list[bytes]:
-        """The tail hashes after full chunk ``index - 1`` (the keys of its tail blocks, and of
-        the aliases a stored chunk there may have), whether or not tails are stored."""
-        out = self._tails.get(index)
-        if out is None:
-            prev = self.full[index - 1] if index else salt_seed(self.scope)
-            out = self._tails[index] = tail_hashes(
-                self.arr, index * self.chunk_size, self.chunk_size, self.block_size, prev
-            )
-        return out
 
     def tail(self, index: int) -> list[bytes]:
         """Hashes of the stored tail blocks after full chunk ``index - 1`` (none without
         ``tails``)."""
-        return self.tail_keys(index) if self.tails else []
+        return self.tail_hashes(index) if self.tails else []
 
     def aliases(self, index: int) -> list[bytes]:
         """The alias hashes a prompt looks up after full chunk ``index - 1``."""
-        return [AliasHash(h) for h in self.tail_keys(index)]
+        return [AliasHash(h) for h in self.tail_hashes(index)]
 
     def indexed_hit(self, index: PresenceIndex) -> int:
         """Tokens the index says every rank stores: the run of full chunks, then the longer of
