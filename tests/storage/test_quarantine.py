@@ -118,3 +118,16 @@ def test_a_quarantine_of_no_time_blocks_nothing(make_manager, seconds):
     put_chunk(m, 8)
     m.quarantine("local_cpu", seconds)
     assert reads(m, 8)["get"] is True
+
+
+def test_a_quarantined_tier_is_never_named_as_a_chunks_source(make_manager):
+    """The source label decides which tier a wrong chunk quarantines: a chunk read from disk
+    while host memory is quarantined must be blamed on the disk."""
+    from kvtier.core.sources import chunk_sources
+
+    m = make_manager()
+    put_chunk(m, 9)
+    assert m.flush(10)
+    assert chunk_sources(m, [key(9)]) == ["local_cpu"]
+    m.quarantine("local_cpu", 30)
+    assert chunk_sources(m, [key(9)]) == ["local_disk"]

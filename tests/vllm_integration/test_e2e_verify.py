@@ -32,7 +32,9 @@ def metric(rows: list[dict], name: str, **labels: str) -> float:
 def test_a_planted_chunk_is_caught_removed_and_stored_again_right(
     run_engine, hit_reference, tmp_path
 ) -> None:
-    config = tiers(tmp_path, verify_fraction=1.0, verify_quarantine_s=600)
+    quarantine_s = 8
+    config = tiers(tmp_path, verify_fraction=1.0, verify_quarantine_s=quarantine_s)
+    metrics = {"op": "metrics"}
     out = run_engine(
         {
             "kvtier": config,
@@ -44,7 +46,13 @@ def test_a_planted_chunk_is_caught_removed_and_stored_again_right(
                 gen(DOC),  # sampled: computed, compared, the planted chunk caught
                 {"op": "flush"},
                 STATS,
-                {"op": "metrics"},
+                metrics,
+                gen(DOC),  # host memory quarantined: found on disk
+                metrics,
+                {"op": "sleep", "seconds": quarantine_s},
+                gen(DOC),  # the quarantine is over: found in host memory again
+                STATS,
+                metrics,
             ],
         }
     )
@@ -55,11 +63,20 @@ def test_a_planted_chunk_is_caught_removed_and_stored_again_right(
     assert metric(rows, "verify_mismatches", tier="local_cpu") == 1
     assert metric(rows, "verify_requests") == 1
     assert metric(rows, "verify_tokens") == FULL_HIT
-    # The request's own save stored DOC's first chunk again, computed: another engine on the
-    # same disk (no verification) loads it and answers as vLLM's prefix cache does.
-    after = run_engine({"kvtier": tiers(tmp_path), "steps": [gen(DOC), STATS]})
-    assert after[1]["loaded_tokens"] == FULL_HIT
-    assert after[0] == hit_reference["doc"]
+
+    def hits(rows: list[dict], tier: str) -> float:
+        return metric(rows, "lookup_hit_tokens", tier=tier)
+
+    during, after = out[8], out[12]
+    assert hits(during, "local_disk") - hits(rows, "local_disk") == FULL_HIT
+    assert hits(during, "local_cpu") == hits(rows, "local_cpu"), "quarantined: no host hit"
+    assert hits(after, "local_cpu") - hits(during, "local_cpu") == FULL_HIT, "it expired"
+    assert out[11]["verify_mismatches"] == 1, "what was stored again is right"
+    # Another engine on the same disk, without verification, loads DOC and answers as vLLM's
+    # prefix cache does.
+    again = run_engine({"kvtier": tiers(tmp_path), "steps": [gen(DOC), STATS]})
+    assert again[1]["loaded_tokens"] == FULL_HIT
+    assert again[0] == hit_reference["doc"]
 
 
 def test_a_right_cache_raises_no_alarm_under_full_verification(run_engine, tmp_path) -> None:

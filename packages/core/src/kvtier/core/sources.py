@@ -12,15 +12,25 @@ from kvtier.core.storage import StorageManager
 
 
 def chunk_sources(storage: StorageManager, keys: Sequence[ChunkKey]) -> list[str]:
-    """The tier name holding each of ``keys`` (all stored), host memory first. The host tier's
-    index is asked first; lower tiers but the last only with more than one lower tier (disk: a
-    stat per chunk not in host memory); a key none of them holds is labelled with the last tier.
-    A chunk that moves between tiers meanwhile may be labelled either way."""
+    """The tier name holding each of ``keys`` (all stored), host memory first, quarantined tiers
+    left out (they are not read). The host tier's index is asked first; lower tiers but the last
+    only with more than one lower tier (disk: a stat per chunk not in host memory); a key none of
+    them holds is labelled with the last tier. A chunk that moves between tiers meanwhile may be
+    labelled either way. The label decides which tier a wrong chunk puts in quarantine
+    (``kvtier.core.verify``)."""
     host = getattr(storage, "host", None)
-    lower = list(getattr(storage, "lower", ()))
+    quarantine = getattr(storage, "quarantined", None)
+
+    def readable(tier: object) -> bool:
+        return quarantine is None or not quarantine.blocked(str(getattr(tier, "name", "")))
+
     if host is None:
         return ["local_cpu"] * len(keys)
-    out = [str(host.name) if h else "" for h in host.contains(keys)] if keys else []
+    lower = [t for t in getattr(storage, "lower", ()) if readable(t)]
+    if keys and readable(host):
+        out = [str(host.name) if h else "" for h in host.contains(keys)]
+    else:
+        out = [""] * len(keys)
     rest = [i for i, name in enumerate(out) if not name]
     for tier in lower[:-1]:
         if not rest:
