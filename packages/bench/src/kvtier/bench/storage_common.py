@@ -118,7 +118,8 @@ def _fill(obj: MemoryObj, seed: int) -> None:
 def make_backend(
     cls: type[StorageBackend], shape: Shape, arena: HostArena, **cfg: Any
 ) -> StorageBackend:
-    """A ``cls`` tier for ``shape`` built from config overrides ``cfg`` (sealed if they set a key)."""
+    """A ``cls`` tier for ``shape`` built from config overrides ``cfg`` (sealed if they set a
+    key)."""
     config = load_config(overrides={"chunk_size": shape.tokens, **cfg}, env={})
     ns = KeyFactory("bench", shape.layout.fingerprint()).key(b"").namespace()
     key = config.encryption_key_bytes()

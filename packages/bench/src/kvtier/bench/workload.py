@@ -47,7 +47,8 @@ class Request:
 def build_requests(
     tokenizer: Any, num_docs: int, doc_tokens: int, questions: int = 2, seed: int = 0
 ) -> list[list[Request]]:
-    """``num_docs`` documents of exactly ``doc_tokens`` tokens, each with ``questions`` questions."""
+    """``num_docs`` documents of exactly ``doc_tokens`` tokens, each with ``questions``
+    questions."""
     rng = random.Random(seed)
     out = []
     for d in range(num_docs):

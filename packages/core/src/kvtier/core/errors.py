@@ -1,4 +1,5 @@
-"""Exceptions raised by kvtier. Every error names what was wrong and, where it can, how to fix it."""
+"""Exceptions raised by kvtier. Every error names what was wrong and, where it can, how to fix
+it."""
 
 from __future__ import annotations
 

@@ -146,7 +146,8 @@ def load_object(path: str) -> object:
 
 
 def plugin_entry_points(group: str, allow: Iterable[str] | None = None) -> list[EntryPoint]:
-    """Entry points of ``group``, narrowed by the allow-list (config ``plugins``/``KVTIER_PLUGINS``)."""
+    """Entry points of ``group``, narrowed by the allow-list (config ``plugins`` or
+    ``KVTIER_PLUGINS``)."""
     eps = list(entry_points(group=group))
     allowed = set(allow or ())
     if allowed:

@@ -180,7 +180,8 @@ def create_storage_manager(
     eps = [ep for ep in plugin_entry_points(STORAGE_GROUP) if ep.name == "manager"]
     if eps:
         factory = load_object(eps[0].value)
-        return factory(config=config, arena=arena, layout=layout, namespace=namespace)  # type: ignore[operator]
+        made = factory(config=config, arena=arena, layout=layout, namespace=namespace)  # type: ignore[operator]
+        return made
     extra = [t for t in config.tiers if t != "local_cpu"]
     if extra:
         raise ConfigError(

@@ -62,7 +62,8 @@ class LoadSpec:
 
 @dataclass
 class SaveSpec:
-    """Save the chunks of ``tokens`` that start at or after ``skip`` (they live in ``block_ids``)."""
+    """Save the chunks of ``tokens`` that start at or after ``skip`` (they live in
+    ``block_ids``)."""
 
     req_id: str
     tokens: np.ndarray
@@ -92,8 +93,8 @@ class KVTierMetadata(KVConnectorMetadata):
     preempted: set[str] = field(default_factory=set)
     releases: list[tuple[str, int]] = field(default_factory=list)  # holds not to be loaded
     probes: list[ProbeSpec] = field(default_factory=list)  # lookups to run on the workers
-    # Saves of finished requests' blocks near eviction (``scheduler/lazy.py``); their ``req_id`` names
-    # the save, and the worker reports each one's copy done in ``LazyWorkerMeta``.
+    # Saves of finished requests' blocks near eviction (``scheduler/lazy.py``); their ``req_id``
+    # names the save, and the worker reports each one's copy done in ``LazyWorkerMeta``.
     lazy_saves: list[SaveSpec] = field(default_factory=list)
     # The weights generation every spec of this step is keyed under (``reset_cache`` starts a
     # new one); a worker that sees it change drops its host-memory tier.

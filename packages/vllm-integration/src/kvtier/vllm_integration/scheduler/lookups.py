@@ -1,10 +1,10 @@
 """The scheduler side's lookups: per-request state, and the probe state machine.
 
 A waiting request is first checked against the index of stored chunks (``scheduler/index.py``); if
-it may hit beyond what vLLM already has, a *probe* (``scheduler/prompts.py``) goes to the workers with the
-next step's metadata and the lookup answers "not yet" until every rank has answered or
-``lookup_timeout_s`` has passed (a miss). The answer is the minimum hit over ranks; each rank's
-hold keeps the chunks it found until the load (or a release) reaches it.
+it may hit beyond what vLLM already has, a *probe* (``scheduler/prompts.py``) goes to the workers
+with the next step's metadata and the lookup answers "not yet" until every rank has answered or
+``lookup_timeout_s`` has passed (a miss). The answer is the minimum hit over ranks; each rank's hold
+keeps the chunks it found until the load (or a release) reaches it.
 
 With ``lookup: index`` (``lookup_mode``) a hit the index knows on every rank is answered at
 once, without a probe or a hold: the load reads the tiers on the worker's loader thread, and a

@@ -2,18 +2,17 @@
 
 Nothing here waits: no socket, disk or Redis call runs inside ``schedule()``. A lookup
 (``get_num_new_matched_tokens``) asks the index of stored chunks (``scheduler/index.py``, fed by the
-workers' per-step reports); a prompt that may hit beyond what vLLM has is *probed* on the
-workers (``scheduler/lookups.py``, ``scheduler/prompts.py``) and answered "not yet" (``None``) until every rank has
-answered with what it holds for the load (``worker/holds.py``); with ``lookup: index`` a hit the index
-knows is answered at once and loaded without a hold (``scheduler/lookups.py``). The hit is the minimum
-over ranks, cut
-to whole blocks and at most ``n - 1`` tokens (the last prompt token is always recomputed).
-``build_connector_meta`` turns each step's schedule into probes, loads, hold releases and saves
-(``scheduler/save_plan.py``: chunks completed by this step's forward pass). With ``load_async`` (the
-default; not with ``use_layerwise``) a hit loads on a worker thread while the request waits in
-WAITING_FOR_REMOTE_KVS. With ``offload: lazy`` nothing is saved while a request runs: its save
-is remembered when it finishes and sent once vLLM is about to evict its blocks (``scheduler/lazy.py``).
-The whole path, step by step: ``docs/serving.md``.
+workers' per-step reports); a prompt that may hit beyond what vLLM has is *probed* on the workers
+(``scheduler/lookups.py``, ``scheduler/prompts.py``) and answered "not yet" (``None``) until every
+rank has answered with what it holds for the load (``worker/holds.py``); with ``lookup: index`` a
+hit the index knows is answered at once and loaded without a hold (``scheduler/lookups.py``). The
+hit is the minimum over ranks, cut to whole blocks and at most ``n - 1`` tokens (the last prompt
+token is always recomputed). ``build_connector_meta`` turns each step's schedule into probes, loads,
+hold releases and saves (``scheduler/save_plan.py``: chunks completed by this step's forward pass).
+With ``load_async`` (the default; not with ``use_layerwise``) a hit loads on a worker thread while
+the request waits in WAITING_FOR_REMOTE_KVS. With ``offload: lazy`` nothing is saved while a request
+runs: its save is remembered when it finishes and sent once vLLM is about to evict its blocks
+(``scheduler/lazy.py``). The whole path, step by step: ``docs/serving.md``.
 
 Every lookup, load and save is keyed by the request's identity (``identity.py``): its scope
 (salt, LoRA adapter, weights generation) and its identity tokens (multimodal placeholders
@@ -329,8 +328,9 @@ class SchedulerSide:
 
     def request_finished(self, request: Request, block_ids: list[int] | None = None) -> bool:
         """Whether to keep the request's blocks until the worker's saves of it are done
-        (``get_finished``); not when every rank has copied them already (``scheduler/frees.py``). A hold
-        still pending for the request is released through the next step's metadata. With lazy
+        (``get_finished``); not when every rank has copied them already
+        (``scheduler/frees.py``). A hold still pending for the request is released through the
+        next step's metadata. With lazy
         offload the request's save is remembered instead (its blocks stay in vLLM's prefix
         cache)."""
         rid = request.request_id

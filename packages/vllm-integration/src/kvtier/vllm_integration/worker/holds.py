@@ -7,9 +7,9 @@ objects, so a chunk evicted in between (another request's save filling the host 
 make the load come up short.
 
 Each hold is filed under the request id and the scheduler's ``hold_id`` (a number the scheduler
-picks per lookup, the same for every rank). vLLM may ask several times for a waiting request:
-a lookup with the same ``hold_id``, tokens and scope (salt, adapter, generation) reuses the hold (and refreshes its age).
-A hold ends when
+picks per lookup, the same for every rank). vLLM may ask several times for a waiting request: a
+lookup with the same ``hold_id``, tokens and scope (salt, adapter, generation) reuses the hold (and
+refreshes its age). A hold ends when
 
 - its load takes it (``take``; the caller releases it right after the load),
 - the scheduler says it will not load it (``release`` with the hold id, through the per-step

@@ -181,7 +181,8 @@ class WorkerLoads:
 
     def take_finished(self, wait_s: float = 0.0) -> set[str]:
         """Requests whose asynchronous loads finished (their failed blocks join ``take_failed``),
-        after waiting up to ``wait_s`` for those submitted since the last call (``worker/loader.py``)."""
+        after waiting up to ``wait_s`` for those submitted since the last call
+        (``worker/loader.py``)."""
         done, failed = self._loader.take_finished(wait_s)
         self._failed |= failed
         return done

@@ -6,28 +6,22 @@ and starts reporting to the scheduler's index of stored chunks (``scheduler/inde
 local tiers hold, then every chunk a save commits, sent with each step's output
 (``build_connector_worker_meta``).
 
-Probes (``scheduler/prompts.py``) arrive in the step's metadata and run on the probe threads: each looks a
-prompt up in every tier and keeps what it finds as a *hold* (``worker/holds.py``), reading lower-tier
-hits into host memory now; the answer goes back with a later step's output. The load that
-follows reads exactly the held chunks, so a chunk evicted between probe and load is still
-loaded; the hold is released right after. The one way a load can still come up short is a hold
-that expired before its load (``messages.hold_ttl_s``); such a load reads the tiers again and
-may miss chunks evicted meanwhile. A short load is reported through
-``get_block_ids_with_load_errors``: with ``kv_load_failure_policy="recompute"`` vLLM recomputes
-those blocks, with "fail" the request fails. Synchronous loads run in ``start_load_kv`` before
-the forward pass, or layer by layer in ``wait_for_layer_load`` with ``use_layerwise``; loads
-marked ``load_async`` go to the loader thread and are reported through ``get_finished`` (their
-failed blocks through ``get_block_ids_with_load_errors`` in the same step's output). The loads
-themselves: ``worker/loads.py``.
+Probes (``scheduler/prompts.py``) arrive in the step's metadata and run on the probe threads: each
+looks a prompt up in every tier and keeps what it finds as a *hold* (``worker/holds.py``), reading
+lower-tier hits into host memory now; the answer goes back with a later step's output. The load that
+follows reads exactly the held chunks, so a chunk evicted between probe and load is still loaded;
+the hold is released right after. The one way a load can still come up short is a hold that expired
+before its load (``messages.hold_ttl_s``); such a load reads the tiers again and may miss chunks
+evicted meanwhile. A short load is reported through ``get_block_ids_with_load_errors``: with
+``kv_load_failure_policy="recompute"`` vLLM recomputes those blocks, with "fail" the request fails.
+Synchronous loads run in ``start_load_kv`` before the forward pass, or layer by layer in
+``wait_for_layer_load`` with ``use_layerwise``; loads marked ``load_async`` go to the loader thread
+and are reported through ``get_finished`` (their failed blocks through
+``get_block_ids_with_load_errors`` in the same step's output). The loads themselves:
+``worker/loads.py``.
 
-Saves are asynchronous (``worker/saver.py``): ``wait_for_save`` hands the step's saves to the saver
-thread with a device marker of the forward pass. The scheduler side keeps the blocks of every
-request that had a save until the worker reports, through ``get_finished``, that the request's
-saves are done. Before vLLM reuses the blocks of a preempted request (``handle_preemptions``)
-the saver is drained. With ``use_layerwise`` each layer is captured in ``save_kv_layer`` right
-after attention wrote it, so the saves are complete when the step ends. Lazy saves
-(``scheduler/lazy.py``: blocks of finished requests the scheduler touched) go to the same saver; each
-one's copy is reported done in the next ``LazyWorkerMeta``.
+Saves, lazy saves and the sampled checks of verification run on the saver thread
+(``worker/saves.py``); the scheduler keeps a request's blocks until they are done.
 
 A step whose metadata carries a new weights generation (``reset_cache`` on the scheduler)
 first drops the host-memory tier: its chunks were computed with the old weights.
@@ -37,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +42,7 @@ from kvtier.core.engine import CacheEngine
 from kvtier.core.errors import LayoutError
 from kvtier.core.keys import KeyScope
 from kvtier.core.metrics import engine_values
-from kvtier.core.platform import Marker, get_platform
+from kvtier.core.platform import get_platform
 from kvtier.core.thread_cpu import PROCESS_THREADS
 from kvtier.vllm_integration.channel import ControlServer, socket_path
 from kvtier.vllm_integration.identity import engine_rank, model_identity
@@ -60,17 +53,14 @@ from kvtier.vllm_integration.messages import (
     LazyWorkerMeta,
     LoadSpec,
     ProbeSpec,
-    SaveSpec,
-    VerifySpec,
     hold_ttl_s,
-    slot_mapping,
 )
 from kvtier.vllm_integration.stats import Counters, KVTierStats, StatsTracker, StepTimer
 from kvtier.vllm_integration.worker.feed import PresenceFeed
 from kvtier.vllm_integration.worker.holds import HoldTable
 from kvtier.vllm_integration.worker.loads import WorkerLoads
 from kvtier.vllm_integration.worker.prober import Prober
-from kvtier.vllm_integration.worker.saver import Saver
+from kvtier.vllm_integration.worker.saves import SAVE_DRAIN_TIMEOUT_S, WorkerSaves
 from kvtier.vllm_integration.worker.verify import WorkerVerify
 
 if TYPE_CHECKING:
@@ -79,9 +69,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvtier")
 
-SAVE_DRAIN_TIMEOUT_S = 60.0
-# How long get_finished waits for this step's asynchronous loads (``worker/loader.py``): a host-memory
-# load is done within it and its request is scheduled a step sooner.
+# How long get_finished waits for this step's asynchronous loads (``worker/loader.py``): a
+# host-memory load is done within it and its request is scheduled a step sooner.
 LOAD_REPORT_WAIT_S = 0.005
 WORKER_COUNTERS = (
     "load_requests",
@@ -108,12 +97,11 @@ class Runtime:
     rank: int  # this worker's engine-local rank
     layer_of: dict[str, int]  # vLLM's layer name -> layer index
     holds: HoldTable
-    saver: Saver
+    saves: WorkerSaves
     loads: WorkerLoads
     feed: PresenceFeed
     prober: Prober
     server: ControlServer
-    verify: WorkerVerify
 
 
 class WorkerSide:
@@ -136,10 +124,6 @@ class WorkerSide:
         self._vllm_config = vllm_config
         self._engine_id = engine_id
         self._rt: Runtime | None = None  # built by register_kv_caches
-        self._store_gens: list[Iterator[int]] = []
-        self._saving_reqs: set[str] = set()  # requests that had a save (their blocks are held)
-        self._lazy_saves: set[str] = set()  # lazy saves submitted, not yet reported copied
-        self._finishing: set[str] = set()
         self._generation: str | None = None
         self.counters = Counters(WORKER_COUNTERS)
         self._count = self.counters.add
@@ -159,7 +143,7 @@ class WorkerSide:
         values.update(self.counters.values(WORKER_METRICS))
         values["hold_expiries"] = {"": rt.holds.stats()["hold_expiries"]}
         values["background_cpu_seconds"] = {"": PROCESS_THREADS.seconds()}
-        values.update(rt.verify.verifier.values())
+        values.update(rt.saves.verify.verifier.values())
         return self.metrics.delta(values)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -198,7 +182,17 @@ class WorkerSide:
             rank=worker,
             layer_of=reg.layer_of,
             holds=holds,
-            saver=Saver(self._store, self._saved),
+            saves=WorkerSaves(
+                self.config,
+                engine,
+                WorkerVerify(
+                    engine, holds, block_size=self.block_size, quarantined=feed.quarantined
+                ),
+                block_size=self.block_size,
+                layer_of=reg.layer_of,
+                count=self._count,
+                metrics=self.metrics,
+            ),
             loads=WorkerLoads(
                 self.config,
                 engine,
@@ -213,9 +207,6 @@ class WorkerSide:
             feed=feed,
             prober=Prober(self._probe, feed.answer),
             server=ControlServer(socket_path(self._engine_id, worker), self._serve),
-            verify=WorkerVerify(
-                engine, holds, block_size=self.block_size, quarantined=feed.quarantined
-            ),
         )
         logger.info(
             "kvtier: %s (fingerprint %s), tiers %s, control channel %s",
@@ -238,12 +229,12 @@ class WorkerSide:
             stats: dict[str, int] = self.counters.snapshot()
             stats.update(rt.holds.stats())
             stats.update({f"engine_{k}": v for k, v in rt.engine.stats.as_dict().items()})
-            stats.update(rt.verify.stats())
+            stats.update(rt.saves.verify.stats())
             return {"stats": stats}
         if op == "flush":
             # Saves queued so far, then lower-tier writes: what a planned restart waits for.
             timeout = float(request.get("timeout_s", SAVE_DRAIN_TIMEOUT_S))
-            ok = rt.saver.drain(timeout) and rt.engine.storage.flush(timeout)
+            ok = rt.saves.saver.drain(timeout) and rt.engine.storage.flush(timeout)
             return {"flushed": ok}
         raise ValueError(f"unknown control channel request {op!r}")
 
@@ -259,7 +250,7 @@ class WorkerSide:
     def _await_related_saves(self, tokens: np.ndarray, scope: KeyScope) -> None:
         """Before a probe's lookup or an index-answered load: a save of the same prefix still
         copying would be missed, give it a moment (at most half of ``lookup_timeout_s``)."""
-        if not self._runtime().saver.wait_related(
+        if not self._runtime().saves.saver.wait_related(
             tokens, scope, self.chunk_size, self.config.lookup_timeout_s / 2
         ):
             logger.warning("kvtier: lookup answered before a save of the same prefix finished")
@@ -279,12 +270,11 @@ class WorkerSide:
         rt = self._rt
         if rt is None:
             return None
-        rt.feed.saves_copied(rt.saver.copied_through)
+        rt.feed.saves_copied(rt.saves.saver.copied_through)
         report = rt.feed.take()
         if self.config.offload != "lazy":
             return report
-        done = self._lazy_saves - rt.saver.pending(self._lazy_saves)
-        self._lazy_saves -= done
+        done = rt.saves.lazy_copied()
         reports = report.reports if report is not None else {}
         return LazyWorkerMeta(reports, {rt.rank: sorted(done)} if done else {})
 
@@ -322,85 +312,22 @@ class WorkerSide:
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._rt.loads.take_failed() if self._rt is not None else set()
 
-    # -- saves ---------------------------------------------------------------------------------
-    def _save_slots(self, spec: SaveSpec) -> torch.Tensor:
-        n = len(spec.tokens)
-        return torch.from_numpy(slot_mapping(spec.block_ids, self.block_size, n, spec.skip, n))
-
-    def _store(self, spec: SaveSpec | VerifySpec, ready: Marker, keep: Any) -> int:
-        if isinstance(spec, VerifySpec):
-            self._runtime().verify.run(spec, ready)
-            return 0
-        t0 = time.perf_counter()
-        n = self._runtime().engine.store(
-            spec.tokens, self._save_slots(spec), scope=spec.scope, ready=ready, keep=keep
-        )
-        self.metrics.observe("save_seconds", time.perf_counter() - t0)
-        return n
-
-    def _saved(self, tokens: int, failed: bool) -> None:
-        self._count(save_jobs=1, saved_tokens=tokens, save_errors=int(failed))
-
+    # -- saves (worker/saves.py) ---------------------------------------------------------------
     def save_kv_layer(self, layer_name: str, meta: KVTierMetadata) -> None:
-        rt = self._rt
-        if not self.config.use_layerwise or rt is None or not meta.saves:
-            return
-        if rt.layer_of.get(layer_name) == 0:
-            self._store_gens = [
-                rt.engine.store_layerwise(s.tokens, self._save_slots(s), scope=s.scope)
-                for s in meta.saves
-            ]
-            self._count(save_jobs=len(meta.saves))
-        for gen in self._store_gens:
-            next(gen, None)
+        if self.config.use_layerwise and self._rt is not None and meta.saves:
+            self._rt.saves.save_layer(layer_name, meta)
 
     def wait_for_save(self, meta: KVTierMetadata | None) -> None:
         rt = self._rt
         if rt is None:
             return
         rt.loads.finish()
-        if meta is None:
-            return
-        # Freed by vLLM already (their saves were copied): never reported in finished_sending.
-        self._saving_reqs.difference_update(meta.unheld)
-        if meta.lazy_saves:
-            # Blocks of finished requests, touched by the scheduler until reported copied; the
-            # marker orders the copy after any device work still writing them.
-            self._lazy_saves.update(spec.req_id for spec in meta.lazy_saves)
-            marker = rt.engine.platform.record_marker()
-            rt.saver.submit(meta.lazy_saves, marker, meta.step)
-        # The scheduler holds the blocks of every request with a save (or a verification)
-        # until get_finished says so.
-        self._saving_reqs.update(spec.req_id for spec in [*meta.saves, *meta.verifies])
-        if meta.verifies:
-            # Before this step's saves: a chunk found wrong is removed, and saved afresh.
-            rt.saver.submit(meta.verifies, rt.engine.platform.record_marker(), meta.step)
-        if self.config.use_layerwise:
-            gens, self._store_gens = self._store_gens, []
-            before = rt.engine.stats.stored_tokens
-            for gen in gens:
-                for _ in gen:
-                    pass
-            self._count(saved_tokens=rt.engine.stats.stored_tokens - before)
-            rt.saver.mark(meta.step)  # copied already, layer by layer
-            return
-        if meta.saves:
-            # On the thread and stream of vLLM's forward pass: the saver's copies wait for it.
-            rt.saver.submit(meta.saves, rt.engine.platform.record_marker(), meta.step)
-        rt.saver.mark(meta.step)
+        if meta is not None:
+            rt.saves.submit(meta)
 
     def handle_preemptions(self, meta: KVTierMetadata) -> None:
-        """A preempted request's blocks are reused by this step: finish reading them first (a
-        save still copying when the drain times out is abandoned, never committed)."""
-        if not meta.preempted or self._rt is None:
-            return
-        if not self._rt.saver.drain(SAVE_DRAIN_TIMEOUT_S):
-            self._count(saves_abandoned=1)
-            logger.error(
-                "kvtier: saves did not finish in %.0f s before blocks were reused; "
-                "the unfinished ones are abandoned",
-                SAVE_DRAIN_TIMEOUT_S,
-            )
+        if meta.preempted and self._rt is not None:
+            self._rt.saves.before_reuse()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``(saves done, async loads done)``; the failed blocks of the loads reported here go
@@ -411,12 +338,7 @@ class WorkerSide:
         if finished_req_ids:
             rt.holds.release_requests(finished_req_ids)
         recving = rt.loads.take_finished(LOAD_REPORT_WAIT_S)
-        self._finishing |= finished_req_ids & self._saving_reqs
-        if not self._finishing:
-            return None, (recving or None)
-        done = self._finishing - rt.saver.pending(self._finishing)
-        self._finishing -= done
-        self._saving_reqs -= done
+        done = rt.saves.finished(finished_req_ids)
         return (done or None), (recving or None)
 
     def shutdown(self) -> None:
@@ -425,7 +347,7 @@ class WorkerSide:
             return
         rt.prober.close()
         rt.loads.close(SAVE_DRAIN_TIMEOUT_S)
-        rt.saver.close(SAVE_DRAIN_TIMEOUT_S)
+        rt.saves.close()
         rt.server.close()
         rt.holds.close()
         rt.engine.storage.flush(timeout=SAVE_DRAIN_TIMEOUT_S)

@@ -1,0 +1,150 @@
+"""The worker's saves: copies of computed chunks off the device, and the sampled checks.
+
+Saves are asynchronous (``worker/saver.py``): ``submit`` (in ``wait_for_save``) hands the step's
+saves to the saver thread with a device marker of the forward pass. The scheduler side keeps the
+blocks of every request that had a save until the worker reports, through ``get_finished``
+(``finished``), that the request's saves are done. Before vLLM reuses the blocks of a preempted
+request (``handle_preemptions``) the saver is drained. With ``use_layerwise`` each layer is
+captured in ``save_kv_layer`` right after attention wrote it, so the saves are complete when the
+step ends. Lazy saves (``scheduler/lazy.py``: blocks of finished requests the scheduler touched)
+go to the same saver; each one's copy is reported done (``lazy_copied``). Verifications
+(``worker/verify.py``) run on the saver too, before the step's saves, and keep their blocks the
+same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from kvtier.core.config import KVTierConfig
+from kvtier.core.engine import CacheEngine
+from kvtier.core.platform import Marker
+from kvtier.vllm_integration.messages import KVTierMetadata, SaveSpec, VerifySpec, slot_mapping
+from kvtier.vllm_integration.stats import StatsTracker
+from kvtier.vllm_integration.worker.saver import Saver
+from kvtier.vllm_integration.worker.verify import WorkerVerify
+
+logger = logging.getLogger("kvtier")
+
+SAVE_DRAIN_TIMEOUT_S = 60.0
+
+
+class WorkerSaves:
+    """One worker's saves and checks (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: KVTierConfig,
+        engine: CacheEngine,
+        verify: WorkerVerify,
+        *,
+        block_size: int,
+        layer_of: dict[str, int],
+        count: Callable[..., None],
+        metrics: StatsTracker,
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.verify = verify
+        self.block_size = block_size
+        self.layer_of = layer_of
+        self._count = count
+        self.metrics = metrics
+        self.saver = Saver(self._run, self._done)
+        self._store_gens: list[Iterator[int]] = []
+        self._saving: set[str] = set()  # requests that had a save (their blocks are held)
+        self._lazy: set[str] = set()  # lazy saves submitted, not yet reported copied
+        self._finishing: set[str] = set()
+
+    def _slots(self, spec: SaveSpec) -> torch.Tensor:
+        n = len(spec.tokens)
+        return torch.from_numpy(slot_mapping(spec.block_ids, self.block_size, n, spec.skip, n))
+
+    def _run(self, spec: SaveSpec | VerifySpec, ready: Marker, keep: Any) -> int:
+        """One saver job: a check, or a save (tokens stored)."""
+        if isinstance(spec, VerifySpec):
+            self.verify.run(spec, ready)
+            return 0
+        t0 = time.perf_counter()
+        n = self.engine.store(
+            spec.tokens, self._slots(spec), scope=spec.scope, ready=ready, keep=keep
+        )
+        self.metrics.observe("save_seconds", time.perf_counter() - t0)
+        return n
+
+    def _done(self, tokens: int, failed: bool) -> None:
+        self._count(save_jobs=1, saved_tokens=tokens, save_errors=int(failed))
+
+    def save_layer(self, layer_name: str, meta: KVTierMetadata) -> None:
+        """``save_kv_layer`` with ``use_layerwise``: capture one layer of the step's saves."""
+        if self.layer_of.get(layer_name) == 0:
+            self._store_gens = [
+                self.engine.store_layerwise(s.tokens, self._slots(s), scope=s.scope)
+                for s in meta.saves
+            ]
+            self._count(save_jobs=len(meta.saves))
+        for gen in self._store_gens:
+            next(gen, None)
+
+    def submit(self, meta: KVTierMetadata) -> None:
+        """``wait_for_save``: hand the step's lazy saves, checks and saves to the saver."""
+        platform = self.engine.platform
+        # Freed by vLLM already (their saves were copied): never reported in finished_sending.
+        self._saving.difference_update(meta.unheld)
+        if meta.lazy_saves:
+            # Blocks of finished requests, touched by the scheduler until reported copied; the
+            # marker orders the copy after any device work still writing them.
+            self._lazy.update(spec.req_id for spec in meta.lazy_saves)
+            self.saver.submit(meta.lazy_saves, platform.record_marker(), meta.step)
+        # The scheduler holds the blocks of every request with a save (or a check) until
+        # get_finished says so.
+        self._saving.update(spec.req_id for spec in [*meta.saves, *meta.verifies])
+        if meta.verifies:
+            # Before this step's saves: a chunk found wrong is removed, and saved afresh.
+            self.saver.submit(meta.verifies, platform.record_marker(), meta.step)
+        if self.config.use_layerwise:
+            gens, self._store_gens = self._store_gens, []
+            before = self.engine.stats.stored_tokens
+            for gen in gens:
+                for _ in gen:
+                    pass
+            self._count(saved_tokens=self.engine.stats.stored_tokens - before)
+        elif meta.saves:
+            # On the thread and stream of vLLM's forward pass: the saver's copies wait for it.
+            self.saver.submit(meta.saves, platform.record_marker(), meta.step)
+        self.saver.mark(meta.step)  # layer-wise saves are copied already
+
+    def before_reuse(self) -> None:
+        """A preempted request's blocks are reused by this step: finish reading them first (a
+        save still copying when the drain times out is abandoned, never committed)."""
+        if not self.saver.drain(SAVE_DRAIN_TIMEOUT_S):
+            self._count(saves_abandoned=1)
+            logger.error(
+                "kvtier: saves did not finish in %.0f s before blocks were reused; "
+                "the unfinished ones are abandoned",
+                SAVE_DRAIN_TIMEOUT_S,
+            )
+
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Of the finished requests whose blocks kvtier holds, those whose saves are done."""
+        self._finishing |= finished_req_ids & self._saving
+        if not self._finishing:
+            return set()
+        done = self._finishing - self.saver.pending(self._finishing)
+        self._finishing -= done
+        self._saving -= done
+        return done
+
+    def lazy_copied(self) -> set[str]:
+        """Lazy saves whose copies are done since the last call."""
+        done = self._lazy - self.saver.pending(self._lazy)
+        self._lazy -= done
+        return done
+
+    def close(self) -> None:
+        self.saver.close(SAVE_DRAIN_TIMEOUT_S)
