@@ -34,10 +34,7 @@ from kvtier.vllm_integration import logs
 from kvtier.vllm_integration.identity import adapter_identity, cacheable, identity_tokens
 from kvtier.vllm_integration.messages import (
     KVTierMetadata,
-    KVTierWorkerMeta,
-    LazyWorkerMeta,
     LoadSpec,
-    RankReport,
     SaveSpec,
 )
 from kvtier.vllm_integration.scheduler.events import EventLog
@@ -50,6 +47,7 @@ from kvtier.vllm_integration.scheduler.lookups import (
     lookup_mode,
     warn_load_failure_policy,
 )
+from kvtier.vllm_integration.scheduler.outputs import StepOutputs
 from kvtier.vllm_integration.scheduler.prompts import PromptHashes, Sightings
 from kvtier.vllm_integration.scheduler.save_plan import SavePlanner
 from kvtier.vllm_integration.scheduler.verify import VerifySampling
@@ -112,6 +110,17 @@ class SchedulerSide:
             self.lazy = LazyOffload(block_size, target, num_workers)
         self._async_loads: list[LoadSpec] = []  # for the next step's metadata
         self.frees = BlockFrees(num_workers)
+        self.outputs = StepOutputs(
+            self._reqs,
+            self.index,
+            self.lookups,
+            self.frees,
+            self.events,
+            self.verify,
+            self.lazy,
+            self._hashes,
+            self.chunk_size,
+        )
         self._step = 0  # serial number of the step whose metadata is being built
         self.generation: str | None = None
         self._counts = {"lookups": 0, "hit_tokens": 0, "uncacheable": 0}
@@ -364,56 +373,8 @@ class SchedulerSide:
         )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """A step's results: saves done (vLLM frees those requests' blocks now), and the
-        workers' reports (new chunks for the index, probe answers, lazy copies done)."""
-        self.frees.sent(set(output.finished_sending or ()))
-        self._load_failures(output.invalid_block_ids, output.failed_recving)
-        meta = output.kv_connector_worker_meta
-        if isinstance(meta, KVTierWorkerMeta):
-            for report in meta.reports.values():
-                self._apply(report)
-        if isinstance(meta, LazyWorkerMeta) and self.lazy is not None:
-            for rank, lazy_ids in meta.saved.items():
-                self.lazy.copied(rank, lazy_ids)
-
-    def _load_failures(self, blocks: set[int], requests: set[str]) -> None:
-        """Requests whose load failed (a block in ``blocks``, or named in ``requests``): vLLM
-        recomputes them; kvtier stops offering them a hit."""
-        if not blocks and not requests:
-            return
-        for rid, state in self._reqs.items():
-            if state.load_failed:
-                continue
-            if rid in requests or not blocks.isdisjoint(state.block_ids):
-                state.load_failed = True
-                self.lookups.release(state)
-                logger.warning(
-                    "kvtier: loading request %s failed; it is recomputed and not offered a "
-                    "kvtier hit again",
-                    rid,
-                )
-
-    def _apply(self, report: RankReport) -> None:
-        self.index.apply(report)
-        for _, seconds in report.quarantined:
-            self.verify.quarantined(seconds)
-        self.frees.copied(report.rank, report.saves_copied)
-        if report.rank == 0:
-            self.events.stored("local_cpu", report.added)
-            self.events.removed("local_cpu", report.evicted)
-            for tier, stored, dropped in report.tier_events:
-                self.events.stored(tier, stored)
-                self.events.removed(tier, dropped)
-        for ans in report.answers:
-            state = self._reqs.get(ans.req_id)
-            hashes = self._hashes(state) if state is not None else None
-            self.lookups.answer(state, hashes, report.rank, ans)
-        for rid, found in report.short:
-            state = self._reqs.get(rid)
-            self.lookups.shortfall(self._hashes(state) if state else None, report.rank, found)
-            if state is not None:
-                # vLLM recomputes what the load missed: save those chunks again
-                state.saved_upto = min(state.saved_upto, found // self.chunk_size * self.chunk_size)
+        """A step's results (``scheduler/outputs.py``)."""
+        self.outputs.apply(output)
 
     def has_pending_block_frees(self) -> bool:
         """Blocks of finished requests come back once their saves are copied off the device
