@@ -41,12 +41,11 @@ TEST_DEPS = (
     "pytest>=8",
     "pytest-timeout>=2.3",
     "hypothesis>=6.100",
-    "redis>=5.0",
     "prometheus-client>=0.17",
 )
 MEMBERS = {
     "core": "packages/core",
-    "storage": "packages/storage[redis,encryption]",
+    "storage": "packages/storage[encryption]",
     "cuda": "packages/cuda",
     "xpu": "packages/xpu",
     "vllm": "packages/vllm-integration",
@@ -266,7 +265,7 @@ def bench(session: nox.Session) -> None:
     load (without LMCache: ``kvtier bench serve --lmcache-python`` adds it), and GPU transfer
     where a GPU exists."""
     _ensure_redis_server(session)
-    _install(session, tuple(MEMBERS), vllm=True, extra=(*TOOL_DEPS, "redis>=5.0"))
+    _install(session, tuple(MEMBERS), vllm=True, extra=TOOL_DEPS)
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     which = session.posargs or ["hashing", "storage", "scheduler", "e2e", "serve", "transfer"]
     for name in which:

@@ -183,7 +183,6 @@ def test_aliases_ride_in_their_chunks_queue_slot(tmp_path) -> None:
 @pytest.mark.redis
 @pytest.mark.parametrize("at", [CHUNK - BLOCK, CHUNK + BLOCK, 2 * CHUNK + 3 * BLOCK])
 def test_redis_serves_another_engines_aliases(tmp_path, redis_clean, at: int) -> None:
-    pytest.importorskip("redis", reason="redis-py (kvtier[redis]) is not installed")
     cfg = {"tiers": ["local_cpu", "redis"], "redis_url": redis_clean.url}
     src = store_doc(tmp_path / "a", **cfg)
     assert load_in_fresh_engine(tmp_path / "b", diverging(at), src, **cfg) == at

@@ -44,5 +44,4 @@ def test_engine_round_trip_through_disk(tmp_path):
 
 @pytest.mark.redis
 def test_engine_round_trip_through_redis(tmp_path, redis_clean):
-    pytest.importorskip("redis", reason="redis-py (kvtier[redis]) is not installed")
     round_trip(tmp_path, tiers=["local_cpu", "redis"], redis_url=redis_clean.url)

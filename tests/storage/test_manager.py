@@ -254,8 +254,8 @@ def test_unknown_tier_is_a_config_error(tmp_path):
         )
 
 
-def test_without_redis_py_the_redis_tier_still_works(tmp_path):
-    """The tier speaks RESP itself (redis-py is needed only by the CLI's Redis inventory)."""
+def test_without_redis_py_the_redis_tier_and_inventory_still_work(tmp_path):
+    """The tier and the CLI's Redis inventory speak RESP themselves: kvtier needs no redis-py."""
     code = f"""
 import sys
 sys.modules["redis"] = None  # as if redis-py were not installed
@@ -269,7 +269,12 @@ cfg = load_config(overrides={{"tiers": ["local_cpu", "redis"], "redis_url": "red
 m = create_storage_manager(cfg, HostArena.create(1 << 20), LAYOUT, NAMESPACE)
 assert m.get(key(0)) is None  # nothing listens there: a miss
 m.close()
-print("OK")
+from kvtier.storage.inventory import RedisInventory
+inv = RedisInventory.connect("redis://127.0.0.1:1", "kvtier:", timeout_s=0.5)
+try:
+    list(inv.entries())
+except ConnectionRefusedError:
+    print("OK")
 """
     here = str(__import__("pathlib").Path(__file__).parent)
     out = subprocess.run(

@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from redis_client import RedisClient
 from storage_helpers import (
     ARENA_BYTES,
     CHUNK,
@@ -33,7 +34,6 @@ from kvtier.storage.backends.redis_format import TAIL
 from kvtier.storage.sealing import Sealer
 from kvtier.storage.stats import StorageStats
 
-redis = pytest.importorskip("redis", reason="redis-py (kvtier[redis]) is not installed")
 pytest.importorskip("cryptography", reason="kvtier[encryption] is not installed")
 
 pytestmark = pytest.mark.redis
@@ -67,7 +67,7 @@ def get_and_release(m, i):
 def test_round_trip_stores_only_ciphertext(make_manager, redis_clean):
     m = sealed_manager(make_manager, redis_clean.url)
     stored(m, 0, 1, 2)
-    client = redis.Redis.from_url(redis_clean.url)
+    client = RedisClient(redis_clean.url)
     assert sorted(k.decode() for k in client.keys("*")) == sorted(
         k for i in range(3) for k in entries(i)
     )
@@ -103,7 +103,7 @@ def test_another_key_or_none_is_a_counted_miss_and_is_deleted(make_manager, redi
     stored(m, 0, 1)
     m.close()
     m2 = sealed_manager(make_manager, redis_clean.url, KEY_B if reader == "other_key" else None)
-    client = redis.Redis.from_url(redis_clean.url)
+    client = RedisClient(redis_clean.url)
     if reader == "other_key":
         assert m2.prefix_hits([key(0)]) == 0  # the head's key check: a lookup already knows
     assert m2.get(key(0)) is None
@@ -121,7 +121,7 @@ def test_a_plain_value_read_with_a_key_is_a_counted_miss(make_manager, redis_cle
     assert m2.contains([key(0)]) == [False]
     assert m2.get(key(1)) is None
     assert m2.stats.get("redis.sealed_rejected") == 2
-    assert redis.Redis.from_url(redis_clean.url).exists(*entries(0, 2), *entries(1, 2)) == 0
+    assert RedisClient(redis_clean.url).exists(*entries(0, 2), *entries(1, 2)) == 0
     stored(m2, 0)  # and the key is usable again
     assert torch.equal(get_and_release(m2, 0), chunk_value(0))
 
@@ -152,7 +152,7 @@ DAMAGE = [
 def test_a_tampered_value_is_a_miss(make_manager, redis_clean, damage):
     m = sealed_manager(make_manager, redis_clean.url)
     stored(m, 0, 1)
-    client = redis.Redis.from_url(redis_clean.url)
+    client = RedisClient(redis_clean.url)
     seg, tag = entries(0)[2], entries(0)[3]
 
     def flip(name: str, at: int) -> None:
@@ -263,7 +263,7 @@ def test_sealed_chunks_read_back_exactly_or_miss(
         src.tensor.copy_(chunk_value(3, tokens))
         b.batched_put([(key(3), src)])
         src.release()
-        client = redis.Redis.from_url(redis_clean.url)
+        client = RedisClient(redis_clean.url)
         names = sorted(k.decode() for k in client.keys("*"))
         assert len(names) == 1 + -(-(meta(tokens).nbytes + 16) // segment_bytes)
         if damage:

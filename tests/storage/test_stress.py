@@ -73,7 +73,6 @@ def test_stress_host_and_disk(make_manager):
 
 @pytest.mark.redis
 def test_stress_host_disk_and_redis(make_manager, redis_clean, tmp_path):
-    pytest.importorskip("redis", reason="redis-py (kvtier[redis]) is not installed")
     budget = 10 * (meta().nbytes + 512) / (1 << 30)  # disk holds 10 of the 24 keys
     m = make_manager(
         arena_bytes=6 * meta().nbytes,

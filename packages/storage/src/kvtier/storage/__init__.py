@@ -1,7 +1,8 @@
 """kvtier-storage: the tiered StorageManager and its backends (host memory, local disk, Redis).
 
-Importing this package never imports redis-py; the redis backend imports it when selected and
-raises ``MissingExtraError`` (naming the ``redis`` extra) when it is not installed.
+The redis backend and the CLI's Redis inventory speak RESP with kvtier's own client
+(``backends/redis_resp.py``): no Redis client library is needed. ``encryption_key`` needs the
+``encryption`` extra (``MissingExtraError`` names it when it is missing).
 """
 
 from kvtier.storage.__about__ import __version__

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from kvtier.core.config import KVTierConfig, load_config, mask_url
-from kvtier.core.errors import ConfigError, MissingExtraError
+from kvtier.core.errors import ConfigError
 from kvtier.core.keys import model_id, salt_id
 from kvtier.storage.inventory import DiskInventory, Entry, RedisInventory, select, summarize
 
@@ -99,7 +99,7 @@ def _run(command: str, about: str, argv: list[str], body: Any, *, dry_run: bool 
     args = parser.parse_args(argv)
     try:
         sources = _sources(args)
-    except (ConfigError, MissingExtraError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError) as e:
         print(f"kvtier {command}: {e}", file=sys.stderr)
         return 2
     results = []

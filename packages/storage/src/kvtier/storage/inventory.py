@@ -29,6 +29,9 @@ from kvtier.core.keys import ALIAS_PREFIX, ChunkKey
 from kvtier.storage import codec
 from kvtier.storage.backends._disk_io import open_regular, remove_entry
 from kvtier.storage.backends.local_disk import SUFFIX
+from kvtier.storage.backends.redis_cluster import SlotMap, key_slot
+from kvtier.storage.backends.redis_resp import Connection, Deadline, command
+from kvtier.storage.backends.redis_url import Endpoint, parse_url
 
 # A header is a few hundred bytes: one read of this many covers it; a longer one is read again.
 _HEAD_GUESS = 4096
@@ -145,12 +148,21 @@ def _glob_escape(text: str) -> str:
 
 
 class RedisInventory:
-    """The keys under ``prefix`` on a Redis/Valkey server or cluster (``SCAN``, then
-    ``GETRANGE`` of each value's header, ``STRLEN`` and ``OBJECT IDLETIME`` in pipelines)."""
+    """The keys under ``prefix`` on a Redis/Valkey server, or on every master of a cluster:
+    ``SCAN`` on each, then ``GETRANGE`` of each value's header, ``STRLEN`` and ``OBJECT
+    IDLETIME``, pipelined on the same connection. It speaks RESP through the tier's own client
+    (``backends.redis_resp``); connections open at first use, one per server, and every round
+    trip has ``timeout_s``."""
 
-    def __init__(self, client: Any, prefix: str) -> None:
-        self.client = client
+    def __init__(
+        self, endpoint: Endpoint, prefix: str, *, cluster: bool = False, timeout_s: float = 5.0
+    ) -> None:
+        self.endpoint = endpoint
         self.prefix = prefix
+        self.cluster = cluster
+        self.timeout_s = timeout_s
+        self._slots: SlotMap | None = None
+        self._conns: dict[str, Connection] = {}
 
     @classmethod
     def connect(
@@ -163,23 +175,44 @@ class RedisInventory:
         password: str | None = None,
         timeout_s: float = 5.0,
     ) -> RedisInventory:
+        """The inventory of ``url`` (``username``/``password`` override the URL's)."""
+        endpoint = parse_url(url, username, password)
+        return cls(endpoint, prefix, cluster=cluster, timeout_s=timeout_s)
+
+    # -- servers -------------------------------------------------------------------------------
+    def _slot_map(self) -> SlotMap:
+        if self._slots is None:
+            deadline = Deadline(self.timeout_s)
+            self._slots = SlotMap.load(self.endpoint, self.timeout_s, deadline, [])
+        return self._slots
+
+    def _servers(self) -> list[Endpoint]:
+        if not self.cluster:
+            return [self.endpoint]
+        return [self.endpoint.at(host, port) for host, port in self._slot_map().nodes()]
+
+    def _owner(self, name: bytes) -> Endpoint | None:
+        if not self.cluster:
+            return self.endpoint
+        owner = self._slot_map().owner(key_slot(name))
+        return None if owner is None else self.endpoint.at(*owner)
+
+    def _pipeline(self, server: Endpoint, commands: Sequence[bytes]) -> list[object]:
+        """Send ``commands`` to ``server`` at once; their replies (error replies as
+        ``RespError``)."""
+        conn = self._conns.get(server.address)
+        deadline = Deadline(self.timeout_s)
+        if conn is None or conn.closed:
+            conn = self._conns[server.address] = Connection(server, self.timeout_s, deadline)
         try:
-            import redis
-        except ImportError:
-            from kvtier.core.errors import MissingExtraError
+            conn.send([b"".join(commands)], deadline)
+            return [conn.read_reply(deadline) for _ in commands]
+        except BaseException:
+            conn.close()
+            raise
 
-            raise MissingExtraError("redis-py (for a Redis prefix)", "redis") from None
-        kw: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
-        if username is not None:
-            kw["username"] = username
-        if password is not None:
-            kw["password"] = password
-        client = (
-            redis.RedisCluster.from_url(url, **kw) if cluster else redis.Redis.from_url(url, **kw)
-        )
-        return cls(client, prefix)
-
-    def _attribute(self, name: str, head: Any) -> ChunkKey | None:
+    # -- entries -------------------------------------------------------------------------------
+    def _attribute(self, name: str, head: object) -> ChunkKey | None:
         if isinstance(head, bytes) and head:
             key = _key_of_header(head)
             if key is not None:
@@ -193,13 +226,15 @@ class RedisInventory:
                 return key
         return _parse_key(rest)
 
-    def _batch(self, names: Sequence[bytes]) -> list[Entry]:
-        pipe = self.client.pipeline(transaction=False)
+    def _batch(self, server: Endpoint, names: Sequence[bytes]) -> list[Entry]:
+        commands = []
         for n in names:
-            pipe.getrange(n, 0, _HEAD_GUESS - 1)
-            pipe.strlen(n)
-            pipe.object("idletime", n)
-        replies = pipe.execute(raise_on_error=False)
+            commands += [
+                command("GETRANGE", n, 0, _HEAD_GUESS - 1),
+                command("STRLEN", n),
+                command("OBJECT", "IDLETIME", n),
+            ]
+        replies = self._pipeline(server, commands)
         out = []
         for i, raw in enumerate(names):
             head, size, idle = replies[3 * i : 3 * i + 3]
@@ -208,7 +243,8 @@ class RedisInventory:
                 try:
                     header_len, _ = codec.prefix_lengths(head)
                     if header_len > len(head):
-                        head = self.client.getrange(raw, 0, header_len - 1)
+                        whole = command("GETRANGE", raw, 0, header_len - 1)
+                        (head,) = self._pipeline(server, [whole])
                 except codec.PayloadError:
                     pass
             out.append(
@@ -221,29 +257,54 @@ class RedisInventory:
             )
         return out
 
+    def _scan(self, server: Endpoint) -> Iterator[list[bytes]]:
+        """The names under the prefix on ``server``, one ``SCAN`` page at a time."""
+        pattern = _glob_escape(self.prefix) + "*"
+        cursor = b"0"
+        while True:
+            scan = command("SCAN", cursor, "MATCH", pattern, "COUNT", _SCAN_COUNT)
+            (reply,) = self._pipeline(server, [scan])
+            match reply:
+                case [bytes() as cursor, list() as names]:
+                    yield [n for n in names if isinstance(n, bytes)]
+                case _:
+                    raise ConnectionError(f"{server.address}: SCAN answered {reply!r}")
+            if cursor == b"0":
+                return
+
     def entries(self) -> Iterator[Entry]:
-        batch: list[bytes] = []
-        for name in self.client.scan_iter(match=_glob_escape(self.prefix) + "*", count=_SCAN_COUNT):
-            batch.append(name if isinstance(name, bytes) else str(name).encode())
-            if len(batch) >= _SCAN_COUNT:
-                yield from self._batch(batch)
-                batch = []
-        if batch:
-            yield from self._batch(batch)
+        for server in self._servers():
+            batch: list[bytes] = []
+            for names in self._scan(server):
+                batch += names
+                if len(batch) >= _SCAN_COUNT:
+                    yield from self._batch(server, batch)
+                    batch = []
+            if batch:
+                yield from self._batch(server, batch)
 
     def remove(self, entries: Iterable[Entry]) -> int:
-        """``UNLINK`` ``entries``; how many keys were removed."""
-        names = [e.where for e in entries]
+        """``UNLINK`` ``entries`` (each on the server that owns it); how many keys were
+        removed."""
+        by_server: dict[str, tuple[Endpoint, list[bytes]]] = {}
+        for e in entries:
+            name = e.where.encode()
+            server = self._owner(name)
+            if server is not None:
+                by_server.setdefault(server.address, (server, []))[1].append(name)
         n = 0
-        for i in range(0, len(names), _SCAN_COUNT):
-            pipe = self.client.pipeline(transaction=False)
-            for name in names[i : i + _SCAN_COUNT]:
-                pipe.unlink(name)
-            n += sum(r for r in pipe.execute(raise_on_error=False) if isinstance(r, int))
+        for server, names in by_server.values():
+            for i in range(0, len(names), _SCAN_COUNT):
+                replies = self._pipeline(
+                    server, [command("UNLINK", name) for name in names[i : i + _SCAN_COUNT]]
+                )
+                n += sum(r for r in replies if isinstance(r, int))
         return n
 
     def close(self) -> None:
-        self.client.close()
+        for conn in self._conns.values():
+            conn.close()
+        self._conns.clear()
 
 
 # -- selection and summary -------------------------------------------------------------------

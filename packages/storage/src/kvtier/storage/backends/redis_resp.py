@@ -1,5 +1,5 @@
-"""A small RESP2 client for the Redis tier's data path: values go straight between the socket and
-the caller's memory.
+"""A small RESP2 client, kvtier's only one: the Redis tier's data path (values go straight
+between the socket and the caller's memory) and the CLI's inventory (``kvtier.storage.inventory``).
 
 Why not redis-py (or hiredis, valkey-glide): they return every value as a new ``bytes`` (glide's
 sync ``get(buffer=)`` copies into a caller's buffer, but only after its own read buffer holds the
