@@ -18,7 +18,7 @@ from conftest import (
 )
 from fixtures.kv_views import replica_views
 from kvtier.core.layout import KVLayout, PagedLayout
-from kvtier.core.mover import TorchPageMover, Transfer
+from kvtier.core.mover import TorchPageMover
 from kvtier.cuda import mover as mover_module
 from kvtier.cuda.mover import CUDAPageMover
 from kvtier.cuda.platform import CUDAPlatform
@@ -114,12 +114,13 @@ def test_layers_in_separate_allocations_move_from_the_lowest_one(device, arena):
 
 # -- groups and staging -------------------------------------------------------------------------
 @ALL
-def test_a_call_runs_in_doubling_groups_through_two_reused_slots(device, arena, paged, monkeypatch):
-    """First group one block, then 2, 4, capped at the slot (4 blocks): the first transfer is
-    its own phase; every group through one of two slots, each reused, bytes exact."""
+def test_a_call_runs_in_growing_groups_through_two_reused_slots(device, arena, paged, monkeypatch):
+    """First group one block, then four times larger, capped at the slot (8 blocks), across
+    transfers (one plan a call); every group through one of two slots, each reused, bytes
+    exact."""
     mover, ref = build(device, paged, staging_slot_bytes=1)
     row = mover.layout.num_layers * mover.layout.page_bytes
-    mover._store.slot_bytes = mover._load.slot_bytes = 4 * row
+    mover._store.slot_bytes = mover._load.slot_bytes = 8 * row
     monkeypatch.setattr(mover_module, "FIRST_GROUP_BYTES", row)
     sizes: list[int] = []
     group = mover._group
@@ -129,28 +130,57 @@ def test_a_call_runs_in_doubling_groups_through_two_reused_slots(device, arena, 
         group(lane, plan, a, b, *rest, **kw)
 
     monkeypatch.setattr(mover, "_group", counted)
-    lengths = [3, 8, 2]
+    lengths = [3, 8, 2, 9]
     blocks = random_blocks(lengths, seed=11)
     store_both(mover, ref, arena, lengths, blocks, seed=12)
-    assert sizes == [1, 2, 4, 4, 2]
-    assert len(mover._store.slots) == 2 and mover._store.slot_bytes == 4 * row
+    assert sizes == [1, 4, 8, 8, 1]
+    assert len(mover._store.slots) == 2 and mover._store.slot_bytes == 8 * row
     sizes.clear()
     into = random_blocks(lengths, seed=13)
     objs = Objects(arena, mover.layout, lengths, 14)
     mover.load(objs.transfers(into))
     ref.load(objs.transfers(into))
-    assert sizes == [1, 2, 4, 4, 2]
+    assert sizes == [1, 4, 8, 8, 1]
     assert same_cache(mover, ref)
     sizes.clear()
     assert list(mover.load_layerwise(objs.transfers(blocks))) == list(
         range(mover.layout.num_layers)
     )
     ref.load(objs.transfers(blocks))
-    # one layer's pages at a time, as many as a slot holds (4 rows: 4 * num_layers pages)
-    per_slot = 4 * mover.layout.num_layers
-    one_layer = [min(per_slot, 13 - a) for a in range(0, 13, per_slot)]
+    # one layer's pages at a time, as many as a slot holds (8 rows: 8 * num_layers pages)
+    per_slot = 8 * mover.layout.num_layers
+    one_layer = [min(per_slot, 22 - a) for a in range(0, 22, per_slot)]
     assert sizes == one_layer * mover.layout.num_layers
     assert same_cache(mover, ref)
+
+
+def test_a_large_call_plans_its_first_transfers_ahead_of_the_rest(device, arena, monkeypatch):
+    """Transfers past ``PLAN_AHEAD_BYTES`` are checked and planned once the first ones are
+    issued, their ids after the first plan's (padded to an even count); bytes exact both ways,
+    a bad id in the rest still an error."""
+    mover, ref = build(device)
+    row = mover.layout.num_layers * mover.layout.page_bytes
+    monkeypatch.setattr(mover_module, "PLAN_AHEAD_BYTES", 4 * row)
+    plans: list[tuple[int, int]] = []
+    plan = mover._plan
+
+    def counted(lane, transfers, at):  # type: ignore[no-untyped-def]
+        plans.append((len(transfers), at))
+        return plan(lane, transfers, at)
+
+    monkeypatch.setattr(mover, "_plan", counted)
+    lengths = [2, 3, 2, 1]
+    blocks = random_blocks(lengths, seed=71)
+    store_both(mover, ref, arena, lengths, blocks, seed=72)
+    assert plans == [(2, 0), (2, 6)]
+    objs = Objects(arena, mover.layout, lengths, 73)
+    into = random_blocks(lengths, seed=74)
+    mover.load(objs.transfers(into))
+    ref.load(objs.transfers(into))
+    assert same_cache(mover, ref)
+    with pytest.raises(IndexError):
+        mover.store(objs.transfers([*blocks[:3], torch.tensor([BLOCKS])]))
+    assert mover._store.last is None
 
 
 def test_objects_back_to_back_in_host_memory_move_in_one_copy(device, arena, monkeypatch):
@@ -159,6 +189,7 @@ def test_objects_back_to_back_in_host_memory_move_in_one_copy(device, arena, mon
     objs = Objects(arena, mover.layout, lengths, 21)
     rows = [o.tensor.data_ptr() for o in objs.objs]
     row = mover.layout.num_layers * mover.layout.page_bytes
+    monkeypatch.setattr(mover_module, "FIRST_GROUP_BYTES", 6 * row)  # the call is one group
     assert rows[1] == rows[0] + 2 * row and rows[2] == rows[1] + 2 * row  # allocated in turn
     copies: list[tuple[int, int]] = []
     to_host = mover._store.to_host
@@ -170,13 +201,13 @@ def test_objects_back_to_back_in_host_memory_move_in_one_copy(device, arena, mon
     monkeypatch.setattr(mover._store, "to_host", counted)
     blocks = random_blocks(lengths, seed=22)
     mover.store(objs.transfers(blocks))
-    # the first transfer alone, then the other two as one copy
-    assert copies == [(rows[0], 2 * row), (rows[1], 4 * row)]
+    # one copy for the three objects
+    assert copies == [(rows[0], 6 * row)]
     copies.clear()
     blocks[1][1] = -1  # a skipped block splits the run and is left as it was
     before = objs.snapshot()[1][1].clone()
     mover.store(objs.transfers(blocks))
-    assert copies == [(rows[0], 2 * row), (rows[1], row), (rows[2], 2 * row)]
+    assert copies == [(rows[0], 3 * row), (rows[2], 2 * row)]
     assert torch.equal(objs.objs[1].tensor[1], before)
 
 
@@ -216,20 +247,17 @@ def test_staging_buffer_false_keeps_no_slots_between_calls(device, arena, keep):
         assert (held > 0) if keep else (held == 0)
 
 
-def test_a_bad_later_transfer_is_an_error_after_the_first_one_moved(device, arena):
-    """The first transfer is issued before the rest are checked (the contract allows it); the
-    call still waits for its copies before raising, and the mover goes on working."""
+def test_a_bad_later_transfer_is_an_error_before_anything_moves(device, arena):
+    """A call is checked whole before its first group: a bad later transfer leaves every
+    object as it was, nothing is in flight, and the mover goes on working."""
     mover, ref = build(device)
     objs = Objects(arena, mover.layout, [2, 2], 51)
     good = random_blocks([2], seed=52)[0]
     before = objs.snapshot()
     with pytest.raises(IndexError):
         mover.store(objs.transfers([good, torch.tensor([1, BLOCKS])]))
-    assert mover._store.last is None  # nothing of it still in flight
-    theirs = Objects(arena, mover.layout, [2], 51)
-    ref.store([Transfer(theirs.objs[0], good)])
-    assert torch.equal(objs.objs[0].tensor, theirs.objs[0].tensor)
-    assert torch.equal(objs.objs[1].tensor, before[1])
+    assert mover._store.last is None  # nothing of it in flight
+    assert all(torch.equal(o.tensor, b) for o, b in zip(objs.objs, before, strict=True))
     store_both(mover, ref, arena, [2], [good], seed=53)
 
 

@@ -88,6 +88,7 @@ class Lane:
             self.ks = self.cs = 0
         self.filled = [self.event() for _ in range(slots)]
         self.free = [self.event() for _ in range(slots)]
+        self.taken = [False] * slots  # used in this call: its next use waits for ``free``
         self.after = self.event()  # the caller's stream, at the call
         self.layer_done: list[Any] = []  # a layer-by-layer load's per-layer events
         self.last: Any = None
@@ -101,10 +102,11 @@ class Lane:
 
     # -- buffers -------------------------------------------------------------------------------
     def ensure_ids(self, n: int) -> None:
-        """Block-id buffers of ``n`` int64s (host, pinned on a GPU, and device); only between
-        calls (nothing of this lane in flight), so the old buffers may go."""
+        """Block-id buffers of ``n`` int64s (host, pinned on a GPU, and device), their contents
+        not kept; growing them first waits for the lane's work (the old ones may be in use)."""
         if self.ids_host.numel() >= n:
             return
+        self.synchronize()
         size = max(n, 4096)
         self.ids_host = torch.empty(size, dtype=torch.int64, pin_memory=self.gpu)
         self.ids_np = self.ids_host.numpy()
@@ -112,9 +114,16 @@ class Lane:
             torch.empty(size, dtype=torch.int64, device=self.device) if self.gpu else self.ids_host
         )
 
-    def take_slot(self, nbytes: int) -> int:
+    def begin(self) -> None:
+        """A call starts: the lane is idle (every call ends with the host waiting for it)."""
+        self.gathered = None
+        self.taken = [False] * len(self.filled)
+
+    def take_slot(self, nbytes: int, stream: int) -> int:
         """The next slot in turn, holding at least ``nbytes`` (all slots are allocated or grown
-        together; a grown ring first waits for the lane's work: the old slots may be in use)."""
+        together; a grown ring first waits for the lane's work: the old slots may be in use),
+        ``stream`` made to wait until its previous consumer in this call is done with it (a
+        driver call saved on a slot's first use in a call)."""
         if not self.slots or nbytes > self.slot_bytes:
             self.synchronize()
             self.slot_bytes = max(self.slot_bytes, nbytes)
@@ -122,8 +131,12 @@ class Lane:
             self.slots = [
                 torch.empty(size, dtype=torch.uint8, device=self.device) for _ in self.filled
             ]
+            self.taken = [False] * len(self.filled)
         s = self.next_slot
         self.next_slot = (s + 1) % len(self.filled)
+        if self.taken[s]:
+            self.free[s].wait_on(stream)
+        self.taken[s] = True
         return s
 
     def release(self) -> None:
