@@ -19,7 +19,7 @@ PY="bash benchmarks/gpu_python.sh"
 echo "== pytest tests/cuda"
 timeout 90 $PY -m pytest tests/cuda -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest-cuda.log" | tail -n 15
 
-# ~0.3 s a test registers its 512 MiB arena: the CUDA subjects take ~5.5 minutes on an H100.
+# One pinned arena serves the whole session: the CUDA subjects take 1.5-2 minutes on an H100.
 echo "== pytest tests/conformance/test_page_mover.py -k cuda"
 timeout 420 $PY -m pytest tests/conformance/test_page_mover.py -k cuda -q -p no:cacheprovider 2>&1 \
   | tee "$OUT/pytest-conformance.log" | tail -n 15
