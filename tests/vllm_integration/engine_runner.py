@@ -53,6 +53,17 @@ literally that. The spec:
   evict). Adds ``evict`` to the generate's result: ``stored`` (the prompt's chunks stored
   before), ``evicted`` (of those, how many went), ``filler_bytes`` and ``tier_full`` (the
   fillers and the prompt's chunks add up to the tier's size at least).
+- ``"siblings_before"`` / ``"siblings_after"``: lists of ``kv_transfer_config`` dicts of other
+  connectors; kvtier then runs as a child of vLLM's ``MultiConnector`` between them (the
+  ``stats``, ``flush`` and ``sched_stats`` ops still reach kvtier's child).
+- ``"kv_offloading_size": x`` passes vLLM's ``kv_offloading_size`` (``--kv-offloading-size``).
+- ``"async_scheduling": true`` asks vLLM for asynchronous scheduling; vLLM CPU turns it off
+  (``CpuPlatform.check_and_update_config``) unless ``"force_async_scheduling": true`` keeps it
+  (in-process only: vLLM's ``AsyncScheduler`` and the model runner's asynchronous path).
+- ``{"op": "engine_info"}`` (in-process only) -> ``{async_scheduling, scheduler, connector}``:
+  what vLLM runs (the class names of its scheduler and of its scheduler-side connector).
+- ``{"op": "host_tier_gb"}`` -> each worker's kvtier ``local_cpu_size_gb`` and its host arena's
+  bytes, by rank (``collective_rpc``).
 """
 
 from __future__ import annotations
@@ -83,6 +94,47 @@ def _plant(prompt: list[int], source: list[int]) -> str:
     with obj:
         engine.storage.put(target, obj)
     return target.to_string()
+
+
+def _kvtier(connector):
+    """kvtier's connector: ``connector`` itself, or its child inside a ``MultiConnector``."""
+    for child in getattr(connector, "sub_connectors", ()):
+        if type(child).__name__ == "KVTierConnector":
+            return child
+    return connector
+
+
+def _host_tier_gb(worker) -> dict:
+    """Runs in each worker: its kvtier host tier's configured size and its arena's bytes."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.distributed.parallel_state import get_tp_group
+
+    engine = _kvtier(get_kv_transfer_group()).engine
+    arena = getattr(engine.storage, "arena", None)
+    return {
+        "rank": get_tp_group().rank_in_group,
+        "local_cpu_size_gb": engine.config.local_cpu_size_gb,
+        "arena_bytes": getattr(arena, "target_bytes", None),
+    }
+
+
+@contextlib.contextmanager
+def _forced_async_scheduling() -> Iterator[None]:
+    """Keep ``async_scheduling=True`` through vLLM CPU's platform check, which turns it off."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.check_and_update_config.__func__
+
+    def keep(cls, vllm_config) -> None:
+        wanted = vllm_config.scheduler_config.async_scheduling
+        original(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = wanted
+
+    CpuPlatform.check_and_update_config = classmethod(keep)
+    try:
+        yield
+    finally:
+        CpuPlatform.check_and_update_config = classmethod(original)
 
 
 def _corrupt_in_worker(worker, rank: int, prompt: list[int], salt: str | None) -> int:
@@ -358,6 +410,23 @@ def main(spec_path: str, out_path: str) -> None:
         }
         if spec.get("load_failure_policy"):
             kwargs["kv_transfer_config"]["kv_load_failure_policy"] = spec["load_failure_policy"]
+        if spec.get("siblings_before") or spec.get("siblings_after"):
+            kvtier = kwargs["kv_transfer_config"]
+            children = [*spec.get("siblings_before", ()), kvtier, *spec.get("siblings_after", ())]
+            kwargs["kv_transfer_config"] = {
+                "kv_connector": "MultiConnector",
+                "kv_role": kvtier["kv_role"],
+                "engine_id": engine_id,
+                "kv_connector_extra_config": {
+                    "connectors": [
+                        {k: v for k, v in c.items() if k != "engine_id"} for c in children
+                    ]
+                },
+            }
+    if spec.get("kv_offloading_size") is not None:
+        kwargs["kv_offloading_size"] = spec["kv_offloading_size"]
+    if spec.get("async_scheduling") is not None:
+        kwargs["async_scheduling"] = spec["async_scheduling"]
     if tp > 1:
         kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
     if spec.get("enable_lora"):
@@ -373,18 +442,20 @@ def main(spec_path: str, out_path: str) -> None:
         listener = _EventListener(f"tcp://127.0.0.1:{port}")
     if spec.get("num_gpu_blocks_override"):
         kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks_override"]
-    llm = LLM(
-        model=spec["model"],
-        enforce_eager=True,
-        block_size=32,
-        kv_cache_memory_bytes=64 << 20,
-        max_model_len=spec.get("max_model_len", 4096),
-        enable_prefix_caching=bool(spec.get("prefix_caching")),
-        dtype="bfloat16",
-        seed=0,
-        disable_log_stats=not spec.get("log_stats"),
-        **kwargs,
-    )
+    forcing = spec.get("force_async_scheduling")
+    with _forced_async_scheduling() if forcing else contextlib.nullcontext():
+        llm = LLM(
+            model=spec["model"],
+            enforce_eager=True,
+            block_size=32,
+            kv_cache_memory_bytes=64 << 20,
+            max_model_len=spec.get("max_model_len", 4096),
+            enable_prefix_caching=bool(spec.get("prefix_caching")),
+            dtype="bfloat16",
+            seed=0,
+            disable_log_stats=not spec.get("log_stats"),
+            **kwargs,
+        )
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, logprobs=0)
     results: list = []
     last_prompt: list[int] = []
@@ -426,8 +497,19 @@ def main(spec_path: str, out_path: str) -> None:
         elif op == "stats":
             results.append(query_worker_stats(engine_id, step.get("rank", 0)))
         elif op == "sched_stats":  # the scheduler side's counters (in-process engines only)
-            connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+            connector = _kvtier(llm.llm_engine.engine_core.engine_core.scheduler.connector)
             results.append(dict(connector.scheduler_side.stats))
+        elif op == "engine_info":  # in-process engines only
+            scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+            results.append(
+                {
+                    "async_scheduling": scheduler.scheduler_config.async_scheduling,
+                    "scheduler": type(scheduler).__name__,
+                    "connector": type(scheduler.connector).__name__,
+                }
+            )
+        elif op == "host_tier_gb":
+            results.append(sorted(llm.collective_rpc(_host_tier_gb), key=lambda r: r["rank"]))
         elif op == "flush":
             results.append(flush_worker(engine_id, step.get("rank", 0)))
         elif op == "load_while_decoding":

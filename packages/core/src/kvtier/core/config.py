@@ -21,7 +21,7 @@ from typing import Any, get_origin, get_type_hints
 
 import yaml
 
-from kvtier.core.config_checks import parse_key, read_key_file, validated
+from kvtier.core.config_checks import both_host_budgets, parse_key, read_key_file, validated
 from kvtier.core.config_coerce import coerce
 from kvtier.core.errors import ConfigError
 from kvtier.core.masking import mask_url, shown
@@ -73,6 +73,12 @@ class KVTierConfig:
         "Host-memory tier budget (GiB) of each worker process (every tensor-parallel rank has "
         "its own); the host arena size.",
         default=2.0,
+    )
+    local_cpu_size_gb_total: float | None = _doc(
+        "Host-memory tier budget (GiB) of the whole engine, split evenly over its worker "
+        "processes (tensor x pipeline parallel size), as vLLM's cpu_bytes_to_use is; instead of "
+        "local_cpu_size_gb (setting both is an error). Empty = local_cpu_size_gb per worker.",
+        default=None,
     )
     pin_memory: bool = _doc("Pin the host arena where the platform can (CUDA, XPU).", default=True)
     local_disk_path: str = _doc(
@@ -223,6 +229,14 @@ class KVTierConfig:
     def replace(self, **changes: Any) -> KVTierConfig:
         return validated(dataclasses.replace(self, **changes))
 
+    def per_worker(self, world_size: int) -> KVTierConfig:
+        """This config as one of ``world_size`` workers runs it: ``local_cpu_size_gb_total``
+        split evenly into ``local_cpu_size_gb`` (unchanged when no total is set)."""
+        if self.local_cpu_size_gb_total is None:
+            return self
+        share = self.local_cpu_size_gb_total / max(1, world_size)
+        return self.replace(local_cpu_size_gb=share, local_cpu_size_gb_total=None)
+
 
 def _hints() -> dict[str, Any]:
     return get_type_hints(KVTierConfig)
@@ -279,6 +293,8 @@ def load_config(
     _apply("environment", env_overrides(env), values)
     if overrides:
         _apply("overrides", overrides, values)
+    if values.get("local_cpu_size_gb_total") is not None and "local_cpu_size_gb" in values:
+        raise both_host_budgets(values["local_cpu_size_gb_total"])
     return validated(KVTierConfig(**values))
 
 

@@ -127,6 +127,28 @@ def check_verify(cfg: KVTierConfig) -> None:
             raise ConfigError(name, getattr(cfg, name), "must be >= 0")
 
 
+def both_host_budgets(total: float) -> ConfigError:
+    return ConfigError(
+        "local_cpu_size_gb_total",
+        total,
+        "give the host tier's budget per engine or per worker, not both (local_cpu_size_gb is "
+        "set too)",
+    )
+
+
+def check_host_budget(cfg: KVTierConfig) -> None:
+    """``local_cpu_size_gb_total``: a positive number, and no per-worker size besides it (one
+    set to other than its default; ``load_config`` also refuses one set to the default)."""
+    total = cfg.local_cpu_size_gb_total
+    if total is None:
+        return
+    if not (isinstance(total, int | float) and math.isfinite(total) and total > 0):
+        raise ConfigError("local_cpu_size_gb_total", total, "must be a positive number")
+    default = next(f.default for f in fields(cfg) if f.name == "local_cpu_size_gb")
+    if cfg.local_cpu_size_gb != default:
+        raise both_host_budgets(total)
+
+
 def validated(cfg: KVTierConfig) -> KVTierConfig:
     """``cfg`` itself once every check passes; else the ``ConfigError`` of the first failure."""
     hints = get_type_hints(type(cfg))
@@ -145,6 +167,7 @@ def validated(cfg: KVTierConfig) -> KVTierConfig:
             "local_disk_rescan_s", cfg.local_disk_rescan_s, "must be >= 0 (0 = before every write)"
         )
     check_verify(cfg)
+    check_host_budget(cfg)
     if cfg.redis_ttl_s < 0:
         raise ConfigError("redis_ttl_s", cfg.redis_ttl_s, "must be >= 0 (0 = no expiry)")
     check_modes(cfg)

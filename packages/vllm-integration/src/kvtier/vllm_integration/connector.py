@@ -43,6 +43,7 @@ from kvtier.core.engine import CacheEngine
 from kvtier.core.errors import ConfigError
 from kvtier.vllm_integration import logs
 from kvtier.vllm_integration.messages import KVTierMetadata
+from kvtier.vllm_integration.plugin import offloading_size_conflict
 from kvtier.vllm_integration.scheduler.side import SchedulerSide
 from kvtier.vllm_integration.stats import KVTierPromMetrics, KVTierStats
 from kvtier.vllm_integration.worker.side import WorkerSide
@@ -72,6 +73,14 @@ class KVTierConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        # vLLM 0.32 replaces kvtier before building it (plugin.py refuses that first); a vLLM
+        # that wrapped kvtier instead would build it here, next to its own offloading.
+        conflict = offloading_size_conflict(
+            self._kv_transfer_config, vllm_config.cache_config, is_kvtier=True
+        )
+        if conflict is not None:
+            size = vllm_config.cache_config.kv_offloading_size
+            raise ConfigError("kv_offloading_size", size, conflict)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.config: KVTierConfig = load_config(overrides=extra)
         logs.configure(self.config.log_level)

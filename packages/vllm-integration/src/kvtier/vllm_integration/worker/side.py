@@ -163,8 +163,9 @@ class WorkerSide:
             self.config.plugins,
             device_index=caches[0].device.index,
         )
+        # local_cpu_size_gb_total is the engine's: each of its TP x PP workers gets its share.
         engine = CacheEngine(
-            self.config,
+            self.config.per_worker(int(vc.parallel_config.world_size)),
             layout,
             model=model_identity(vc),
             world_size=key_world,

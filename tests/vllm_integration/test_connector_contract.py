@@ -1,0 +1,173 @@
+"""Parts of vLLM's connector contract around kvtier, without an engine run.
+
+- ``--kv-offloading-size`` next to kvtier is a startup error (vLLM 0.32 would silently replace
+  kvtier with its own OffloadingConnector in ``VllmConfig._post_init_kv_transfer_config``):
+  refused by the plugin entry point while vLLM builds its config, and by
+  ``KVTierConnector.__init__`` should a vLLM build kvtier next to it. The engine run is in
+  ``test_e2e_multiconnector.py``.
+- kvtier as a child of vLLM's ``MultiConnector``: its lookups, through vLLM's own
+  ``MultiConnector.get_num_new_matched_tokens``, against a sibling that has a hit.
+"""
+
+from __future__ import annotations
+
+import pytest
+from sched_harness import BLOCK, Harness, request
+from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+    MultiConnector,
+)
+
+from kvtier.core.errors import ConfigError
+from kvtier.vllm_integration.connector import KVTierConnector
+from kvtier.vllm_integration.plugin import register
+
+KVTIER = {"kv_connector": "KVTierConnector", "kv_role": "kv_both"}
+EXAMPLE = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
+
+
+def vllm_config(ktc: dict, size: float | None) -> VllmConfig:
+    return VllmConfig(
+        cache_config=CacheConfig(kv_offloading_size=size),
+        kv_transfer_config=KVTransferConfig(**ktc),
+    )
+
+
+@pytest.mark.parametrize(
+    "ktc",
+    [
+        KVTIER,
+        {**KVTIER, "kv_connector_module_path": "kvtier.vllm_integration.connector"},
+        {
+            "kv_connector": "MultiConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"connectors": [EXAMPLE, KVTIER]},
+        },
+    ],
+    ids=["by-name", "by-module-path", "multiconnector-child"],
+)
+def test_offloading_size_next_to_kvtier_is_a_startup_error(ktc: dict) -> None:
+    register()
+    register()  # vLLM loads plugins more than once per process: the check is installed once
+    with pytest.raises(ValueError) as exc:  # pydantic wraps the ConfigError of __post_init__
+        vllm_config(ktc, 4.0)
+    text = str(exc.value)
+    assert "--kv-offloading-size" in text and "kv_offloading_size=4.0" in text
+    assert "--kv-transfer-config" in text and "kvtier" in text
+    assert f"kv_connector={ktc['kv_connector']!r}" in text
+
+
+def test_offloading_size_alone_and_kvtier_alone_are_unchanged() -> None:
+    register()
+    assert vllm_config(EXAMPLE, 4.0).kv_transfer_config.kv_connector == "OffloadingConnector"
+    assert vllm_config(KVTIER, None).kv_transfer_config.kv_connector == "KVTierConnector"
+
+
+def test_the_connector_refuses_to_run_next_to_offloading() -> None:
+    """A vLLM that built kvtier next to its own offloading (wrapping instead of replacing)."""
+    config = vllm_config(KVTIER, None)
+    config.cache_config.kv_offloading_size = 2.0
+    with pytest.raises(ConfigError, match="--kv-offloading-size") as exc:
+        KVTierConnector(config, KVConnectorRole.SCHEDULER, None)  # type: ignore[arg-type]
+    assert "--kv-transfer-config" in str(exc.value)
+
+
+# -- MultiConnector ------------------------------------------------------------------------
+
+
+class Sibling:
+    """Another child connector whose lookup has ``hit`` tokens at once."""
+
+    def __init__(self, hit: int) -> None:
+        self.hit = hit
+        self.asked = 0
+
+    def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> tuple[int, bool]:
+        self.asked += 1
+        return self.hit, False
+
+
+def multi(harness: Harness, sibling: Sibling, kvtier_first: bool = True) -> MultiConnector:
+    """vLLM's ``MultiConnector`` over kvtier's scheduler half (the harness's) and ``sibling``;
+    only its lookup is used, so it is built without a vLLM config."""
+    kvtier = KVTierConnector.__new__(KVTierConnector)
+    kvtier._scheduler, kvtier._worker = harness.sched, None
+    connector = MultiConnector.__new__(MultiConnector)
+    children: list = [kvtier, sibling] if kvtier_first else [sibling, kvtier]
+    connector._connectors = children
+    connector._requests_to_connector = {}
+    return connector
+
+
+PROMPT = list(range(1000, 1000 + 4 * BLOCK + 5))
+SIBLING_HIT = 4 * BLOCK
+
+
+@pytest.mark.parametrize("kvtier_first", [True, False])
+def test_a_miss_the_index_rules_out_lets_a_siblings_hit_through(kvtier_first: bool) -> None:
+    """Every worker has reported (the index is complete): kvtier answers its miss at once, and
+    the sibling's hit is the request's in the same step, whichever child comes first."""
+    harness = Harness.create()
+    try:
+        sibling = Sibling(SIBLING_HIT)
+        connector = multi(harness, sibling, kvtier_first)
+        req = request(PROMPT)
+        assert connector.get_num_new_matched_tokens(req, 0) == (SIBLING_HIT, False)
+        assert connector._requests_to_connector[req.request_id] == (1 if kvtier_first else 0)
+        assert harness.sched.lookups.sent == 0  # no probe: nothing to wait for
+    finally:
+        harness.close()
+
+
+def test_kvtiers_hit_is_loaded_by_kvtier_when_it_comes_first() -> None:
+    harness = Harness.create()
+    try:
+        stored = request(PROMPT)
+        harness.store(stored)
+        connector = multi(harness, Sibling(SIBLING_HIT))
+        req = request(PROMPT)
+        answers = [connector.get_num_new_matched_tokens(req, 0)]
+        while answers[-1][0] is None and len(answers) < 4:
+            harness.step()  # kvtier's probe of a prompt its index knows
+            answers.append(connector.get_num_new_matched_tokens(req, 0))
+        assert answers[-1][0] == 4 * BLOCK
+        assert connector._requests_to_connector[req.request_id] == 0
+    finally:
+        harness.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="kvtier's 'not yet' while it probes a prompt it may not have (its index not ready "
+    "yet, or a tier the index cannot list: Redis) makes MultiConnector answer None for every "
+    "child: the sibling's hit waits for kvtier's probe (scheduler/lookups.py Lookups._may_hit)",
+)
+def test_a_probe_does_not_hold_a_siblings_hit_back() -> None:
+    """Before the workers' first report (and, with a Redis tier, for every new prompt) kvtier
+    probes a prompt it has nothing of; the contract is that a sibling's hit is not delayed by
+    that. Today MultiConnector returns (None, False) and does not even ask the sibling."""
+    harness = Harness.create(report_first=False)
+    try:
+        sibling = Sibling(SIBLING_HIT)
+        connector = multi(harness, sibling)
+        assert connector.get_num_new_matched_tokens(request(PROMPT), 0) == (SIBLING_HIT, False)
+    finally:
+        harness.close()
+
+
+def test_a_probe_holds_a_siblings_hit_back_for_one_step() -> None:
+    """What happens today instead (the xfail above): the sibling's hit is delayed, not lost;
+    it is the request's once the workers' answer (a miss) has come back, a step later."""
+    harness = Harness.create(report_first=False)
+    try:
+        sibling = Sibling(SIBLING_HIT)
+        connector = multi(harness, sibling)
+        req = request(PROMPT)
+        assert connector.get_num_new_matched_tokens(req, 0) == (None, False)
+        assert sibling.asked == 0  # MultiConnector stops at kvtier's None
+        harness.step()
+        assert connector.get_num_new_matched_tokens(req, 0) == (SIBLING_HIT, False)
+        assert connector._requests_to_connector[req.request_id] == 1
+    finally:
+        harness.close()
