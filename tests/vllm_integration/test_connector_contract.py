@@ -143,14 +143,16 @@ def test_kvtiers_hit_is_loaded_by_kvtier_when_it_comes_first() -> None:
     "yet, or a tier the index cannot list: Redis) makes MultiConnector answer None for every "
     "child: the sibling's hit waits for kvtier's probe (scheduler/lookups.py Lookups._may_hit)",
 )
-def test_a_probe_does_not_hold_a_siblings_hit_back() -> None:
+@pytest.mark.parametrize("kvtier_first", [True, False])
+def test_a_probe_does_not_hold_a_siblings_hit_back(kvtier_first: bool) -> None:
     """Before the workers' first report (and, with a Redis tier, for every new prompt) kvtier
     probes a prompt it has nothing of; the contract is that a sibling's hit is not delayed by
-    that. Today MultiConnector returns (None, False) and does not even ask the sibling."""
+    that. Today MultiConnector returns (None, False) on any child's None, even when a child
+    before kvtier already has its hit (the one it would pick)."""
     harness = Harness.create(report_first=False)
     try:
         sibling = Sibling(SIBLING_HIT)
-        connector = multi(harness, sibling)
+        connector = multi(harness, sibling, kvtier_first)
         assert connector.get_num_new_matched_tokens(request(PROMPT), 0) == (SIBLING_HIT, False)
     finally:
         harness.close()
