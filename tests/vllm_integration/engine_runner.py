@@ -472,9 +472,14 @@ def main(spec_path: str, out_path: str) -> None:
             if step.get("salt"):
                 prompt["cache_salt"] = step["salt"]
             step_params = params
-            if "max_tokens" in step:
+            if "max_tokens" in step or "kv_transfer_params" in step:
+                # kv_transfer_params: what a prefill instance returned (a P/D handover)
+                extra = {"kv_transfer_params": step.get("kv_transfer_params")}
                 step_params = SamplingParams(
-                    max_tokens=step["max_tokens"], temperature=0.0, logprobs=0
+                    max_tokens=step.get("max_tokens", params.max_tokens),
+                    temperature=0.0,
+                    logprobs=0,
+                    extra_args=extra if extra["kv_transfer_params"] is not None else None,
                 )
             lora = None
             if step.get("lora"):
@@ -492,6 +497,8 @@ def main(spec_path: str, out_path: str) -> None:
             results.append({"tokens": last_output, "logprobs": logprobs})
             if spec.get("report_cached_tokens"):
                 results[-1]["cached_tokens"] = request_out.num_cached_tokens
+            if request_out.kv_transfer_params is not None:
+                results[-1]["kv_transfer_params"] = request_out.kv_transfer_params
             if evicting:
                 results[-1]["evict"] = evict
         elif op == "stats":

@@ -137,18 +137,10 @@ def test_kvtiers_hit_is_loaded_by_kvtier_when_it_comes_first() -> None:
         harness.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvtier's 'not yet' while it probes a prompt it may not have (its index not ready "
-    "yet, or a tier the index cannot list: Redis) makes MultiConnector answer None for every "
-    "child: the sibling's hit waits for kvtier's probe (scheduler/lookups.py Lookups._may_hit)",
-)
 @pytest.mark.parametrize("kvtier_first", [True, False])
-def test_a_probe_does_not_hold_a_siblings_hit_back(kvtier_first: bool) -> None:
-    """Before the workers' first report (and, with a Redis tier, for every new prompt) kvtier
-    probes a prompt it has nothing of; the contract is that a sibling's hit is not delayed by
-    that. Today MultiConnector returns (None, False) on any child's None, even when a child
-    before kvtier already has its hit (the one it would pick)."""
+def test_a_miss_does_not_hold_a_siblings_hit_back_before_the_first_report(kvtier_first) -> None:
+    """Host memory only: before the workers' first report kvtier's index is empty, not unknown
+    (nothing was stored before the process started), so kvtier answers its miss at once."""
     harness = Harness.create(report_first=False)
     try:
         sibling = Sibling(SIBLING_HIT)
@@ -158,10 +150,35 @@ def test_a_probe_does_not_hold_a_siblings_hit_back(kvtier_first: bool) -> None:
         harness.close()
 
 
-def test_a_probe_holds_a_siblings_hit_back_for_one_step() -> None:
-    """What happens today instead (the xfail above): the sibling's hit is delayed, not lost;
+@pytest.mark.xfail(
+    strict=True,
+    reason="kvtier's 'not yet' while it probes a prompt a tier it cannot list yet (a disk tier "
+    "before the first report; Redis always) might hold makes MultiConnector answer None for "
+    "every child (multi_connector.py get_num_new_matched_tokens): the sibling's hit waits one "
+    "step for kvtier's probe",
+)
+@pytest.mark.parametrize("kvtier_first", [True, False])
+def test_a_probe_does_not_hold_a_siblings_hit_back(kvtier_first: bool, tmp_path) -> None:
+    """The contract where kvtier must probe; vLLM's MultiConnector returns (None, False) on any
+    child's None, even when a child before kvtier already has its hit (the one it would
+    pick)."""
+    harness = Harness.create(report_first=False, **lower_tier(tmp_path))
+    try:
+        sibling = Sibling(SIBLING_HIT)
+        connector = multi(harness, sibling, kvtier_first)
+        assert connector.get_num_new_matched_tokens(request(PROMPT), 0) == (SIBLING_HIT, False)
+    finally:
+        harness.close()
+
+
+def lower_tier(tmp_path) -> dict:
+    return {"tiers": ["local_cpu", "local_disk"], "local_disk_path": str(tmp_path / "disk")}
+
+
+def test_a_probe_holds_a_siblings_hit_back_for_one_step(tmp_path) -> None:
+    """What happens there instead (the xfail above): the sibling's hit is delayed, not lost;
     it is the request's once the workers' answer (a miss) has come back, a step later."""
-    harness = Harness.create(report_first=False)
+    harness = Harness.create(report_first=False, **lower_tier(tmp_path))
     try:
         sibling = Sibling(SIBLING_HIT)
         connector = multi(harness, sibling)

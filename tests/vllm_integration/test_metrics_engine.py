@@ -99,7 +99,6 @@ def test_collector_and_sources_host_then_disk(tmp_path) -> None:
 def test_chunks_found_only_in_redis_are_labelled_redis(tmp_path, redis_clean) -> None:
     """Three tiers; a second engine with an empty disk directory shares only Redis: its hits
     are labelled redis (vLLM's hit sources count them as external_unspecified)."""
-    pytest.importorskip("redis", reason="redis-py (kvtier[redis]) is not installed")
     tiers = {"tiers": ["local_cpu", "local_disk", "redis"], "redis_url": redis_clean.url}
     a = engine(tmp_path / "a", **tiers)
     try:

@@ -85,8 +85,10 @@ def server_args(
     kvtier: dict[str, Any] | None = None,
     lmcache_port: int | None = None,
     engine_id: str = "kvtier-bench-serve",
+    kv_role: str = "kv_both",
 ) -> list[str]:
-    """``vllm serve`` flags (after the model) for ``mode``."""
+    """``vllm serve`` flags (after the model) for ``mode``; ``kv_role`` for kvtier's modes (a
+    prefill/decode pair: ``kv_producer``, ``kv_consumer``)."""
     if mode not in MODES:
         raise ValueError(f"mode: {mode!r} is not one of {MODES}")
     args = [
@@ -112,7 +114,7 @@ def server_args(
         offload = mode.removeprefix("kvtier_")
         transfer = {
             "kv_connector": "KVTierConnector",
-            "kv_role": "kv_both",
+            "kv_role": kv_role,
             "engine_id": engine_id,
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {**(kvtier or {}), "offload": offload},

@@ -109,7 +109,7 @@ class Engine:
             model=self.model,
             enforce_eager=True,
             block_size=BLOCK_SIZE,
-            dtype=self.dtype,
+            dtype=self.dtype,  # type: ignore[arg-type]
             kv_cache_memory_bytes=self.kv_cache_bytes,
             max_model_len=self.max_model_len,
             enable_prefix_caching=self.prefix_caching,

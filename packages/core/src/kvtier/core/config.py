@@ -113,6 +113,12 @@ class KVTierConfig:
         "Pending writes to lower tiers; when full a lower-tier copy is dropped (counted).",
         default=256,
     )
+    write_queue_wait_s: float = _doc(
+        "How long a save waits for room in a full lower-tier write queue before that copy is "
+        "dropped (s); 0 = never waits. A vLLM kv_producer waits at least 10 s (its chunks are "
+        "another instance's input).",
+        default=0.0,
+    )
     io_threads: int = _doc("Threads serving lower-tier reads and writes.", default=4)
     save_unfull_chunk: bool = _doc(
         "Also store a prompt's trailing partial chunk (block-aligned), so a repeat recomputes "
@@ -166,6 +172,12 @@ class KVTierConfig:
         "How long a waiting request's lookup (a probe of every tier on the workers) may take "
         "before it counts as a miss (s); the scheduler never waits for it.",
         default=2.0,
+    )
+    consumer_wait_s: float = _doc(
+        "vLLM kv_consumer: how long a request whose kv_transfer_params announce a producer's "
+        "chunks waits for them to be readable in the shared tiers before it is served with "
+        "what is there (s); the scheduler never blocks meanwhile.",
+        default=10.0,
     )
     verify_fraction: float = _doc(
         "vLLM: the fraction of requests with a kvtier hit that are verified: told there is no "

@@ -118,11 +118,14 @@ def check_modes(cfg: KVTierConfig) -> None:
         )
 
 
+_NON_NEGATIVE = ("verify_tolerance", "verify_quarantine_s", "write_queue_wait_s", "consumer_wait_s")
+
+
 def check_verify(cfg: KVTierConfig) -> None:
-    """The verification fields (``kvtier.core.verify``)."""
+    """The verification fields (``kvtier.core.verify``) and the other durations that may be 0."""
     if not 0 <= cfg.verify_fraction <= 1:
         raise ConfigError("verify_fraction", cfg.verify_fraction, "must be between 0 and 1")
-    for name in ("verify_tolerance", "verify_quarantine_s"):
+    for name in _NON_NEGATIVE:
         if getattr(cfg, name) < 0:
             raise ConfigError(name, getattr(cfg, name), "must be >= 0")
 

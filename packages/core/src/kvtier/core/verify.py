@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -143,7 +143,7 @@ class Verifier:
 
     def check(
         self,
-        tokens: Sequence[int],
+        tokens: Sized,
         slot_mapping: torch.Tensor | Sequence[int],
         hold: Hold,
         *,

@@ -4,7 +4,9 @@ Contract (on top of ``kvtier.core.storage``):
 
 - ``put`` stores into the host tier synchronously and queues the chunk for every lower tier.
   The queue is bounded (``write_queue_size``); when it is full the lower-tier copy is dropped
-  and counted (``write_queue.dropped``): the engine is never blocked. ``io_threads`` writer
+  and counted (``write_queue.dropped``), after waiting ``write_queue_wait_s`` for room (0 by
+  default: the engine is never blocked; a vLLM kv_producer waits, its chunks are another
+  instance's input). ``io_threads`` writer
   threads drain it; ``flush(timeout)`` waits for them and says whether everything put since the
   previous flush landed in every lower tier: False when writes are still queued at the timeout
   or when any chunk did not land (a full queue, a tier that skipped it: disk full or unwritable,
@@ -82,6 +84,7 @@ class TieredStorageManager(StorageManager):
         write_queue_size: int = 256,
         io_threads: int = 4,
         close_timeout_s: float = 5.0,
+        write_queue_wait_s: float = 0.0,
     ) -> None:
         if not tiers or not isinstance(tiers[0], LocalCPUBackend):
             raise ConfigError("tiers", [t.name for t in tiers], f"must start with {HOST_TIER!r}")
@@ -93,7 +96,11 @@ class TieredStorageManager(StorageManager):
         self._close_timeout_s = close_timeout_s
         self._closed = False
         self._writer = LowerTierWriter(
-            self.lower, stats, queue_size=write_queue_size, threads=io_threads
+            self.lower,
+            stats,
+            queue_size=write_queue_size,
+            threads=io_threads,
+            wait_s=write_queue_wait_s,
         )
         self._readers = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-reader")
         self.quarantined = Quarantine()
@@ -363,6 +370,7 @@ def create_storage_manager(
         write_queue_size=config.write_queue_size,
         io_threads=config.io_threads,
         close_timeout_s=max(5.0, config.redis_timeout_s + config.redis_connect_timeout_s + 1.0),
+        write_queue_wait_s=config.write_queue_wait_s,
     )
 
 

@@ -64,9 +64,17 @@ class LowerTierWriter:
     """Writes submitted chunks to ``lower`` on ``threads`` threads. See the module docstring."""
 
     def __init__(
-        self, lower: Sequence[StorageBackend], stats: StorageStats, *, queue_size: int, threads: int
+        self,
+        lower: Sequence[StorageBackend],
+        stats: StorageStats,
+        *,
+        queue_size: int,
+        threads: int,
+        wait_s: float = 0.0,
     ) -> None:
+        """``wait_s``: how long ``submit`` waits for room in a full queue before it drops."""
         self.lower = list(lower)
+        self.wait_s = wait_s
         self.stats = stats
         # one entry per chunk: the chunk first, then its alias entries
         self._queue: queue.Queue[list[tuple[ChunkKey, MemoryObj]]] = queue.Queue(maxsize=queue_size)
@@ -96,12 +104,15 @@ class LowerTierWriter:
         aliases: Sequence[tuple[ChunkKey, MemoryObj]] = (),
     ) -> None:
         """Queue a share of ``obj`` (and of its ``aliases``' objects) for the lower tiers, or
-        drop them (counted as one chunk) if the queue is full."""
+        drop them (counted as one chunk) if the queue is still full after ``wait_s``."""
         mine = [(key, obj.share())] + [(k, o.share()) for k, o in aliases]
         with self._pending_cv:
             self._pending += 1
         try:
-            self._queue.put_nowait(mine)
+            if self.wait_s > 0:
+                self._queue.put(mine, timeout=self.wait_s)
+            else:
+                self._queue.put_nowait(mine)
         except queue.Full:
             for _, o in mine:
                 o.release()

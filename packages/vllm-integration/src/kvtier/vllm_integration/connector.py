@@ -170,10 +170,12 @@ class KVTierConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Keep the blocks until the worker's saves of this request are done (``get_finished``),
-        unless every worker has reported them copied already (``scheduler/frees.py``)."""
+        unless every worker has reported them copied already (``scheduler/frees.py``); a
+        ``kv_producer`` announces what it stored in the ``kv_transfer_params``
+        (``handover.py``)."""
         side = self.scheduler_side
         with side.timer.timed():
-            return side.request_finished(request, block_ids), None
+            return side.finished(request, block_ids)
 
     def reset_cache(self) -> bool | None:
         return self.scheduler_side.reset_cache()

@@ -156,7 +156,12 @@ class Lookups:
 
     def _may_hit(self, state: RequestState, hashes: PromptHashes, computed: int, most: int) -> bool:
         """Whether a probe may find more than vLLM has: the index says so, or a tier it cannot
-        list (or a worker that has not reported yet) might."""
+        list (or a worker that has not reported yet) might. With host memory as the only tier,
+        an index still waiting for a worker's first report is an empty one: nothing was stored
+        before this process started, and every save is reported with the step that made it (so
+        a miss is answered at once, and a sibling connector's hit is not held back)."""
+        if not self.index.ready:
+            return list(self.config.tiers) != ["local_cpu"]
         if not self.index.complete:
             return True
         return self._indexed_hit(state, hashes, most) > computed

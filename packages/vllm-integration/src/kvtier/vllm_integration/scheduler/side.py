@@ -26,11 +26,16 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.vllm_integration import logs
+from kvtier.vllm_integration.handover import (
+    ConsumerWait,
+    announced,
+    producer_params,
+)
 from kvtier.vllm_integration.identity import adapter_identity, cacheable, identity_tokens
 from kvtier.vllm_integration.messages import (
     KVTierMetadata,
@@ -92,6 +97,8 @@ class SchedulerSide:
         self.num_workers = num_workers
         self.index = PresenceIndex(num_workers)
         self.verify = VerifySampling(config, role, block_size)
+        # A consumer waits (bounded) for the chunks a producer announced (handover.py).
+        self.waits = ConsumerWait(config) if role == "kv_consumer" else None
         self.lookups = Lookups(
             config,
             self.index,
@@ -105,6 +112,13 @@ class SchedulerSide:
         self.sightings = Sightings(config.store_threshold)
         self.saves = SavePlanner(config, block_size, self.sightings, self._hashes)
         self.lazy: LazyOffload | None = None
+        if config.offload == "lazy" and role == "kv_producer":
+            raise ConfigError(
+                "offload",
+                config.offload,
+                "a kv_producer's chunks are another instance's input: they must be saved as "
+                "they are computed (offload=eager)",
+            )
         if config.offload == "lazy" and self.saves_enabled:
             target = target_blocks(max_num_batched_tokens, block_size)
             self.lazy = LazyOffload(block_size, target, num_workers)
@@ -185,12 +199,23 @@ class SchedulerSide:
             return 0, False  # it started under older weights: nothing of theirs is served
         if state.verify is not None:
             return 0, False  # sampled for verification: vLLM computes its prefix
+        waits = self.waits
+        expected = min(announced(request.kv_transfer_params), most) if waits else 0
+        if waits and expected and state.probe is None and not waits.may_probe(request.request_id):
+            return None, False  # waiting for a producer's chunks: probed again shortly
         probe = self.lookups.probe(state, self._hashes(state), num_computed_tokens, most)
         if probe is None:
             return None, False  # not yet: the workers are looking
-        self._counts["lookups"] += 1
         hit = min(probe.hit, most)
         hit -= hit % bs
+        if (
+            waits
+            and expected
+            and waits.keep_waiting(request.request_id, hit, expected - expected % bs)
+        ):
+            self.lookups.release(state)  # look again: the producer's writes may land
+            return None, False
+        self._counts["lookups"] += 1
         hold_id = None if probe.indexed else probe.hold_id
         if self.verify.sample(state, num_computed_tokens, hit, hold_id):
             state.probe = None  # its hold now belongs to the check
@@ -334,6 +359,20 @@ class SchedulerSide:
                     self._expect(state, spec.skip, len(spec.tokens))
                 meta.lazy_saves.append(spec)
         return meta
+
+    def finished(
+        self, request: Request, block_ids: list[int] | None = None
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``request_finished``: whether to keep the blocks (``request_finished``), and
+        the request's ``kv_transfer_params``: a producer announces what it stored of the prompt
+        (``handover.py``)."""
+        params = None
+        state = self._reqs.get(request.request_id)
+        if not self.loads_enabled and state is not None and state.generation == self.generation:
+            params = producer_params(state.saved_upto, len(state.prompt), self.block_size)
+        if self.waits is not None:
+            self.waits.done(request.request_id)
+        return self.request_finished(request, block_ids), params
 
     def request_finished(self, request: Request, block_ids: list[int] | None = None) -> bool:
         """Whether to keep the request's blocks until the worker's saves of it are done

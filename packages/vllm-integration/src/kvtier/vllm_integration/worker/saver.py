@@ -18,7 +18,7 @@ import functools
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,7 +58,7 @@ class Saver:
         self._thread = threading.Thread(target=self._loop, name="kvtier-saver", daemon=True)
         self._thread.start()
 
-    def submit(self, specs: list[Spec], marker: Marker, step: int = -1) -> None:
+    def submit(self, specs: Sequence[Spec], marker: Marker, step: int = -1) -> None:
         """Queue ``specs``, jobs of scheduler step ``step`` (run in order)."""
         for spec in specs:
             job = _Job(spec, marker, step)

@@ -103,7 +103,8 @@ class WorkerSaves:
             self.saver.submit(meta.lazy_saves, platform.record_marker(), meta.step)
         # The scheduler holds the blocks of every request with a save (or a check) until
         # get_finished says so.
-        self._saving.update(spec.req_id for spec in [*meta.saves, *meta.verifies])
+        self._saving.update(spec.req_id for spec in meta.saves)
+        self._saving.update(spec.req_id for spec in meta.verifies)
         if meta.verifies:
             # Before this step's saves: a chunk found wrong is removed, and saved afresh.
             self.saver.submit(meta.verifies, platform.record_marker(), meta.step)

@@ -45,6 +45,7 @@ from kvtier.core.metrics import engine_values
 from kvtier.core.platform import get_platform
 from kvtier.core.thread_cpu import PROCESS_THREADS
 from kvtier.vllm_integration.channel import ControlServer, socket_path
+from kvtier.vllm_integration.handover import producer_config
 from kvtier.vllm_integration.identity import engine_rank, model_identity
 from kvtier.vllm_integration.layout import register
 from kvtier.vllm_integration.messages import (
@@ -117,6 +118,9 @@ class WorkerSide:
         block_size: int,
         engine_id: str,
     ) -> None:
+        transfer = vllm_config.kv_transfer_config
+        if transfer is not None and transfer.kv_role == "kv_producer":
+            config = producer_config(config)  # its chunks are another instance's input
         self.config = config
         self._kv_cache_config = kv_cache_config
         self.block_size = block_size

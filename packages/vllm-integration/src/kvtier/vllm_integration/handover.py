@@ -1,0 +1,103 @@
+"""Prefill/decode disaggregation through the shared tiers (vLLM's ``kv_role``).
+
+A ``kv_producer`` (prefill instance) saves and never loads; when a request finishes it announces
+what it stored in the request's ``kv_transfer_params`` (``{"kvtier": {"stored_tokens": n}}``),
+which vLLM returns with the response: a proxy (``kvtier bench pd``'s, or vLLM's disaggregated
+serving proxy pattern) sends the decode request on with them. Its lower-tier writes wait for
+room in a full write queue instead of being dropped (``write_queue_wait_s``).
+
+A ``kv_consumer`` (decode instance) loads and never saves. A request that arrives with a
+producer's announcement may get there before the producer's chunks are readable in the shared
+tier (its writes to Redis are asynchronous): its lookup is answered "not yet" and probed again,
+every ``REPROBE_S``, until every announced token is found or ``consumer_wait_s`` has passed (then
+it is served with what is there). The scheduler never blocks meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvtier.core.config import KVTierConfig
+
+logger = logging.getLogger("kvtier")
+
+KEY = "kvtier"
+REPROBE_S = 0.05  # a waiting consumer request's lookups go to the workers at most this often
+PRODUCER_WRITE_WAIT_S = 10.0  # at least, for a producer (``write_queue_wait_s``)
+
+
+def announcement(stored_tokens: int) -> dict[str, Any]:
+    """The ``kv_transfer_params`` a producer returns for a request whose first
+    ``stored_tokens`` tokens it saved."""
+    return {KEY: {"stored_tokens": stored_tokens}}
+
+
+def producer_params(saved_upto: int, prompt_len: int, block_size: int) -> dict[str, Any] | None:
+    """A producer's ``kv_transfer_params`` for a request that handed tokens ``[0, saved_upto)``
+    to its saves (None when not one block of the prompt was)."""
+    stored = min(saved_upto, prompt_len)
+    return announcement(stored - stored % block_size) if stored >= block_size else None
+
+
+def producer_config(config: KVTierConfig) -> KVTierConfig:
+    """A producer's writes to the shared tiers wait for room rather than being dropped."""
+    if config.write_queue_wait_s >= PRODUCER_WRITE_WAIT_S:
+        return config
+    return config.replace(write_queue_wait_s=PRODUCER_WRITE_WAIT_S)
+
+
+def announced(params: dict[str, Any] | None) -> int:
+    """Tokens a producer announced in ``params`` (0: none, or not a kvtier announcement)."""
+    mine = (params or {}).get(KEY)
+    if not isinstance(mine, dict):
+        return 0
+    n = mine.get("stored_tokens")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
+
+
+class ConsumerWait:
+    """The deadlines of consumer requests waiting for announced chunks."""
+
+    def __init__(self, config: KVTierConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.wait_s = config.consumer_wait_s
+        self._clock = clock
+        self._since: dict[str, float] = {}  # request id -> when it started waiting
+        self._next: dict[str, float] = {}  # request id -> when it may be probed again
+        self.timeouts = 0
+
+    def keep_waiting(self, rid: str, found: int, expected: int) -> bool:
+        """Whether a request whose lookup found ``found`` of ``expected`` announced tokens
+        waits on; logs once when its wait ends short."""
+        if found >= expected:
+            self.done(rid)
+            return False
+        now = self._clock()
+        since = self._since.setdefault(rid, now)
+        if now - since < self.wait_s:
+            return True
+        self.timeouts += 1
+        logger.warning(
+            "kvtier: request %s: %d of the %d tokens its producer announced were readable "
+            "after %.1f s (consumer_wait_s); the rest is computed here",
+            rid,
+            found,
+            expected,
+            now - since,
+        )
+        self.done(rid)
+        return False
+
+    def may_probe(self, rid: str) -> bool:
+        """Whether a waiting request's lookup may go to the workers again now (paced)."""
+        now = self._clock()
+        if now < self._next.get(rid, 0.0):
+            return False
+        self._next[rid] = now + REPROBE_S
+        return True
+
+    def done(self, rid: str) -> None:
+        self._since.pop(rid, None)
+        self._next.pop(rid, None)

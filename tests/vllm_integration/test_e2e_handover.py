@@ -1,0 +1,38 @@
+"""Prefill/decode handover through a real Redis: a prefill instance (``kv_producer``) computes a
+prompt and announces what it stored in the response's ``kv_transfer_params``; a decode instance
+(``kv_consumer``) given them loads every announced token and computes none of them, and answers
+as one instance with vLLM's own prefix cache does."""
+
+from __future__ import annotations
+
+import pytest
+from prompts import DOC, FULL_HIT, STATS, gen
+
+pytestmark = [pytest.mark.vllm, pytest.mark.redis]
+
+
+def test_decode_loads_what_prefill_announced_through_redis(
+    run_engine, hit_reference, redis_clean
+) -> None:
+    shared = {"chunk_size": 256, "tiers": ["local_cpu", "redis"], "redis_url": redis_clean.url}
+    prefill = run_engine(
+        {
+            "kvtier": {**shared, "local_cpu_size_gb": 0.05},
+            "kv_role": "kv_producer",
+            "steps": [{**gen(DOC), "max_tokens": 1}, STATS],
+        }
+    )
+    params = prefill[0].get("kv_transfer_params")
+    assert params == {"kvtier": {"stored_tokens": len(DOC) - len(DOC) % 32}}, params
+    decode = run_engine(
+        {
+            "kvtier": {**shared, "local_cpu_size_gb": 0.05},
+            "kv_role": "kv_consumer",
+            "steps": [{**gen(DOC), "kv_transfer_params": params}, STATS],
+        }
+    )
+    assert decode[1]["loaded_tokens"] == FULL_HIT, "every announced token (n - 1, whole blocks)"
+    assert decode[1]["saved_tokens"] == 0
+    assert decode[0]["tokens"] == hit_reference["doc"]["tokens"]
+    assert decode[0]["logprobs"] == hit_reference["doc"]["logprobs"]
+    assert "kv_transfer_params" not in decode[0], "a consumer announces nothing"
