@@ -190,3 +190,22 @@ def test_a_probe_holds_a_siblings_hit_back_for_one_step(tmp_path) -> None:
         assert connector._requests_to_connector[req.request_id] == 1
     finally:
         harness.close()
+
+
+@pytest.mark.parametrize("role", ["kv_both", "kv_producer", "kv_consumer"])
+def test_kvtier_needs_no_kv_delivery_in_any_role(role: str) -> None:
+    """A best-effort cache, as vLLM's own offloading connectors answer (vLLM's default is True
+    for every role that saves): a save that does not happen is a later miss (a consumer's bounded wait
+    covers a producer's), so vLLM keeps a preempted request's in-flight output
+    (``drop_stale_output``) instead of recomputing it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    register()  # kvtier's vLLM plugin: the connector factory knows KVTierConnector
+    config = vllm_config({**KVTIER, "kv_role": role, "engine_id": f"contract-{role}"}, None)
+    connector = KVTierConnector(config, KVConnectorRole.SCHEDULER, None)  # type: ignore[arg-type]
+    try:
+        assert connector.requires_kv_delivery is False
+        assert connector.scheduler_side.saves_enabled == (role != "kv_consumer")
+        assert KVConnectorBase_V1.requires_kv_delivery.fget(connector) == (role != "kv_consumer")
+    finally:
+        connector.shutdown()

@@ -36,3 +36,23 @@ def test_decode_loads_what_prefill_announced_through_redis(
     assert decode[0]["tokens"] == hit_reference["doc"]["tokens"]
     assert decode[0]["logprobs"] == hit_reference["doc"]["logprobs"]
     assert "kv_transfer_params" not in decode[0], "a consumer announces nothing"
+
+
+def test_a_producer_that_died_before_its_writes_leaves_a_bounded_wait_and_a_miss(
+    run_engine, reference, redis_clean
+) -> None:
+    """The announcement arrives, the chunks never do (the producer was killed before writing,
+    or its writes were lost): the decode instance waits consumer_wait_s, then computes the
+    prompt itself, and answers as a cold request does."""
+    shared = {"chunk_size": 256, "tiers": ["local_cpu", "redis"], "redis_url": redis_clean.url}
+    params = {"kvtier": {"stored_tokens": len(DOC) - len(DOC) % 32}}
+    decode = run_engine(
+        {
+            "kvtier": {**shared, "local_cpu_size_gb": 0.05, "consumer_wait_s": 2.0},
+            "kv_role": "kv_consumer",
+            "steps": [{**gen(DOC), "kv_transfer_params": params}, STATS],
+        }
+    )
+    assert decode[1]["loaded_tokens"] == 0
+    assert decode[0]["tokens"] == reference["doc"]["tokens"]
+    assert decode[0]["logprobs"] == reference["doc"]["logprobs"]
