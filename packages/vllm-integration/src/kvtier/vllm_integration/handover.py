@@ -21,12 +21,29 @@ from collections.abc import Callable
 from typing import Any
 
 from kvtier.core.config import KVTierConfig
+from kvtier.core.errors import ConfigError
 
 logger = logging.getLogger("kvtier")
 
 KEY = "kvtier"
 REPROBE_S = 0.05  # a waiting consumer request's lookups go to the workers at most this often
 PRODUCER_WRITE_WAIT_S = 10.0  # at least, for a producer (``write_queue_wait_s``)
+
+
+ROLES = ("kv_both", "kv_producer", "kv_consumer")
+
+
+def check_role(config: KVTierConfig, role: str) -> None:
+    """vLLM's ``kv_role`` with kvtier's config: a known role, and a producer saving eagerly."""
+    if role not in ROLES:
+        raise ConfigError("kv_role", role, f"must be one of {', '.join(ROLES)}")
+    if config.offload == "lazy" and role == "kv_producer":
+        raise ConfigError(
+            "offload",
+            config.offload,
+            "a kv_producer's chunks are another instance's input: they must be saved as they "
+            "are computed (offload=eager)",
+        )
 
 
 def announcement(stored_tokens: int) -> dict[str, Any]:

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from kvtier.core.config import KVTierConfig
 from kvtier.vllm_integration.identity import cacheable, identity_tokens
 from kvtier.vllm_integration.messages import SaveSpec
+from kvtier.vllm_integration.scheduler.events import EventLog
+from kvtier.vllm_integration.scheduler.index import PresenceIndex
 from kvtier.vllm_integration.scheduler.lookups import RequestState
 from kvtier.vllm_integration.scheduler.prompts import PromptHashes, Sightings
 
@@ -27,7 +29,12 @@ class SavePlanner:
         block_size: int,
         sightings: Sightings,
         hashes: Callable[[RequestState], PromptHashes],
+        index: PresenceIndex | None = None,
+        events: EventLog | None = None,
     ) -> None:
+        """``index`` and ``events``: told what each save will store (``expect``)."""
+        self.index = index
+        self.events = events
         self.config = config
         self.block_size = block_size
         self.chunk_size = config.chunk_size
@@ -75,3 +82,32 @@ class SavePlanner:
         else:
             tokens = identity_tokens(req, req.all_token_ids[:save_end])
         return SaveSpec(rid, tokens, list(state.block_ids[:n_blocks]), skip, state.scope)
+
+    def expect(self, state: RequestState, skip: int, end: int) -> None:
+        """Tell the index (and the KV event log) what a save just asked for will store: its
+        chunks and tail blocks, and the aliases of its full chunks (a prompt diverging inside
+        one of them hits its first blocks)."""
+        assert self.index is not None and self.events is not None, "not bound to an index"
+        hashes = self._hashes(state)
+        spans = hashes.saved_spans(skip, end)
+        self.index.expect([h for h, _, _ in spans] + hashes.saved_aliases(skip, end), state.scope)
+        self.events.expect(state.request, spans, state.scope)
+
+    def spec(
+        self,
+        rid: str,
+        state: RequestState,
+        end: int,
+        generation: str | None,
+        step: int,
+        *,
+        expect: bool = True,
+    ) -> SaveSpec | None:
+        """The save step ``step``'s forward pass makes possible (tokens ``[0, end)`` have KV);
+        the index is told what it will store unless ``expect`` is False."""
+        spec = self.plan(rid, state, end, generation)
+        if spec is not None:
+            state.last_save_step = step
+            if expect and len(spec.tokens) <= len(state.prompt):
+                self.expect(state, spec.skip, len(spec.tokens))
+        return spec

@@ -29,11 +29,11 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from kvtier.core.config import KVTierConfig
-from kvtier.core.errors import ConfigError
 from kvtier.vllm_integration import logs
 from kvtier.vllm_integration.handover import (
     ConsumerWait,
     announced,
+    check_role,
     producer_params,
 )
 from kvtier.vllm_integration.identity import adapter_identity, cacheable, identity_tokens
@@ -67,8 +67,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvtier")
 
-ROLES = ("kv_both", "kv_producer", "kv_consumer")
-
 
 class SchedulerSide:
     """Lookups, loads and saves decided on the scheduler (see the module docstring)."""
@@ -85,10 +83,7 @@ class SchedulerSide:
         role: str = "kv_both",
     ) -> None:
         self.config = config
-        # vLLM's kv_role: a producer (prefill instance) saves and never loads, a consumer
-        # (decode instance) loads and never saves; kv_both does both.
-        if role not in ROLES:
-            raise ConfigError("kv_role", role, f"must be one of {', '.join(ROLES)}")
+        check_role(config, role)  # a producer saves and never loads, a consumer the reverse
         self.loads_enabled = role in ("kv_both", "kv_consumer")
         self.saves_enabled = role in ("kv_both", "kv_producer")
         self.block_size = block_size
@@ -110,15 +105,10 @@ class SchedulerSide:
             block_size, kv_events, lambda h, scope: self.index.digest(0, h, scope)
         )
         self.sightings = Sightings(config.store_threshold)
-        self.saves = SavePlanner(config, block_size, self.sightings, self._hashes)
+        self.saves = SavePlanner(
+            config, block_size, self.sightings, self._hashes, self.index, self.events
+        )
         self.lazy: LazyOffload | None = None
-        if config.offload == "lazy" and role == "kv_producer":
-            raise ConfigError(
-                "offload",
-                config.offload,
-                "a kv_producer's chunks are another instance's input: they must be saved as "
-                "they are computed (offload=eager)",
-            )
         if config.offload == "lazy" and self.saves_enabled:
             target = target_blocks(max_num_batched_tokens, block_size)
             self.lazy = LazyOffload(block_size, target, num_workers)
@@ -139,9 +129,7 @@ class SchedulerSide:
         self.generation: str | None = None
         self._counts = {"lookups": 0, "hit_tokens": 0, "uncacheable": 0}
         self.metrics = StatsTracker()
-        self.timer = StepTimer(
-            self.metrics, "scheduler"
-        )  # kvtier's time in each step (connector.py)
+        self.timer = StepTimer(self.metrics, "scheduler")  # kvtier's time in each step
         warn_load_failure_policy(load_failure_policy, config)
 
     @property
@@ -256,28 +244,12 @@ class SchedulerSide:
         state.external = 0
         state.saved_upto = max(state.saved_upto, end // self.chunk_size * self.chunk_size)
 
-    def _expect(self, state: RequestState, skip: int, end: int) -> None:
-        """Tell the index (and the KV event log) what a save just asked for will store: its
-        chunks and tail blocks, and the aliases of its full chunks (a prompt diverging inside
-        one of them hits its first blocks)."""
-        hashes = self._hashes(state)
-        spans = hashes.saved_spans(skip, end)
-        self.index.expect([h for h, _, _ in spans] + hashes.saved_aliases(skip, end), state.scope)
-        self.events.expect(state.request, spans, state.scope)
-
     def _save_spec(
         self, rid: str, state: RequestState, end: int, *, expect: bool = True
     ) -> SaveSpec | None:
-        """The save this step's forward pass makes possible (tokens ``[0, end)`` have KV); the
-        index is told what it will store unless ``expect`` is False."""
         if not self.saves_enabled:
             return None
-        spec = self.saves.plan(rid, state, end, self.generation)
-        if spec is not None:
-            state.last_save_step = self._step
-            if expect and len(spec.tokens) <= len(state.prompt):
-                self._expect(state, spec.skip, len(spec.tokens))
-        return spec
+        return self.saves.spec(rid, state, end, self.generation, self._step, expect=expect)
 
     def _schedule(self, meta: KVTierMetadata, rid: str, computed: int, scheduled: int) -> None:
         state = self._reqs.get(rid)
@@ -356,7 +328,7 @@ class SchedulerSide:
         if self.lazy is not None:
             for spec, state in self.lazy.due():
                 if state.generation == self.generation:
-                    self._expect(state, spec.skip, len(spec.tokens))
+                    self.saves.expect(state, spec.skip, len(spec.tokens))
                 meta.lazy_saves.append(spec)
         return meta
 
