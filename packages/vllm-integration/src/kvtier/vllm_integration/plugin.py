@@ -9,6 +9,13 @@ It also refuses vLLM's ``--kv-offloading-size`` next to kvtier: vLLM 0.32's
 ``VllmConfig._post_init_kv_transfer_config`` then overwrites ``kv_connector`` with its own
 OffloadingConnector (or LMCacheMPConnector), so kvtier would silently never run. vLLM builds its
 config after loading the plugins (``EngineArgs.__post_init__``), so the check runs first.
+
+And it refuses models that keep a recurrent state (Mamba, linear attention such as Gated
+DeltaNet: vLLM's ``is_hybrid``, ``has_inner_state``, ``is_attention_free``) with a named error:
+kvtier stores attention KV pages only, and vLLM, which turns its hybrid KV cache manager off for
+a connector without ``SupportsHMA``, would otherwise stop later with "Failed to promote local KV
+cache specs to one unified type" (docs/hybrid.md). Sliding-window hybrids (Gemma 2/3, gpt-oss)
+run, with vLLM's hybrid manager off.
 """
 
 from __future__ import annotations
@@ -74,6 +81,39 @@ def offloading_size_conflict(
     )
 
 
+def recurrent_state_conflict(kv_transfer_config: Any, model_config: Any) -> str | None:
+    """The startup error for kvtier configured for a model with a recurrent state, or None."""
+    ktc = kv_transfer_config
+    if ktc is None or model_config is None:
+        return None
+    if not _names_kvtier(
+        ktc.kv_connector, ktc.kv_connector_module_path, ktc.kv_connector_extra_config
+    ):
+        return None
+    flags = [
+        f for f in ("is_hybrid", "has_inner_state", "is_attention_free") if _flag(model_config, f)
+    ]
+    if not flags:
+        return None
+    arch = ", ".join(getattr(model_config, "architectures", None) or ["?"])
+    return (
+        f"model {getattr(model_config, 'model', '?')!r} ({arch}) has layers that keep a "
+        f"recurrent state, Mamba or linear attention (vLLM: {', '.join(flags)}). kvtier stores attention KV "
+        "pages only and does not store that state yet (docs/hybrid.md); without it vLLM turns "
+        "its hybrid KV cache manager off and stops with 'Failed to promote local KV cache specs "
+        "to one unified type'. Serve this model without kvtier in --kv-transfer-config"
+    )
+
+
+def _flag(model_config: Any, name: str) -> bool:
+    """A ``ModelConfig`` property that needs the model's registry entry; False when it cannot
+    be read (an unknown architecture is vLLM's own error to give)."""
+    try:
+        return bool(getattr(model_config, name, False))
+    except Exception:
+        return False
+
+
 def _refuse_offloading_size() -> None:
     """Wrap ``VllmConfig._post_init_kv_transfer_config`` (once) to fail on the conflict before
     vLLM swaps the connector; a vLLM without that method is left alone (the connector's own
@@ -86,11 +126,14 @@ def _refuse_offloading_size() -> None:
 
     @functools.wraps(original)
     def checked(self: Any) -> None:
+        from kvtier.core.errors import ConfigError
+
         error = offloading_size_conflict(self.kv_transfer_config, self.cache_config)
         if error is not None:
-            from kvtier.core.errors import ConfigError
-
             raise ConfigError("kv_offloading_size", self.cache_config.kv_offloading_size, error)
+        state = recurrent_state_conflict(self.kv_transfer_config, self.model_config)
+        if state is not None:
+            raise ConfigError("model", getattr(self.model_config, "model", None), state)
         original(self)
 
     checked._kvtier_checked = True  # type: ignore[attr-defined]

@@ -1,0 +1,110 @@
+"""Models kvtier cannot serve yet are a named startup error, never a shape error deep in vLLM:
+a model with a recurrent state (Mamba, Gated DeltaNet) configured with kvtier stops when vLLM
+builds its config, naming the model and why (docs/hybrid.md). Plain attention models and
+sliding-window hybrids (which run with vLLM's hybrid KV cache manager off) start."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from kvtier.vllm_integration.plugin import recurrent_state_conflict, register
+
+pytestmark = [pytest.mark.vllm]
+
+ARCHITECTURES = {"qwen3_next": "Qwen3NextForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+KVTIER = {"kv_connector": "KVTierConnector", "kv_role": "kv_both"}
+EXAMPLE = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
+
+
+def config_dir(tmp_path: Path, tokenizer_from: Path, hf_config) -> Path:
+    """A model directory with ``hf_config`` and the test tokenizer (no weights: only the
+    config is read)."""
+    d = tmp_path / hf_config.model_type
+    d.mkdir()
+    hf_config.architectures = [ARCHITECTURES[hf_config.model_type]]
+    hf_config.to_json_file(str(d / "config.json"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (tokenizer_from / name).exists():
+            shutil.copy(tokenizer_from / name, d / name)
+    return d
+
+
+def qwen3_next():
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        vocab_size=3300, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+        linear_value_head_dim=128, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=128, shared_expert_intermediate_size=128,
+        max_position_embeddings=4096,
+    )  # fmt: skip
+
+
+def gemma3():
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        vocab_size=3300, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=4096,
+    )  # fmt: skip
+
+
+def build(model_dir: Path, ktc: dict | None):
+    from vllm.config import KVTransferConfig, ModelConfig, VllmConfig
+
+    register()
+    transfer = KVTransferConfig(**ktc) if ktc is not None else None
+    return VllmConfig(model_config=ModelConfig(model=str(model_dir)), kv_transfer_config=transfer)
+
+
+MULTI = {
+    "kv_connector": "MultiConnector",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {"connectors": [EXAMPLE, KVTIER]},
+}
+
+
+@pytest.mark.parametrize("ktc", [KVTIER, MULTI], ids=["kvtier", "multiconnector-child"])
+def test_a_gated_deltanet_hybrid_with_kvtier_is_a_named_startup_error(
+    ktc, tmp_path, vllm_model_dir
+) -> None:
+    model = config_dir(tmp_path, vllm_model_dir, qwen3_next())
+    with pytest.raises(ValueError) as exc:  # pydantic wraps the ConfigError of __post_init__
+        build(model, ktc)
+    text = str(exc.value)
+    assert "Qwen3NextForCausalLM" in text and "recurrent state" in text and "is_hybrid" in text
+    assert "docs/hybrid.md" in text and "without kvtier" in text
+
+
+def test_without_kvtier_vllm_takes_the_same_model(tmp_path, vllm_model_dir) -> None:
+    model = config_dir(tmp_path, vllm_model_dir, qwen3_next())
+    assert build(model, EXAMPLE).model_config.is_hybrid
+
+
+@pytest.mark.parametrize("make", [gemma3, None], ids=["sliding-window hybrid", "llama"])
+def test_attention_models_with_kvtier_start(make, tmp_path, vllm_model_dir) -> None:
+    model = config_dir(tmp_path, vllm_model_dir, make()) if make else vllm_model_dir
+    assert build(model, KVTIER).kv_transfer_config.kv_connector == "KVTierConnector"
+
+
+def test_the_check_reads_vllms_model_flags() -> None:
+    ktc = SimpleNamespace(
+        kv_connector="KVTierConnector", kv_connector_module_path=None, kv_connector_extra_config={}
+    )
+    plain = SimpleNamespace(is_hybrid=False, has_inner_state=False, is_attention_free=False)
+    assert recurrent_state_conflict(ktc, plain) is None
+    mamba = SimpleNamespace(
+        is_hybrid=False, has_inner_state=True, is_attention_free=True, model="m",
+        architectures=["MambaForCausalLM"],
+    )  # fmt: skip
+    assert "has_inner_state, is_attention_free" in recurrent_state_conflict(ktc, mamba)
+    other = SimpleNamespace(**{**vars(ktc), "kv_connector": "ExampleConnector"})
+    assert recurrent_state_conflict(other, mamba) is None
