@@ -176,10 +176,12 @@ class DiskMedium(Medium):
 
 
 class RedisMedium(Medium):
-    def __init__(self, url: str) -> None:
-        import redis
+    """A server's values, read and damaged through kvtier's own RESP connection."""
 
-        self.client = redis.Redis.from_url(url, socket_timeout=5)
+    def __init__(self, url: str) -> None:
+        from fixtures.redis_client import RedisClient
+
+        self.client = RedisClient(url)
 
     def names(self) -> list[str]:
         return sorted(k.decode() for k in self.client.keys("*"))

@@ -153,7 +153,6 @@ def tier(request: pytest.FixtureRequest, tmp_path: Path, plugin_registered: None
     if name == "local_disk":
         medium = DiskMedium(tmp_path / "disk")
     elif name == "redis":
-        pytest.importorskip("redis", reason="redis-py (kvtier[redis]) is not installed")
         server = request.getfixturevalue("redis_clean")
         # 1 KiB segments: each 2 KiB chunk is stored as several values
         kw.update(

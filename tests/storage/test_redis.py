@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-from redis_client import RedisClient
 from storage_helpers import CHUNK, LAYOUT, check_obj, chunk_value, key, meta, put_chunk
 
+from fixtures.redis_client import RedisClient
 from fixtures.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis

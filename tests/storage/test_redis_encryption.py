@@ -11,7 +11,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from redis_client import RedisClient
 from storage_helpers import (
     ARENA_BYTES,
     CHUNK,
@@ -26,6 +25,7 @@ from storage_helpers import (
 )
 from test_redis import redis_key, redis_manager, stored
 
+from fixtures.redis_client import RedisClient
 from kvtier.core.memory import HostArena
 from kvtier.storage import codec
 from kvtier.storage.backends.base import BackendContext
