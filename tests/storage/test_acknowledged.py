@@ -17,7 +17,7 @@ from kvtier.storage.manager import TieredStorageManager
 from kvtier.storage.stats import StorageStats
 
 
-def build(tmp_path, tier_classes, *, close_timeout_s=5.0, **kw):
+def build(tmp_path, tier_classes, *, close_timeout_s=5.0, write_queue_wait_s=0.0, **kw):
     cfg = config(tmp_path, **kw)
     arena = HostArena.create(ARENA_BYTES)
     stats = StorageStats()
@@ -38,6 +38,7 @@ def build(tmp_path, tier_classes, *, close_timeout_s=5.0, **kw):
         write_queue_size=cfg.write_queue_size,
         io_threads=cfg.io_threads,
         close_timeout_s=close_timeout_s,
+        write_queue_wait_s=write_queue_wait_s,
     )
     return m, arena
 
@@ -98,3 +99,65 @@ def test_close_counts_chunks_a_writer_had_dequeued(tmp_path):
     while arena.used_bytes and time.monotonic() < deadline:
         time.sleep(0.01)
     assert arena.used_bytes == 0
+
+
+def _gated_manager(tmp_path, wait_s: float):
+    GatedTier.gate.clear()
+    GatedTier.entered.clear()
+    m, arena = build(
+        tmp_path,
+        [LocalCPUBackend, GatedTier],
+        io_threads=1,
+        write_queue_size=1,
+        write_queue_wait_s=wait_s,
+    )
+    return m, arena
+
+
+def _close(m, arena) -> None:
+    GatedTier.gate.set()
+    m.close()
+    deadline = time.monotonic() + 10
+    while arena.used_bytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert arena.used_bytes == 0
+
+
+def test_a_full_queue_drops_at_once_by_default(tmp_path):
+    m, arena = _gated_manager(tmp_path, 0.0)
+    put_chunk(m, 0)
+    assert GatedTier.entered.wait(10)  # the writer holds chunk 0 in the slow tier
+    put_chunk(m, 1)  # queued
+    t0 = time.monotonic()
+    put_chunk(m, 2)  # no room: dropped at once
+    assert time.monotonic() - t0 < 0.5
+    assert m.stats.get("write_queue.dropped") == 1
+    _close(m, arena)
+
+
+def test_a_full_queue_waits_for_room_with_write_queue_wait_s(tmp_path):
+    """A vLLM kv_producer's setting: its chunks are another instance's input."""
+    m, arena = _gated_manager(tmp_path, 5.0)
+    put_chunk(m, 0)
+    assert GatedTier.entered.wait(10)
+    put_chunk(m, 1)
+    threading.Timer(0.3, GatedTier.gate.set).start()  # the slow tier catches up
+    t0 = time.monotonic()
+    put_chunk(m, 2)  # waits for room instead of dropping
+    assert 0.2 < time.monotonic() - t0 < 5.0
+    assert m.flush(10)
+    assert m.stats.get("write_queue.dropped") == 0
+    assert m.lower[0].contains([key(i) for i in range(3)]) == [True] * 3
+    _close(m, arena)
+
+
+def test_the_wait_is_bounded(tmp_path):
+    m, arena = _gated_manager(tmp_path, 0.3)
+    put_chunk(m, 0)
+    assert GatedTier.entered.wait(10)
+    put_chunk(m, 1)
+    t0 = time.monotonic()
+    put_chunk(m, 2)
+    assert 0.25 < time.monotonic() - t0 < 3.0
+    assert m.stats.get("write_queue.dropped") == 1
+    _close(m, arena)
