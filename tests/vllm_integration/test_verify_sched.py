@@ -124,3 +124,28 @@ def test_a_fraction_samples_about_that_share() -> None:
         assert 25 <= sampled <= 80, sampled  # binomial(200, 0.25): mean 50, sd 6
     finally:
         h.close()
+
+
+def test_caches_whose_pages_are_not_numbers_are_never_sampled() -> None:
+    """Read from vLLM's own cache spec on the scheduler: a dense bf16 cache can be verified; a
+    cache that packs scales next to its values (``state_content_bytes``) cannot, and sampling
+    it would compute requests for nothing."""
+    import dataclasses
+
+    from fixtures.kv_views import vllm_kv_cache_config
+    from kvtier.core import KVLayout, load_config
+    from kvtier.vllm_integration.layout import pages_verifiable
+
+    layout = KVLayout(2, 2, 64, "bfloat16", BLOCK)
+    dense = vllm_kv_cache_config(layout, 8)
+    assert pages_verifiable("auto", dense)
+    group = dense.kv_cache_groups[0]
+    packed_spec = dataclasses.replace(group.kv_cache_spec, state_content_bytes=2 * 64 * 2 + 8)
+    packed = dataclasses.replace(
+        dense, kv_cache_groups=[dataclasses.replace(group, kv_cache_spec=packed_spec)]
+    )
+    assert not pages_verifiable("auto", packed)
+    assert pages_verifiable("auto", None), "nothing to read: the workers decide"
+    config = load_config(env={}, overrides={"verify_fraction": 1.0})
+    assert VerifySampling(config, "kv_both", BLOCK, verifiable=False).fraction == 0.0
+    assert VerifySampling(config, "kv_both", BLOCK).fraction == 1.0

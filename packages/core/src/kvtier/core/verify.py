@@ -16,8 +16,8 @@ is over the tolerance is removed from every tier, and the tier it came from is q
 (every read a miss) for ``verify_quarantine_s``.
 
 Pages whose elements kvtier cannot read as numbers (a quantized cache with scales packed into
-its pages) cannot be verified: ``verify_dtype`` is None, and a sampled request is computed
-without a check (the worker says so once at start).
+its pages) cannot be verified: ``verify_dtype`` is None, and the vLLM connector's scheduler,
+reading the same from vLLM's cache spec, samples nothing.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ from kvtier.core.config import KVTierConfig, load_config
 from kvtier.core.engine import CacheEngine
 from kvtier.core.errors import ConfigError
 from kvtier.vllm_integration import logs
+from kvtier.vllm_integration.layout import pages_verifiable
 from kvtier.vllm_integration.messages import KVTierMetadata
 from kvtier.vllm_integration.plugin import offloading_size_conflict
 from kvtier.vllm_integration.scheduler.side import SchedulerSide
@@ -113,6 +114,9 @@ class KVTierConnector(KVConnectorBase_V1):
                     and vllm_config.kv_events_config.enable_kv_cache_events
                 ),
                 role=str(self._kv_transfer_config.kv_role),
+                verifiable=pages_verifiable(
+                    str(vllm_config.cache_config.cache_dtype), kv_cache_config
+                ),
             )
         else:
             self._worker = WorkerSide(

@@ -223,3 +223,32 @@ def register(
         cache_dtype=cache_dtype,
         interior=interior_writer(vllm_config, names, spec, cache_dtype),
     )
+
+
+def pages_verifiable(cache_dtype: str, kv_cache_config: KVCacheConfig | None) -> bool:
+    """Whether the pages of the engine's cache can be compared as numbers by verification
+    (``kvtier.core.verify.verify_dtype``), read from vLLM's cache spec on the scheduler, where
+    no KV tensor exists: False for a cache that packs scales next to its values. True when
+    there is no single attention group to read (the workers then say what they find)."""
+    from kvtier.core.verify import verify_dtype
+
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) != 1:
+        return True
+    try:
+        spec = group_spec(kv_cache_config, groups[0].layer_names)  # type: ignore[arg-type]
+        first = groups[0].kv_cache_spec
+        dtype = getattr(first, "dtype", None) or next(iter(first.kv_cache_specs.values())).dtype
+        layout = KVLayout(
+            num_layers=1,
+            num_kv_heads=spec.num_heads,
+            head_size=spec.head_size,
+            dtype=dtype_name(dtype),
+            block_size=spec.block_size,
+            use_mla=spec.use_mla,
+            cache_dtype=cache_dtype,
+            content_bytes=spec.content_bytes,
+        )
+    except (LayoutError, AttributeError, StopIteration, KeyError):
+        return True
+    return verify_dtype(layout) is not None

@@ -81,6 +81,7 @@ class SchedulerSide:
         kv_events: bool = False,
         max_num_batched_tokens: int = 2048,
         role: str = "kv_both",
+        verifiable: bool = True,
     ) -> None:
         self.config = config
         check_role(config, role)  # a producer saves and never loads, a consumer the reverse
@@ -91,7 +92,7 @@ class SchedulerSide:
         self._reqs: dict[str, RequestState] = {}
         self.num_workers = num_workers
         self.index = PresenceIndex(num_workers)
-        self.verify = VerifySampling(config, role, block_size)
+        self.verify = VerifySampling(config, role, block_size, verifiable=verifiable)
         # A consumer waits (bounded) for the chunks a producer announced (handover.py).
         self.waits = ConsumerWait(config) if role == "kv_consumer" else None
         self.lookups = Lookups(

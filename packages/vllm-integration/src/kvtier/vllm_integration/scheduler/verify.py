@@ -10,6 +10,7 @@ someone else's), only hits of at most ``verify_max_tokens``, and a request at mo
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -17,6 +18,8 @@ from collections.abc import Callable
 from kvtier.core.config import KVTierConfig
 from kvtier.vllm_integration.messages import VerifySpec
 from kvtier.vllm_integration.scheduler.lookups import PendingVerify, RequestState
+
+logger = logging.getLogger("kvtier")
 
 
 class VerifySampling:
@@ -29,8 +32,18 @@ class VerifySampling:
         block_size: int,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        verifiable: bool = True,
     ) -> None:
-        self.fraction = config.verify_fraction if role == "kv_both" else 0.0
+        """``verifiable``: the cache's pages can be compared as numbers (else nothing is
+        sampled: a sampled request would be computed for nothing)."""
+        self.fraction = config.verify_fraction if role == "kv_both" and verifiable else 0.0
+        if config.verify_fraction > 0 and not verifiable:
+            logger.warning(
+                "kvtier: verify_fraction=%s is off: this cache's pages pack scales next to "
+                "their values and cannot be compared as numbers",
+                config.verify_fraction,
+            )
         self.max_tokens = config.verify_max_tokens
         self.block_size = block_size
         self._rng = rng or random.Random()
