@@ -60,6 +60,9 @@ literally that. The spec:
 - ``"async_scheduling": true`` asks vLLM for asynchronous scheduling; vLLM CPU turns it off
   (``CpuPlatform.check_and_update_config``) unless ``"force_async_scheduling": true`` keeps it
   (in-process only: vLLM's ``AsyncScheduler`` and the model runner's asynchronous path).
+- ``{"op": "generate_batch", "prompts": [[ids], ...], "max_tokens": n}`` -> ``{"tokens": [...]
+  per prompt, "preemptions": vLLM's count so far}`` (one ``generate`` call: the prompts run
+  together and, with few KV blocks, preempt each other; the count needs ``"log_stats": true``).
 - ``{"op": "engine_info"}`` (in-process only) -> ``{async_scheduling, scheduler, connector}``:
   what vLLM runs (the class names of its scheduler and of its scheduler-side connector).
 - ``{"op": "host_tier_gb"}`` -> each worker's kvtier ``local_cpu_size_gb`` and its host arena's
@@ -361,6 +364,17 @@ class _EventListener:
         return events
 
 
+def _preemptions(llm) -> int:
+    """vLLM's count of preempted requests so far (needs ``"log_stats": true``)."""
+    return int(
+        sum(
+            m.value
+            for m in llm.get_metrics()
+            if m.name == "vllm:num_preemptions" and hasattr(m, "value")
+        )
+    )
+
+
 def _metrics(llm, prefixes) -> list[dict]:
     """``llm.get_metrics()`` (needs ``"log_stats": true``): counters, gauges and histograms
     whose name starts with one of ``prefixes``, as ``{name, labels, value}`` (histograms:
@@ -501,6 +515,30 @@ def main(spec_path: str, out_path: str) -> None:
                 results[-1]["kv_transfer_params"] = request_out.kv_transfer_params
             if evicting:
                 results[-1]["evict"] = evict
+        elif op == "generate_batch":
+            # Several prompts in one generate call: they run together (and, with few KV
+            # blocks, preempt each other) -> each one's tokens, and vLLM's preemption count.
+            batch_params = SamplingParams(
+                max_tokens=step.get("max_tokens", params.max_tokens), temperature=0.0, logprobs=1
+            )
+            outs = llm.generate(
+                [{"prompt_token_ids": p} for p in step["prompts"]], batch_params, use_tqdm=False
+            )
+            results.append(
+                {
+                    "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                    "logprobs": [
+                        [
+                            lp[t].logprob
+                            for t, lp in zip(
+                                o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True
+                            )
+                        ]
+                        for o in outs
+                    ],
+                    "preemptions": _preemptions(llm),
+                }
+            )
         elif op == "stats":
             results.append(query_worker_stats(engine_id, step.get("rank", 0)))
         elif op == "sched_stats":  # the scheduler side's counters (in-process engines only)

@@ -12,7 +12,7 @@ blocks.
 from __future__ import annotations
 
 import pytest
-from prompts import DOC, FULL_HIT, STATS, gen
+from prompts import DOC, FULL_HIT, OTHER, SHARED, STATS, gen
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -59,3 +59,30 @@ def test_hits_under_async_scheduling_equal_vllms_prefix_cache(run_engine) -> Non
     assert out[3]["loaded_tokens"] == EXTENDED_HIT
     assert out[5]["loaded_tokens"] - out[3]["loaded_tokens"] == FULL_HIT
     assert out[5]["holds"] == out[5]["held_objects"] == 0
+
+
+def test_preemption_under_async_scheduling_equals_vllm_without_kvtier(run_engine) -> None:
+    """Three prompts in one batch over a KV cache that holds them but not their decoding: vLLM
+    preempts (frees a running request's blocks and recomputes it later; here kvtier loads part
+    of it back) while steps are scheduled ahead of their sampled tokens. kvtier's saves of
+    those blocks are finished or abandoned before the blocks are reused
+    (``handle_preemptions``), and the outputs equal vLLM's in the same mode without kvtier."""
+    # 13 blocks each at admission (39 of 40); each needs 2 more while decoding: preemption
+    prompts = [DOC[:400], OTHER[:400], SHARED[400:] + DOC[:200]]
+    batch = {"op": "generate_batch", "prompts": prompts, "max_tokens": 64}
+    mode = {
+        **ASYNC,
+        "prefix_caching": True,
+        "num_gpu_blocks_override": 40,
+        "max_model_len": 1024,
+        "log_stats": True,
+    }
+    reference = run_engine({"kvtier": None, **mode, "steps": [batch]})
+    config = {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.25}
+    out = run_engine({"kvtier": config, **mode, "steps": [batch, STATS]})
+    assert reference[0]["preemptions"] > 0, "the cache must be too small for the batch"
+    assert out[0]["preemptions"] > 0
+    assert out[0]["tokens"] == reference[0]["tokens"]
+    stats = out[1]
+    assert stats["save_errors"] == 0 and stats["saved_tokens"] > 0
+    assert stats["holds"] == stats["held_objects"] == 0
