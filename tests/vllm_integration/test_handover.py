@@ -6,10 +6,16 @@ announced chunks are readable, then loads them; the wait is bounded."""
 from __future__ import annotations
 
 import pytest
+import torch
 from sched_harness import BLOCK, CHUNK, Harness, request
 
 from kvtier.core.errors import ConfigError
-from kvtier.vllm_integration.handover import announced, announcement, producer_config
+from kvtier.vllm_integration.handover import (
+    ConsumerWait,
+    announced,
+    announcement,
+    producer_config,
+)
 from kvtier.vllm_integration.scheduler.side import SchedulerSide
 
 PROMPT = list(range(100, 100 + 3 * CHUNK + 5))
@@ -27,8 +33,6 @@ class Clock:
 def consumer(**overrides) -> tuple[Harness, Clock]:
     h = Harness.create(**overrides)
     h.sched.loads_enabled, h.sched.saves_enabled = True, False
-    from kvtier.vllm_integration.handover import ConsumerWait
-
     clock = Clock()
     h.sched.waits = ConsumerWait(h.sched.config, clock)
     return h, clock
@@ -60,7 +64,7 @@ def test_a_consumer_waits_for_announced_chunks_then_loads_them() -> None:
             assert h.sched.get_num_new_matched_tokens(req, 0)[0] is None
             h.step()
             clock.now += 0.06  # paced: a probe at most every 50 ms
-        h.ranks[0].engine.store(PROMPT, __import__("torch").arange(len(PROMPT)))
+        h.ranks[0].engine.store(PROMPT, torch.arange(len(PROMPT)))
         h.report()
         answers = []
         for _ in range(4):
@@ -81,7 +85,7 @@ def test_the_wait_is_bounded() -> None:
     try:
         req = request(PROMPT)
         req.kv_transfer_params = announcement(len(PROMPT))
-        h.ranks[0].engine.store(PROMPT[:CHUNK], __import__("torch").arange(CHUNK))
+        h.ranks[0].engine.store(PROMPT[:CHUNK], torch.arange(CHUNK))
         h.report()
         n = None
         for _ in range(100):

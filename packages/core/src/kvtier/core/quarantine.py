@@ -27,6 +27,8 @@ class Quarantine:
 
     def blocked(self, tier: str) -> bool:
         """Whether ``tier`` is quarantined now (an ended quarantine is forgotten)."""
+        if not self._until:  # every read asks: the usual answer takes no lock
+            return False
         with self._lock:
             end = self._until.get(tier)
             if end is None:

@@ -19,15 +19,11 @@ def chunk_sources(storage: StorageManager, keys: Sequence[ChunkKey]) -> list[str
     labelled either way. The label decides which tier a wrong chunk puts in quarantine
     (``kvtier.core.verify``)."""
     host = getattr(storage, "host", None)
-    quarantine = getattr(storage, "quarantined", None)
-
-    def readable(tier: object) -> bool:
-        return quarantine is None or not quarantine.blocked(str(getattr(tier, "name", "")))
-
     if host is None:
         return ["local_cpu"] * len(keys)
-    lower = [t for t in getattr(storage, "lower", ()) if readable(t)]
-    if keys and readable(host):
+    readable = storage.readable  # type: ignore[attr-defined]
+    lower = readable(storage.lower)  # type: ignore[attr-defined]
+    if keys and readable([host]):
         out = [str(host.name) if h else "" for h in host.contains(keys)]
     else:
         out = [""] * len(keys)

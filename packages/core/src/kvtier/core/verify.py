@@ -189,7 +189,8 @@ class Verifier:
                 MemoryObjMeta(layout.chunk_shape(n), layout.chunk_dtype, n)
             )
             if obj is None:
-                logger.warning("kvtier: host memory full, %d chunk(s) not verified", len(picked))
+                left = len(picked) - len(transfers)
+                logger.warning("kvtier: host memory full, %d chunk(s) not verified", left)
                 break
             transfers.append(Transfer(obj, p.blocks))
         objs = [t.obj for t in transfers]

@@ -105,8 +105,8 @@ class TieredStorageManager(StorageManager):
         self._readers = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-reader")
         self.quarantined = Quarantine()
 
-    def _readable(self, tiers: Sequence[StorageBackend]) -> list[StorageBackend]:
-        """``tiers`` without the quarantined ones."""
+    def readable(self, tiers: Sequence[StorageBackend]) -> list[StorageBackend]:
+        """``tiers`` without the quarantined ones (what every read path asks)."""
         return [t for t in tiers if not self.quarantined.blocked(t.name)]
 
     @property
@@ -184,7 +184,7 @@ class TieredStorageManager(StorageManager):
         self._check_open()
         found = [False] * len(keys)
         unknown = list(range(len(keys)))
-        for tier in self._readable(self.tiers):
+        for tier in self.readable(self.tiers):
             if not unknown:
                 break
             sub = [keys[i] for i in unknown]
@@ -208,7 +208,7 @@ class TieredStorageManager(StorageManager):
         pos = 0
         while pos < len(keys):
             run = 0
-            for tier in self._readable(self.tiers):
+            for tier in self.readable(self.tiers):
                 run = self._prefix_length(tier, keys[pos:])
                 if run:
                     break
@@ -238,7 +238,7 @@ class TieredStorageManager(StorageManager):
             "hits",
             (k for k, obj in zip(keys, result, strict=True) if obj is not None),
         )
-        for tier in self._readable(self.lower):
+        for tier in self.readable(self.lower):
             if not missing:
                 break
             got = self._lower_get(tier, [keys[i] for i in missing])
@@ -287,7 +287,7 @@ class TieredStorageManager(StorageManager):
             if not self.quarantined.blocked(self.host.name):
                 run = self._prefix_length(self.host, keys[pos:])
             if not run:
-                for tier in self._readable(self.lower):
+                for tier in self.readable(self.lower):
                     run = self._fetch_run(tier, keys[pos:])
                     if run:
                         break

@@ -351,9 +351,8 @@ class SchedulerSide:
         """Whether to keep the request's blocks until the worker's saves of it are done
         (``get_finished``); not when every rank has copied them already
         (``scheduler/frees.py``). A hold still pending for the request is released through the
-        next step's metadata. With lazy
-        offload the request's save is remembered instead (its blocks stay in vLLM's prefix
-        cache)."""
+        next step's metadata. With lazy offload the request's save is remembered instead (its
+        blocks stay in vLLM's prefix cache)."""
         rid = request.request_id
         state = self._reqs.pop(rid, None)
         self.lookups.finished(rid, state)

@@ -45,13 +45,6 @@ class WorkerVerify:
             engine, tolerance=cfg.verify_tolerance, quarantine_s=cfg.verify_quarantine_s
         )
         self._quarantined = quarantined
-        if cfg.verify_fraction > 0 and not self.verifier.available:
-            logger.warning(
-                "kvtier: verify_fraction=%s but %s pages cannot be compared as numbers; "
-                "sampled requests are recomputed without a check",
-                cfg.verify_fraction,
-                engine.layout.describe(),
-            )
 
     def stats(self) -> dict[str, int]:
         """Counters for the control channel's ``stats``: chunks found right and wrong, the
@@ -69,7 +62,7 @@ class WorkerVerify:
     def run(self, spec: VerifySpec, ready: Marker) -> None:
         """Verify ``spec`` (its KV is written once ``ready`` is reached)."""
         hold = self.holds.take(spec.req_id, spec.hold_id) if spec.hold_id is not None else None
-        if not self.verifier.available:
+        if not self.verifier.available:  # the scheduler samples none of these (pages_verifiable)
             if hold is not None:
                 hold.release()
             return
