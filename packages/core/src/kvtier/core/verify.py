@@ -9,9 +9,9 @@ calls ``Verifier.check`` with the held chunks and the slots vLLM wrote.
 
 The comparison: each page (one layer's one block) is read as the cache's element type, and its
 error is ``mean |stored - fresh| / mean |fresh|``. KV recomputed by the same engine in another
-batch shape differs from the stored KV by rounding (up to 0.014 in bf16 on vLLM CPU:
-docs/verification.md); another prompt's KV, another layer's, or pages packed for another ISA
-differ by the size of the values themselves (an error of 1 or more). A chunk whose worst page
+batch shape differs from the stored KV by rounding only (docs/verification.md); another
+prompt's KV, another layer's, or pages packed for another ISA differ by the size of the values
+themselves (an error of 1 or more). A chunk whose worst page
 is over the tolerance is removed from every tier, and the tier it came from is quarantined
 (every read a miss) for ``verify_quarantine_s``.
 
@@ -46,11 +46,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvtier")
 
 # The largest page error (mean |stored - fresh| / mean |fresh|) still taken for rounding, by the
-# cache's element type (docs/verification.md). Measured on vLLM CPU with the demo's 4-layer model
-# (benchmarks/verify_tolerance.py): pages recomputed in another batch shape differ by up to
-# 0.014 in bf16 and 6e-6 in fp32; wrong KV is at 1.0 (zeros) to 1.44 (another prompt's). The
-# bounds sit about 5x below the least wrong error and leave room for deeper models' drift;
-# fp16 (3 more mantissa bits than bf16) and fp8 (3 or 2 bits) are scaled from bf16, unmeasured.
+# cache's element type: well below the error of wrong KV (1 or more) and well above a recompute's
+# drift; how they were chosen, and from which measurements: docs/verification.md.
 DEFAULT_TOLERANCE = {
     torch.float32: 0.01,
     torch.float16: 0.1,
