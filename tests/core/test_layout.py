@@ -43,6 +43,7 @@ def test_fingerprint_covers_every_field() -> None:
         "cache_dtype": "fp8_e4m3",
         "interior": "CPU_ATTN/amx",
         "content_bytes": 64,
+        "groups": ("SlidingWindowSpec/128", "FullAttentionSpec"),
     }
     assert set(changes) == {f.name for f in dataclasses.fields(KVLayout)}
     for name, value in changes.items():
@@ -50,6 +51,31 @@ def test_fingerprint_covers_every_field() -> None:
         assert layout(**{name: value, **extra}).fingerprint() != ref, name
     amx, vec = layout(interior="CPU_ATTN/amx"), layout(interior="CPU_ATTN/vec")
     assert amx.page_bytes == vec.page_bytes and amx.fingerprint() != vec.fingerprint()
+
+
+def test_groups_keep_the_one_group_fingerprint_and_order_matters() -> None:
+    """A one-group engine's stored chunks stay valid (no ``groups`` field in its digest); two
+    group orders are two chunk row orders, so two fingerprints."""
+    ref = layout()
+    assert dataclasses.replace(ref, groups=()).fingerprint() == ref.fingerprint()
+    a = layout(groups=("SlidingWindowSpec/128", "FullAttentionSpec"))
+    b = layout(groups=("FullAttentionSpec", "SlidingWindowSpec/128"))
+    assert a.fingerprint() != b.fingerprint()
+    assert "groups SlidingWindowSpec/128 + FullAttentionSpec" in a.describe()
+
+
+def test_hybrid_chunk_holds_every_groups_pages() -> None:
+    one, two = layout(), layout(groups=("SlidingWindowSpec/64", "FullAttentionSpec"))
+    assert two.num_groups == 2 and one.num_groups == 1
+    assert two.chunk_shape(32) == (4, 2, one.page_bytes)
+    assert two.bytes_per_token() == 2 * one.bytes_per_token()
+    assert two.chunk_nbytes(32) == 2 * one.chunk_nbytes(32)
+
+
+@pytest.mark.parametrize("groups", [("FullAttentionSpec",), ["a", "b"], ("a", ""), ("a", 3)])
+def test_bad_groups_are_named(groups: object) -> None:
+    with pytest.raises(LayoutError, match=r"KVLayout\.groups"):
+        layout(groups=groups)
 
 
 def test_chunk_shapes_and_sizes() -> None:

@@ -19,11 +19,11 @@ literally that. The spec:
   ``llm.apply_model``, as a weight update would);
   ``{"op": "corrupt", "prompt": [...], "salt": ...}`` (in-process only) -> once the worker's
   saves have landed, overwrite every stored chunk of the prompt with zeros through the storage
-  manager's public API.
+  manager's public API (``"group": g``: only a hybrid model's group ``g``'s pages).
 - ``"tp": 2`` runs tensor parallelism 2 (worker processes; threads bound one core per rank);
   ``{"op": "stats", "rank": r}`` and ``{"op": "flush", "rank": r}`` address one rank;
   ``{"op": "corrupt_rank", "rank": r, "prompt": [...], "salt": ...}`` zeroes rank ``r``'s stored
-  chunks of the prompt inside that worker (``collective_rpc``).
+  chunks of the prompt inside that worker (``collective_rpc``; ``"group"`` as for ``corrupt``).
 - ``"kv_events_port": p`` turns vLLM's KV events on (its ZMQ publisher connects to a
   subscriber bound on 127.0.0.1:p) and receives them as a router would; ``{"op": "kv_events"}`` -> the events received since
   the last such step (once none arrived for a second), as ``{type, block_hashes,
@@ -56,6 +56,14 @@ literally that. The spec:
 - ``"siblings_before"`` / ``"siblings_after"``: lists of ``kv_transfer_config`` dicts of other
   connectors; kvtier then runs as a child of vLLM's ``MultiConnector`` between them (the
   ``stats``, ``flush`` and ``sched_stats`` ops still reach kvtier's child).
+- ``{"op": "chunk_digests", "prompt": [...], "salt": ...}`` (in-process only) -> once the
+  worker's saves have landed, a digest of the bytes of each chunk and tail block kvtier stores
+  the prompt under (None where nothing is stored).
+- ``"max_num_batched_tokens": n`` passes vLLM's (a longer prompt is prefilled in steps of n).
+- ``"slow_saves_s": x`` (in-process only): every save of the worker waits ``x`` seconds before
+  it copies (a slow saver: the engine goes on meanwhile).
+- ``"prefix_cache_retention_interval": k`` passes vLLM's (``None``: a hybrid model's window
+  blocks are kept for its prefix cache at every block).
 - ``"kv_offloading_size": x`` passes vLLM's ``kv_offloading_size`` (``--kv-offloading-size``).
 - ``"async_scheduling": true`` asks vLLM for asynchronous scheduling; vLLM CPU turns it off
   (``CpuPlatform.check_and_update_config``) unless ``"force_async_scheduling": true`` keeps it
@@ -63,8 +71,9 @@ literally that. The spec:
 - ``{"op": "generate_batch", "prompts": [[ids], ...], "max_tokens": n}`` -> ``{"tokens": [...]
   per prompt, "preemptions": vLLM's count so far}`` (one ``generate`` call: the prompts run
   together and, with few KV blocks, preempt each other; the count needs ``"log_stats": true``).
-- ``{"op": "engine_info"}`` (in-process only) -> ``{async_scheduling, scheduler, connector}``:
-  what vLLM runs (the class names of its scheduler and of its scheduler-side connector).
+- ``{"op": "engine_info"}`` (in-process only) -> ``{async_scheduling, scheduler, connector,
+  kv_cache_groups}``: what vLLM runs (the class names of its scheduler, of its scheduler-side
+  connector and of each KV cache group's spec).
 - ``{"op": "host_tier_gb"}`` -> each worker's kvtier ``local_cpu_size_gb`` and its host arena's
   bytes, by rank (``collective_rpc``).
 """
@@ -78,10 +87,29 @@ import sys
 from collections.abc import Iterator
 
 
-def _corrupt(prompt: list[int], salt: str | None) -> int:
+def _corrupt(prompt: list[int], salt: str | None, group: int | None = None) -> int:
     from kvtier.bench.workload import zero_stored_chunks
 
-    return zero_stored_chunks(prompt, salt)
+    return zero_stored_chunks(prompt, salt, group)
+
+
+def _chunk_digests(prompt: list[int], salt: str | None) -> list[str | None]:
+    """A digest of the bytes stored under each key kvtier stores ``prompt`` under (None: not
+    stored), read through the storage manager's public API."""
+    import hashlib
+
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    engine = get_kv_transfer_group().engine
+    out: list[str | None] = []
+    for span in engine.store_spans(prompt, salt):
+        obj = engine.storage.get(span.key)
+        if obj is None:
+            out.append(None)
+            continue
+        with obj:
+            out.append(hashlib.blake2b(obj.tensor.numpy().tobytes(), digest_size=16).hexdigest())
+    return out
 
 
 def _plant(prompt: list[int], source: list[int]) -> str:
@@ -140,19 +168,21 @@ def _forced_async_scheduling() -> Iterator[None]:
         CpuPlatform.check_and_update_config = classmethod(original)
 
 
-def _corrupt_in_worker(worker, rank: int, prompt: list[int], salt: str | None) -> int:
+def _corrupt_in_worker(
+    worker, rank: int, prompt: list[int], salt: str | None, group: int | None = None
+) -> int:
     """Runs in each worker: the one whose engine-local rank is ``rank`` zeroes its chunks."""
     from vllm.distributed.parallel_state import get_tp_group
 
     if get_tp_group().rank_in_group != rank:
         return 0
-    return _corrupt(prompt, salt)
+    return _corrupt(prompt, salt, group)
 
 
 @contextlib.contextmanager
 def _delayed_loads(delay_s: float, what: str = "retrieve") -> Iterator[None]:
-    """Delay every load the worker makes, synchronous or not (``what="retrieve"``), or every
-    lookup its probes make (``what="hold"``): a slow tier."""
+    """Delay every load the worker makes, synchronous or not (``what="retrieve"``), every
+    lookup its probes make (``what="hold"``), or every save (``what="store"``): a slow tier."""
     import time
 
     from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -454,8 +484,12 @@ def main(spec_path: str, out_path: str) -> None:
             enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}"
         )
         listener = _EventListener(f"tcp://127.0.0.1:{port}")
+    if "prefix_cache_retention_interval" in spec:
+        kwargs["prefix_cache_retention_interval"] = spec["prefix_cache_retention_interval"]
     if spec.get("num_gpu_blocks_override"):
         kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks_override"]
+    if spec.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     forcing = spec.get("force_async_scheduling")
     with _forced_async_scheduling() if forcing else contextlib.nullcontext():
         llm = LLM(
@@ -470,6 +504,9 @@ def main(spec_path: str, out_path: str) -> None:
             disable_log_stats=not spec.get("log_stats"),
             **kwargs,
         )
+    patches = contextlib.ExitStack()  # kept open until the process ends
+    if spec.get("slow_saves_s"):  # every save waits this long before it copies (in-process)
+        patches.enter_context(_delayed_loads(spec["slow_saves_s"], "store"))
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, logprobs=0)
     results: list = []
     last_prompt: list[int] = []
@@ -551,6 +588,10 @@ def main(spec_path: str, out_path: str) -> None:
                     "async_scheduling": scheduler.scheduler_config.async_scheduling,
                     "scheduler": type(scheduler).__name__,
                     "connector": type(scheduler.connector).__name__,
+                    "kv_cache_groups": [
+                        type(g.kv_cache_spec).__name__
+                        for g in scheduler.kv_cache_config.kv_cache_groups
+                    ],
                 }
             )
         elif op == "host_tier_gb":
@@ -563,7 +604,7 @@ def main(spec_path: str, out_path: str) -> None:
             results.append(_abort_during_load(llm, params, step))
         elif op == "corrupt_rank":
             flush_worker(engine_id, step["rank"])  # the prompt's saves land first
-            args = (step["rank"], step["prompt"], step.get("salt"))
+            args = (step["rank"], step["prompt"], step.get("salt"), step.get("group"))
             results.append(sum(llm.collective_rpc(_corrupt_in_worker, args=args)))
         elif op in ("reset_prefix_cache", "reset_connector"):
             # A finished request whose saves were pending keeps its blocks until the engine's
@@ -584,7 +625,10 @@ def main(spec_path: str, out_path: str) -> None:
         elif op == "corrupt":
             # The prompt's saves land first: one still copying would overwrite the zeros.
             flush_worker(engine_id, 0)
-            results.append(_corrupt(step["prompt"], step.get("salt")))
+            results.append(_corrupt(step["prompt"], step.get("salt"), step.get("group")))
+        elif op == "chunk_digests":  # in-process only
+            flush_worker(engine_id, 0)
+            results.append(_chunk_digests(step["prompt"], step.get("salt")))
         elif op == "metrics":
             results.append(_metrics(llm, step.get("prefixes", ("vllm:kvtier_",))))
         elif op == "kv_events":

@@ -1,7 +1,8 @@
 """Models kvtier cannot serve yet are a named startup error, never a shape error deep in vLLM:
 a model with a recurrent state (Mamba, Gated DeltaNet) configured with kvtier stops when vLLM
 builds its config, naming the model and why (docs/hybrid.md). Plain attention models and
-sliding-window hybrids (which run with vLLM's hybrid KV cache manager off) start."""
+sliding-window hybrids (served with vLLM's hybrid memory allocator on: test_e2e_hybrid.py)
+start."""
 
 from __future__ import annotations
 

@@ -13,6 +13,12 @@ Model: a random Llama large enough that a cold 3000-token prefill takes about 2 
 ``kvtier_no_hit_overhead`` = kvtier's cold TTFT / no_connector's cold TTFT - 1 (what kvtier adds
 to a request it cannot help: the lookup and the save). Writes ``e2e.json`` and ``e2e.png``.
 
+``--model gemma3``: the same size as a Gemma 3 model, layers alternating sliding window (1024
+tokens) and full attention, which vLLM serves with two KV cache groups (its hybrid memory
+allocator on, with kvtier as without it). Writes ``e2e-gemma3.json`` and ``e2e-gemma3.png``,
+with the KV bytes kvtier stores per prompt token next to those of the Llama model of the same
+size.
+
 ``--workload doc-question`` (issue 20): each document gets ``1 + --warm-questions`` questions;
 the first question is cold, the later ones (same document, another question: the prompts
 diverge inside a chunk) warm. Modes ``prefix_cache``, ``kvtier`` and ``kvtier_restart`` (a fresh
@@ -25,6 +31,7 @@ mode's warm/cold over ``prefix_cache``'s.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -42,6 +49,10 @@ from kvtier.core.config import default_cache_dir
 BENCH_MODEL = ModelSpec(
     hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=8, intermediate_size=2816
 )
+MODELS = {
+    "llama": BENCH_MODEL,
+    "gemma3": dataclasses.replace(BENCH_MODEL, architecture="gemma3", sliding_window=1024),
+}
 MODES = ("no_connector", "prefix_cache", "kvtier")
 DOCQ_MODES = ("prefix_cache", "kvtier", "kvtier_restart")
 
@@ -50,6 +61,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvtier bench e2e", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="directory for e2e.json and e2e.png (default benchmarks/results)")
     p.add_argument("--workload", choices=("repeat", "doc-question"), default="repeat")
+    p.add_argument("--model", choices=tuple(MODELS), default="llama", help="repeat workload")
     p.add_argument("--docs", type=int, default=None, help="default 4 (doc-question: 3)")
     p.add_argument("--doc-tokens", type=int, default=None, help="default 3000 (doc-question: 2000)")
     p.add_argument(
@@ -95,7 +107,9 @@ def main(argv: list[str]) -> int:
         from kvtier.bench.docq import run_doc_question
 
         return run_doc_question(args, modes, BENCH_MODEL)
-    model_dir = build_model(Path(args.cache_dir).expanduser() / "model", BENCH_MODEL)
+    spec = MODELS[args.model]
+    name = "model" if args.model == "llama" else f"model-{args.model}"
+    model_dir = build_model(Path(args.cache_dir).expanduser() / name, spec)
     disk = Path(tempfile.mkdtemp(prefix="kvtier-bench-disk-"))
     results: dict[str, Any] = {}
     prompt_tokens = 0
@@ -141,12 +155,18 @@ def main(argv: list[str]) -> int:
         r["warm_over_cold"] = r["ttft_warm_s"] / r["ttft_cold_s"]
     report: dict[str, Any] = {
         "model": {
-            "hidden_size": BENCH_MODEL.hidden_size,
-            "num_layers": BENCH_MODEL.num_layers,
-            "num_heads": BENCH_MODEL.num_heads,
-            "num_kv_heads": BENCH_MODEL.num_kv_heads,
+            "architecture": spec.architecture,
+            "hidden_size": spec.hidden_size,
+            "num_layers": spec.num_layers,
+            "num_heads": spec.num_heads,
+            "num_kv_heads": spec.num_kv_heads,
             "dtype": "bfloat16",
+            **({"sliding_window": spec.sliding_window} if spec.architecture != "llama" else {}),
         },
+        # What kvtier stores per prompt token (every layer's K and V: a hybrid model's window
+        # layers in full, docs/hybrid.md), and the same for the Llama model of this size.
+        "kvtier_bytes_per_token": _kv_bytes_per_token(spec),
+        "llama_bytes_per_token": _kv_bytes_per_token(BENCH_MODEL),
         "prompt_tokens": prompt_tokens,
         "docs": args.docs,
         "max_tokens": 1,
@@ -163,8 +183,9 @@ def main(argv: list[str]) -> int:
             - 1
         )
     out = results_dir(args.out)
-    (out / "e2e.json").write_text(json.dumps(report, indent=2))
-    _chart(results, out / "e2e.png")
+    stem = "e2e" if args.model == "llama" else f"e2e-{args.model}"
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    _chart(results, out / f"{stem}.png", args.model)
 
     print(f"\n{'mode':>13} {'cold s':>8} {'warm s':>8} {'warm/cold':>9}")
     for mode, r in results.items():
@@ -176,11 +197,16 @@ def main(argv: list[str]) -> int:
             f"kvtier no-hit overhead: {report['kvtier_no_hit_overhead']:+.1%} (means), "
             f"{report['kvtier_no_hit_overhead_median']:+.1%} (medians)"
         )
-    print(f"wrote {out / 'e2e.json'} and {out / 'e2e.png'}")
+    print(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}")
     return 0
 
 
-def _chart(results: dict[str, Any], path: Path) -> None:
+def _kv_bytes_per_token(spec: ModelSpec) -> int:
+    """K and V of every layer, bf16."""
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_size * 2
+
+
+def _chart(results: dict[str, Any], path: Path, model: str = "llama") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -194,7 +220,7 @@ def _chart(results: dict[str, Any], path: Path) -> None:
     ax.set_xticks(list(xs))
     ax.set_xticklabels(modes)
     ax.set_ylabel("mean time to first token (s)")
-    ax.set_title("kvtier bench e2e (vLLM CPU, one request at a time)")
+    ax.set_title(f"kvtier bench e2e, {model} (vLLM CPU, one request at a time)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -3,6 +3,11 @@
 kvtier's tests, ``kvtier demo`` and ``kvtier bench e2e`` run real vLLM without downloading
 anything: the model is built here from a seed. Weights are drawn with a large init range (0.2) so
 the output depends clearly on the context: loading the wrong KV changes the generation.
+
+``architecture="gemma3"`` builds a Gemma 3 text model instead, its layers alternating
+sliding-window (``sliding_window`` tokens) and full attention: a hybrid model that vLLM serves
+with two KV cache groups. Untied embeddings keep its greedy output context-sensitive (with tied
+ones the last token's embedding dominates and it repeats one token).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import os
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 _TEXT = (
     "the of and to in is was for on that with as by at from his her it an were are which this be "
@@ -39,6 +45,8 @@ class ModelSpec:
     max_position_embeddings: int = 4096
     init_range: float = 0.2
     seed: int = 0
+    architecture: str = "llama"  # or "gemma3" (module docstring)
+    sliding_window: int = 64  # gemma3 only
 
     @property
     def head_size(self) -> int:
@@ -86,7 +94,6 @@ def build_model(path: str | os.PathLike[str], spec: ModelSpec | None = None) -> 
     Idempotent: a directory holding ``kvtier_model_spec.json`` equal to ``spec`` is reused.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     spec = spec or ModelSpec()
     path = Path(path)
@@ -95,7 +102,17 @@ def build_model(path: str | os.PathLike[str], spec: ModelSpec | None = None) -> 
         return path
     path.mkdir(parents=True, exist_ok=True)
     _train_tokenizer(path, spec)
-    config = LlamaConfig(
+    torch.manual_seed(spec.seed)
+    model = _model(spec).bfloat16()
+    model.save_pretrained(str(path), safe_serialization=True)
+    # Written last: a half-built directory is rebuilt on the next call.
+    marker.write_text(json.dumps(asdict(spec), sort_keys=True))
+    return path
+
+
+def _model(spec: ModelSpec) -> Any:
+    """The random-weight transformers model of ``spec``."""
+    common: dict[str, Any] = dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -110,9 +127,22 @@ def build_model(path: str | os.PathLike[str], spec: ModelSpec | None = None) -> 
         tie_word_embeddings=False,
         dtype="bfloat16",
     )
-    torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config).bfloat16()
-    model.save_pretrained(str(path), safe_serialization=True)
-    # Written last: a half-built directory is rebuilt on the next call.
-    marker.write_text(json.dumps(asdict(spec), sort_keys=True))
-    return path
+    if spec.architecture == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(**common))
+    if spec.architecture == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        kinds = ["sliding_attention", "full_attention"] * (spec.num_layers // 2 + 1)
+        config = Gemma3TextConfig(
+            **common,
+            pad_token_id=2,
+            sliding_window=spec.sliding_window,
+            layer_types=kinds[: spec.num_layers],
+            query_pre_attn_scalar=spec.head_size,
+        )
+        return Gemma3ForCausalLM(config)
+    raise ValueError(
+        f"ModelSpec.architecture must be 'llama' or 'gemma3', got {spec.architecture!r}"
+    )

@@ -180,11 +180,12 @@ class Engine:
         del self.llm
 
 
-def zero_stored_chunks(tokens: list[int], salt: str | None = None) -> int:
+def zero_stored_chunks(tokens: list[int], salt: str | None = None, group: int | None = None) -> int:
     """In a vLLM process that runs kvtier's worker side: put zeros under every key kvtier stores
     ``tokens`` under (its chunks and tail blocks, through the storage manager's public API), so
     a later hit loads wrong KV. The negative control of the demo and the end-to-end tests.
-    Returns the chunks overwritten."""
+    ``group``: a hybrid model's KV cache group whose pages alone are zeroed (the others keep
+    what was stored). Returns the chunks overwritten."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from kvtier.core.memory import MemoryObjMeta
@@ -202,6 +203,12 @@ def zero_stored_chunks(tokens: list[int], salt: str | None = None) -> int:
         assert obj is not None, "no host memory for the zeros"
         with obj:
             obj.tensor.zero_()
+            if group is not None:
+                stored = engine.storage.get(span.key)
+                assert stored is not None, "the chunk to corrupt is not stored"
+                with stored:
+                    obj.tensor.copy_(stored.tensor)
+                obj.tensor[group :: lay.num_groups].zero_()  # rows i * groups + group
             engine.storage.put(span.key, obj)
         n += 1
     return n

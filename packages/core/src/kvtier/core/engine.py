@@ -26,7 +26,9 @@ Slot mappings: ``slot_mapping[i]`` is token ``i``'s slot in the paged cache, ``-
 engine does not hold it (store: the chunk cannot be saved) or does not want it (retrieve: the
 engine already has it, or it is past what the engine asked for). kvtier moves whole pages
 (``kvtier.core.mover``), so a chunk's slots map whole blocks: each block's tokens are all -1 or
-all in one cache block, in order (``kvtier.core.slots.span_blocks``).
+all in one cache block, in order (``kvtier.core.slots.span_blocks``). A hybrid engine
+(``KVLayout.groups``) takes one row of slots per KV cache group (``[groups, n]``): a chunk is
+stored only where every group has its slots, and a load fills the slots any group has.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from kvtier.core.memory import MemoryObj
 from kvtier.core.mover import PageMover, Transfer
 from kvtier.core.platform import Marker, Platform, get_platform
 from kvtier.core.prompt import PromptHashes
-from kvtier.core.slots import checked_slots
+from kvtier.core.slots import checked_slots, written
 from kvtier.core.sources import TierHits, chunk_sources
 from kvtier.core.spans import SpanPlanner
 from kvtier.core.storage import StorageManager, create_storage_manager
@@ -203,9 +205,8 @@ class CacheEngine:
     def _slots(self, slot_mapping: torch.Tensor | Sequence[int], n_tokens: int) -> torch.Tensor:
         """``slot_mapping`` checked against the registered cache (``checked_slots``)."""
         m = self.mover
-        return checked_slots(
-            slot_mapping, n_tokens, m.num_blocks * self.layout.block_size if m else None
-        )
+        limit = m.num_blocks * self.layout.block_size if m else None
+        return checked_slots(slot_mapping, n_tokens, limit, self.layout.num_groups)
 
     def _plan_store(
         self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], scope: Scope
@@ -224,7 +225,7 @@ class CacheEngine:
     ) -> int:
         """Save every storable span of ``tokens`` not already stored; returns tokens newly stored.
 
-        A span is storable when all its slots are valid (>= 0). Skipped silently when host
+        A span is storable when all its slots (every group's) are valid (>= 0). Skipped silently when host
         memory is exhausted (counted in ``stats.store_skipped_chunks``).
 
         ``ready``: a marker from ``platform.record_marker()`` taken on the thread whose device
@@ -277,7 +278,7 @@ class CacheEngine:
         cpu_slots = self._slots(slot_mapping, len(prompt.arr)).cpu()
 
         def wanted(span: ChunkSpan) -> bool:
-            return bool((cpu_slots[span.start : span.end] >= 0).any())
+            return bool(written(cpu_slots[..., span.start : span.end]).any())
 
         if hold is None:
             spans, objs = self._fetch_prefix([s for s in self.spans.hits(prompt) if wanted(s)])

@@ -15,6 +15,13 @@ page sits in such a view from the view's strides, never from its shape.
 A chunk of ``n`` tokens lives in host memory as ``[n // block_size, num_layers, page_bytes]``
 bytes: block-major, so the first ``k`` blocks of a chunk are a contiguous prefix and a
 block-outer cache moves one block's every layer as one run.
+
+A hybrid model's cache (vLLM's hybrid memory allocator: several KV cache groups, e.g. sliding
+window and full attention layers) has ``G`` groups over the same ``num_layers`` tensors: each
+tensor holds one layer of every group, and a block id belongs to one group at a time. A chunk
+then holds every group's pages: ``[n // block_size * G, num_layers, page_bytes]``, row
+``i * G + g`` being group ``g``'s ``i``-th block (still block-major: a prefix of ``k`` blocks is
+the first ``k * G`` rows).
 """
 
 from __future__ import annotations
@@ -98,6 +105,9 @@ class KVLayout:
     - ``interior``: who wrote the pages' interior: the attention backend and, where it packs
       differently per ISA, the ISA (vLLM CPU: ``CPU_ATTN/amx`` packs K otherwise than
       ``CPU_ATTN/vec``). Pages of two interiors are never interchangeable.
+    - ``groups``: for a hybrid model, each KV cache group's kind in vLLM's group order (e.g.
+      ``("SlidingWindowSpec/128", "FullAttentionSpec")``); empty for one group. The groups
+      share the geometry above, and a chunk holds every group's pages (module docstring).
     """
 
     num_layers: int
@@ -110,6 +120,7 @@ class KVLayout:
     cache_dtype: str = "auto"
     interior: str = ""
     content_bytes: int = 0
+    groups: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_kv_heads", "head_size", "block_size"):
@@ -134,6 +145,14 @@ class KVLayout:
                 f"KVLayout.paged_layout {self.paged_layout!r} is not a vLLM KV cache layout; "
                 f"kvtier moves {', '.join(p.value for p in PagedLayout)}"
             ) from None
+        groups = self.groups
+        if not isinstance(groups, tuple) or len(groups) == 1:
+            raise LayoutError(
+                f"KVLayout.groups must be a tuple of two or more group kinds, or empty; "
+                f"got {groups!r}"
+            )
+        if any(not isinstance(g, str) or not g for g in groups):
+            raise LayoutError(f"KVLayout.groups must hold non-empty strs, got {groups!r}")
         if self.use_mla and self.num_kv_heads != 1:
             raise LayoutError(
                 f"an MLA layout has one latent 'head', got num_kv_heads={self.num_kv_heads}"
@@ -158,19 +177,26 @@ class KVLayout:
         return self.num_kv_heads * self.block_size * self.cell_bytes
 
     @property
+    def num_groups(self) -> int:
+        """KV cache groups: rows of a chunk per block."""
+        return max(1, len(self.groups))
+
+    @property
     def chunk_dtype(self) -> torch.dtype:
         return CHUNK_DTYPE
 
     def chunk_shape(self, num_tokens: int) -> tuple[int, int, int]:
-        """A chunk of ``num_tokens`` (whole blocks) in host memory: ``[blocks, layers, page]``."""
+        """A chunk of ``num_tokens`` (whole blocks) in host memory: ``[blocks * groups, layers,
+        page]``."""
         if num_tokens % self.block_size:
             raise LayoutError(
                 f"a chunk of {num_tokens} tokens is not whole blocks of {self.block_size}"
             )
-        return (num_tokens // self.block_size, self.num_layers, self.page_bytes)
+        rows = num_tokens // self.block_size * self.num_groups
+        return (rows, self.num_layers, self.page_bytes)
 
     def bytes_per_token(self) -> int:
-        return self.num_layers * self.page_bytes // self.block_size
+        return self.num_groups * self.num_layers * self.page_bytes // self.block_size
 
     def chunk_nbytes(self, num_tokens: int) -> int:
         return self.bytes_per_token() * num_tokens
@@ -187,14 +213,17 @@ class KVLayout:
         """A short stable digest of every field; part of every chunk key."""
         fields = asdict(self)
         fields["paged_layout"] = self.paged_layout.value
+        if not self.groups:
+            del fields["groups"]  # a one-group engine keeps the fingerprint it always had
         blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.blake2b(blob, digest_size=8).hexdigest()
 
     def describe(self) -> str:
         """One line for logs and errors."""
         mla = " mla" if self.use_mla else ""
+        groups = f", groups {' + '.join(self.groups)}" if self.groups else ""
         return (
             f"{self.paged_layout.value} {self.num_layers} layers x {self.page_bytes}-byte pages "
             f"(heads {self.num_kv_heads}, block {self.block_size}, {self.dtype}/"
-            f"{self.cache_dtype}{mla}, interior {self.interior or 'unnamed'})"
+            f"{self.cache_dtype}{mla}, interior {self.interior or 'unnamed'}{groups})"
         )

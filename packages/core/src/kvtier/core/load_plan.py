@@ -12,7 +12,7 @@ from kvtier.core.handles import ChunkSpan, Hold
 from kvtier.core.memory import MemoryObj
 from kvtier.core.mover import Transfer
 from kvtier.core.prompt import PromptHashes
-from kvtier.core.slots import span_blocks
+from kvtier.core.slots import span_rows, written
 
 
 def held_objects(
@@ -38,15 +38,16 @@ def load_transfers(
 ) -> tuple[list[Transfer], torch.Tensor]:
     """A ``Transfer`` of each object into the cache blocks of its span's slots, and the bool
     mask (one per token) of the tokens those transfers write (the span's slots that are not
-    -1). Slots must map whole blocks (``span_blocks``)."""
-    mask = torch.zeros(len(cpu_slots), dtype=torch.bool)
+    -1; for a hybrid engine's ``[groups, n]`` slots, those of any group). Slots must map whole
+    blocks (``span_blocks``)."""
+    mask = torch.zeros(cpu_slots.shape[-1], dtype=torch.bool)
     transfers = []
     for span, obj in zip(spans, objs, strict=True):
-        blocks = span_blocks(cpu_slots[span.start : span.end], block_size)
-        if span.object_tokens > span.num_tokens:
+        blocks = span_rows(cpu_slots, span.start, span.end, block_size)
+        rows = obj.tensor.shape[0]
+        if rows > len(blocks):
             # A prefix of a stored chunk (an alias hit): the rest of its blocks are skipped.
-            skip = blocks.new_full(((span.object_tokens - span.num_tokens) // block_size,), -1)
-            blocks = torch.cat([blocks, skip])
+            blocks = torch.cat([blocks, blocks.new_full((rows - len(blocks),), -1)])
         transfers.append(Transfer(obj, blocks))
-        mask[span.start : span.end] = cpu_slots[span.start : span.end] >= 0
+        mask[span.start : span.end] = written(cpu_slots[..., span.start : span.end])
     return transfers, mask

@@ -1,4 +1,9 @@
-"""Checking a slot mapping handed to ``CacheEngine``."""
+"""Checking a slot mapping handed to ``CacheEngine``, and reading a span's cache blocks from it.
+
+A one-group engine's slot mapping is one slot per token (``[n]``); a hybrid engine's
+(``KVLayout.groups``) is one row per KV cache group (``[groups, n]``), since each group has its
+own block table. A slot of ``-1`` means "no slot" (vLLM's null block of a window group, a token
+the engine did not compute)."""
 
 from __future__ import annotations
 
@@ -9,10 +14,14 @@ import torch
 
 
 def checked_slots(
-    slot_mapping: torch.Tensor | Sequence[int], n_tokens: int, num_slots: int | None
+    slot_mapping: torch.Tensor | Sequence[int] | Sequence[Sequence[int]],
+    n_tokens: int,
+    num_slots: int | None,
+    groups: int = 1,
 ) -> torch.Tensor:
-    """``slot_mapping`` as a long tensor, checked: integers, one per token, each -1 or a slot
-    below ``num_slots`` (when known) (``ValueError`` naming the bad entry otherwise)."""
+    """``slot_mapping`` as a long tensor, checked: integers, one per token (``groups`` rows of
+    them for a hybrid engine), each -1 or a slot below ``num_slots`` (when known)
+    (``ValueError`` naming the bad entry otherwise)."""
     if isinstance(slot_mapping, torch.Tensor):
         bad_dtype = (
             slot_mapping.is_floating_point()
@@ -22,13 +31,17 @@ def checked_slots(
         dtype_name = str(slot_mapping.dtype)
     else:
         kind = np.asarray(slot_mapping).dtype
-        bad_dtype, dtype_name = len(slot_mapping) > 0 and kind.kind not in "iu", str(kind)
+        bad_dtype = np.asarray(slot_mapping).size > 0 and kind.kind not in "iu"
+        dtype_name = str(kind)
     if bad_dtype:
         raise ValueError(f"slot_mapping must hold integers, got {dtype_name}")
-    slots = torch.as_tensor(slot_mapping, dtype=torch.long)
-    if slots.dim() != 1 or slots.numel() != n_tokens:
+    slots = torch.as_tensor(np.asarray(slot_mapping), dtype=torch.long)
+    want = (n_tokens,) if groups == 1 else (groups, n_tokens)
+    if tuple(slots.shape) != want:
+        per = "one entry per token" if groups == 1 else f"one row per KV cache group ({groups})"
         raise ValueError(
-            f"slot_mapping must have one entry per token ({n_tokens}), got shape {tuple(slots.shape)}"
+            f"slot_mapping must have {per} of one entry per token ({n_tokens}): shape {want}, "
+            f"got shape {tuple(slots.shape)}"
         )
     if slots.numel():
         lo, hi = (int(v) for v in torch.aminmax(slots))
@@ -67,3 +80,25 @@ def span_blocks(slots: torch.Tensor, block_size: int) -> torch.Tensor:
             f"must all be -1 or fill one cache block in order"
         )
     return torch.where(first >= 0, torch.div(first, block_size, rounding_mode="floor"), first)
+
+
+def span_rows(slots: torch.Tensor, start: int, end: int, block_size: int) -> torch.Tensor:
+    """The cache block of each row of the chunk object of tokens ``[start, end)``
+    (``span_blocks``): for a hybrid engine's ``[groups, n]`` slots, each block's groups in turn
+    (row ``i * groups + g`` is group ``g``'s ``i``-th block, ``KVLayout.chunk_shape``)."""
+    if slots.dim() == 1:
+        return span_blocks(slots[start:end], block_size)
+    per_group = [span_blocks(row[start:end], block_size) for row in slots]
+    return torch.stack(per_group, dim=1).reshape(-1)
+
+
+def written(slots: torch.Tensor) -> torch.Tensor:
+    """Per token, whether any group has a slot for it (bool, ``[n]``)."""
+    valid = slots >= 0
+    return valid if valid.dim() == 1 else valid.any(dim=0)
+
+
+def complete(slots: torch.Tensor) -> torch.Tensor:
+    """Per token, whether every group has a slot for it (bool, ``[n]``)."""
+    valid = slots >= 0
+    return valid if valid.dim() == 1 else valid.all(dim=0)

@@ -20,7 +20,7 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.memory import MemoryObj, MemoryObjMeta
 from kvtier.core.mover import Transfer
 from kvtier.core.prompt import PromptHashes
-from kvtier.core.slots import span_blocks
+from kvtier.core.slots import complete, span_rows
 from kvtier.core.spans import SpanPlanner
 from kvtier.core.storage import StorageManager
 
@@ -67,13 +67,12 @@ class StoreWriter:
         entries of each full chunk among them (written at commit)."""
         cpu_slots = slots.cpu()
         every = self.spans.store(prompt)
-        spans = [s for s in every if bool((cpu_slots[s.start : s.end] >= 0).all())]
+        spans = [s for s in every if bool(complete(cpu_slots[..., s.start : s.end]).all())]
         if not spans:
             return [], {}
         # Checked before anything is allocated: a bad mapping raises with nothing to release.
-        blocks = {
-            s.key: span_blocks(cpu_slots[s.start : s.end], self.layout.block_size) for s in spans
-        }
+        bs = self.layout.block_size
+        blocks = {s.key: span_rows(cpu_slots, s.start, s.end, bs) for s in spans}
         present = self.storage.contains([s.key for s in spans])
         plan: StorePlan = []
         aliases: AliasPlan = {}

@@ -36,7 +36,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.layout import KVLayout
 from kvtier.core.memory import MemoryObj, MemoryObjMeta
 from kvtier.core.mover import PageMover, Transfer
-from kvtier.core.slots import checked_slots, span_blocks
+from kvtier.core.slots import checked_slots, span_rows
 from kvtier.core.store_writer import release_all
 
 if TYPE_CHECKING:
@@ -158,13 +158,13 @@ class Verifier:
             )
         bs = self.engine.layout.block_size
         limit = self._mover().num_blocks * bs
-        slots = checked_slots(slot_mapping, len(tokens), limit)
+        slots = checked_slots(slot_mapping, len(tokens), limit, self.engine.layout.num_groups)
         tiers = hold.sources + ["unknown"] * (len(hold.spans) - len(hold.sources))
         picked: list[_Picked] = []
         for span, obj, tier in zip(hold.spans, hold.objs, tiers, strict=False):
             if span.end > len(tokens):
                 break
-            blocks = span_blocks(slots[span.start : span.end], bs)
+            blocks = span_rows(slots, span.start, span.end, bs)
             if bool((blocks >= 0).any()):
                 picked.append(_Picked(span, obj, tier, blocks))
         fresh = self._copies(picked, ready)

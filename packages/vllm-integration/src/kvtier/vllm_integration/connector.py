@@ -28,7 +28,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -42,6 +44,7 @@ from kvtier.core.config import KVTierConfig, load_config
 from kvtier.core.engine import CacheEngine
 from kvtier.core.errors import ConfigError
 from kvtier.vllm_integration import logs
+from kvtier.vllm_integration.groups import CacheGroups, cache_groups
 from kvtier.vllm_integration.layout import pages_verifiable
 from kvtier.vllm_integration.messages import KVTierMetadata
 from kvtier.vllm_integration.plugin import offloading_size_conflict
@@ -55,7 +58,7 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -67,8 +70,42 @@ logger = logging.getLogger("kvtier")
 HIT_SOURCES = {"local_cpu": CacheHitSource.HOST, "local_disk": CacheHitSource.DISK}
 
 
-class KVTierConnector(KVConnectorBase_V1):
-    """kvtier's vLLM connector; see the module docstring for what each side does."""
+def check_hybrid(config: KVTierConfig, groups: CacheGroups) -> None:
+    """What a hybrid model (several KV cache groups, ``groups.py``) cannot run with: a
+    ``ConfigError`` naming the field."""
+    if not groups.hybrid:
+        return
+    kinds = ", ".join(groups.kinds)
+    if config.offload == "lazy":
+        raise ConfigError(
+            "offload",
+            config.offload,
+            f"is not supported for a hybrid model (KV cache groups {kinds}): vLLM frees its "
+            "window blocks while a request runs, before a lazy save could copy them; use "
+            "offload=eager",
+        )
+    if config.use_layerwise:
+        raise ConfigError(
+            "use_layerwise",
+            True,
+            f"is not supported for a hybrid model (KV cache groups {kinds}): each KV tensor "
+            "holds a layer of every group, so no layer's pages are complete before the last "
+            "group's layer has run",
+        )
+    if not config.load_async:
+        raise ConfigError(
+            "load_async",
+            False,
+            f"must be true for a hybrid model (KV cache groups {kinds}): vLLM takes a failed "
+            "load of a model with several KV cache groups only from an asynchronous load",
+        )
+
+
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvtier's vLLM connector; see the module docstring for what each side does.
+
+    ``SupportsHMA``: vLLM keeps its hybrid memory allocator on for hybrid models (sliding-window
+    and full attention groups, ``groups.py``) and calls ``request_finished_all_groups``."""
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -99,6 +136,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 "needs vLLM's prefix caching (lazy offload copies blocks vLLM's prefix cache is "
                 "about to evict); turn prefix caching on or use offload=eager",
             )
+        self.groups = cache_groups(kv_cache_config)
+        check_hybrid(self.config, self.groups)
         engine_id = str(self._kv_transfer_config.engine_id)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -117,6 +156,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 verifiable=pages_verifiable(
                     str(vllm_config.cache_config.cache_dtype), kv_cache_config
                 ),
+                groups=self.groups,
             )
         else:
             self._worker = WorkerSide(
@@ -144,6 +184,12 @@ class KVTierConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             raise RuntimeError("called a scheduler-side method on the worker-side connector")
         return self._scheduler
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        """vLLM's cache manager: a hybrid model's live block ids of every group are read from
+        it (then the block pool is bound, as vLLM's base class does)."""
+        self.scheduler_side.bind_kv_cache_manager(kv_cache_manager)
+        super().bind_kv_cache_manager(kv_cache_manager)
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         """vLLM's block pool, bound once its cache manager exists (lazy offload uses it)."""
@@ -180,6 +226,13 @@ class KVTierConnector(KVConnectorBase_V1):
         side = self.scheduler_side
         with side.timer.timed():
             return side.finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` for every request when vLLM's hybrid memory allocator is on:
+        the primary group's blocks stand for the request's (a held request keeps all)."""
+        return self.request_finished(request, list(block_ids[self.groups.primary]))
 
     def reset_cache(self) -> bool | None:
         return self.scheduler_side.reset_cache()
@@ -299,6 +352,17 @@ class KVTierConnector(KVConnectorBase_V1):
         side = self.worker_side
         with side.timer.timed():
             return side.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished``, plus a hybrid model's failed asynchronous loads (also reported
+        finished, so vLLM stops waiting for them)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self.worker_side.failed_loads()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()) | failed,
+            failed_recving=failed,
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         side = self.worker_side

@@ -13,13 +13,15 @@ resolved ``KVCacheLayout``. What kvtier needs comes from vLLM's own objects:
 - the interior writer: the layers' attention backend and, for vLLM CPU, the ISA its builder
   selected (``amx``, ``vec``, ``vec16``, ... pack K differently), found as vLLM finds it.
 
-The page positions themselves come from the views' strides (``kvtier.core.pages``). What kvtier
-cannot move (several KV cache groups, a spec without per-layer views) is a ``LayoutError``
-naming it and what is supported.
+The page positions themselves come from the views' strides (``kvtier.core.pages``). A hybrid
+model's groups (``groups.py``) share those views: kvtier moves the primary group's and keys the
+chunk rows by group. What kvtier cannot move (groups of another kind or geometry, a spec without
+per-layer views) is a ``LayoutError`` naming it and what is supported.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ import torch
 
 from kvtier.core.errors import LayoutError
 from kvtier.core.layout import KVLayout, PagedLayout, dtype_name
+from kvtier.vllm_integration.groups import cache_groups, shared_views
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -93,8 +96,8 @@ def group_spec(kv_cache_config: KVCacheConfig, layer_names: Sequence[str]) -> Ca
     groups = [g for g in kv_cache_config.kv_cache_groups if wanted & set(g.layer_names)]
     if len(groups) != 1:
         raise LayoutError(
-            f"the KV tensors vLLM registered span {len(groups)} KV cache groups; kvtier moves "
-            f"the pages of one group (hybrid models are not supported yet)"
+            f"layers {sorted(wanted)} span {len(groups)} KV cache groups; a cache spec is read "
+            "per group"
         )
     spec = groups[0].kv_cache_spec
     if isinstance(spec, UniformTypeKVCacheSpecs):
@@ -176,12 +179,15 @@ def page_layout(
     num_blocks: int,
     cache_dtype: str,
     interior: str,
+    groups: tuple[str, ...] = (),
+    names: Sequence[str] | None = None,
 ) -> Registered:
     """The ``KVLayout`` of views ``kv_caches`` of a cache with ``spec`` (checked against the
-    views' pages when the mover is built)."""
+    views' pages when the mover is built); ``names``: the views kvtier moves, in order (default:
+    every one, in layer order)."""
     if not kv_caches:
         raise LayoutError("register_kv_caches got no KV tensors")
-    names = ordered_names(kv_caches)
+    names = list(names) if names is not None else ordered_names(kv_caches)
     caches = [kv_caches[n] for n in names]
     for name, cache in zip(names, caches, strict=True):
         if cache.dim() != 4:
@@ -202,6 +208,7 @@ def page_layout(
         cache_dtype=cache_dtype,
         interior=interior,
         content_bytes=spec.content_bytes,
+        groups=groups,
     )
     return Registered(layout, caches, {n: i for i, n in enumerate(names)}, num_blocks)
 
@@ -212,17 +219,42 @@ def register(
     kv_caches: Mapping[str, torch.Tensor],
 ) -> Registered:
     """What ``register_kv_caches`` got, read through vLLM's config (see the module doc)."""
-    names = ordered_names(kv_caches)
-    spec = group_spec(kv_cache_config, names)
+    groups = cache_groups(kv_cache_config)
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    return page_layout(
+    paged_layout = resolved_layout(vllm_config, kv_cache_config)
+    num_blocks = int(kv_cache_config.num_blocks)
+    if not groups.hybrid:
+        names = ordered_names(kv_caches)
+        spec = group_spec(kv_cache_config, names)
+        return page_layout(
+            kv_caches,
+            spec,
+            paged_layout=paged_layout,
+            num_blocks=num_blocks,
+            cache_dtype=cache_dtype,
+            interior=interior_writer(vllm_config, names, spec, cache_dtype),
+        )
+    specs = [group_spec(kv_cache_config, g.layer_names) for g in kv_cache_config.kv_cache_groups]
+    spec = specs[groups.primary]
+    for kind, other in zip(groups.kinds, specs, strict=True):
+        if dataclasses.replace(other, kind=spec.kind) != spec:
+            raise LayoutError(
+                f"the {kind} group's pages ({other}) differ from the "
+                f"{groups.kinds[groups.primary]} group's ({spec}); kvtier stores hybrid models "
+                "whose groups share one page geometry"
+            )
+    reps, position = shared_views(kv_cache_config, kv_caches, groups.primary)
+    reg = page_layout(
         kv_caches,
         spec,
-        paged_layout=resolved_layout(vllm_config, kv_cache_config),
-        num_blocks=int(kv_cache_config.num_blocks),
+        paged_layout=paged_layout,
+        num_blocks=num_blocks,
         cache_dtype=cache_dtype,
-        interior=interior_writer(vllm_config, names, spec, cache_dtype),
+        interior=interior_writer(vllm_config, list(position), spec, cache_dtype),
+        groups=groups.kinds,
+        names=reps,
     )
+    return dataclasses.replace(reg, layer_of=position)
 
 
 def pages_verifiable(cache_dtype: str, kv_cache_config: KVCacheConfig | None) -> bool:

@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.keys import KeyScope
+from kvtier.vllm_integration.groups import null_to_slot
 
 HOLD_TTL_MIN_S = 30.0
 
@@ -58,6 +59,9 @@ class LoadSpec:
     # Load on the worker's loader thread and report it in get_finished (the request waits in
     # WAITING_FOR_REMOTE_KVS); else before this step's forward pass.
     load_async: bool = False
+    # A hybrid model's block ids of every KV cache group (``groups.py``; ``block_ids`` is then
+    # the primary group's); None for one group.
+    groups: list[list[int]] | None = None
 
 
 @dataclass
@@ -70,6 +74,7 @@ class SaveSpec:
     block_ids: list[int]
     skip: int
     scope: KeyScope
+    groups: list[list[int]] | None = None  # as LoadSpec's
 
 
 @dataclass
@@ -84,6 +89,7 @@ class VerifySpec:
     scope: KeyScope
     hold_id: int | None = None
     start: int = 0  # tokens before it (whole blocks) were not computed by this request
+    groups: list[list[int]] | None = None  # as LoadSpec's
 
 
 @dataclass
@@ -107,6 +113,9 @@ class KVTierMetadata(KVConnectorMetadata):
     # Sampled requests whose recomputed prefix is compared with what kvtier stores; run on the
     # saver before this step's saves, and like saves they keep the request's blocks until done.
     verifies: list[VerifySpec] = field(default_factory=list)
+    # A hybrid model's window blocks that a save may still be reading were freed by vLLM and
+    # are reused in this step: the workers finish their saves before anything writes.
+    drain_saves: bool = False
 
 
 def slot_mapping(
@@ -121,6 +130,26 @@ def slot_mapping(
             raise ValueError(f"{len(blocks)} blocks of {block_size} cannot hold tokens up to {end}")
         slots[start:end] = blocks[pos // block_size] * block_size + pos % block_size
     return slots
+
+
+def spec_slots(
+    block_ids: list[int],
+    groups: list[list[int]] | None,
+    block_size: int,
+    length: int,
+    start: int,
+    end: int,
+) -> np.ndarray:
+    """``slot_mapping`` of a spec: ``[length]`` for one group, ``[groups, length]`` for a
+    hybrid model's (``groups``), where vLLM's null block (a freed window block) has no slot."""
+    if groups is None:
+        return slot_mapping(block_ids, block_size, length, start, end)
+    return np.stack(
+        [
+            null_to_slot(slot_mapping(ids, block_size, length, start, end), ids, block_size)
+            for ids in groups
+        ]
+    )
 
 
 @dataclass

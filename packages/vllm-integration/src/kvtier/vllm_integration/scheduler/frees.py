@@ -44,6 +44,11 @@ class BlockFrees:
         self.stats["finished_held"] += 1
         return True
 
+    @property
+    def copied_through(self) -> int:
+        """The last step whose saves every rank has copied."""
+        return min(self._copied)
+
     def sent(self, req_ids: set[str]) -> None:
         """The workers report these requests' saves done (vLLM frees their blocks now)."""
         self._held -= req_ids

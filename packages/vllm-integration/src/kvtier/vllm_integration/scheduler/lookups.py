@@ -98,6 +98,10 @@ class RequestState:
     load_failed: bool = False
     verify: PendingVerify | None = None  # sampled for verification, its check not sent yet
     verify_step: int = -1  # the step whose metadata carried its check (-1: none)
+    # A hybrid model's live block ids of every KV cache group this step, and the first token
+    # from which every window group still has its blocks (``scheduler/hybrid.py``).
+    groups: list[list[int]] | None = None
+    live_from: int = 0
 
     @property
     def scope(self) -> KeyScope:

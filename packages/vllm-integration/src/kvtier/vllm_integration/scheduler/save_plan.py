@@ -76,6 +76,11 @@ class SavePlanner:
             return None
         skip = state.saved_upto // c * c
         state.saved_upto = save_end
+        if state.live_from > skip:
+            # A hybrid model's window blocks before it are freed: those chunks cannot be stored.
+            skip = -(-state.live_from // c) * c
+            if skip >= save_end:
+                return None
         n_blocks = -(-save_end // self.block_size)
         if save_end <= len(state.prompt):
             tokens = state.prompt[:save_end]

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.core.config import KVTierConfig
 from kvtier.vllm_integration import logs
+from kvtier.vllm_integration.groups import CacheGroups
 from kvtier.vllm_integration.handover import (
     ConsumerWait,
     announced,
@@ -44,6 +45,7 @@ from kvtier.vllm_integration.messages import (
 )
 from kvtier.vllm_integration.scheduler.events import EventLog
 from kvtier.vllm_integration.scheduler.frees import BlockFrees
+from kvtier.vllm_integration.scheduler.hybrid import HybridBlocks
 from kvtier.vllm_integration.scheduler.index import PresenceIndex
 from kvtier.vllm_integration.scheduler.lazy import LazyOffload, target_blocks
 from kvtier.vllm_integration.scheduler.lookups import (
@@ -60,7 +62,7 @@ from kvtier.vllm_integration.stats import KVTierStats, StatsTracker, StepTimer
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -82,6 +84,7 @@ class SchedulerSide:
         max_num_batched_tokens: int = 2048,
         role: str = "kv_both",
         verifiable: bool = True,
+        groups: CacheGroups | None = None,
     ) -> None:
         self.config = config
         check_role(config, role)  # a producer saves and never loads, a consumer the reverse
@@ -89,6 +92,8 @@ class SchedulerSide:
         self.saves_enabled = role in ("kv_both", "kv_producer")
         self.block_size = block_size
         self.chunk_size = config.chunk_size
+        self.hybrid = HybridBlocks(groups or CacheGroups(), block_size)
+        self._primary = self.hybrid.groups.primary  # the group whose block ids are tracked
         self._reqs: dict[str, RequestState] = {}
         self.num_workers = num_workers
         self.index = PresenceIndex(num_workers)
@@ -141,6 +146,7 @@ class SchedulerSide:
             probes=self.lookups.sent,
             indexed_hits=self.lookups.indexed,
             lookup_failures=self.lookups.failures,
+            window_drains=self.hybrid.drains,
         )
         out.update(self.frees.stats)
         if self.lazy is not None:
@@ -235,13 +241,14 @@ class SchedulerSide:
         # Not scheduled until the load is reported: it goes out with the next step's metadata.
         start = state.computed_at_lookup
         end = start + num_external_tokens
-        block_ids = list(blocks.get_block_ids()[0])
+        groups = blocks.get_block_ids()
+        block_ids = list(groups[self._primary])
         state.block_ids = list(block_ids)  # where a failed load is reported (_load_failures)
-        self._async_loads.append(
-            LoadSpec(
-                request.request_id, state.prompt, block_ids, start, end, state.scope, hold_id, True
-            )
+        load = LoadSpec(
+            request.request_id, state.prompt, block_ids, start, end, state.scope, hold_id, True
         )
+        self.hybrid.attach(load, groups)
+        self._async_loads.append(load)
         state.external = 0
         state.saved_upto = max(state.saved_upto, end // self.chunk_size * self.chunk_size)
 
@@ -258,15 +265,16 @@ class SchedulerSide:
             return
         check = self.verify.due(rid, state, computed + scheduled, self._step)
         if check is not None:
+            self.hybrid.attach(check, state.groups)
             meta.verifies.append(check)
         if state.external:
             end = computed
             start = end - state.external
-            meta.loads.append(
-                LoadSpec(
-                    rid, state.prompt, list(state.block_ids), start, end, state.scope, state.hold_id
-                )
+            load = LoadSpec(
+                rid, state.prompt, list(state.block_ids), start, end, state.scope, state.hold_id
             )
+            self.hybrid.attach(load, state.groups)
+            meta.loads.append(load)
             state.hold_id = None
             # Everything before the loaded chunk's start is stored already.
             state.saved_upto = max(state.saved_upto, end // self.chunk_size * self.chunk_size)
@@ -275,6 +283,7 @@ class SchedulerSide:
             return  # saved when it finishes and vLLM is about to evict its blocks
         spec = self._save_spec(rid, state, computed + scheduled)
         if spec is not None:
+            self.hybrid.attach(spec, state.groups)
             meta.saves.append(spec)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
@@ -301,7 +310,8 @@ class SchedulerSide:
             state = self._reqs.get(new.req_id)
             if state is None:
                 continue
-            state.block_ids = list(new.block_ids[0])
+            state.block_ids = list(new.block_ids[self._primary])
+            self.hybrid.refresh(new.req_id, state)
             if state.verify is not None:  # what vLLM's prefix cache gave it is not recomputed
                 state.verify.start = max(state.verify.start, new.num_computed_tokens)
             self._schedule(
@@ -317,9 +327,10 @@ class SchedulerSide:
                 continue
             new_blocks = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
-                state.block_ids = list(new_blocks[0]) if new_blocks is not None else []
+                state.block_ids = list(new_blocks[self._primary]) if new_blocks is not None else []
             elif new_blocks is not None:
-                state.block_ids.extend(new_blocks[0])
+                state.block_ids.extend(new_blocks[self._primary])
+            self.hybrid.refresh(rid, state)
             self._schedule(
                 meta,
                 rid,
@@ -331,7 +342,12 @@ class SchedulerSide:
                 if state.generation == self.generation:
                     self.saves.expect(state, spec.skip, len(spec.tokens))
                 meta.lazy_saves.append(spec)
+        self.hybrid.fence(meta, scheduler_output, self.frees.copied_through)
         return meta
+
+    def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
+        """vLLM's cache manager: a hybrid model's block ids of every group come from it."""
+        self.hybrid.bind(manager)
 
     def finished(
         self, request: Request, block_ids: list[int] | None = None

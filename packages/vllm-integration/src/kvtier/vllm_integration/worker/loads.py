@@ -25,7 +25,7 @@ from kvtier.core.config import KVTierConfig
 from kvtier.core.engine import CacheEngine
 from kvtier.core.handles import Hold, RetrieveJob
 from kvtier.core.platform import Marker
-from kvtier.vllm_integration.messages import LoadSpec, slot_mapping
+from kvtier.vllm_integration.messages import LoadSpec, spec_slots
 from kvtier.vllm_integration.stats import StatsTracker
 from kvtier.vllm_integration.worker.holds import HoldTable
 from kvtier.vllm_integration.worker.loader import Loader
@@ -60,6 +60,11 @@ class WorkerLoads:
         self._shortfall = shortfall
         self._jobs: list[RetrieveJob] = []
         self._failed: set[int] = set()
+        # A hybrid model's failed loads go to vLLM as requests (``failed_recving``): vLLM
+        # cannot map block ids back to requests when there are several KV cache groups.
+        self._by_request = bool(engine.layout.groups)
+        self._async: dict[str, LoadSpec] = {}  # submitted asynchronous loads, by request
+        self._failed_requests: set[str] = set()
         self._loader = Loader(self._load, self._spec_blocks)
 
     @property
@@ -106,7 +111,14 @@ class WorkerLoads:
 
     def _slots(self, spec: LoadSpec) -> torch.Tensor:
         return torch.from_numpy(
-            slot_mapping(spec.block_ids, self.block_size, len(spec.tokens), spec.start, spec.end)
+            spec_slots(
+                spec.block_ids,
+                spec.groups,
+                self.block_size,
+                len(spec.tokens),
+                spec.start,
+                spec.end,
+            )
         )
 
     def _load(self, spec: LoadSpec, hold: Hold | None, ready: Marker) -> set[int]:
@@ -138,6 +150,7 @@ class WorkerLoads:
                 # Expired before its load: read the tiers (may come up short).
                 self._count(loads_without_hold=1)
             if spec.load_async:
+                self._async[spec.req_id] = spec
                 self._loader.submit(spec, hold, marker)
                 continue
             try:
@@ -184,8 +197,20 @@ class WorkerLoads:
         after waiting up to ``wait_s`` for those submitted since the last call
         (``worker/loader.py``)."""
         done, failed = self._loader.take_finished(wait_s)
-        self._failed |= failed
+        specs = [self._async.pop(rid, None) for rid in done]
+        if not self._by_request:
+            self._failed |= failed
+            return done
+        for spec in specs:
+            if spec is not None and failed & self._spec_blocks(spec):
+                self._failed_requests.add(spec.req_id)
         return done
+
+    def take_failed_requests(self) -> set[str]:
+        """A hybrid model's requests whose asynchronous loads failed since the last call
+        (vLLM's ``failed_recving``: it recomputes them from the start, or fails them)."""
+        failed, self._failed_requests = self._failed_requests, set()
+        return failed
 
     def close(self, timeout_s: float) -> None:
         self._loader.close(timeout_s)

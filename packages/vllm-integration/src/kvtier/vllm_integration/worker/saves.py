@@ -24,7 +24,7 @@ import torch
 from kvtier.core.config import KVTierConfig
 from kvtier.core.engine import CacheEngine
 from kvtier.core.platform import Marker
-from kvtier.vllm_integration.messages import KVTierMetadata, SaveSpec, VerifySpec, slot_mapping
+from kvtier.vllm_integration.messages import KVTierMetadata, SaveSpec, VerifySpec, spec_slots
 from kvtier.vllm_integration.stats import StatsTracker
 from kvtier.vllm_integration.worker.saver import Saver
 from kvtier.vllm_integration.worker.verify import WorkerVerify
@@ -63,7 +63,8 @@ class WorkerSaves:
 
     def _slots(self, spec: SaveSpec) -> torch.Tensor:
         n = len(spec.tokens)
-        return torch.from_numpy(slot_mapping(spec.block_ids, self.block_size, n, spec.skip, n))
+        slots = spec_slots(spec.block_ids, spec.groups, self.block_size, n, spec.skip, n)
+        return torch.from_numpy(slots)
 
     def _run(self, spec: SaveSpec | VerifySpec, ready: Marker, keep: Any) -> int:
         """One saver job: a check, or a save (tokens stored)."""

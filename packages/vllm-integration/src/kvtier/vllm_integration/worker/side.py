@@ -331,8 +331,14 @@ class WorkerSide:
             rt.saves.submit(meta)
 
     def handle_preemptions(self, meta: KVTierMetadata) -> None:
-        if meta.preempted and self._rt is not None:
+        """Before the step writes anything: blocks a save may still read are reused (a
+        preempted request's, or a hybrid model's freed window blocks)."""
+        if (meta.preempted or meta.drain_saves) and self._rt is not None:
             self._rt.saves.before_reuse()
+
+    def failed_loads(self) -> set[str]:
+        """A hybrid model's requests whose asynchronous loads failed (``failed_recving``)."""
+        return self._rt.loads.take_failed_requests() if self._rt is not None else set()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``(saves done, async loads done)``; the failed blocks of the loads reported here go

@@ -18,7 +18,7 @@ import torch
 from kvtier.core.engine import CacheEngine
 from kvtier.core.platform import Marker
 from kvtier.core.verify import Verifier
-from kvtier.vllm_integration.messages import VerifySpec, slot_mapping
+from kvtier.vllm_integration.messages import VerifySpec, spec_slots
 from kvtier.vllm_integration.worker.holds import HoldTable
 
 logger = logging.getLogger("kvtier")
@@ -69,7 +69,9 @@ class WorkerVerify:
         if hold is None:
             hold = self.engine.hold(spec.tokens, spec.scope)
         n = len(spec.tokens)
-        slots = torch.from_numpy(slot_mapping(spec.block_ids, self.block_size, n, spec.start, n))
+        slots = torch.from_numpy(
+            spec_slots(spec.block_ids, spec.groups, self.block_size, n, spec.start, n)
+        )
         with hold:
             checks = self.verifier.check(spec.tokens, slots, hold, ready=ready)
         bad = {c.tier for c in checks if not c.ok}

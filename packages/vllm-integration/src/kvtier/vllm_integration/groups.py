@@ -1,0 +1,143 @@
+"""A hybrid model's KV cache groups, as kvtier stores them (vLLM's hybrid memory allocator).
+
+vLLM serves a model that mixes sliding-window and full attention layers with several KV cache
+groups: each group has its own spec and block table, and the groups overlay one backing
+allocation, group ``g``'s ``i``-th layer at the same bytes as every other group's ``i``-th
+layer (``vllm/v1/core/kv_cache_utils.py``, "Groups alias from byte 0"); a block id belongs to
+one group at a time. kvtier moves the pages of those shared tensors: a chunk holds, for each of
+its blocks, every group's pages (``KVLayout.groups``), so a hit of any length gives every group
+what vLLM's hybrid prefix-cache rule asks for. Window groups' pages are stored in full, as a
+full-attention layer's are (what a hit can use of them is a later refinement: issue 38).
+
+What kvtier moves this way: attention groups (full attention, sliding window) of one page
+geometry (block size, heads, head size, element type) with the same number of layers, at least
+one of them full attention. Anything else is a ``LayoutError`` naming the groups.
+
+vLLM frees a window group's blocks that fall out of the window while the request runs, and
+puts its null block (id 0) in their place; ``null_to_slot`` makes those "no slot".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from kvtier.core.errors import LayoutError
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+#: vLLM's null block: what a window group's block table holds where a block was freed.
+NULL_BLOCK = 0
+
+
+@dataclass(frozen=True)
+class CacheGroups:
+    """The KV cache groups of an engine: ``kinds`` in vLLM's group order (empty for one
+    group), ``primary`` the first full-attention group (its block ids stand for the
+    request's blocks wherever one list is needed), ``windows`` the groups vLLM frees blocks
+    of while a request runs."""
+
+    kinds: tuple[str, ...] = ()
+    primary: int = 0
+    windows: tuple[int, ...] = ()
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.kinds)
+
+    def live_from(self, block_ids: Sequence[Sequence[int]]) -> int:
+        """The first block from which every window group still has its blocks (vLLM freed
+        the ones before it)."""
+        first = 0
+        for g in self.windows:
+            ids = np.asarray(block_ids[g], dtype=np.int64)
+            nulls = np.flatnonzero(ids == NULL_BLOCK)
+            if nulls.size:
+                first = max(first, int(nulls[-1]) + 1)
+        return first
+
+
+def _kind(spec: Any) -> str:
+    """A group's spec as ``KVLayout.groups`` names it (a window's size is part of it)."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        kinds = sorted({_kind(s) for s in spec.kv_cache_specs.values()})
+        return kinds[0] if len(kinds) == 1 else "mixed:" + "+".join(kinds)
+    name = type(spec).__name__
+    if name == "SlidingWindowSpec":
+        return f"{name}/{int(spec.sliding_window)}"
+    return name
+
+
+def cache_groups(kv_cache_config: KVCacheConfig | None) -> CacheGroups:
+    """The groups of ``kv_cache_config`` (one group: ``CacheGroups()``); a ``LayoutError``
+    naming them when kvtier cannot store them (module docstring)."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) <= 1:
+        return CacheGroups()
+    kinds = tuple(_kind(g.kv_cache_spec) for g in groups)
+    supported = all(
+        k in ("FullAttentionSpec", "MLAAttentionSpec") or k.startswith("SlidingWindowSpec/")
+        for k in kinds
+    )
+    full = [i for i, k in enumerate(kinds) if not k.startswith("SlidingWindowSpec/")]
+    counts = {len(g.layer_names) for g in groups}
+    if not supported or not full or len(counts) != 1:
+        raise LayoutError(
+            f"vLLM runs this model with {len(groups)} KV cache groups ({', '.join(kinds)}; "
+            f"layers per group {sorted(len(g.layer_names) for g in groups)}); kvtier stores "
+            "hybrid models whose groups are full-attention and sliding-window attention with "
+            "the same number of layers, at least one of them full attention"
+        )
+    windows = tuple(i for i, k in enumerate(kinds) if k.startswith("SlidingWindowSpec/"))
+    return CacheGroups(kinds, full[0], windows)
+
+
+def shared_views(
+    kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, torch.Tensor], primary: int
+) -> tuple[list[str], dict[str, int]]:
+    """The primary group's layer names in vLLM's order (one view per shared tensor) and, for
+    every layer of every group, the position of the tensor it lives in. Group ``g``'s ``i``-th
+    layer must be a view of the same bytes as the primary group's ``i``-th (same address,
+    shape, strides, element type): else a ``LayoutError`` naming the two layers."""
+    groups = kv_cache_config.kv_cache_groups
+    reps = list(groups[primary].layer_names)
+    position: dict[str, int] = {}
+    for group in groups:
+        for i, name in enumerate(group.layer_names):
+            rep = reps[i]
+            a, b = kv_caches.get(name), kv_caches.get(rep)
+            if a is None or b is None:
+                missing = name if a is None else rep
+                raise LayoutError(f"register_kv_caches got no KV tensor for layer {missing!r}")
+            same = (
+                a.data_ptr() == b.data_ptr()
+                and a.shape == b.shape
+                and a.stride() == b.stride()
+                and a.dtype == b.dtype
+            )
+            if not same:
+                raise LayoutError(
+                    f"layers {name!r} and {rep!r} of two KV cache groups do not share their "
+                    "pages (kvtier stores hybrid models whose groups overlay one allocation "
+                    "with one page geometry)"
+                )
+            position[name] = i
+    return reps, position
+
+
+def null_to_slot(slots: np.ndarray, block_ids: Sequence[int], block_size: int) -> np.ndarray:
+    """``slots`` (one group's, from ``messages.slot_mapping``) with the slots of vLLM's null
+    block set to -1: vLLM freed that window block, the group has no page there."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if not (ids == NULL_BLOCK).any():
+        return slots
+    null = (slots >= 0) & (slots // block_size == NULL_BLOCK)
+    slots[null] = -1
+    return slots

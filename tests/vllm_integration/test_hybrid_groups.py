@@ -1,0 +1,159 @@
+"""The pieces of hybrid-model support that need no engine: which KV cache groups kvtier takes
+(``groups.py``, named refusals for the rest), what a hybrid model cannot run with
+(``connector.check_hybrid``), slots of freed window blocks, and the scheduler's fence for window
+blocks vLLM reuses while a save may still read them (``scheduler/hybrid.py``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvtier.core.config import load_config
+from kvtier.core.errors import ConfigError, LayoutError
+from kvtier.vllm_integration.connector import check_hybrid
+from kvtier.vllm_integration.groups import CacheGroups, cache_groups
+from kvtier.vllm_integration.messages import KVTierMetadata, SaveSpec, spec_slots
+from kvtier.vllm_integration.scheduler.hybrid import HybridBlocks
+
+pytestmark = [pytest.mark.vllm]
+
+
+def full(**kw):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return FullAttentionSpec(
+        block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, **kw
+    )
+
+
+def sliding(window: int = 64):
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    return SlidingWindowSpec(
+        block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=window
+    )
+
+
+def config(*specs, layers: int = 2):
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = [
+        KVCacheGroupSpec([f"model.layers.{g + len(specs) * i}.attn" for i in range(layers)], s)
+        for g, s in enumerate(specs)
+    ]
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_one_group_is_not_hybrid() -> None:
+    assert cache_groups(config(full())) == CacheGroups()
+    assert not cache_groups(None).hybrid
+
+
+def test_sliding_and_full_groups_are_taken_with_the_full_one_primary() -> None:
+    groups = cache_groups(config(sliding(128), full()))
+    assert groups.kinds == ("SlidingWindowSpec/128", "FullAttentionSpec")
+    assert groups.primary == 1 and groups.windows == (0,)
+
+
+@pytest.mark.parametrize(
+    "specs, layers",
+    [
+        ((sliding(64), sliding(128)), 2),  # no full-attention group
+        ((sliding(), "mamba"), 2),  # a recurrent state
+    ],
+    ids=["windows-only", "mamba"],
+)
+def test_groups_kvtier_cannot_store_are_named(specs, layers) -> None:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    specs = tuple(
+        MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.float32,)) if s == "mamba" else s
+        for s in specs
+    )
+    with pytest.raises(LayoutError, match="KV cache groups") as exc:
+        cache_groups(config(*specs, layers=layers))
+    assert "full-attention and sliding-window" in str(exc.value)
+
+
+def test_groups_of_unequal_layer_counts_are_named() -> None:
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = [
+        KVCacheGroupSpec(["model.layers.0.attn", "model.layers.2.attn"], sliding()),
+        KVCacheGroupSpec(["model.layers.1.attn"], full()),
+    ]
+    with pytest.raises(LayoutError, match=r"layers per group \[1, 2\]"):
+        cache_groups(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups))
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("offload", "lazy"), ("use_layerwise", True), ("load_async", False)],
+)
+def test_a_hybrid_model_refuses_what_it_cannot_run_by_name(field, value) -> None:
+    groups = cache_groups(config(sliding(), full()))
+    cfg = load_config(env={}, overrides={field: value})
+    with pytest.raises(ConfigError, match=field) as exc:
+        check_hybrid(cfg, groups)
+    assert "SlidingWindowSpec/64, FullAttentionSpec" in str(exc.value)
+    check_hybrid(cfg, CacheGroups())  # one group: all of them are fine
+
+
+@given(nulls=st.integers(0, 6), start=st.integers(0, 6 * 32), length=st.integers(1, 6 * 32))
+def test_freed_window_blocks_have_no_slots(nulls: int, start: int, length: int) -> None:
+    """Slots per group; vLLM's null block (0) in the window group's table means "no page"."""
+    start = min(start, length)
+    window = [0] * nulls + list(range(10, 16 - nulls))
+    primary = list(range(20, 26))
+    slots = spec_slots(primary, [window, primary], 32, length, start, length)
+    assert slots.shape == (2, length)
+    pos = np.arange(length)
+    want_full = np.where(pos >= start, np.array(primary)[pos // 32] * 32 + pos % 32, -1)
+    assert (slots[1] == want_full).all()
+    ids = np.array(window)[pos // 32]
+    want_window = np.where((pos >= start) & (ids != 0), ids * 32 + pos % 32, -1)
+    assert (slots[0] == want_window).all()
+
+
+def _output(new=(), cached=()):
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(block_ids=ids) for ids in new],
+        scheduled_cached_reqs=SimpleNamespace(new_block_ids=list(cached)),
+    )
+
+
+def _save(step_groups):
+    return SaveSpec("r", np.zeros(64, dtype=np.int64), step_groups[1], 0, None, step_groups)
+
+
+def test_a_reused_window_block_still_being_saved_drains_the_workers() -> None:
+    """A save of step 1 reads window blocks 5 and 6; step 2 hands block 6 to another request
+    before any worker reported step 1 copied: the workers drain. Once step 1 is copied, or
+    for a full-attention block (never freed while its request runs), no drain."""
+    hybrid = HybridBlocks(cache_groups(config(sliding(), full())), 32)
+    step1 = KVTierMetadata(step=1, saves=[_save([[5, 6], [7, 8]])])
+    hybrid.fence(step1, _output(), copied_through=0)
+    assert not step1.drain_saves
+    step2 = KVTierMetadata(step=2)
+    hybrid.fence(step2, _output(cached=[([6], [9])]), copied_through=0)
+    assert step2.drain_saves and hybrid.drains == 1
+    step3 = KVTierMetadata(step=3)
+    hybrid.fence(step3, _output(new=[([5], [7])]), copied_through=1)  # step 1 copied
+    assert not step3.drain_saves
+    step4 = KVTierMetadata(step=4, saves=[_save([[0, 11], [12, 13]])])  # 0: vLLM's null block
+    hybrid.fence(step4, _output(), copied_through=3)
+    step5 = KVTierMetadata(step=5)
+    hybrid.fence(step5, _output(new=[([12], [0])]), copied_through=3)
+    assert not step5.drain_saves  # 12 is a full-attention block, 0 is never a real one
+    assert hybrid.drains == 1
+
+
+def test_live_from_is_the_first_block_every_window_group_still_has() -> None:
+    groups = cache_groups(config(sliding(), full()))
+    assert groups.live_from([[0, 0, 3, 4], [5, 6, 7, 8]]) == 2
+    assert groups.live_from([[1, 2], [5, 6]]) == 0
