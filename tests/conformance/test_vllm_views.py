@@ -43,10 +43,28 @@ def test_replica_views_are_vllms_own(case: Case, dtype: str, cache_dtype: str) -
 
 
 def _isas() -> list[str]:
-    isas = ["vec", "vec16"]
-    if torch.cpu._is_amx_tile_supported():
-        isas.append("amx")
-    return isas
+    """vLLM CPU's writer runs every ISA's packing on any x86 CPU (it only moves bytes; AMX
+    instructions are for attention), so the AMX interior is tested on every machine."""
+    return ["vec", "vec16", "amx"]
+
+
+def test_vllms_amx_writer_packs_k_otherwise_than_vec() -> None:
+    """The same K written by vLLM's ``amx`` and ``vec`` writers: ``amx`` puts token 1's dims 0
+    and 1 at elements 2 and 3 of the block, ``vec`` at 1 and 33 (MACHINE_FACTS). The pages
+    differ, which is why the interior writer is part of the fingerprint."""
+    from vllm import _custom_ops as ops
+
+    n, d = 32, 64
+    key = torch.arange(n * d, dtype=torch.float32).reshape(n, 1, d).to(torch.bfloat16)
+    pages = {}
+    for isa in ("vec", "amx"):
+        cache = torch.zeros(1, 1, 2 * n, d, dtype=torch.bfloat16)
+        k, v = cache.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, torch.zeros_like(key), k, v, torch.arange(n), isa)
+        pages[isa] = k.flatten()
+    assert pages["amx"][2:4].tolist() == key[1, 0, :2].tolist()
+    assert [pages["vec"][1].item(), pages["vec"][33].item()] == key[1, 0, :2].tolist()
+    assert not torch.equal(pages["amx"], pages["vec"])
 
 
 @pytest.mark.parametrize("paged", [PagedLayout.LBHNC, PagedLayout.BLHNC], ids=lambda p: p.value)
