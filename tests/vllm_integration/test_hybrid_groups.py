@@ -157,3 +157,34 @@ def test_live_from_is_the_first_block_every_window_group_still_has() -> None:
     groups = cache_groups(config(sliding(), full()))
     assert groups.live_from([[0, 0, 3, 4], [5, 6, 7, 8]]) == 2
     assert groups.live_from([[1, 2], [5, 6]]) == 0
+
+
+def test_kv_events_of_a_hybrid_model_name_every_group() -> None:
+    """A stored chunk of a hybrid model is announced once per KV cache group, with the
+    group's index, spec kind and window (as vLLM's own hybrid events); its removal too. One
+    group keeps one event without group fields."""
+    from kvtier.vllm_integration.scheduler.events import EventLog
+
+    groups = cache_groups(config(sliding(64), full()))
+    assert groups.event_specs == (("sliding_window", 64), ("full_attention", None))
+    request = SimpleNamespace(
+        block_hashes=[bytes([i]) * 32 for i in range(4)],
+        lora_request=None,
+        all_token_ids=list(range(128)),
+    )
+    hybrid = EventLog(32, True, lambda h, scope: h.hex(), groups.event_specs)
+    single = EventLog(32, True, lambda h, scope: h.hex())
+    for log in (hybrid, single):
+        log.expect(request, [(b"\x01", 0, 64)], None)
+        log.stored("local_cpu", ["01"])
+        log.removed("local_cpu", ["01"])
+    events = hybrid.take()
+    stored = [e for e in events if type(e).__name__ == "BlockStored"]
+    removed = [e for e in events if type(e).__name__ == "BlockRemoved"]
+    fields = [(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in stored]
+    assert fields == [(0, "sliding_window", 64), (1, "full_attention", None)]
+    assert all(len(e.block_hashes) == 2 and e.ownership == "kvtier" for e in stored)
+    assert [e.group_idx for e in removed] == [0, 1]
+    events = single.take()
+    assert [type(e).__name__ for e in events] == ["BlockStored", "BlockRemoved"]
+    assert events[0].group_idx is None and events[1].group_idx is None

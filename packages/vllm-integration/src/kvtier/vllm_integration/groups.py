@@ -45,6 +45,8 @@ class CacheGroups:
     kinds: tuple[str, ...] = ()
     primary: int = 0
     windows: tuple[int, ...] = ()
+    # Per group, what vLLM's KV events say of its spec: (``KVCacheSpecKind`` value, window).
+    event_specs: tuple[tuple[str, int | None], ...] = ()
 
     @property
     def hybrid(self) -> bool:
@@ -95,8 +97,18 @@ def cache_groups(kv_cache_config: KVCacheConfig | None) -> CacheGroups:
             "hybrid models whose groups are full-attention and sliding-window attention with "
             "the same number of layers, at least one of them full attention"
         )
+    from vllm.v1.kv_cache_interface import (
+        get_kv_cache_spec_kind,
+        get_kv_cache_spec_sliding_window,
+    )
+
     windows = tuple(i for i, k in enumerate(kinds) if k.startswith("SlidingWindowSpec/"))
-    return CacheGroups(kinds, full[0], windows)
+    events = tuple(
+        (get_kv_cache_spec_kind(g.kv_cache_spec).value,
+         get_kv_cache_spec_sliding_window(g.kv_cache_spec))
+        for g in groups
+    )  # fmt: skip
+    return CacheGroups(kinds, full[0], windows, events)
 
 
 def shared_views(

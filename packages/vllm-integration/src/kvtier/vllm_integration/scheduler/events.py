@@ -11,7 +11,10 @@ hashes a router computes for the same prompt), the blocks' token ids, LoRA name,
   host memory, or after the lower-tier write, which is asked whether it kept the chunk);
 - ``BlockRemoved`` when a tier that can tell drops it (host memory, disk; Redis evicts on its
   own and cannot tell);
-- one event per chunk (a chunk covers ``chunk_size / block_size`` blocks), for rank 0's shard.
+- one event per chunk (a chunk covers ``chunk_size / block_size`` blocks), for rank 0's shard;
+  for a hybrid model (several KV cache groups, ``groups.py``) one per chunk and group, with the
+  group's index, spec kind and window, as vLLM's own hybrid events (a chunk holds every
+  group's pages of its blocks).
 
 The scheduler records what a save it asks for will cover (``expect``); the workers' reports name
 the chunks by key digest; this log turns the two into events. It remembers at most
@@ -60,12 +63,18 @@ class EventLog:
     """Pending and published chunk events of the scheduler side (see the module docstring)."""
 
     def __init__(
-        self, block_size: int, enabled: bool, digest: Callable[[bytes, Scope], str | None]
+        self,
+        block_size: int,
+        enabled: bool,
+        digest: Callable[[bytes, Scope], str | None],
+        groups: Sequence[tuple[str, int | None]] = (),
     ) -> None:
         """``digest(chunk_hash, scope)``: rank 0's key digest of a chunk (None until rank 0
-        has reported its key namespace)."""
+        has reported its key namespace); ``groups``: a hybrid model's (spec kind, window) per
+        KV cache group (``CacheGroups.event_specs``), empty for one group."""
         self.block_size = block_size
         self.enabled = enabled
+        self.groups = list(groups)
         self._digest = digest
         self._chunks: OrderedDict[str, _Chunk] = OrderedDict()  # rank-0 key digest -> chunk
         self._unnamed: list[tuple[bytes, Scope, _Chunk]] = []  # expected before rank 0 reported
@@ -117,18 +126,27 @@ class EventLog:
             if c is None or medium in c.media:
                 continue
             c.media.add(medium)
-            self._events.append(
-                BlockStored(
-                    block_hashes=c.block_hashes,
-                    parent_block_hash=c.parent,
-                    token_ids=c.token_ids.tolist(),
-                    block_size=self.block_size,
-                    lora_id=c.lora_id,
-                    medium=medium,
-                    lora_name=c.lora_name,
-                    ownership=OWNER,
+            for group in self._group_fields():
+                self._events.append(
+                    BlockStored(
+                        block_hashes=c.block_hashes,
+                        parent_block_hash=c.parent,
+                        token_ids=c.token_ids.tolist(),
+                        block_size=self.block_size,
+                        lora_id=c.lora_id,
+                        medium=medium,
+                        lora_name=c.lora_name,
+                        ownership=OWNER,
+                        **group,
+                    )
                 )
-            )
+
+    def _group_fields(self) -> list[dict[str, Any]]:
+        """The group fields of one event per group (one event without them for one group)."""
+        return [
+            {"group_idx": i, "kv_cache_spec_kind": kind, "kv_cache_spec_sliding_window": window}
+            for i, (kind, window) in enumerate(self.groups)
+        ] or [{}]
 
     def removed(self, tier: str, digests: Iterable[str]) -> None:
         """Rank 0 reports these chunks gone from ``tier``."""
@@ -138,9 +156,15 @@ class EventLog:
             if c is None or medium not in c.media:
                 continue
             c.media.discard(medium)
-            self._events.append(
-                BlockRemoved(block_hashes=c.block_hashes, medium=medium, ownership=OWNER)
-            )
+            for group in self._group_fields():
+                self._events.append(
+                    BlockRemoved(
+                        block_hashes=c.block_hashes,
+                        medium=medium,
+                        ownership=OWNER,
+                        group_idx=group.get("group_idx"),
+                    )
+                )
             if not c.media:
                 del self._chunks[d]
 

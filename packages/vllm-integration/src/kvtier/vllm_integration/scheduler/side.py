@@ -108,7 +108,10 @@ class SchedulerSide:
             index_trusted=lambda: self.verify.index_trusted,
         )
         self.events = EventLog(
-            block_size, kv_events, lambda h, scope: self.index.digest(0, h, scope)
+            block_size,
+            kv_events,
+            lambda h, scope: self.index.digest(0, h, scope),
+            self.hybrid.groups.event_specs,
         )
         self.sightings = Sightings(config.store_threshold)
         self.saves = SavePlanner(
