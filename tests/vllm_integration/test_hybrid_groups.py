@@ -188,3 +188,15 @@ def test_kv_events_of_a_hybrid_model_name_every_group() -> None:
     events = single.take()
     assert [type(e).__name__ for e in events] == ["BlockStored", "BlockRemoved"]
     assert events[0].group_idx is None and events[1].group_idx is None
+
+
+def test_a_chunk_larger_than_the_window_is_warned_about(caplog) -> None:
+    """Chunks larger than the smallest window lose chunks to freed window blocks: said at
+    start, naming both sizes; a chunk within the window is not warned about."""
+    groups = cache_groups(config(sliding(64), full()))
+    with caplog.at_level("WARNING", logger="kvtier"):
+        check_hybrid(load_config(env={}, overrides={"chunk_size": 256}), groups)
+        assert "chunk_size 256" in caplog.text and "(64 tokens)" in caplog.text
+        caplog.clear()
+        check_hybrid(load_config(env={}, overrides={"chunk_size": 64}), groups)
+        assert caplog.text == ""

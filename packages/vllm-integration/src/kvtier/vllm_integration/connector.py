@@ -99,6 +99,16 @@ def check_hybrid(config: KVTierConfig, groups: CacheGroups) -> None:
             f"must be true for a hybrid model (KV cache groups {kinds}): vLLM takes a failed "
             "load of a model with several KV cache groups only from an asynchronous load",
         )
+    windows = [w for _, w in groups.event_specs if w]
+    if windows and min(windows) < config.chunk_size:
+        logger.warning(
+            "kvtier: chunk_size %d is larger than this model's smallest sliding window (%d "
+            "tokens): a chunk that starts more than a window before the end of a hit or of a "
+            "prefill step is not stored (vLLM has freed its window blocks); a chunk_size of at "
+            "most the window stores every chunk",
+            config.chunk_size,
+            min(windows),
+        )
 
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
