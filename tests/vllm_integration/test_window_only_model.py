@@ -3,10 +3,10 @@
 promotes specs only when kinds are mixed), so ``groups.cache_groups`` takes it as a plain
 one-group model. vLLM still frees that group's blocks outside the window and puts its null
 block (id 0) in their place, also in a new request's table where its own prefix cache hit
-(``SlidingWindowManager.find_longest_cache_hit``), but the one-group path never reads the live
-block ids: a save maps those tokens to block 0 and the engine stores its bytes as the chunk.
-
-Known and not fixed yet (the review of e8c6fde): strict xfail, so the fix flips it."""
+(``SlidingWindowManager.find_longest_cache_hit``). So such a model takes the window path of a
+hybrid model (``CacheGroups.windows``): live block ids read from vLLM's cache manager each step,
+no slot for the null block, the fence for freed blocks. Without it a save mapped those tokens
+to block 0 and the engine stored its bytes as the chunk (found in the review of e8c6fde)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from prompts import DOC, FULL_HIT, PARTIAL_HIT, SHARED, STATS, gen, loaded_after_each
 from sched_harness import request
 
 from kvtier.core.config import load_config
@@ -36,13 +37,9 @@ def _window_only_config():
     return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[group])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="one SlidingWindowSpec group goes the one-group path: vLLM's null block is saved",
-)
 def test_a_window_only_model_never_saves_the_null_block() -> None:
     groups = cache_groups(_window_only_config())
-    assert not groups.hybrid  # what routes it past the hybrid path's live ids and fence
+    assert not groups.hybrid and groups.tracked  # one group, but its blocks are freed
     config = load_config(
         env={}, overrides={"chunk_size": CHUNK, "tiers": ["local_cpu"], "verify_fraction": 0.0}
     )
@@ -54,6 +51,8 @@ def test_a_window_only_model_never_saves_the_null_block() -> None:
     # vLLM's prefix cache hit the first 128 tokens: a window group gets its null block for
     # the blocks before the window (find_longest_cache_hit), real blocks for the rest.
     block_ids = [NULL_BLOCK, NULL_BLOCK, 7, 8, 9, 10]
+    live = SimpleNamespace(get_block_ids=lambda rid: (list(block_ids),))
+    side.bind_kv_cache_manager(live)  # type: ignore[arg-type]
     output = SimpleNamespace(
         preempted_req_ids=set(),
         scheduled_new_reqs=[
@@ -70,3 +69,24 @@ def test_a_window_only_model_never_saves_the_null_block() -> None:
     slots = spec_slots(save.block_ids, save.groups, BLOCK, n, save.skip, n)
     stored = slots[slots >= 0]
     assert not (stored // BLOCK == NULL_BLOCK).any(), "tokens mapped into vLLM's null block"
+    assert save.skip == CHUNK  # chunk [0, 64) lost its window blocks: not asked for
+
+
+def test_a_window_only_model_hits_as_vllms_prefix_cache(run_engine, window_model_dir) -> None:
+    """Through real vLLM: a Gemma 3 whose every layer has a 64-token window (one
+    ``SlidingWindowSpec`` group). A full (672) and a partial (384) hit load only the window
+    blocks vLLM gives the request (two blocks before the hit's end), and answer as vLLM's own
+    prefix cache hitting the same blocks (``prefix_cache_retention_interval=None``)."""
+    model = str(window_model_dir)
+    info = {"op": "engine_info"}
+    ref_spec = {"model": model, "kvtier": None, "prefix_caching": True,
+                "prefix_cache_retention_interval": None, "report_cached_tokens": True}  # fmt: skip
+    ref_info, *ref = run_engine({**ref_spec, "steps": [info, gen(DOC), gen(DOC), gen(SHARED)]})
+    assert ref_info["kv_cache_groups"] == ["SlidingWindowSpec"]
+    assert [r.pop("cached_tokens") for r in ref] == [0, FULL_HIT, PARTIAL_HIT]
+    kvtier = {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.25}
+    steps = [gen(DOC), STATS, gen(DOC), STATS, gen(SHARED), STATS]
+    out = run_engine({"model": model, "kvtier": kvtier, "steps": steps})
+    assert out[0::2] == ref
+    assert loaded_after_each(out) == [0, 2 * BLOCK, 2 * BLOCK]  # the window's blocks only
+    assert out[-1]["load_failed_blocks"] == 0 and out[-1]["save_errors"] == 0

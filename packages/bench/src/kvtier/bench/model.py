@@ -6,7 +6,7 @@ the output depends clearly on the context: loading the wrong KV changes the gene
 
 ``architecture="gemma3"`` builds a Gemma 3 text model instead, its layers alternating
 sliding-window (``sliding_window`` tokens) and full attention: a hybrid model that vLLM serves
-with two KV cache groups. Untied embeddings keep its greedy output context-sensitive (with tied
+with two KV cache groups; ``"gemma3-sliding"``: every layer sliding window (one group). Untied embeddings keep its greedy output context-sensitive (with tied
 ones the last token's embedding dominates and it repeats one token).
 """
 
@@ -45,7 +45,7 @@ class ModelSpec:
     max_position_embeddings: int = 4096
     init_range: float = 0.2
     seed: int = 0
-    architecture: str = "llama"  # or "gemma3" (module docstring)
+    architecture: str = "llama"  # or "gemma3", "gemma3-sliding" (module docstring)
     sliding_window: int = 64  # gemma3 only
 
     @property
@@ -131,10 +131,12 @@ def _model(spec: ModelSpec) -> Any:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         return LlamaForCausalLM(LlamaConfig(**common))
-    if spec.architecture == "gemma3":
+    if spec.architecture in ("gemma3", "gemma3-sliding"):
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
         kinds = ["sliding_attention", "full_attention"] * (spec.num_layers // 2 + 1)
+        if spec.architecture == "gemma3-sliding":
+            kinds = ["sliding_attention"] * spec.num_layers
         config = Gemma3TextConfig(
             **common,
             pad_token_id=2,
@@ -144,5 +146,6 @@ def _model(spec: ModelSpec) -> Any:
         )
         return Gemma3ForCausalLM(config)
     raise ValueError(
-        f"ModelSpec.architecture must be 'llama' or 'gemma3', got {spec.architecture!r}"
+        "ModelSpec.architecture must be 'llama', 'gemma3' or 'gemma3-sliding', "
+        f"got {spec.architecture!r}"
     )

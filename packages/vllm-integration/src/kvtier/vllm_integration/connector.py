@@ -71,19 +71,32 @@ HIT_SOURCES = {"local_cpu": CacheHitSource.HOST, "local_disk": CacheHitSource.DI
 
 
 def check_hybrid(config: KVTierConfig, groups: CacheGroups) -> None:
-    """What a hybrid model (several KV cache groups, ``groups.py``) cannot run with: a
-    ``ConfigError`` naming the field."""
-    if not groups.hybrid:
+    """What a model with sliding-window layers (a hybrid model's several KV cache groups, or
+    one window group, ``groups.py``) cannot run with: a ``ConfigError`` naming the field."""
+    if not groups.tracked:
         return
-    kinds = ", ".join(groups.kinds)
+    kinds = ", ".join(groups.kinds) or "one sliding-window group"
     if config.offload == "lazy":
         raise ConfigError(
             "offload",
             config.offload,
-            f"is not supported for a hybrid model (KV cache groups {kinds}): vLLM frees its "
-            "window blocks while a request runs, before a lazy save could copy them; use "
-            "offload=eager",
+            f"is not supported for a model with sliding-window layers (KV cache groups "
+            f"{kinds}): vLLM frees their blocks while a request runs, before a lazy save "
+            "could copy them; use offload=eager",
         )
+    windows = groups.window_sizes
+    if windows and min(windows) < config.chunk_size:
+        logger.warning(
+            "kvtier: chunk_size %d is larger than this model's smallest sliding window (%d "
+            "tokens): a chunk that starts more than a window before the end of a hit or of a "
+            "prefill step is not stored (vLLM has freed its window blocks); a chunk_size of at "
+            "most the window stores every chunk",
+            config.chunk_size,
+            min(windows),
+        )
+
+    if not groups.hybrid:
+        return
     if config.use_layerwise:
         raise ConfigError(
             "use_layerwise",
@@ -98,16 +111,6 @@ def check_hybrid(config: KVTierConfig, groups: CacheGroups) -> None:
             False,
             f"must be true for a hybrid model (KV cache groups {kinds}): vLLM takes a failed "
             "load of a model with several KV cache groups only from an asynchronous load",
-        )
-    windows = [w for _, w in groups.event_specs if w]
-    if windows and min(windows) < config.chunk_size:
-        logger.warning(
-            "kvtier: chunk_size %d is larger than this model's smallest sliding window (%d "
-            "tokens): a chunk that starts more than a window before the end of a hit or of a "
-            "prefill step is not stored (vLLM has freed its window blocks); a chunk_size of at "
-            "most the window stores every chunk",
-            config.chunk_size,
-            min(windows),
         )
 
 

@@ -40,17 +40,25 @@ class CacheGroups:
     """The KV cache groups of an engine: ``kinds`` in vLLM's group order (empty for one
     group), ``primary`` the first full-attention group (its block ids stand for the
     request's blocks wherever one list is needed), ``windows`` the groups vLLM frees blocks
-    of while a request runs."""
+    of while a request runs (also for a one-group model whose layers are all sliding window:
+    ``kinds`` empty, ``windows`` ``(0,)``)."""
 
     kinds: tuple[str, ...] = ()
     primary: int = 0
     windows: tuple[int, ...] = ()
     # Per group, what vLLM's KV events say of its spec: (``KVCacheSpecKind`` value, window).
     event_specs: tuple[tuple[str, int | None], ...] = ()
+    window_sizes: tuple[int, ...] = ()  # the window groups' windows, in tokens
 
     @property
     def hybrid(self) -> bool:
         return bool(self.kinds)
+
+    @property
+    def tracked(self) -> bool:
+        """Whether the scheduler must read live block ids and fence freed blocks: some group
+        frees blocks while its requests run."""
+        return bool(self.windows)
 
     def live_from(self, block_ids: Sequence[Sequence[int]]) -> int:
         """The first block from which every window group still has its blocks (vLLM freed
@@ -81,6 +89,11 @@ def cache_groups(kv_cache_config: KVCacheConfig | None) -> CacheGroups:
     """The groups of ``kv_cache_config`` (one group: ``CacheGroups()``); a ``LayoutError``
     naming them when kvtier cannot store them (module docstring)."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) == 1 and _kind(groups[0].kv_cache_spec).startswith("SlidingWindowSpec/"):
+        # A model whose every layer is sliding window (one group, HMA or not): vLLM frees its
+        # blocks behind the window as for a hybrid model's window group.
+        window = int(groups[0].kv_cache_spec.sliding_window)
+        return CacheGroups(windows=(0,), window_sizes=(window,))
     if len(groups) <= 1:
         return CacheGroups()
     kinds = tuple(_kind(g.kv_cache_spec) for g in groups)
@@ -108,7 +121,8 @@ def cache_groups(kv_cache_config: KVCacheConfig | None) -> CacheGroups:
          get_kv_cache_spec_sliding_window(g.kv_cache_spec))
         for g in groups
     )  # fmt: skip
-    return CacheGroups(kinds, full[0], windows, events)
+    sizes = tuple(w for _, w in events if w)
+    return CacheGroups(kinds, full[0], windows, events, sizes)
 
 
 def shared_views(

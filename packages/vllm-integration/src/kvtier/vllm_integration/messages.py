@@ -59,8 +59,8 @@ class LoadSpec:
     # Load on the worker's loader thread and report it in get_finished (the request waits in
     # WAITING_FOR_REMOTE_KVS); else before this step's forward pass.
     load_async: bool = False
-    # A hybrid model's block ids of every KV cache group (``groups.py``; ``block_ids`` is then
-    # the primary group's); None for one group.
+    # The live block ids of every KV cache group of a model with window layers (``groups.py``;
+    # ``block_ids`` is then the primary group's); None for a model without them.
     groups: list[list[int]] | None = None
 
 
@@ -141,15 +141,15 @@ def spec_slots(
     end: int,
 ) -> np.ndarray:
     """``slot_mapping`` of a spec: ``[length]`` for one group, ``[groups, length]`` for a
-    hybrid model's (``groups``), where vLLM's null block (a freed window block) has no slot."""
+    hybrid model's; with ``groups`` (the live block ids of a model with window layers) vLLM's
+    null block (a freed window block) has no slot."""
     if groups is None:
         return slot_mapping(block_ids, block_size, length, start, end)
-    return np.stack(
-        [
-            null_to_slot(slot_mapping(ids, block_size, length, start, end), ids, block_size)
-            for ids in groups
-        ]
-    )
+    rows = [
+        null_to_slot(slot_mapping(ids, block_size, length, start, end), ids, block_size)
+        for ids in groups
+    ]
+    return rows[0] if len(rows) == 1 else np.stack(rows)
 
 
 @dataclass

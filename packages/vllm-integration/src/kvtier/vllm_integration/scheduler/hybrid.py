@@ -13,7 +13,8 @@ place). So, for a hybrid model:
   metadata asks the workers to finish their saves before anything writes
   (``KVTierMetadata.drain_saves``).
 
-A one-group model does none of this.
+A model whose every layer is sliding window (one group) gets the same; a model without window
+layers does none of this.
 """
 
 from __future__ import annotations
@@ -45,10 +46,13 @@ class HybridBlocks:
 
     def refresh(self, rid: str, state: RequestState) -> None:
         """Read the request's live block ids of every group (before its specs are made)."""
-        if not self.groups.hybrid:
+        if not self.groups.tracked:
             return
         if self._manager is None:
-            raise RuntimeError("a hybrid model needs vLLM's cache manager (bind_kv_cache_manager)")
+            raise RuntimeError(
+                "a model with sliding-window layers needs vLLM's cache manager "
+                "(bind_kv_cache_manager)"
+            )
         ids = [list(g) for g in self._manager.get_block_ids(rid)]
         state.groups = ids
         state.live_from = self.groups.live_from(ids) * self.block_size
@@ -57,14 +61,14 @@ class HybridBlocks:
         self, spec: LoadSpec | SaveSpec | VerifySpec, groups: Sequence[Sequence[int]] | None
     ) -> None:
         """Give ``spec`` every group's block ids, as many as its primary ones."""
-        if self.groups.hybrid and groups is not None:
+        if self.groups.tracked and groups is not None:
             n = len(spec.block_ids)
             spec.groups = [list(g[:n]) for g in groups]
 
     def fence(self, meta: KVTierMetadata, output: SchedulerOutput, copied_through: int) -> None:
         """Ask for a drain when this step reuses a window block still being read; then
         remember the window blocks this step's saves and checks read."""
-        if not self.groups.hybrid:
+        if not self.groups.tracked:
             return
         self._reading = {b: s for b, s in self._reading.items() if s > copied_through}
         if self._reading and any(b in self._reading for b in _written(meta, output)):

@@ -25,6 +25,8 @@ from kvtier.core.config import KVTierConfig
 from kvtier.core.engine import CacheEngine
 from kvtier.core.handles import Hold, RetrieveJob
 from kvtier.core.platform import Marker
+from kvtier.core.slots import written
+from kvtier.vllm_integration.groups import NULL_BLOCK
 from kvtier.vllm_integration.messages import LoadSpec, spec_slots
 from kvtier.vllm_integration.stats import StatsTracker
 from kvtier.vllm_integration.worker.holds import HoldTable
@@ -73,17 +75,18 @@ class WorkerLoads:
         return self._loader.in_flight
 
     def _spec_blocks(self, spec: LoadSpec) -> set[int]:
-        """The blocks a load was to fill."""
+        """The blocks a load was to fill (never vLLM's null block: nothing is loaded there)."""
         first, last = spec.start // self.block_size, -(-spec.end // self.block_size)
-        return set(spec.block_ids[first:last])
+        return set(spec.block_ids[first:last]) - {NULL_BLOCK}
 
-    def _check_loaded(self, spec: LoadSpec, mask: torch.Tensor) -> set[int]:
-        """Count a load; return the blocks it left unfilled (reported to vLLM)."""
-        want = mask[spec.start : spec.end]
-        loaded = int(want.sum())
-        self._count(
-            load_requests=1, load_tokens_requested=spec.end - spec.start, loaded_tokens=loaded
-        )
+    def _check_loaded(self, spec: LoadSpec, mask: torch.Tensor, slots: torch.Tensor) -> set[int]:
+        """Count a load; return the blocks it left unfilled (reported to vLLM). Tokens that
+        have no slot in any group (vLLM's null block: a window group's blocks before a hit's
+        window) are not asked for."""
+        asked = written(slots)[spec.start : spec.end]
+        want = mask[spec.start : spec.end] | ~asked
+        loaded = int((want & asked).sum())
+        self._count(load_requests=1, load_tokens_requested=int(asked.sum()), loaded_tokens=loaded)
         logger.debug(
             "kvtier: request %s: loaded %d of tokens %d-%d",
             spec.req_id,
@@ -91,7 +94,7 @@ class WorkerLoads:
             spec.start,
             spec.end,
         )
-        if loaded == spec.end - spec.start:
+        if bool(want.all()):
             return set()
         missing = (~want).nonzero().squeeze(1) + spec.start
         if spec.hold_id is None:
@@ -102,8 +105,8 @@ class WorkerLoads:
             "reported failed to vLLM (its kv_load_failure_policy recomputes them or "
             "fails the request)",
             spec.req_id,
-            spec.end - spec.start - loaded,
-            spec.end - spec.start,
+            int(asked.sum()) - loaded,
+            int(asked.sum()),
             len(blocks),
         )
         self._count(load_failed_blocks=len(blocks))
@@ -127,16 +130,17 @@ class WorkerLoads:
         if spec.hold_id is None:  # answered by the index: look up (and count) here
             self._before_indexed(spec)
             hold = own = self.engine.hold(spec.tokens, spec.scope)
+        slots = self._slots(spec)
         try:
             t0 = time.perf_counter()
             mask = self.engine.retrieve(
-                spec.tokens, self._slots(spec), scope=spec.scope, hold=hold, ready=ready
+                spec.tokens, slots, scope=spec.scope, hold=hold, ready=ready
             )
             self._metrics.observe("load_seconds", time.perf_counter() - t0)
         finally:
             if own is not None:
                 own.release()
-        return self._check_loaded(spec, mask)
+        return self._check_loaded(spec, mask, slots)
 
     def run(self, loads: list[LoadSpec]) -> None:
         """This step's loads (``start_load_kv``), each from its probe's hold."""
@@ -160,13 +164,13 @@ class WorkerLoads:
                     job = self.engine.retrieve_layerwise(
                         spec.tokens, slots, scope=spec.scope, hold=hold
                     )
-                    self._failed |= self._check_loaded(spec, job.mask)
+                    self._failed |= self._check_loaded(spec, job.mask, slots)
                     self._jobs.append(job)
                 else:
                     t0 = time.perf_counter()
                     mask = self.engine.retrieve(spec.tokens, slots, scope=spec.scope, hold=hold)
                     self._metrics.observe("load_seconds", time.perf_counter() - t0)
-                    self._failed |= self._check_loaded(spec, mask)
+                    self._failed |= self._check_loaded(spec, mask, slots)
             finally:
                 if hold is not None:
                     hold.release()
