@@ -120,9 +120,11 @@ def test_freed_window_blocks_have_no_slots(nulls: int, start: int, length: int) 
     assert (slots[0] == want_window).all()
 
 
-def _output(new=(), cached=()):
+def _output(new=(), cached=(), computed=0):
     return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(block_ids=ids) for ids in new],
+        scheduled_new_reqs=[
+            SimpleNamespace(block_ids=ids, num_computed_tokens=computed) for ids in new
+        ],
         scheduled_cached_reqs=SimpleNamespace(new_block_ids=list(cached)),
     )
 
@@ -150,6 +152,9 @@ def test_a_reused_window_block_still_being_saved_drains_the_workers() -> None:
     step5 = KVTierMetadata(step=5)
     hybrid.fence(step5, _output(new=[([12], [0])]), copied_through=3)
     assert not step5.drain_saves  # 12 is a full-attention block, 0 is never a real one
+    step6 = KVTierMetadata(step=6)
+    hybrid.fence(step6, _output(new=[([11, 14], [12, 15])], computed=32), copied_through=3)
+    assert not step6.drain_saves  # 11: vLLM's prefix cache hit, read and not written
     assert hybrid.drains == 1
 
 

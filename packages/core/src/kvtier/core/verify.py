@@ -207,8 +207,9 @@ class Verifier:
         err = page_errors(fresh.tensor[rows], stored[rows], self.dtype)
         worst = int(torch.argmax(err))
         row, layer = divmod(worst, err.shape[1])
+        block = int(rows[row]) // self.engine.layout.num_groups  # rows are blocks x groups
         return ChunkCheck(
-            p.span.key, p.tier, float(err.flatten()[worst]), layer, int(rows[row]), self.tolerance
+            p.span.key, p.tier, float(err.flatten()[worst]), layer, block, self.tolerance
         )
 
     def _act(self, checks: list[ChunkCheck]) -> None:

@@ -71,7 +71,8 @@ class HybridBlocks:
         if not self.groups.tracked:
             return
         self._reading = {b: s for b, s in self._reading.items() if s > copied_through}
-        if self._reading and any(b in self._reading for b in _written(meta, output)):
+        written = _written(meta, output, self.block_size)
+        if self._reading and any(b in self._reading for b in written):
             meta.drain_saves = True
             self.drains += 1
         specs: list[SaveSpec | VerifySpec] = [*meta.saves, *meta.verifies]
@@ -84,12 +85,14 @@ class HybridBlocks:
                         self._reading[b] = meta.step
 
 
-def _written(meta: KVTierMetadata, output: SchedulerOutput) -> Iterable[int]:
-    """Every block this step may write: newly scheduled requests' and new blocks of every
-    group, and the blocks of the loads it carries."""
+def _written(meta: KVTierMetadata, output: SchedulerOutput, block_size: int) -> Iterable[int]:
+    """Every block this step may write: newly scheduled requests' blocks past what they had
+    computed (before it: vLLM's prefix-cache hits, read only; kvtier's loads are listed with
+    the loads), new blocks of every group, and the blocks of the loads it carries."""
     for new in output.scheduled_new_reqs:
+        first = new.num_computed_tokens // block_size
         for ids in new.block_ids:
-            yield from ids
+            yield from ids[first:]
     for blocks in output.scheduled_cached_reqs.new_block_ids:
         for ids in blocks or ():
             yield from ids
