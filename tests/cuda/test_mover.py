@@ -1,6 +1,7 @@
 """What is the CUDA mover's own (the contract is tests/conformance's): kernel words and tiles for
-each geometry, groups through the two staging slots, one copy per run of objects back to back in
-host memory, slot growth and release, and errors found after a call's first copies."""
+each geometry, a call that fits one slot on one stream, larger ones in groups through the two
+staging slots, one copy per run of objects back to back in host memory, slot growth and release,
+and errors found after a call's first copies."""
 
 from __future__ import annotations
 
@@ -152,6 +153,36 @@ def test_a_call_runs_in_growing_groups_through_two_reused_slots(device, arena, p
     one_layer = [min(per_slot, 22 - a) for a in range(0, 22, per_slot)]
     assert sizes == one_layer * mover.layout.num_layers
     assert same_cache(mover, ref)
+
+
+@pytest.mark.parametrize("call", ["store", "load"])
+def test_a_call_that_fits_one_slot_is_one_group_on_the_copy_stream(
+    device, arena, call, monkeypatch
+):
+    """No group through the two streams: one gather or scatter and the copies, staged whole in
+    one slot; bytes exact, skipped blocks left as they were."""
+    mover, ref = build(device)
+    groups: list[int] = []
+    group = mover._group
+
+    def counted(lane, plan, a, b, *rest, **kw):  # type: ignore[no-untyped-def]
+        groups.append(b - a)
+        group(lane, plan, a, b, *rest, **kw)
+
+    monkeypatch.setattr(mover, "_group", counted)
+    lengths = [3, 2, 4]
+    blocks = random_blocks(lengths, seed=81)
+    blocks[1][0] = -1
+    if call == "store":
+        store_both(mover, ref, arena, lengths, blocks, seed=82)
+    else:
+        objs = Objects(arena, mover.layout, lengths, 83)
+        mover.load(objs.transfers(blocks))
+        ref.load(objs.transfers(blocks))
+        assert same_cache(mover, ref)
+    assert groups == []
+    lane = mover._store if call == "store" else mover._load
+    assert lane.last is None and lane.next_slot == 1
 
 
 def test_a_large_call_plans_its_first_transfers_ahead_of_the_rest(device, arena, monkeypatch):

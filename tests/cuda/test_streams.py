@@ -1,5 +1,5 @@
-"""Streams and events on a real GPU: a call is ordered after the caller's current stream (not
-only the default one), a layer-by-layer load orders each layer before the caller's stream reads
+"""Streams and events on a real GPU: a call, on one stream or in groups across two, is ordered
+after the caller's current stream (not only the default one), a layer-by-layer load orders each layer before the caller's stream reads
 it, repeated calls launch the kept compiled kernel, and a thread that never touched CUDA can
 call. (Speed is measured by ``kvtier bench transfer``, not asserted.)"""
 
@@ -24,11 +24,23 @@ LENGTHS = [16, 16, 16]
 SLEEP_CYCLES = 100_000_000
 
 
-@pytest.fixture(params=[PagedLayout.LBHNC, PagedLayout.BHLNC], ids=lambda p: p.value)
+@pytest.fixture(
+    params=[
+        (paged, groups)
+        for paged in (PagedLayout.LBHNC, PagedLayout.BHLNC)
+        for groups in (False, True)
+    ],
+    ids=lambda p: f"{p[0].value}-{'groups' if p[1] else 'one-stream'}",
+)
 def setup(request, device, arena):  # type: ignore[no-untyped-def]
-    layout = make_layout(request.param)
+    paged, groups = request.param
+    layout = make_layout(paged)
     views = make_views(layout, device, seed=1)
-    mover = CUDAPlatform().create_mover(views, layout)
+    # a whole call that fits one slot runs on the copy stream alone; a larger one, in groups
+    # across the kernel and copy streams
+    row = layout.num_layers * layout.page_bytes
+    options = {"staging_slot_bytes": 8 * row} if groups else {}
+    mover = CUDAPlatform().create_mover(views, layout, **options)
     objs = Objects(arena, layout, LENGTHS, 2)
     for _ in range(2):  # first use allocates (and may synchronise the device): not in the test
         mover.store(objs.transfers(random_blocks(LENGTHS, seed=3)))

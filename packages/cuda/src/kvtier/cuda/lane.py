@@ -207,14 +207,14 @@ class Lane:
                 to_host=to_host,
             )
 
-    def order_after_caller(self) -> None:
-        """The kernel stream waits (on the device) for the work the calling thread has queued on
-        its current stream so far."""
+    def order_after_caller(self, stream: int) -> None:
+        """``stream`` (the lane's kernel or copy stream) waits (on the device) for the work the
+        calling thread has queued on its current stream so far."""
         if self.gpu:
             assert self.index is not None
             caller = _get_raw_stream(self.index)
             self.after.record(caller)
-            self.after.wait_on(self.ks)
+            self.after.wait_on(stream)
 
     def caller_waits(self, event: Any) -> None:
         """The calling thread's current stream waits (on the device) for ``event``."""
