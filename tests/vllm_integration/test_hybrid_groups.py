@@ -54,6 +54,28 @@ def test_one_group_is_not_hybrid() -> None:
     assert not cache_groups(None).hybrid
 
 
+def test_a_window_only_group_is_tracked_also_when_vllm_wraps_its_layers_specs() -> None:
+    """One sliding-window group (every layer windowed) is not hybrid but its freed blocks are
+    tracked, also when vLLM wraps per-layer specs of different windows in one group."""
+    from vllm.v1.kv_cache_interface import (
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    plain = cache_groups(config(sliding(64)))
+    assert not plain.hybrid and plain.tracked and plain.window_sizes == (64,)
+    names = ["model.layers.0.attn", "model.layers.1.attn"]
+    wrapped = UniformTypeKVCacheSpecs(
+        block_size=32, kv_cache_specs={names[0]: sliding(128), names[1]: sliding(64)}
+    )
+    one = KVCacheConfig(
+        num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, wrapped)]
+    )
+    groups = cache_groups(one)
+    assert groups.tracked and groups.window_sizes == (64,)
+
+
 def test_sliding_and_full_groups_are_taken_with_the_full_one_primary() -> None:
     groups = cache_groups(config(sliding(128), full()))
     assert groups.kinds == ("SlidingWindowSpec/128", "FullAttentionSpec")

@@ -85,15 +85,22 @@ def _kind(spec: Any) -> str:
     return name
 
 
+def _smallest_window(spec: Any) -> int:
+    """The smallest sliding window of a group's spec (of its layers' specs, for a group that
+    wraps several)."""
+    inner = getattr(spec, "kv_cache_specs", None)
+    specs = list(inner.values()) if inner else [spec]
+    return min(int(s.sliding_window) for s in specs if type(s).__name__ == "SlidingWindowSpec")
+
+
 def cache_groups(kv_cache_config: KVCacheConfig | None) -> CacheGroups:
     """The groups of ``kv_cache_config`` (one group: ``CacheGroups()``); a ``LayoutError``
     naming them when kvtier cannot store them (module docstring)."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    if len(groups) == 1 and _kind(groups[0].kv_cache_spec).startswith("SlidingWindowSpec/"):
+    if len(groups) == 1 and "SlidingWindowSpec/" in _kind(groups[0].kv_cache_spec):
         # A model whose every layer is sliding window (one group, HMA or not): vLLM frees its
         # blocks behind the window as for a hybrid model's window group.
-        window = int(groups[0].kv_cache_spec.sliding_window)
-        return CacheGroups(windows=(0,), window_sizes=(window,))
+        return CacheGroups(windows=(0,), window_sizes=(_smallest_window(groups[0].kv_cache_spec),))
     if len(groups) <= 1:
         return CacheGroups()
     kinds = tuple(_kind(g.kv_cache_spec) for g in groups)
