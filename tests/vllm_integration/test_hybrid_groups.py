@@ -1,6 +1,6 @@
 """The pieces of hybrid-model support that need no engine: which KV cache groups kvtier takes
 (``groups.py``, named refusals for the rest), what a hybrid model cannot run with
-(``connector.check_hybrid``), slots of freed window blocks, and the scheduler's fence for window
+(``groups.check_hybrid``), slots of freed window blocks, and the scheduler's fence for window
 blocks vLLM reuses while a save may still read them (``scheduler/hybrid.py``)."""
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from hypothesis import strategies as st
 
 from kvtier.core.config import load_config
 from kvtier.core.errors import ConfigError, LayoutError
-from kvtier.vllm_integration.connector import check_hybrid
-from kvtier.vllm_integration.groups import CacheGroups, cache_groups
+from kvtier.vllm_integration.groups import CacheGroups, cache_groups, check_hybrid
 from kvtier.vllm_integration.messages import KVTierMetadata, SaveSpec, spec_slots
 from kvtier.vllm_integration.scheduler.hybrid import HybridBlocks
 

@@ -36,7 +36,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvtier.core.errors import LayoutError
@@ -44,6 +43,7 @@ from kvtier.core.layout import KVLayout
 from kvtier.core.mover import PageMover, Transfer
 from kvtier.cuda.kernels import Geometry, Kernels
 from kvtier.cuda.lane import Lane
+from kvtier.cuda.plan import Plan, plan_transfers
 
 # A call's first group: small, so its first DMA starts early; later groups grow by GROWTH up to a
 # slot (each group costs host time: fewer, larger ones).
@@ -81,29 +81,6 @@ class MoverOptions:
 
 
 OPTION_TYPES = {"staging_slots": int, "staging_slot_bytes": int}
-
-
-@dataclass
-class Plan:
-    """Some transfers' blocks to move, skipped blocks left out: ``count`` block ids at ``at`` in
-    the lane's id buffers; ``cuts``, the indices where a block's row does not follow the
-    previous one's in host memory (a copy ends there); and where each block's row is: the
-    transfers' first indices and row-0 addresses (``starts``, ``ptrs``), or with skipped blocks
-    every row's address (``addrs``)."""
-
-    at: int
-    count: int
-    cuts: list[int]
-    starts: list[int]
-    ptrs: list[int]
-    addrs: np.ndarray | None = None
-
-    def host(self, i: int, row: int) -> int:
-        """The host address of block ``i``'s row."""
-        if self.addrs is not None:
-            return int(self.addrs[i])
-        t = bisect.bisect_right(self.starts, i) - 1
-        return self.ptrs[t] + (i - self.starts[t]) * row
 
 
 class _Call:
@@ -155,7 +132,6 @@ class CUDAPageMover(PageMover):
         self._kernels = Kernels(self.kv_caches, self.geometry)
         self._page = layout.page_bytes
         self._row = layout.num_layers * layout.page_bytes
-        self._chunk = (layout.num_layers, layout.page_bytes)
         self._store = Lane(device, opts.staging_slots, opts.staging_slot_bytes)
         self._load = Lane(device, opts.staging_slots, opts.staging_slot_bytes)
 
@@ -239,52 +215,7 @@ class CUDAPageMover(PageMover):
         return plan
 
     def _plan(self, lane: Lane, transfers: Sequence[Transfer], at: int) -> Plan:
-        """Check ``transfers`` (the contract's errors) and write their kept block ids at ``at``
-        of the lane's host id buffer. Tiny torch and numpy calls cost microseconds each (several
-        on a busy GPU host): this runs before a call's first DMA, so it makes few."""
-        row, chunk = self._row, self._chunk
-        starts, ptrs, ids, cuts = [], [], [], []
-        end, total = -1, 0
-        for t in transfers:
-            obj, blocks = t.obj, t.blocks
-            n = blocks.shape[0]
-            meta = obj.meta  # the object's tensor is this shape and dtype
-            if meta.shape != (n, *chunk) or meta.dtype != torch.uint8:
-                lay = self.layout
-                raise LayoutError(
-                    f"a memory object {meta.shape} {meta.dtype} does not match the layout's "
-                    f"chunk {(n, *chunk)} {lay.chunk_dtype} ({lay.describe()})"
-                )
-            ptr = obj.tensor.data_ptr()
-            if ptr != end and total:
-                cuts.append(total)
-            starts.append(total)
-            ptrs.append(ptr)
-            end, total = ptr + n * row, total + n
-            ids.append(blocks)
-        if not total:
-            return Plan(at, 0, [], starts, ptrs)
-        block_ids = _host_ids(ids)
-        if total <= 64:  # Python's min and max beat numpy's below this
-            listed = block_ids.tolist()
-            lo, hi = min(listed), max(listed)
-        else:
-            lo, hi = int(block_ids.min()), int(block_ids.max())
-        if lo < -1 or hi >= self.num_blocks:
-            raise IndexError(f"block ids must be -1 or in [0, {self.num_blocks}), got [{lo}, {hi}]")
-        lane.ensure_ids(at + total)
-        if lo >= 0:
-            lane.ids_np[at : at + total] = block_ids
-            return Plan(at, total, cuts, starts, ptrs)
-        sizes = np.diff(np.asarray([*starts, total], dtype=np.int64))
-        addrs = np.repeat(np.asarray(ptrs, dtype=np.int64) - np.asarray(starts) * row, sizes)
-        addrs += np.arange(total, dtype=np.int64) * row
-        keep = block_ids >= 0
-        block_ids, addrs = block_ids[keep], addrs[keep]
-        k = int(block_ids.size)
-        lane.ids_np[at : at + k] = block_ids
-        gaps = (np.flatnonzero(np.diff(addrs) != row) + 1).tolist()
-        return Plan(at, k, gaps, starts, ptrs, addrs)
+        return plan_transfers(lane, transfers, at, self.layout, self.num_blocks)
 
     def _upload(self, lane: Lane, plan: Plan, *, store: bool, stream: Any = None) -> None:
         """``plan``'s block ids to the device, ahead of the kernels that read them (why this
@@ -403,16 +334,3 @@ class CUDAPageMover(PageMover):
                 lane.copy_2d(host, row, dev, width, width, j1 - j0, to_host=True)
             else:
                 lane.copy_2d(dev, width, host, row, width, j1 - j0, to_host=False)
-
-
-def _host_ids(blocks: list[torch.Tensor]) -> np.ndarray:
-    """The transfers' block ids, in order, as one host array: one ``torch.cat`` (a tenth of the
-    host time of a ``numpy()`` per transfer for a 16-chunk call)."""
-    if len(blocks) == 1:
-        ids = blocks[0]
-    else:
-        try:
-            ids = torch.cat(blocks)
-        except RuntimeError:  # on several devices
-            ids = torch.cat([b.cpu() for b in blocks])
-    return ids.cpu().numpy() if ids.device.type != "cpu" else ids.numpy()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +43,7 @@ from kvtier.core.config import KVTierConfig, load_config
 from kvtier.core.engine import CacheEngine
 from kvtier.core.errors import ConfigError
 from kvtier.vllm_integration import logs
-from kvtier.vllm_integration.groups import CacheGroups, cache_groups
+from kvtier.vllm_integration.groups import cache_groups, check_hybrid
 from kvtier.vllm_integration.layout import pages_verifiable
 from kvtier.vllm_integration.messages import KVTierMetadata
 from kvtier.vllm_integration.plugin import offloading_size_conflict
@@ -64,54 +63,9 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger("kvtier")
 
 # kvtier tier name -> vLLM's hit source (other tiers, e.g. Redis: EXTERNAL_UNSPECIFIED).
 HIT_SOURCES = {"local_cpu": CacheHitSource.HOST, "local_disk": CacheHitSource.DISK}
-
-
-def check_hybrid(config: KVTierConfig, groups: CacheGroups) -> None:
-    """What a model with sliding-window layers (a hybrid model's several KV cache groups, or
-    one window group, ``groups.py``) cannot run with: a ``ConfigError`` naming the field."""
-    if not groups.tracked:
-        return
-    kinds = ", ".join(groups.kinds) or "one sliding-window group"
-    if config.offload == "lazy":
-        raise ConfigError(
-            "offload",
-            config.offload,
-            f"is not supported for a model with sliding-window layers (KV cache groups "
-            f"{kinds}): vLLM frees their blocks while a request runs, before a lazy save "
-            "could copy them; use offload=eager",
-        )
-    windows = groups.window_sizes
-    if windows and min(windows) < config.chunk_size:
-        logger.warning(
-            "kvtier: chunk_size %d is larger than this model's smallest sliding window (%d "
-            "tokens): a chunk that starts more than a window before the end of a hit or of a "
-            "prefill step is not stored (vLLM has freed its window blocks); a chunk_size of at "
-            "most the window stores every chunk",
-            config.chunk_size,
-            min(windows),
-        )
-
-    if not groups.hybrid:
-        return
-    if config.use_layerwise:
-        raise ConfigError(
-            "use_layerwise",
-            True,
-            f"is not supported for a hybrid model (KV cache groups {kinds}): each KV tensor "
-            "holds a layer of every group, so no layer's pages are complete before the last "
-            "group's layer has run",
-        )
-    if not config.load_async:
-        raise ConfigError(
-            "load_async",
-            False,
-            f"must be true for a hybrid model (KV cache groups {kinds}): vLLM takes a failed "
-            "load of a model with several KV cache groups only from an asynchronous load",
-        )
 
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):

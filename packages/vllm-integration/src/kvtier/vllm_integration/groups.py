@@ -19,6 +19,7 @@ puts its null block (id 0) in their place; ``null_to_slot`` makes those "no slot
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,10 +27,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvtier.core.errors import LayoutError
+from kvtier.core.config import KVTierConfig
+from kvtier.core.errors import ConfigError, LayoutError
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger("kvtier")
 
 #: vLLM's null block: what a window group's block table holds where a block was freed.
 NULL_BLOCK = 0
@@ -174,3 +178,47 @@ def null_to_slot(slots: np.ndarray, block_ids: Sequence[int], block_size: int) -
     null = (slots >= 0) & (slots // block_size == NULL_BLOCK)
     slots[null] = -1
     return slots
+
+
+def check_hybrid(config: KVTierConfig, groups: CacheGroups) -> None:
+    """What a model with sliding-window layers (a hybrid model's several KV cache groups, or
+    one window group, ``groups.py``) cannot run with: a ``ConfigError`` naming the field."""
+    if not groups.tracked:
+        return
+    kinds = ", ".join(groups.kinds) or "one sliding-window group"
+    if config.offload == "lazy":
+        raise ConfigError(
+            "offload",
+            config.offload,
+            f"is not supported for a model with sliding-window layers (KV cache groups "
+            f"{kinds}): vLLM frees their blocks while a request runs, before a lazy save "
+            "could copy them; use offload=eager",
+        )
+    windows = groups.window_sizes
+    if windows and min(windows) < config.chunk_size:
+        logger.warning(
+            "kvtier: chunk_size %d is larger than this model's smallest sliding window (%d "
+            "tokens): a chunk that starts more than a window before the end of a hit or of a "
+            "prefill step is not stored (vLLM has freed its window blocks); a chunk_size of at "
+            "most the window stores every chunk",
+            config.chunk_size,
+            min(windows),
+        )
+
+    if not groups.hybrid:
+        return
+    if config.use_layerwise:
+        raise ConfigError(
+            "use_layerwise",
+            True,
+            f"is not supported for a hybrid model (KV cache groups {kinds}): each KV tensor "
+            "holds a layer of every group, so no layer's pages are complete before the last "
+            "group's layer has run",
+        )
+    if not config.load_async:
+        raise ConfigError(
+            "load_async",
+            False,
+            f"must be true for a hybrid model (KV cache groups {kinds}): vLLM takes a failed "
+            "load of a model with several KV cache groups only from an asynchronous load",
+        )

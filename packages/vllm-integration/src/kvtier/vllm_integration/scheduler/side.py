@@ -57,6 +57,7 @@ from kvtier.vllm_integration.scheduler.lookups import (
 from kvtier.vllm_integration.scheduler.outputs import StepOutputs
 from kvtier.vllm_integration.scheduler.prompts import PromptHashes, Sightings
 from kvtier.vllm_integration.scheduler.save_plan import SavePlanner
+from kvtier.vllm_integration.scheduler.steps import track_blocks
 from kvtier.vllm_integration.scheduler.verify import VerifySampling
 from kvtier.vllm_integration.stats import KVTierStats, StatsTracker, StepTimer
 
@@ -302,44 +303,10 @@ class SchedulerSide:
             unheld=self.frees.take_unheld(),
         )
         self._async_loads = []
-        for rid in meta.preempted:
-            state = self._reqs.get(rid)
-            if state is not None:
-                # Its KV is gone; what was saved stays saved, the rest is saved again on resume.
-                state.block_ids = []
-                state.prompt_saved = False
-                state.saved_upto = 0
-        for new in scheduler_output.scheduled_new_reqs:
-            state = self._reqs.get(new.req_id)
-            if state is None:
-                continue
-            state.block_ids = list(new.block_ids[self._primary])
-            self.hybrid.refresh(new.req_id, state)
-            if state.verify is not None:  # what vLLM's prefix cache gave it is not recomputed
-                state.verify.start = max(state.verify.start, new.num_computed_tokens)
-            self._schedule(
-                meta,
-                new.req_id,
-                new.num_computed_tokens,
-                scheduler_output.num_scheduled_tokens.get(new.req_id, 0),
-            )
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            state = self._reqs.get(rid)
-            if state is None:
-                continue
-            new_blocks = cached.new_block_ids[i]
-            if rid in cached.resumed_req_ids:
-                state.block_ids = list(new_blocks[self._primary]) if new_blocks is not None else []
-            elif new_blocks is not None:
-                state.block_ids.extend(new_blocks[self._primary])
-            self.hybrid.refresh(rid, state)
-            self._schedule(
-                meta,
-                rid,
-                cached.num_computed_tokens[i],
-                scheduler_output.num_scheduled_tokens.get(rid, 0),
-            )
+        for rid, computed, scheduled in track_blocks(
+            scheduler_output, self._reqs, self._primary, self.hybrid
+        ):
+            self._schedule(meta, rid, computed, scheduled)
         if self.lazy is not None:
             for spec, state in self.lazy.due():
                 if state.generation == self.generation:
