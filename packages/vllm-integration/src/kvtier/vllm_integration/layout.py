@@ -241,7 +241,9 @@ def register(
             raise LayoutError(
                 f"the {kind} group's pages ({other}) differ from the "
                 f"{groups.kinds[groups.primary]} group's ({spec}); kvtier stores hybrid models "
-                "whose groups share one page geometry"
+                "whose groups share one page geometry (block size, heads, head size; Gemma 4's "
+                "window and full layers differ in both). Serve this model without kvtier, or "
+                "with vLLM's OffloadingConnector"
             )
     reps, position = shared_views(kv_cache_config, kv_caches, groups.primary)
     reg = page_layout(
