@@ -160,6 +160,18 @@ def tests_cpu(session: nox.Session) -> None:
     _run_tests(session, ("tests",), {"TRITON_INTERPRET": "1", "KVTIER_TEST_DEVICE": "cpu"})
 
 
+@nox.session(name="tests-avx2", python=PYTHON)
+def tests_avx2(session: nox.Session) -> None:
+    """The CPU suite with torch and vLLM CPU behaving as on an AVX2-only host
+    (``tests/isa/avx2/sitecustomize.py``): vLLM's AVX2 kernels, ``vec`` attention, oneDNN and
+    ATen limited to AVX2. Not in CI (it doubles the run); for changes to numerics or vLLM paths."""
+    _ensure_redis_server(session)
+    _install(session, tuple(MEMBERS), vllm=True, extra=(*TEST_DEPS, *TOOL_DEPS, "triton"))
+    site = str(Path(__file__).resolve().parent / "tests" / "isa" / "avx2")
+    env = {"TRITON_INTERPRET": "1", "KVTIER_TEST_DEVICE": "cpu", "PYTHONPATH": site}
+    _run_tests(session, ("tests",), env)
+
+
 def _why_no_cpu_torch(session: nox.Session) -> str | None:
     """Why ``TORCH`` cannot be installed as a CPU build in this session's venv, or None if it can.
 
