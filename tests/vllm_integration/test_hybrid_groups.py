@@ -218,7 +218,8 @@ def test_kv_events_of_a_hybrid_model_name_every_group() -> None:
 
 def test_a_chunk_larger_than_the_window_is_warned_about(caplog) -> None:
     """Chunks larger than the smallest window lose chunks to freed window blocks: said at
-    start, naming both sizes; a chunk within the window is not warned about."""
+    start (once, by the scheduler side), naming both sizes; a chunk within the window is not
+    warned about."""
     groups = cache_groups(config(sliding(64), full()))
     with caplog.at_level("WARNING", logger="kvtier"):
         check_hybrid(load_config(env={}, overrides={"chunk_size": 256}), groups)
@@ -226,3 +227,5 @@ def test_a_chunk_larger_than_the_window_is_warned_about(caplog) -> None:
         caplog.clear()
         check_hybrid(load_config(env={}, overrides={"chunk_size": 64}), groups)
         assert caplog.text == ""
+        check_hybrid(load_config(env={}, overrides={"chunk_size": 256}), groups, warn=False)
+        assert caplog.text == ""  # a worker's connector: the scheduler's has said it

@@ -104,7 +104,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 "about to evict); turn prefix caching on or use offload=eager",
             )
         self.groups = cache_groups(kv_cache_config)
-        check_hybrid(self.config, self.groups)
+        check_hybrid(self.config, self.groups, warn=role == KVConnectorRole.SCHEDULER)
         engine_id = str(self._kv_transfer_config.engine_id)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

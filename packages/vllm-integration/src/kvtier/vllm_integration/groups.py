@@ -180,9 +180,11 @@ def null_to_slot(slots: np.ndarray, block_ids: Sequence[int], block_size: int) -
     return slots
 
 
-def check_hybrid(config: KVTierConfig, groups: CacheGroups) -> None:
+def check_hybrid(config: KVTierConfig, groups: CacheGroups, *, warn: bool = True) -> None:
     """What a model with sliding-window layers (a hybrid model's several KV cache groups, or
-    one window group, ``groups.py``) cannot run with: a ``ConfigError`` naming the field."""
+    one window group, ``groups.py``) cannot run with: a ``ConfigError`` naming the field.
+    ``warn``: also log what it runs with but loses (the scheduler side's connector warns; the
+    workers' would repeat it)."""
     if not groups.tracked:
         return
     kinds = ", ".join(groups.kinds) or "one sliding-window group"
@@ -195,7 +197,7 @@ def check_hybrid(config: KVTierConfig, groups: CacheGroups) -> None:
             "could copy them; use offload=eager",
         )
     windows = groups.window_sizes
-    if windows and min(windows) < config.chunk_size:
+    if warn and windows and min(windows) < config.chunk_size:
         logger.warning(
             "kvtier: chunk_size %d is larger than this model's smallest sliding window (%d "
             "tokens): a chunk that starts more than a window before the end of a hit or of a "
