@@ -168,7 +168,8 @@ def tests_avx2(session: nox.Session) -> None:
     _ensure_redis_server(session)
     _install(session, tuple(MEMBERS), vllm=True, extra=(*TEST_DEPS, *TOOL_DEPS, "triton"))
     site = str(Path(__file__).resolve().parent / "tests" / "isa" / "avx2")
-    env = {"TRITON_INTERPRET": "1", "KVTIER_TEST_DEVICE": "cpu", "PYTHONPATH": site}
+    path = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH", "")) if p)
+    env = {"TRITON_INTERPRET": "1", "KVTIER_TEST_DEVICE": "cpu", "PYTHONPATH": path}
     _run_tests(session, ("tests",), env)
 
 

@@ -6,7 +6,7 @@ spawned or forked) imports it at start. It
 
 - limits oneDNN and ATen's CPU dispatch to AVX2 code (``ONEDNN_MAX_CPU_ISA``,
   ``ATEN_CPU_CAPABILITY``);
-- makes ``torch.cpu._is_avx512_supported`` and its AVX-512 bf16 / VNNI and AMX siblings answer
+- makes ``torch.cpu._is_avx512_supported`` and its AVX-512 bf16, VNNI and AMX siblings answer
   False, patched right after ``torch.cpu`` is imported: vLLM CPU then loads its ``_C_AVX2``
   kernels (``CpuPlatform.import_kernels``), picks the ``vec``/``vec16`` attention ISA and skips
   its AVX-512-only paths, as on an AVX2 host;
@@ -24,17 +24,19 @@ import os
 import sys
 import tempfile
 
-os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
-os.environ.setdefault("DNNL_MAX_CPU_ISA", "AVX2")
-os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
-os.environ.setdefault(
-    "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "torchinductor-avx2-emulation")
+# Set outright: an outer value (a CI's shared compile cache, a wider ISA) would undo the emulation.
+os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"
+os.environ["DNNL_MAX_CPU_ISA"] = "AVX2"
+os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+    tempfile.gettempdir(), "torchinductor-avx2-emulation"
 )
 
+# Every one must exist: a torch that renamed one would quietly run part of the suite unemulated.
 _ABSENT = (
     "_is_avx512_supported",
     "_is_avx512_bf16_supported",
-    "_is_avx512_vnni_supported",
+    "_is_vnni_supported",  # AVX-512 VNNI
     "_is_amx_tile_supported",
     "_is_amx_fp16_supported",
 )
@@ -53,9 +55,11 @@ class _PatchingLoader(importlib.abc.Loader):
 
     def exec_module(self, module) -> None:  # type: ignore[no-untyped-def]
         self._inner.exec_module(module)
+        missing = [name for name in (*_ABSENT, "_init_amx") if not hasattr(module, name)]
+        if missing:
+            raise ImportError(f"AVX2 emulation: torch.cpu has no {missing}; update the list")
         for name in (*_ABSENT, "_init_amx"):
-            if hasattr(module, name):
-                setattr(module, name, _no)
+            setattr(module, name, _no)
         module.avx2_emulated = True
 
 

@@ -237,13 +237,18 @@ def register(
     specs = [group_spec(kv_cache_config, g.layer_names) for g in kv_cache_config.kv_cache_groups]
     spec = specs[groups.primary]
     for kind, other in zip(groups.kinds, specs, strict=True):
-        if dataclasses.replace(other, kind=spec.kind) != spec:
+        differ = [
+            f.name
+            for f in dataclasses.fields(spec)
+            if f.name != "kind" and getattr(other, f.name) != getattr(spec, f.name)
+        ]
+        if differ:
             raise LayoutError(
                 f"the {kind} group's pages ({other}) differ from the "
-                f"{groups.kinds[groups.primary]} group's ({spec}); kvtier stores hybrid models "
-                "whose groups share one page geometry (block size, heads, head size; Gemma 4's "
-                "window and full layers differ in both). Serve this model without kvtier, or "
-                "with vLLM's OffloadingConnector"
+                f"{groups.kinds[groups.primary]} group's ({spec}) in {', '.join(differ)}; "
+                "kvtier stores hybrid models whose groups share one page geometry (Gemma 4's "
+                "window and full layers differ in head size, so vLLM gives them different "
+                "block sizes). Serve this model without kvtier"
             )
     reps, position = shared_views(kv_cache_config, kv_caches, groups.primary)
     reg = page_layout(
