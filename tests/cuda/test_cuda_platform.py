@@ -137,8 +137,9 @@ def test_the_cache_engine_runs_on_the_cuda_platform(device, staging, layerwise):
         perm[n // layout.block_size : 2 * n // layout.block_size],
     )
 
-    def slots(blocks: torch.Tensor) -> torch.Tensor:
-        return (blocks[:, None] * layout.block_size + torch.arange(layout.block_size)).reshape(-1)
+    def slots(blocks: torch.Tensor) -> torch.Tensor:  # on the device, as vLLM's are
+        rows = blocks[:, None] * layout.block_size + torch.arange(layout.block_size)
+        return rows.reshape(-1).to(device)
 
     tokens = list(range(1000, 1000 + n))
     if layerwise:
@@ -402,8 +403,9 @@ def _engine_while_growing(platform: Any, device: torch.device, layerwise: bool) 
     per = n // layout.block_size
     perm = torch.randperm(BLOCKS, generator=torch.Generator().manual_seed(12))
 
-    def slots(blocks: torch.Tensor) -> torch.Tensor:
-        return (blocks[:, None] * layout.block_size + torch.arange(layout.block_size)).reshape(-1)
+    def slots(blocks: torch.Tensor) -> torch.Tensor:  # on the device, as vLLM's are
+        rows = blocks[:, None] * layout.block_size + torch.arange(layout.block_size)
+        return rows.reshape(-1).to(device)
 
     def round_trip(i: int) -> None:
         src = perm[(2 * i) * per : (2 * i + 1) * per]

@@ -22,20 +22,21 @@ def checked_slots(
     """``slot_mapping`` as a long tensor, checked: integers, one per token (``groups`` rows of
     them for a hybrid engine), each -1 or a slot below ``num_slots`` (when known)
     (``ValueError`` naming the bad entry otherwise)."""
-    if isinstance(slot_mapping, torch.Tensor):
+    if isinstance(slot_mapping, torch.Tensor):  # on any device: kept there
         bad_dtype = (
             slot_mapping.is_floating_point()
             or slot_mapping.is_complex()
             or slot_mapping.dtype == torch.bool
         )
         dtype_name = str(slot_mapping.dtype)
-    else:
-        kind = np.asarray(slot_mapping).dtype
-        bad_dtype = np.asarray(slot_mapping).size > 0 and kind.kind not in "iu"
-        dtype_name = str(kind)
+        given: torch.Tensor | np.ndarray = slot_mapping
+    else:  # a list, a numpy array, or rows of either: one array
+        given = np.asarray(slot_mapping)
+        bad_dtype = given.size > 0 and given.dtype.kind not in "iu"
+        dtype_name = str(given.dtype)
     if bad_dtype:
         raise ValueError(f"slot_mapping must hold integers, got {dtype_name}")
-    slots = torch.as_tensor(np.asarray(slot_mapping), dtype=torch.long)
+    slots = torch.as_tensor(given, dtype=torch.long)
     want = (n_tokens,) if groups == 1 else (groups, n_tokens)
     if tuple(slots.shape) != want:
         per = "one entry per token" if groups == 1 else f"one row per KV cache group ({groups})"
