@@ -84,9 +84,10 @@ class WorkerLoads:
         have no slot in any group (vLLM's null block: a window group's blocks before a hit's
         window) are not asked for."""
         asked = written(slots)[spec.start : spec.end]
+        requested = int(asked.sum())
         want = mask[spec.start : spec.end] | ~asked
         loaded = int((want & asked).sum())
-        self._count(load_requests=1, load_tokens_requested=int(asked.sum()), loaded_tokens=loaded)
+        self._count(load_requests=1, load_tokens_requested=requested, loaded_tokens=loaded)
         logger.debug(
             "kvtier: request %s: loaded %d of tokens %d-%d",
             spec.req_id,
@@ -105,8 +106,8 @@ class WorkerLoads:
             "reported failed to vLLM (its kv_load_failure_policy recomputes them or "
             "fails the request)",
             spec.req_id,
-            int(asked.sum()) - loaded,
-            int(asked.sum()),
+            requested - loaded,
+            requested,
             len(blocks),
         )
         self._count(load_failed_blocks=len(blocks))
