@@ -74,7 +74,11 @@ class EventLog:
         KV cache group (``CacheGroups.event_specs``), empty for one group."""
         self.block_size = block_size
         self.enabled = enabled
-        self.groups = list(groups)
+        # The group fields of each chunk's events: one event per group, or one without them.
+        self._group_fields: list[dict[str, Any]] = [
+            {"group_idx": i, "kv_cache_spec_kind": kind, "kv_cache_spec_sliding_window": window}
+            for i, (kind, window) in enumerate(groups)
+        ] or [{}]
         self._digest = digest
         self._chunks: OrderedDict[str, _Chunk] = OrderedDict()  # rank-0 key digest -> chunk
         self._unnamed: list[tuple[bytes, Scope, _Chunk]] = []  # expected before rank 0 reported
@@ -126,7 +130,7 @@ class EventLog:
             if c is None or medium in c.media:
                 continue
             c.media.add(medium)
-            for group in self._group_fields():
+            for group in self._group_fields:
                 self._events.append(
                     BlockStored(
                         block_hashes=c.block_hashes,
@@ -141,13 +145,6 @@ class EventLog:
                     )
                 )
 
-    def _group_fields(self) -> list[dict[str, Any]]:
-        """The group fields of one event per group (one event without them for one group)."""
-        return [
-            {"group_idx": i, "kv_cache_spec_kind": kind, "kv_cache_spec_sliding_window": window}
-            for i, (kind, window) in enumerate(self.groups)
-        ] or [{}]
-
     def removed(self, tier: str, digests: Iterable[str]) -> None:
         """Rank 0 reports these chunks gone from ``tier``."""
         medium = medium_of(tier)
@@ -156,7 +153,7 @@ class EventLog:
             if c is None or medium not in c.media:
                 continue
             c.media.discard(medium)
-            for group in self._group_fields():
+            for group in self._group_fields:
                 self._events.append(
                     BlockRemoved(
                         block_hashes=c.block_hashes,
