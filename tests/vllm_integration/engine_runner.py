@@ -19,7 +19,8 @@ literally that. The spec:
   ``llm.apply_model``, as a weight update would);
   ``{"op": "corrupt", "prompt": [...], "salt": ...}`` (in-process only) -> once the worker's
   saves have landed, overwrite every stored chunk of the prompt with zeros through the storage
-  manager's public API (``"group": g``: only a hybrid model's group ``g``'s pages).
+  manager's public API (``"group": g``: only a hybrid model's group ``g``'s pages;
+  ``"states": true``: a Mamba hybrid's state entries instead).
 - ``"tp": 2`` runs tensor parallelism 2 (worker processes; threads bound one core per rank);
   ``{"op": "stats", "rank": r}`` and ``{"op": "flush", "rank": r}`` address one rank;
   ``{"op": "corrupt_rank", "rank": r, "prompt": [...], "salt": ...}`` zeroes rank ``r``'s stored
@@ -625,7 +626,12 @@ def main(spec_path: str, out_path: str) -> None:
         elif op == "corrupt":
             # The prompt's saves land first: one still copying would overwrite the zeros.
             flush_worker(engine_id, 0)
-            results.append(_corrupt(step["prompt"], step.get("salt"), step.get("group")))
+            if step.get("states"):  # a Mamba hybrid's state entries instead of its chunks
+                from kvtier.bench.workload import zero_stored_states
+
+                results.append(zero_stored_states(step["prompt"], step.get("salt")))
+            else:
+                results.append(_corrupt(step["prompt"], step.get("salt"), step.get("group")))
         elif op == "chunk_digests":  # in-process only
             flush_worker(engine_id, 0)
             results.append(_chunk_digests(step["prompt"], step.get("salt")))

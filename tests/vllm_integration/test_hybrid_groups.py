@@ -81,24 +81,110 @@ def test_sliding_and_full_groups_are_taken_with_the_full_one_primary() -> None:
     assert groups.primary == 1 and groups.windows == (0,)
 
 
-@pytest.mark.parametrize(
-    "specs, layers",
-    [
-        ((sliding(64), sliding(128)), 2),  # no full-attention group
-        ((sliding(), "mamba"), 2),  # a recurrent state
-    ],
-    ids=["windows-only", "mamba"],
-)
-def test_groups_kvtier_cannot_store_are_named(specs, layers) -> None:
+def mamba(mode: str = "align", **kw):
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    specs = tuple(
-        MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.float32,)) if s == "mamba" else s
-        for s in specs
+    return MambaSpec(
+        block_size=32, shapes=((4, 8),), dtypes=(torch.float32,), mamba_cache_mode=mode, **kw
     )
+
+
+def test_groups_kvtier_cannot_store_are_named() -> None:
     with pytest.raises(LayoutError, match="KV cache groups") as exc:
-        cache_groups(config(*specs, layers=layers))
-    assert "full-attention and sliding-window" in str(exc.value)
+        cache_groups(config(sliding(64), sliding(128)))  # no full-attention group
+    assert "full-attention, sliding-window attention or Mamba" in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "specs, why",
+    [
+        ((mamba("none"), full()), "mamba_cache_mode is 'none'"),
+        ((mamba(num_speculative_blocks=1), full()), "speculative decoding"),
+        ((mamba(), sliding(), full()), "sliding-window layers or several attention groups"),
+    ],
+    ids=["prefix-caching-off", "speculative", "mamba-and-window"],
+)
+def test_mamba_groups_kvtier_cannot_store_are_named(specs, why) -> None:
+    with pytest.raises(LayoutError, match="cannot store its Mamba groups") as exc:
+        cache_groups(config(*specs))
+    assert why in str(exc.value) and "without kvtier" in str(exc.value)
+
+
+def test_an_align_mamba_group_beside_full_attention_is_taken_as_states() -> None:
+    groups = cache_groups(config(mamba(), full()))
+    assert groups.kinds == ("MambaSpec/mamba2/4x8:float32", "FullAttentionSpec")
+    assert groups.mambas == (0,) and groups.rows == (1,) and groups.primary == 1
+    assert groups.tracked and groups.hybrid and not groups.windows
+
+
+@pytest.mark.parametrize("field, value", [("offload", "lazy"), ("lookup", "index")])
+def test_a_mamba_hybrid_refuses_what_it_cannot_run_by_name(field, value) -> None:
+    cfg = load_config(env={}, overrides={field: value, "load_async": True})
+    with pytest.raises(ConfigError, match=field) as exc:
+        check_hybrid(cfg, cache_groups(config(mamba(), full())))
+    assert "Mamba" in str(exc.value)
+
+
+def _offers(offers: dict) -> SimpleNamespace:
+    return SimpleNamespace(kv_connector_block_state=SimpleNamespace(boundary_state_offloads=offers))
+
+
+def test_offered_states_are_saved_at_chunk_boundaries_by_the_offered_block() -> None:
+    """vLLM's offers name ``(group, block, boundary)``; kvtier keeps those at full-chunk
+    boundaries within the prompt where every Mamba group offered a block."""
+    hybrid = HybridBlocks(cache_groups(config(mamba(), mamba(), full())), 32)
+    hybrid.take_offers(_offers({
+        "r": [(0, 7, 64), (1, 8, 64), (0, 9, 96), (1, 10, 96), (0, 11, 128), (1, 12, 128),
+              (0, 13, 192)],
+        "s": [(0, 3, 64), (1, 4, 64)],
+    }))  # fmt: skip
+    assert hybrid.states("r", 64, 1000) == [(64, [7, 8]), (128, [11, 12])]  # 96: not a chunk
+    assert hybrid.states("r", 64, 127) == [(64, [7, 8])]  # 128 is past the prompt
+    assert hybrid.states("s", 32, 1000) == [(64, [3, 4])]
+    assert hybrid.states("t", 32, 1000) == []
+    hybrid.take_offers(_offers({}))  # a step's offers are that step's only
+    assert hybrid.states("r", 64, 1000) == []
+
+
+def test_a_load_names_the_block_vllm_gave_for_the_state_at_its_end() -> None:
+    from kvtier.vllm_integration.messages import LoadSpec
+
+    hybrid = HybridBlocks(cache_groups(config(mamba(), full())), 32)
+    load = LoadSpec("r", np.zeros(100, dtype=np.int64), [20, 21, 22], 0, 64, None)
+    hybrid.attach(load, [[0, 14, 16], [20, 21, 22, 23]])
+    assert load.groups == [[20, 21, 22]] and load.states == [14]  # index 64 / 32 - 1
+    short = LoadSpec("r", np.zeros(100, dtype=np.int64), [20, 21], 0, 32, None)
+    hybrid.attach(short, [[0, 14, 16], [20, 21, 22, 23]])
+    assert short.states is None  # vLLM's null block: no state block given, nothing loads
+
+
+def test_an_offered_state_block_reused_or_written_before_its_copy_drains_the_workers() -> None:
+    """Step 1 saves the state offered in block 7; step 2 hands 7 to another request before a
+    worker reported step 1 copied: a drain. A state block a scheduled request writes in place
+    (its running state, the last Mamba block) counts as written too."""
+    hybrid = HybridBlocks(cache_groups(config(mamba(), full())), 32)
+    save = SaveSpec("r", np.zeros(64, dtype=np.int64), [1, 2], 0, None, [[1, 2]], [(64, [7])])
+    step1 = KVTierMetadata(step=1, saves=[save])
+    hybrid.take_offers(_offers({}))
+    hybrid.fence(step1, _output(), copied_through=0)
+    assert not step1.drain_saves
+    step2 = KVTierMetadata(step=2)
+    hybrid.take_offers(_offers({}))
+    hybrid.fence(step2, _output(new=[([7], [30])]), copied_through=0)
+    assert step2.drain_saves
+    step3 = KVTierMetadata(step=3, saves=[save])
+    hybrid.take_offers(_offers({}))
+    hybrid.fence(step3, _output(), copied_through=2)
+    manager = SimpleNamespace(get_block_ids=lambda rid: ([0, 7], [1, 2]))
+    hybrid.bind(manager)  # type: ignore[arg-type]
+    step4 = KVTierMetadata(step=4)
+    hybrid.take_offers(_offers({}))
+    from kvtier.vllm_integration.scheduler.lookups import RequestState
+
+    state = RequestState(SimpleNamespace(), None, np.zeros(4, dtype=np.int64), None)  # type: ignore[arg-type]
+    hybrid.refresh("r", state)  # its running state is block 7
+    hybrid.fence(step4, _output(), copied_through=2)
+    assert step4.drain_saves and hybrid.drains == 2
 
 
 def test_groups_of_unequal_layer_counts_are_named() -> None:

@@ -1,9 +1,10 @@
 """Models kvtier cannot serve yet are a named startup error, never a shape error deep in vLLM:
-a model with a recurrent state (Mamba, Gated DeltaNet) configured with kvtier stops when vLLM
-builds its config, naming the model and why (docs/hybrid.md). Plain attention models and
-sliding-window hybrids (served with vLLM's hybrid memory allocator on: test_e2e_hybrid.py)
-start; a hybrid whose groups differ in page geometry (Gemma 4: head 512 in full layers, 64 in
-window layers) stops at start with kvtier's named error."""
+a model with a recurrent state and no attention (pure Mamba) configured with kvtier stops when
+vLLM builds its config, naming the model and why (docs/hybrid.md); an attention + Mamba hybrid
+starts (test_e2e_mamba.py) unless vLLM keeps no state it can take a hit into (prefix caching
+off). Plain attention models and sliding-window hybrids (served with vLLM's hybrid memory
+allocator on: test_e2e_hybrid.py) start; a hybrid whose groups differ in page geometry (Gemma 4:
+head 512 in full layers, 64 in window layers) stops at start with kvtier's named error."""
 
 from __future__ import annotations
 
@@ -75,20 +76,31 @@ MULTI = {
 
 
 @pytest.mark.parametrize("ktc", [KVTIER, MULTI], ids=["kvtier", "multiconnector-child"])
-def test_a_gated_deltanet_hybrid_with_kvtier_is_a_named_startup_error(
-    ktc, tmp_path, vllm_model_dir
-) -> None:
+def test_a_gated_deltanet_hybrid_with_kvtier_builds(ktc, tmp_path, vllm_model_dir) -> None:
+    """An attention + Gated DeltaNet hybrid passes vLLM's config with kvtier (its states are
+    stored as state entries: test_e2e_mamba.py), alone or as a MultiConnector child."""
     model = config_dir(tmp_path, vllm_model_dir, qwen3_next())
-    with pytest.raises(ValueError) as exc:  # pydantic wraps the ConfigError of __post_init__
-        build(model, ktc)
-    text = str(exc.value)
-    assert "Qwen3NextForCausalLM" in text and "recurrent state" in text and "is_hybrid" in text
-    assert "docs/hybrid.md" in text and "without kvtier" in text
+    assert build(model, ktc).model_config.is_hybrid
 
 
 def test_without_kvtier_vllm_takes_the_same_model(tmp_path, vllm_model_dir) -> None:
     model = config_dir(tmp_path, vllm_model_dir, qwen3_next())
     assert build(model, EXAMPLE).model_config.is_hybrid
+
+
+def test_a_mamba_hybrid_without_prefix_caching_is_a_named_startup_error(
+    run_engine, mamba_model_dir
+) -> None:
+    """Without prefix caching vLLM keeps no Mamba state it could take a hit into
+    (``mamba_cache_mode`` "none"): the engine stops at start with kvtier's error naming the
+    groups, the mode and what to do, never a shape error."""
+    kvtier = {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.25}
+    with pytest.raises(AssertionError) as exc:
+        run_engine({"model": str(mamba_model_dir), "prefix_caching": False, "kvtier": kvtier,
+                    "steps": [{"op": "generate", "prompt": list(range(10, 80))}]})  # fmt: skip
+    text = str(exc.value)
+    assert "LayoutError" in text and "mamba_cache_mode is 'none'" in text
+    assert "MambaSpec" in text and "without kvtier" in text
 
 
 @pytest.mark.parametrize("make", [gemma3, None], ids=["sliding-window hybrid", "llama"])
@@ -107,7 +119,10 @@ def test_the_check_reads_vllms_model_flags() -> None:
         is_hybrid=False, has_inner_state=True, is_attention_free=True, model="m",
         architectures=["MambaForCausalLM"],
     )  # fmt: skip
-    assert "has_inner_state, is_attention_free" in recurrent_state_conflict(ktc, mamba)
+    text = recurrent_state_conflict(ktc, mamba)
+    assert "has_inner_state, is_attention_free" in text and "without kvtier" in text
+    hybrid = SimpleNamespace(**{**vars(mamba), "is_hybrid": True, "is_attention_free": False})
+    assert recurrent_state_conflict(ktc, hybrid) is None  # attention + Mamba: stored
     other = SimpleNamespace(**{**vars(ktc), "kv_connector": "ExampleConnector"})
     assert recurrent_state_conflict(other, mamba) is None
 

@@ -6,8 +6,11 @@ the output depends clearly on the context: loading the wrong KV changes the gene
 
 ``architecture="gemma3"`` builds a Gemma 3 text model instead, its layers alternating
 sliding-window (``sliding_window`` tokens) and full attention: a hybrid model that vLLM serves
-with two KV cache groups; ``"gemma3-sliding"``: every layer sliding window (one group). Untied embeddings keep its greedy output context-sensitive (with tied
-ones the last token's embedding dominates and it repeats one token).
+with two KV cache groups; ``"gemma3-sliding"``: every layer sliding window (one group);
+``"qwen3-next"``: Gated DeltaNet (linear attention, a recurrent state) and full attention
+layers alternating, which vLLM serves with a Mamba group in "align" mode. Untied embeddings
+keep the greedy output context-sensitive (with tied ones the last token's embedding dominates
+and it repeats one token).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ class ModelSpec:
     max_position_embeddings: int = 4096
     init_range: float = 0.2
     seed: int = 0
-    architecture: str = "llama"  # or "gemma3", "gemma3-sliding" (module docstring)
+    architecture: str = "llama"  # or "gemma3", "gemma3-sliding", "qwen3-next" (module doc)
     sliding_window: int = 64  # gemma3 only
 
     @property
@@ -145,7 +148,30 @@ def _model(spec: ModelSpec) -> Any:
             query_pre_attn_scalar=spec.head_size,
         )
         return Gemma3ForCausalLM(config)
+    if spec.architecture == "qwen3-next":
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        # Gated DeltaNet and full attention alternating; the linear-attention head dims are
+        # 128 (what vLLM CPU's kernels take); a small mixture of experts.
+        qwen = Qwen3NextConfig(
+            **common,
+            pad_token_id=2,
+            layer_types=["linear_attention", "full_attention"] * (spec.num_layers // 2),
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            moe_intermediate_size=128,
+            shared_expert_intermediate_size=128,
+        )
+        qwen.architectures = ["Qwen3NextForCausalLM"]
+        return Qwen3NextForCausalLM(qwen)
     raise ValueError(
-        "ModelSpec.architecture must be 'llama', 'gemma3' or 'gemma3-sliding', "
+        "ModelSpec.architecture must be 'llama', 'gemma3', 'gemma3-sliding' or 'qwen3-next', "
         f"got {spec.architecture!r}"
     )

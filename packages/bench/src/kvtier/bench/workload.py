@@ -180,6 +180,29 @@ class Engine:
         del self.llm
 
 
+def zero_stored_states(tokens: list[int], salt: str | None = None) -> int:
+    """In a vLLM process that runs kvtier's worker side for a Mamba hybrid: put zeros under
+    every state entry kvtier stores for ``tokens`` (``kvtier.core.states``), so a later hit
+    loads a wrong recurrent state. Returns the entries overwritten."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    engine = get_kv_transfer_group().engine  # type: ignore[attr-defined]
+    assert engine is not None and engine.states is not None, "not a Mamba hybrid's engine"
+    prompt = engine.spans.prompt(tokens, salt)
+    n = 0
+    for i in range(len(prompt.full)):
+        key = engine.states.key(prompt, (i + 1) * engine.chunk_size)
+        if not engine.storage.contains([key])[0]:
+            continue
+        obj = engine.storage.allocate(engine.states.meta)
+        assert obj is not None, "no host memory for the zeros"
+        with obj:
+            obj.tensor.zero_()
+            engine.storage.put(key, obj)
+        n += 1
+    return n
+
+
 def zero_stored_chunks(tokens: list[int], salt: str | None = None, group: int | None = None) -> int:
     """In a vLLM process that runs kvtier's worker side: put zeros under every key kvtier stores
     ``tokens`` under (its chunks and tail blocks, through the storage manager's public API), so

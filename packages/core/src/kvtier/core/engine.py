@@ -50,6 +50,7 @@ from kvtier.core.prompt import PromptHashes
 from kvtier.core.slots import checked_slots, written
 from kvtier.core.sources import TierHits, chunk_sources
 from kvtier.core.spans import SpanPlanner
+from kvtier.core.states import StateEntries
 from kvtier.core.storage import StorageManager, create_storage_manager
 from kvtier.core.store_writer import AliasPlan, StorePlan, StoreWriter, release_all
 
@@ -99,6 +100,11 @@ class CacheEngine:
         self.stats = EngineStats()
         self._tier_hits = TierHits()
         self._writer = StoreWriter(storage, self.spans, layout, self.chunk_size, self.stats)
+        self.states = (
+            StateEntries(storage, self.keys, layout, self.chunk_size, self.stats)
+            if layout.states
+            else None
+        )
 
     # -- setup ---------------------------------------------------------------------------------
     def register_kv_caches(
@@ -137,8 +143,22 @@ class CacheEngine:
 
     def hit_spans(self, tokens: TokenIds, scope: Scope = None) -> list[ChunkSpan]:
         """The contiguous run of stored spans covering a prefix of ``tokens`` (full chunks, then
-        tail blocks or an alias into a stored chunk: ``kvtier.core.spans``)."""
-        return self.spans.hits(self.spans.prompt(tokens, scope))
+        tail blocks or an alias into a stored chunk: ``kvtier.core.spans``); with state groups,
+        cut to the longest one ending at a stored state (``kvtier.core.states``)."""
+        prompt = self.spans.prompt(tokens, scope)
+        hits, state = self._state_cut(prompt, self.spans.hits(prompt))
+        if state is not None:
+            state[1].release()
+        return hits
+
+    def _state_cut(
+        self, prompt: PromptHashes, hits: list[ChunkSpan]
+    ) -> tuple[list[ChunkSpan], tuple[int, MemoryObj] | None]:
+        """With state groups, ``hits`` cut to a stored state before the prompt's last token
+        (the engine computes at least one token to continue from it), and that state."""
+        if self.states is None:
+            return hits, None
+        return self.states.cut(prompt, hits, len(prompt.arr) - 1)
 
     def store_spans(self, tokens: TokenIds, scope: Scope = None) -> list[ChunkSpan]:
         """Spans ``store`` would save for ``tokens``: full chunks, then the tail block by block."""
@@ -174,15 +194,20 @@ class CacheEngine:
     def hold(self, tokens: TokenIds, scope: Scope = None) -> Hold:
         """Look ``tokens`` up and keep the hit prefix's objects in host memory (see ``Hold``)."""
         prompt = self.spans.prompt(tokens, scope)
-        hits = self.spans.hits(prompt)
+        hits, state = self._state_cut(prompt, self.spans.hits(prompt))
         sources = self.chunk_sources([s.key for s in hits])
         spans, objs = self._fetch_prefix(hits)
+        if state is not None and (not spans or spans[-1].end != state[0]):
+            state[1].release()  # a chunk went missing since: no hit without its state
+            release_all(objs)
+            spans, objs, state = [], [], None
         hold = Hold(
             spans,
             objs,
             prompt.digest(spans[-1].end if spans else 0),
             sources=sources[: len(spans)],
             pins=self._alias_pins(prompt, spans),
+            state=state,
         )
         self.stats.add(lookups=1, lookup_hit_tokens=hold.num_tokens)
         self._tier_hits.count(spans, hold.sources)
@@ -273,6 +298,7 @@ class CacheEngine:
         slot_mapping: torch.Tensor | Sequence[int],
         scope: Scope,
         hold: Hold | None,
+        state_blocks: Sequence[int] | None = None,
     ) -> tuple[list[Transfer], torch.Tensor]:
         prompt = self.spans.prompt(tokens, scope)
         cpu_slots = self._slots(slot_mapping, len(prompt.arr)).cpu()
@@ -285,10 +311,15 @@ class CacheEngine:
         else:
             spans, objs = held_objects(hold, prompt, wanted)
         try:
-            return load_transfers(spans, objs, cpu_slots, self.layout.block_size)
+            transfers, mask = load_transfers(spans, objs, cpu_slots, self.layout.block_size)
         except BaseException:
             release_all(objs)
             raise
+        if self.states is None or not transfers:
+            return transfers, mask
+        return self.states.with_state(
+            prompt, cpu_slots, transfers, mask, hold.state if hold else None, state_blocks
+        )
 
     def retrieve(
         self,
@@ -298,6 +329,7 @@ class CacheEngine:
         scope: Scope = None,
         hold: Hold | None = None,
         ready: Marker = None,
+        state_blocks: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Load the stored prefix of ``tokens`` into the slots that are not -1.
 
@@ -305,9 +337,12 @@ class CacheEngine:
         the caller's to release). Returns a bool mask (one per token) of the tokens whose KV was
         written into the cache. ``ready``: as for ``store`` (a load issued on another thread
         must not overwrite blocks that earlier device work on the compute stream still reads).
+        ``state_blocks``: with state groups (``KVLayout.states``), the cache block of each state
+        group that takes the state at the end of the loaded tokens; the whole load is skipped
+        (an all-False mask) when that state is not stored.
         """
         mover = self._require_mover()
-        transfers, mask = self._plan_retrieve(tokens, slot_mapping, scope, hold)
+        transfers, mask = self._plan_retrieve(tokens, slot_mapping, scope, hold, state_blocks)
         try:
             if transfers:
                 self.platform.wait_marker(ready)
@@ -340,6 +375,25 @@ class CacheEngine:
             self.stats.add(retrieved_tokens=int(mask.sum()))
 
         return RetrieveJob(mask, layers())
+
+    def store_state(
+        self,
+        tokens: TokenIds,
+        boundary: int,
+        blocks: Sequence[int],
+        *,
+        scope: Scope = None,
+        ready: Marker = None,
+        keep: Callable[[], bool] | None = None,
+    ) -> bool:
+        """Store the recurrent state after the first ``boundary`` tokens (a full-chunk boundary)
+        from ``blocks``, one cache block per state group (``kvtier.core.states``); whether a
+        new entry was stored. ``ready``, ``keep``: as for ``store``."""
+        if self.states is None:
+            raise KVTierError("store_state needs a layout with state groups (KVLayout.states)")
+        mover = self._require_mover()
+        prompt = self.spans.prompt(tokens, scope)
+        return self.states.store(prompt, boundary, blocks, mover, self.platform, ready, keep)
 
     def close(self) -> None:
         self.storage.close()

@@ -46,6 +46,8 @@ class EngineStats:
     retrieve_misses: int = 0
     store_abandoned_chunks: int = 0
     aliases_skipped: int = 0
+    stored_states: int = 0  # recurrent-state entries stored (``kvtier.core.states``)
+    state_misses: int = 0  # loads whose state entry was gone: nothing loaded
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **counts: int) -> None:
@@ -72,6 +74,7 @@ class Hold:
         digest: bytes,
         sources: list[str] | None = None,
         pins: list[MemoryObj] | None = None,
+        state: tuple[int, MemoryObj] | None = None,
     ) -> None:
         self.spans = spans
         self.objs = objs
@@ -79,6 +82,8 @@ class Hold:
         # Other entries kept in host memory while held (the held chunks' alias entries: a chunk
         # that survives eviction because it is held keeps its aliases too); never loaded.
         self.pins: list[MemoryObj] = list(pins) if pins is not None else []
+        # A state layout's state entry at the hit's end (``kvtier.core.states``): (end, object).
+        self.state = state
         # The tier each held chunk was found in (``CacheEngine.chunk_sources``), for metrics.
         self.sources: list[str] = list(sources) if sources is not None else []
         self._lock = threading.Lock()
@@ -99,6 +104,8 @@ class Hold:
             self._released = True
         for obj in self.objs + self.pins:
             obj.release()
+        if self.state is not None:
+            self.state[1].release()
 
     def __enter__(self) -> Hold:
         return self

@@ -30,6 +30,9 @@ DIGEST_SIZE = 16
 # or tail key can be one (theirs is bare hex), so a tier, the codec and ``kvtier ls`` can tell
 # an alias entry from KV by its key alone.
 ALIAS_PREFIX = "alias-"
+# A recurrent-state entry's chunk-hash field (``kvtier.core.states``): this prefix, then the hex
+# hash of the prefix the state ends.
+STATE_PREFIX = "state-"
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -192,6 +195,11 @@ class ChunkKey:
         """Whether this key names an alias entry (``kvtier.core.aliases``), not KV."""
         return self.chunk_hash.startswith(ALIAS_PREFIX)
 
+    @property
+    def is_state(self) -> bool:
+        """Whether this key names a recurrent-state entry (``kvtier.core.states``), not KV."""
+        return self.chunk_hash.startswith(STATE_PREFIX)
+
     def namespace(self) -> str:
         """Everything but the chunk hash: the prefix under which a tier keeps this engine's chunks."""
         return self.to_string().rsplit("@", 1)[0]
@@ -241,6 +249,11 @@ class KeyFactory:
     def alias_key(self, tail_hash: bytes, scope: Scope = None) -> ChunkKey:
         """The key of the alias entry for the tail hash ``tail_hash`` (see ``ALIAS_PREFIX``)."""
         return self._key(ALIAS_PREFIX + tail_hash.hex(), scope)
+
+    def state_key(self, chunk_hash: bytes, scope: Scope = None) -> ChunkKey:
+        """The key of the recurrent-state entry at the end of the prefix hashed ``chunk_hash``
+        (see ``STATE_PREFIX``)."""
+        return self._key(STATE_PREFIX + chunk_hash.hex(), scope)
 
     def digest(self, chunk_hash: bytes, scope: Scope = None, *, alias: bool = False) -> str:
         """``key(chunk_hash, scope).digest()`` (``alias_key``'s with ``alias``) without building

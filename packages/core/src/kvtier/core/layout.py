@@ -108,6 +108,10 @@ class KVLayout:
     - ``groups``: for a hybrid model, each KV cache group's kind in vLLM's group order (e.g.
       ``("SlidingWindowSpec/128", "FullAttentionSpec")``); empty for one group. The groups
       share the geometry above, and a chunk holds every group's pages (module docstring).
+    - ``states``: for a hybrid model with Mamba / linear-attention groups, each such group's
+      kind (its state's shapes and dtypes). Their blocks hold one recurrent state each, in the
+      same tensors; a chunk holds none of them, a state entry (``kvtier.core.states``) holds
+      one block of each: ``state_shape``.
     """
 
     num_layers: int
@@ -121,6 +125,7 @@ class KVLayout:
     interior: str = ""
     content_bytes: int = 0
     groups: tuple[str, ...] = ()
+    states: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_kv_heads", "head_size", "block_size"):
@@ -153,6 +158,12 @@ class KVLayout:
             )
         if any(not isinstance(g, str) or not g for g in groups):
             raise LayoutError(f"KVLayout.groups must hold non-empty strs, got {groups!r}")
+        if not isinstance(self.states, tuple) or any(
+            not isinstance(g, str) or not g for g in self.states
+        ):
+            raise LayoutError(
+                f"KVLayout.states must be a tuple of non-empty strs, got {self.states!r}"
+            )
         if self.use_mla and self.num_kv_heads != 1:
             raise LayoutError(
                 f"an MLA layout has one latent 'head', got num_kv_heads={self.num_kv_heads}"
@@ -195,11 +206,27 @@ class KVLayout:
         rows = num_tokens // self.block_size * self.num_groups
         return (rows, self.num_layers, self.page_bytes)
 
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        """A state entry in host memory: one block of each state group, ``[groups, layers,
+        page]``."""
+        if not self.states:
+            raise LayoutError("this layout has no state groups")
+        return (len(self.states), self.num_layers, self.page_bytes)
+
     def bytes_per_token(self) -> int:
         return self.num_groups * self.num_layers * self.page_bytes // self.block_size
 
     def chunk_nbytes(self, num_tokens: int) -> int:
         return self.bytes_per_token() * num_tokens
+
+    def max_entry_nbytes(self, chunk_size: int) -> int:
+        """The largest stored entry's bytes: a full chunk, or a state entry when larger."""
+        n = self.chunk_nbytes(chunk_size)
+        if self.states:
+            rows, layers, page = self.state_shape
+            n = max(n, rows * layers * page)
+        return n
 
     def expected_cache_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
         """The per-layer logical view vLLM hands over, in elements: ``[B, H, N, C]``."""
@@ -215,6 +242,8 @@ class KVLayout:
         fields["paged_layout"] = self.paged_layout.value
         if not self.groups:
             del fields["groups"]  # a one-group engine keeps the fingerprint it always had
+        if not self.states:
+            del fields["states"]
         blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.blake2b(blob, digest_size=8).hexdigest()
 
@@ -222,6 +251,8 @@ class KVLayout:
         """One line for logs and errors."""
         mla = " mla" if self.use_mla else ""
         groups = f", groups {' + '.join(self.groups)}" if self.groups else ""
+        if self.states:
+            groups += f", states {' + '.join(self.states)}"
         return (
             f"{self.paged_layout.value} {self.num_layers} layers x {self.page_bytes}-byte pages "
             f"(heads {self.num_kv_heads}, block {self.block_size}, {self.dtype}/"

@@ -37,6 +37,8 @@ SEALED = 0x1
 # The largest alias payload a reader accepts (a record is a few dozen bytes).
 MAX_ALIAS_PAYLOAD = 4096
 ALIAS_KIND = "alias"
+# A recurrent-state entry (``kvtier.core.states``): one block of each state group.
+STATE_KIND = "state"
 
 
 class PayloadError(ValueError):
@@ -102,7 +104,8 @@ def encode_header(
 ) -> bytes:
     """The header (prefix + meta) of the chunk ``meta`` stored under ``key``; with ``nonce`` and
     ``key_check``, the header of a sealed payload (see ``seal``)."""
-    known = None if nonce is not None or key.is_alias else _chunk_fields(layout, meta.num_tokens)
+    plain = nonce is None and not key.is_alias and not key.is_state
+    known = _chunk_fields(layout, meta.num_tokens) if plain else None
     if known is not None and known[1] == meta:
         body = _key_field(key) + known[0]  # the bytes json.dumps gives for the fields below
         return _finish_header(body, 0, meta.nbytes, align)
@@ -117,6 +120,10 @@ def encode_header(
         if meta.dtype != torch.uint8 or len(meta.shape) != 1 or meta.nbytes > MAX_ALIAS_PAYLOAD:
             raise ValueError(f"an alias entry is a short uint8 vector, got {meta}")
         fields["kind"] = ALIAS_KIND
+    elif key.is_state:
+        if meta.dtype != layout.chunk_dtype or meta.shape != layout.state_shape:
+            raise ValueError(f"a state entry is {layout.state_shape} bytes, got {meta}")
+        fields["kind"] = STATE_KIND
     flags, payload_len = 0, meta.nbytes
     if nonce is not None:
         fields["nonce"] = nonce.hex()
@@ -194,7 +201,7 @@ def decode_header(
         raise PayloadError(f"truncated: {len(buf)} bytes, the header needs {header_len}")
     view = memoryview(buf)
     raw = bytes(view[:header_len])
-    if not sealed and not key.is_alias:
+    if not sealed and not key.is_alias and not key.is_state:
         # A whole chunk's header as this kvtier writes it: every field is what this reader asks
         # for, byte for byte, so parsing it would find nothing to refuse. Anything else (fewer
         # tokens, another writer's spacing) is parsed.
@@ -257,6 +264,14 @@ def _payload_meta(
         if dtype != "uint8" or len(shape) != 1 or not 0 < shape[0] <= MAX_ALIAS_PAYLOAD:
             raise PayloadError(f"corrupt: alias of dtype {dtype!r} and shape {shape}")
         return MemoryObjMeta(shape, torch.uint8, tokens)
+    if key.is_state:
+        if kind != STATE_KIND:
+            raise PayloadError(f"foreign: a state key holds a payload of kind {kind!r}")
+        if dtype != dtype_name(layout.chunk_dtype) or not layout.states:
+            raise PayloadError(f"corrupt: state of dtype {dtype!r}")
+        if shape != layout.state_shape or tokens != layout.block_size:
+            raise PayloadError(f"corrupt: state of shape {shape}, expected {layout.state_shape}")
+        return MemoryObjMeta(shape, layout.chunk_dtype, tokens)
     if kind is not None:
         raise PayloadError(f"foreign: a chunk key holds a payload of kind {kind!r}")
     want = dtype_name(layout.chunk_dtype)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +44,7 @@ from kvtier.core.config import KVTierConfig, load_config
 from kvtier.core.engine import CacheEngine
 from kvtier.core.errors import ConfigError
 from kvtier.vllm_integration import logs
-from kvtier.vllm_integration.groups import cache_groups, check_hybrid
+from kvtier.vllm_integration.groups import cache_groups, check_hybrid, hybrid_chunk_size
 from kvtier.vllm_integration.layout import pages_verifiable
 from kvtier.vllm_integration.messages import KVTierMetadata
 from kvtier.vllm_integration.plugin import offloading_size_conflict
@@ -90,12 +91,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.config: KVTierConfig = load_config(overrides=extra)
         logs.configure(self.config.log_level)
         self.block_size = int(vllm_config.cache_config.block_size)
-        if self.config.chunk_size % self.block_size:
-            raise ConfigError(
-                "chunk_size",
-                self.config.chunk_size,
-                f"must be a multiple of vLLM's block size {self.block_size}",
-            )
+        # A Mamba hybrid's block size is raised by vLLM (one block holds a state): the default
+        # chunk size follows it; a chunk size the user set must be a multiple.
+        explicit = self.config.chunk_size != KVTierConfig().chunk_size
+        chunk = hybrid_chunk_size(self.config, self.block_size, explicit)
+        if chunk != self.config.chunk_size:
+            self.config = dataclasses.replace(self.config, chunk_size=chunk)
         if self.config.offload == "lazy" and not vllm_config.cache_config.enable_prefix_caching:
             raise ConfigError(
                 "offload",

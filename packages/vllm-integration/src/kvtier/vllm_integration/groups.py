@@ -11,7 +11,11 @@ full-attention layer's are (what a hit can use of them is a later refinement: is
 
 What kvtier moves this way: attention groups (full attention, sliding window) of one page
 geometry (block size, heads, head size, element type) with the same number of layers, at least
-one of them full attention. Anything else is a ``LayoutError`` naming the groups.
+one of them full attention. A Mamba / linear-attention hybrid (Qwen3-Next's Gated DeltaNet)
+served with vLLM's ``mamba_cache_mode="align"`` (prefix caching on) has Mamba groups beside
+one full-attention group: chunks hold the attention group's pages, the Mamba groups' states
+are state entries (``kvtier.core.states``, ``scheduler/hybrid.py``). Anything else is a
+``LayoutError`` naming the groups.
 
 vLLM frees a window group's blocks that fall out of the window while the request runs, and
 puts its null block (id 0) in their place; ``null_to_slot`` makes those "no slot".
@@ -53,6 +57,8 @@ class CacheGroups:
     # Per group, what vLLM's KV events say of its spec: (``KVCacheSpecKind`` value, window).
     event_specs: tuple[tuple[str, int | None], ...] = ()
     window_sizes: tuple[int, ...] = ()  # the window groups' windows, in tokens
+    # Mamba groups ("align" mode): one recurrent state per request, stored as state entries.
+    mambas: tuple[int, ...] = ()
 
     @property
     def hybrid(self) -> bool:
@@ -60,9 +66,14 @@ class CacheGroups:
 
     @property
     def tracked(self) -> bool:
-        """Whether the scheduler must read live block ids and fence freed blocks: some group
-        frees blocks while its requests run."""
-        return bool(self.windows)
+        """Whether the scheduler must read live block ids and fence blocks being read: some
+        group frees blocks while its requests run, or holds states read by block id."""
+        return bool(self.windows or self.mambas)
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        """The groups whose pages a chunk holds (every group but the Mamba ones)."""
+        return tuple(i for i in range(len(self.kinds)) if i not in self.mambas)
 
     def live_from(self, block_ids: Sequence[Sequence[int]]) -> int:
         """The first block from which every window group still has its blocks (vLLM freed
@@ -86,7 +97,29 @@ def _kind(spec: Any) -> str:
     name = type(spec).__name__
     if name == "SlidingWindowSpec":
         return f"{name}/{int(spec.sliding_window)}"
+    if name == "MambaSpec":
+        # What makes two states interchangeable: the kind of layer and each tensor's shape
+        # and element type (the key's layout fingerprint covers it through KVLayout.states).
+        mamba = str(getattr(spec.mamba_type, "name", spec.mamba_type)).lower()
+        parts = ",".join(
+            f"{'x'.join(str(d) for d in shape)}:{str(dt).removeprefix('torch.')}"
+            for shape, dt in zip(spec.shapes, spec.dtypes, strict=True)
+        )
+        return f"{name}/{mamba}/{parts}"
     return name
+
+
+def _mamba_refusal(spec: Any) -> str | None:
+    """Why kvtier cannot store a Mamba group with ``spec``; None when it can."""
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "align":
+        return (
+            f"its mamba_cache_mode is {mode!r}: vLLM takes an external hit of a Mamba model only "
+            "in 'align' mode (prefix caching on, a model vLLM aligns: Qwen3-Next)"
+        )
+    if getattr(spec, "num_speculative_blocks", 0):
+        return "speculative decoding keeps extra Mamba blocks kvtier does not store"
+    return None
 
 
 def _smallest_window(spec: Any) -> int:
@@ -108,19 +141,37 @@ def cache_groups(kv_cache_config: KVCacheConfig | None) -> CacheGroups:
     if len(groups) <= 1:
         return CacheGroups()
     kinds = tuple(_kind(g.kv_cache_spec) for g in groups)
+    mambas = tuple(i for i, k in enumerate(kinds) if k.startswith("MambaSpec/"))
     supported = all(
-        k in ("FullAttentionSpec", "MLAAttentionSpec") or k.startswith("SlidingWindowSpec/")
+        k in ("FullAttentionSpec", "MLAAttentionSpec")
+        or k.startswith("SlidingWindowSpec/")
+        or k.startswith("MambaSpec/")
         for k in kinds
     )
-    full = [i for i, k in enumerate(kinds) if not k.startswith("SlidingWindowSpec/")]
+    full = [i for i, k in enumerate(kinds) if k in ("FullAttentionSpec", "MLAAttentionSpec")]
     counts = {len(g.layer_names) for g in groups}
     if not supported or not full or len(counts) != 1:
         raise LayoutError(
             f"vLLM runs this model with {len(groups)} KV cache groups ({', '.join(kinds)}; "
             f"layers per group {sorted(len(g.layer_names) for g in groups)}); kvtier stores "
-            "hybrid models whose groups are full-attention and sliding-window attention with "
-            "the same number of layers, at least one of them full attention"
+            "hybrid models whose groups are full-attention, sliding-window attention or Mamba "
+            "('align' mode) with the same number of layers, at least one of them full attention"
         )
+    if mambas:
+        why = next(
+            (w for w in (_mamba_refusal(groups[i].kv_cache_spec) for i in mambas) if w), None
+        )
+        if why is None and len(kinds) - len(mambas) != 1:
+            why = (
+                "kvtier stores a Mamba hybrid's attention layers as one full-attention group "
+                "(sliding-window layers or several attention groups beside Mamba ones are not "
+                "supported yet)"
+            )
+        if why is not None:
+            raise LayoutError(
+                f"vLLM runs this model with KV cache groups {', '.join(kinds)}; kvtier cannot "
+                f"store its Mamba groups: {why}. Serve this model without kvtier"
+            )
     from vllm.v1.kv_cache_interface import (
         get_kv_cache_spec_kind,
         get_kv_cache_spec_sliding_window,
@@ -133,11 +184,29 @@ def cache_groups(kv_cache_config: KVCacheConfig | None) -> CacheGroups:
         for g in groups
     )  # fmt: skip
     sizes = tuple(w for _, w in events if w)
-    return CacheGroups(kinds, full[0], windows, events, sizes)
+    return CacheGroups(kinds, full[0], windows, events, sizes, mambas)
+
+
+def _holds_state(state: torch.Tensor, page: torch.Tensor) -> bool:
+    """Whether the Mamba view ``state`` keeps each block's state in the first bytes of the
+    same block's page of the attention view ``page``: one address, one block stride, pages
+    that are one run of bytes at least as long as a state."""
+    size = state.element_size()
+    return (
+        state.data_ptr() == page.data_ptr()
+        and state.shape[0] == page.shape[0]
+        and state.stride(0) * size == page.stride(0) * page.element_size()
+        and state[0].is_contiguous()
+        and page[0].is_contiguous()
+        and state[0].numel() * size <= page[0].numel() * page.element_size()
+    )
 
 
 def shared_views(
-    kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, torch.Tensor], primary: int
+    kv_cache_config: KVCacheConfig,
+    kv_caches: Mapping[str, torch.Tensor],
+    primary: int,
+    mambas: Sequence[int] = (),
 ) -> tuple[list[str], dict[str, int]]:
     """The primary group's layer names in vLLM's order (one view per shared tensor) and, for
     every layer of every group, the position of the tensor it lives in. Group ``g``'s ``i``-th
@@ -146,7 +215,7 @@ def shared_views(
     groups = kv_cache_config.kv_cache_groups
     reps = list(groups[primary].layer_names)
     position: dict[str, int] = {}
-    for group in groups:
+    for g, group in enumerate(groups):
         for i, name in enumerate(group.layer_names):
             rep = reps[i]
             a, b = kv_caches.get(name), kv_caches.get(rep)
@@ -154,10 +223,14 @@ def shared_views(
                 missing = name if a is None else rep
                 raise LayoutError(f"register_kv_caches got no KV tensor for layer {missing!r}")
             same = (
-                a.data_ptr() == b.data_ptr()
-                and a.shape == b.shape
-                and a.stride() == b.stride()
-                and a.dtype == b.dtype
+                _holds_state(a, b)
+                if g in mambas
+                else (
+                    a.data_ptr() == b.data_ptr()
+                    and a.shape == b.shape
+                    and a.stride() == b.stride()
+                    and a.dtype == b.dtype
+                )
             )
             if not same:
                 raise LayoutError(
@@ -181,20 +254,31 @@ def null_to_slot(slots: np.ndarray, block_ids: Sequence[int], block_size: int) -
 
 
 def check_hybrid(config: KVTierConfig, groups: CacheGroups, *, warn: bool = True) -> None:
-    """What a model with sliding-window layers (a hybrid model's several KV cache groups, or
-    one window group, ``groups.py``) cannot run with: a ``ConfigError`` naming the field.
-    ``warn``: also log what it runs with but loses (the scheduler side's connector warns; the
-    workers' would repeat it)."""
+    """What a model with sliding-window or Mamba layers (a hybrid model's several KV cache
+    groups, or one window group, ``groups.py``) cannot run with: a ``ConfigError`` naming the
+    field. ``warn``: also log what it runs with but loses (the scheduler side's connector
+    warns; the workers' would repeat it)."""
     if not groups.tracked:
         return
     kinds = ", ".join(groups.kinds) or "one sliding-window group"
     if config.offload == "lazy":
+        why = (
+            "vLLM names the block holding a Mamba state only in the step that writes it"
+            if groups.mambas
+            else "vLLM frees their blocks while a request runs"
+        )
         raise ConfigError(
             "offload",
             config.offload,
-            f"is not supported for a model with sliding-window layers (KV cache groups "
-            f"{kinds}): vLLM frees their blocks while a request runs, before a lazy save "
-            "could copy them; use offload=eager",
+            f"is not supported for a model with sliding-window or Mamba layers (KV cache "
+            f"groups {kinds}): {why}, before a lazy save could copy them; use offload=eager",
+        )
+    if groups.mambas and config.lookup == "index":
+        raise ConfigError(
+            "lookup",
+            config.lookup,
+            f"is not supported for a model with Mamba layers (KV cache groups {kinds}): its "
+            "hits need a state entry the index does not track; use lookup=probe or auto",
         )
     windows = groups.window_sizes
     if warn and windows and min(windows) < config.chunk_size:
@@ -224,3 +308,23 @@ def check_hybrid(config: KVTierConfig, groups: CacheGroups, *, warn: bool = True
             f"must be true for a hybrid model (KV cache groups {kinds}): vLLM takes a failed "
             "load of a model with several KV cache groups only from an asynchronous load",
         )
+
+
+def hybrid_chunk_size(config: KVTierConfig, block_size: int, explicit: bool) -> int:
+    """The chunk size to run with for vLLM's final ``block_size`` (a Mamba hybrid's is raised
+    by vLLM so one block holds a state: 640 or more): the configured one when it is a
+    multiple, else, when the user did not set it (``explicit``), the smallest multiple of the
+    block size at least as large; a ``ConfigError`` naming both otherwise."""
+    c = config.chunk_size
+    if c % block_size == 0:
+        return c
+    if explicit:
+        raise ConfigError("chunk_size", c, f"must be a multiple of vLLM's block size {block_size}")
+    chunk = -(-c // block_size) * block_size
+    logger.info(
+        "kvtier: chunk_size %d (the default) is not a multiple of vLLM's block size %d; using %d",
+        c,
+        block_size,
+        chunk,
+    )
+    return chunk

@@ -234,9 +234,11 @@ def register(
             cache_dtype=cache_dtype,
             interior=interior_writer(vllm_config, names, spec, cache_dtype),
         )
-    specs = [group_spec(kv_cache_config, g.layer_names) for g in kv_cache_config.kv_cache_groups]
-    spec = specs[groups.primary]
-    for kind, other in zip(groups.kinds, specs, strict=True):
+    all_groups = kv_cache_config.kv_cache_groups
+    rows = groups.rows
+    specs = [group_spec(kv_cache_config, all_groups[g].layer_names) for g in rows]
+    spec = specs[rows.index(groups.primary)]
+    for kind, other in zip([groups.kinds[g] for g in rows], specs, strict=True):
         differ = [
             f.name
             for f in dataclasses.fields(spec)
@@ -250,17 +252,21 @@ def register(
                 "window and full layers differ in head size, so vLLM gives them different "
                 "block sizes). Serve this model without kvtier"
             )
-    reps, position = shared_views(kv_cache_config, kv_caches, groups.primary)
+    reps, position = shared_views(kv_cache_config, kv_caches, groups.primary, groups.mambas)
+    attention = [n for g in rows for n in all_groups[g].layer_names]
     reg = page_layout(
         kv_caches,
         spec,
         paged_layout=paged_layout,
         num_blocks=num_blocks,
         cache_dtype=cache_dtype,
-        interior=interior_writer(vllm_config, list(position), spec, cache_dtype),
-        groups=groups.kinds,
+        interior=interior_writer(vllm_config, attention, spec, cache_dtype),
+        groups=tuple(groups.kinds[g] for g in rows) if len(rows) > 1 else (),
         names=reps,
     )
+    if groups.mambas:
+        states = tuple(groups.kinds[g] for g in groups.mambas)
+        reg = dataclasses.replace(reg, layout=dataclasses.replace(reg.layout, states=states))
     return dataclasses.replace(reg, layer_of=position)
 
 

@@ -59,9 +59,12 @@ class LoadSpec:
     # Load on the worker's loader thread and report it in get_finished (the request waits in
     # WAITING_FOR_REMOTE_KVS); else before this step's forward pass.
     load_async: bool = False
-    # The live block ids of every KV cache group of a model with window layers (``groups.py``;
-    # ``block_ids`` is then the primary group's); None for a model without them.
+    # The live block ids of every KV cache group a chunk holds pages of, for a model with
+    # window or Mamba layers (``groups.py``; ``block_ids`` is then the primary group's); None
+    # for a model without them.
     groups: list[list[int]] | None = None
+    # A Mamba hybrid's: the block of each Mamba group that takes the state at ``end``.
+    states: list[int] | None = None
 
 
 @dataclass
@@ -75,6 +78,9 @@ class SaveSpec:
     skip: int
     scope: KeyScope
     groups: list[list[int]] | None = None  # as LoadSpec's
+    # A Mamba hybrid's states to store: ``(boundary, block of each Mamba group)``, from vLLM's
+    # boundary-state offers of this step (``scheduler/hybrid.py``).
+    states: list[tuple[int, list[int]]] = field(default_factory=list)
 
 
 @dataclass

@@ -82,7 +82,10 @@ def offloading_size_conflict(
 
 
 def recurrent_state_conflict(kv_transfer_config: Any, model_config: Any) -> str | None:
-    """The startup error for kvtier configured for a model with a recurrent state, or None."""
+    """The startup error for kvtier configured for a model with a recurrent state that has no
+    attention layers (pure Mamba / linear attention), or None. An attention + Mamba hybrid
+    (vLLM's ``is_hybrid``) starts: kvtier stores its states when vLLM serves it in "align" mode
+    and refuses it by name once its KV cache groups are known otherwise (``groups.py``)."""
     ktc = kv_transfer_config
     if ktc is None or model_config is None:
         return None
@@ -90,18 +93,18 @@ def recurrent_state_conflict(kv_transfer_config: Any, model_config: Any) -> str 
         ktc.kv_connector, ktc.kv_connector_module_path, ktc.kv_connector_extra_config
     ):
         return None
-    flags = [
-        f for f in ("is_hybrid", "has_inner_state", "is_attention_free") if _flag(model_config, f)
-    ]
+    if _flag(model_config, "is_hybrid"):
+        return None
+    flags = [f for f in ("has_inner_state", "is_attention_free") if _flag(model_config, f)]
     if not flags:
         return None
     arch = ", ".join(getattr(model_config, "architectures", None) or ["?"])
     return (
-        f"model {getattr(model_config, 'model', '?')!r} ({arch}) has layers that keep a "
-        f"recurrent state, Mamba or linear attention (vLLM: {', '.join(flags)}). kvtier stores attention KV "
-        "pages only and does not store that state yet (docs/hybrid.md); without it vLLM turns "
-        "its hybrid KV cache manager off and stops with 'Failed to promote local KV cache specs "
-        "to one unified type'. Serve this model without kvtier in --kv-transfer-config"
+        f"model {getattr(model_config, 'model', '?')!r} ({arch}) keeps a recurrent state, "
+        f"Mamba or linear attention, and has no attention layers (vLLM: {', '.join(flags)}). "
+        "kvtier stores such a state only beside attention layers, for models vLLM serves "
+        "with mamba_cache_mode='align' (docs/hybrid.md). Serve this model without kvtier in "
+        "--kv-transfer-config"
     )
 
 

@@ -120,7 +120,7 @@ class LocalDiskBackend(StorageBackend):
         self.max_file = (
             codec.PREFIX.size
             + codec.MAX_META
-            + ctx.layout.chunk_nbytes(self.max_tokens)
+            + ctx.layout.max_entry_nbytes(self.max_tokens)
             + codec.TRAILER.size
         )
         self._index = DiskIndex(self.budget, FS_FULL_CAP_S)

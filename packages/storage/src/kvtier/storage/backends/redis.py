@@ -117,11 +117,9 @@ class RedisBackend(StorageBackend):
         self.ttl = cfg.redis_ttl_s or None
         self.max_tokens = cfg.chunk_size
         self._bytes = ArenaBytes(ctx.arena)
-        full = MemoryObjMeta(
-            ctx.layout.chunk_shape(cfg.chunk_size), ctx.layout.chunk_dtype, cfg.chunk_size
-        )
+        largest = ctx.layout.max_entry_nbytes(cfg.chunk_size)
         # a sealed payload is a tag longer (and may be one we cannot open, removed all the same)
-        self._max_segments = max(1, -(-(full.nbytes + TAG_BYTES) // self.segment_bytes))
+        self._max_segments = max(1, -(-(largest + TAG_BYTES) // self.segment_bytes))
         self.nodes = Nodes(
             parse_url(cfg.redis_url, cfg.redis_username, cfg.redis_password),
             cluster=cfg.redis_cluster,

@@ -15,6 +15,16 @@ place). So, for a hybrid model:
 
 A model whose every layer is sliding window (one group) gets the same; a model without window
 layers does none of this.
+
+A Mamba hybrid (``groups.py``; ``mamba_cache_mode="align"``) keeps one recurrent state per
+request in one block of each Mamba group, and vLLM says which block holds the state at which
+boundary only in the step whose forward pass writes it (``boundary_state_offloads``; it
+relocates state blocks later). So its states are saved from those offers (``take_offers``,
+``states``: a save spec carries them, the worker stores them as state entries,
+``kvtier.core.states``), and fenced as window blocks are: a step that hands an offered block
+to another request, or writes a request's running state in a block still being read, drains
+the saves first. A load names the block of each Mamba group vLLM gave for the state at its end
+(``LoadSpec.states``).
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kvtier.vllm_integration.groups import NULL_BLOCK, CacheGroups
+from kvtier.vllm_integration.identity import cacheable
 from kvtier.vllm_integration.messages import KVTierMetadata, LoadSpec, SaveSpec, VerifySpec
 from kvtier.vllm_integration.scheduler.lookups import RequestState
 
@@ -40,6 +51,10 @@ class HybridBlocks:
         self._manager: KVCacheManager | None = None
         self._reading: dict[int, int] = {}  # window block -> last step a save/check read it
         self.drains = 0  # steps whose metadata asked the workers to drain their saves
+        rows = groups.rows
+        self._window_rows = [rows.index(g) for g in groups.windows]  # in a spec's groups
+        self._offers: dict[str, list[tuple[int, list[int]]]] = {}  # this step's, by request
+        self._running: set[int] = set()  # Mamba blocks scheduled requests write in place
 
     def bind(self, manager: KVCacheManager) -> None:
         self._manager = manager
@@ -56,6 +71,54 @@ class HybridBlocks:
         ids = [list(g) for g in self._manager.get_block_ids(rid)]
         state.groups = ids
         state.live_from = self.groups.live_from(ids) * self.block_size
+        for g in self.groups.mambas:  # its running state: the last block of the group
+            live = [b for b in ids[g] if b != NULL_BLOCK]
+            if live:
+                self._running.add(live[-1])
+
+    def take_offers(self, output: SchedulerOutput) -> None:
+        """The step's boundary-state offers: for each request, ``(boundary, block of each
+        Mamba group)`` where every Mamba group offered one."""
+        self._offers = {}
+        self._running = set()
+        block_state = getattr(output, "kv_connector_block_state", None)
+        if not self.groups.mambas or block_state is None:
+            return
+        for rid, items in (block_state.boundary_state_offloads or {}).items():
+            by: dict[int, dict[int, int]] = {}
+            for group, block, boundary in items:
+                by.setdefault(int(boundary), {})[int(group)] = int(block)
+            self._offers[rid] = [
+                (b, [blocks[g] for g in self.groups.mambas])
+                for b, blocks in sorted(by.items())
+                if all(g in blocks for g in self.groups.mambas)
+            ]
+
+    def states(self, rid: str, chunk_size: int, limit: int) -> list[tuple[int, list[int]]]:
+        """The request's offered states a save stores: at full-chunk boundaries within its
+        first ``limit`` tokens (its prompt: only prompt tokens are keyed)."""
+        return [
+            (b, blocks)
+            for b, blocks in self._offers.get(rid, ())
+            if 0 < b <= limit and b % chunk_size == 0
+        ]
+
+    def with_states(
+        self, rid: str, state: RequestState, spec: SaveSpec | None, chunk: int, step: int
+    ) -> SaveSpec | None:
+        """``spec`` (the request's save this step, or None) carrying the states vLLM offered
+        for it this step (``states``), within what the save stores; a save of the states
+        alone when its chunks are stored already."""
+        limit = min(len(spec.tokens) if spec is not None else len(state.prompt), len(state.prompt))
+        states = self.states(rid, chunk, limit)
+        if not states or not cacheable(state.request):
+            return spec
+        if spec is None:
+            end = states[-1][0]
+            spec = SaveSpec(rid, state.prompt[:end], [], end, state.scope)
+            state.last_save_step = step  # its blocks are held until the save is done
+        spec.states = states
+        return spec
 
     def attach(
         self, spec: LoadSpec | SaveSpec | VerifySpec, groups: Sequence[Sequence[int]] | None
@@ -63,7 +126,17 @@ class HybridBlocks:
         """Give ``spec`` every group's block ids, as many as its primary ones."""
         if self.groups.tracked and groups is not None:
             n = len(spec.block_ids)
-            spec.groups = [list(g[:n]) for g in groups]
+            spec.groups = [list(groups[g][:n]) for g in self.groups.rows]
+            if isinstance(spec, LoadSpec) and self.groups.mambas:
+                spec.states = self._state_blocks(groups, spec.end)
+
+    def _state_blocks(self, groups: Sequence[Sequence[int]], end: int) -> list[int] | None:
+        """The block of each Mamba group vLLM gave for the state after ``end`` tokens (an
+        external hit gets one at index ``end / block_size - 1``); None where it gave none
+        (the load then loads nothing and is reported failed)."""
+        i = end // self.block_size - 1
+        out = [groups[g][i] if 0 <= i < len(groups[g]) else NULL_BLOCK for g in self.groups.mambas]
+        return None if NULL_BLOCK in out else out
 
     def fence(self, meta: KVTierMetadata, output: SchedulerOutput, copied_through: int) -> None:
         """Ask for a drain when this step reuses a window block still being read; then
@@ -71,7 +144,7 @@ class HybridBlocks:
         if not self.groups.tracked:
             return
         self._reading = {b: s for b, s in self._reading.items() if s > copied_through}
-        written = _written(meta, output, self.block_size)
+        written = [*_written(meta, output, self.block_size), *self._running]
         if self._reading and any(b in self._reading for b in written):
             meta.drain_saves = True
             self.drains += 1
@@ -79,10 +152,14 @@ class HybridBlocks:
         for spec in specs:
             if spec.groups is None:
                 continue
-            for g in self.groups.windows:
+            for g in self._window_rows:
                 for b in spec.groups[g]:
                     if b != NULL_BLOCK:
                         self._reading[b] = meta.step
+        for save in meta.saves:
+            for _, blocks in save.states:
+                for b in blocks:
+                    self._reading[b] = meta.step
 
 
 def _written(meta: KVTierMetadata, output: SchedulerOutput, block_size: int) -> Iterable[int]:

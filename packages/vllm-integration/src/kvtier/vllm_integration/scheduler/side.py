@@ -105,7 +105,8 @@ class SchedulerSide:
             config,
             self.index,
             num_workers,
-            lookup_mode(config, load_failure_policy),
+            # A Mamba hybrid's hit needs a state entry the index does not track: probed.
+            "probe" if self.hybrid.groups.mambas else lookup_mode(config, load_failure_policy),
             index_trusted=lambda: self.verify.index_trusted,
         )
         self.events = EventLog(
@@ -286,6 +287,8 @@ class SchedulerSide:
         if self.lazy is not None:
             return  # saved when it finishes and vLLM is about to evict its blocks
         spec = self._save_spec(rid, state, computed + scheduled)
+        if self.saves_enabled and state.generation == self.generation:
+            spec = self.hybrid.with_states(rid, state, spec, self.chunk_size, self._step)
         if spec is not None:
             self.hybrid.attach(spec, state.groups)
             meta.saves.append(spec)
@@ -303,6 +306,7 @@ class SchedulerSide:
             unheld=self.frees.take_unheld(),
         )
         self._async_loads = []
+        self.hybrid.take_offers(scheduler_output)
         for rid, computed, scheduled in track_blocks(
             scheduler_output, self._reqs, self._primary, self.hybrid
         ):

@@ -64,7 +64,7 @@ class WorkerLoads:
         self._failed: set[int] = set()
         # A hybrid model's failed loads go to vLLM as requests (``failed_recving``): vLLM
         # cannot map block ids back to requests when there are several KV cache groups.
-        self._by_request = bool(engine.layout.groups)
+        self._by_request = bool(engine.layout.groups or engine.layout.states)
         self._async: dict[str, LoadSpec] = {}  # submitted asynchronous loads, by request
         self._failed_requests: set[str] = set()
         self._loader = Loader(self._load, self._spec_blocks)
@@ -135,7 +135,12 @@ class WorkerLoads:
         try:
             t0 = time.perf_counter()
             mask = self.engine.retrieve(
-                spec.tokens, slots, scope=spec.scope, hold=hold, ready=ready
+                spec.tokens,
+                slots,
+                scope=spec.scope,
+                hold=hold,
+                ready=ready,
+                state_blocks=spec.states,
             )
             self._metrics.observe("load_seconds", time.perf_counter() - t0)
         finally:
@@ -169,7 +174,9 @@ class WorkerLoads:
                     self._jobs.append(job)
                 else:
                     t0 = time.perf_counter()
-                    mask = self.engine.retrieve(spec.tokens, slots, scope=spec.scope, hold=hold)
+                    mask = self.engine.retrieve(
+                        spec.tokens, slots, scope=spec.scope, hold=hold, state_blocks=spec.states
+                    )
                     self._metrics.observe("load_seconds", time.perf_counter() - t0)
                     self._failed |= self._check_loaded(spec, mask, slots)
             finally:

@@ -75,6 +75,10 @@ class WorkerSaves:
         n = self.engine.store(
             spec.tokens, self._slots(spec), scope=spec.scope, ready=ready, keep=keep
         )
+        for boundary, blocks in spec.states:  # a Mamba hybrid's states (kvtier.core.states)
+            self.engine.store_state(
+                spec.tokens, boundary, blocks, scope=spec.scope, ready=ready, keep=keep
+            )
         self.metrics.observe("save_seconds", time.perf_counter() - t0)
         return n
 

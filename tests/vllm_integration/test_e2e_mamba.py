@@ -1,0 +1,90 @@
+"""A Mamba / linear-attention hybrid through real vLLM on CPU (issue 38): Qwen3-Next, layers
+alternating Gated DeltaNet and full attention, which vLLM serves with its hybrid memory
+allocator (a Mamba group in "align" mode beside a full-attention group).
+
+vLLM raises the block size so one block holds a layer's state (544 with the runner's 32), and
+kvtier's default chunk follows it (544). Chunks hold the attention pages; the states vLLM
+offers at chunk boundaries are stored as state entries (``kvtier.core.states``); a hit ends
+where both exist. The reference is vLLM's own prefix cache on the same requests in the same
+run shape: its Mamba prefix cache also needs a state at the hit's end, and with prefill steps of
+544 tokens and ``prefix_cache_retention_interval=None`` it keeps one at every block, so it hits
+what kvtier hits. A hit from kvtier is forced by resetting vLLM's prefix cache before each
+request. Tokens and logprobs must be equal.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from prompts import STATS, gen, logprob_gap
+
+pytestmark = [pytest.mark.vllm]
+
+RNG = random.Random(4321)
+A = [RNG.randrange(3, 3000) for _ in range(1700)]
+EXT = A + [RNG.randrange(3, 3000) for _ in range(300)]  # A continued: hits A's states
+DIV = A[:850] + [RNG.randrange(3, 3000) for _ in range(850)]  # diverges inside A's 2nd chunk
+BLOCK = 544  # vLLM's block size for this model with the runner's block_size=32
+HIT = (len(A) - 1) // BLOCK * BLOCK  # 1632: A's last state before its last token
+RESET = {"op": "reset_prefix_cache"}
+FLUSH = {"op": "flush"}
+GROUPS = ["MambaSpec", "FullAttentionSpec"]
+MODE = {"prefix_caching": True, "prefix_cache_retention_interval": None,
+        "max_num_batched_tokens": BLOCK}  # fmt: skip
+HOST = {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.25}
+
+
+@pytest.fixture(scope="module")
+def mamba_reference(run_engine, mamba_model_dir) -> dict[str, dict]:
+    """vLLM's own prefix cache, no kvtier: A cold, then A, EXT and DIV hitting A's states."""
+    spec = {"model": str(mamba_model_dir), "kvtier": None, "report_cached_tokens": True, **MODE}
+    info, *out = run_engine({**spec, "steps": [{"op": "engine_info"}, gen(A), gen(A),
+                                               gen(EXT), gen(DIV)]})  # fmt: skip
+    assert info["kv_cache_groups"] == GROUPS
+    assert [r.pop("cached_tokens") for r in out] == [0, HIT, HIT, BLOCK]
+    return dict(zip(("cold", "a", "ext", "div"), out, strict=True))
+
+
+def test_hits_equal_vllms_prefix_cache(run_engine, mamba_model_dir, mamba_reference) -> None:
+    """Full, multi-turn and partial hits from kvtier's host tier, with vLLM's hybrid memory
+    allocator on: the attention pages and the state at the hit's end are loaded, and the
+    answers equal vLLM's own prefix cache on the same requests."""
+    steps = [{"op": "engine_info"}, gen(A), FLUSH, RESET, STATS, gen(A), STATS, RESET,
+             gen(EXT), STATS, RESET, gen(DIV), STATS]  # fmt: skip
+    spec = {"model": str(mamba_model_dir), "kvtier": HOST, "report_cached_tokens": True, **MODE}
+    info, cold, _, _, s0, a, s1, _, ext, s2, _, div, s3 = run_engine({**spec, "steps": steps})
+    assert info["kv_cache_groups"] == GROUPS and info["connector"] == "KVTierConnector"
+    loaded = [s1["loaded_tokens"] - s0["loaded_tokens"], s2["loaded_tokens"] - s1["loaded_tokens"],
+              s3["loaded_tokens"] - s2["loaded_tokens"]]  # fmt: skip
+    assert loaded == [HIT, HIT, BLOCK]
+    for r in (cold, a, ext, div):
+        r.pop("cached_tokens")
+    ref = mamba_reference
+    assert [cold, a, ext, div] == [ref["cold"], ref["a"], ref["ext"], ref["div"]]
+    assert s3["load_failed_blocks"] == 0 and s3["save_errors"] == 0
+
+
+def test_a_restarted_engine_hits_from_disk(
+    run_engine, mamba_model_dir, mamba_reference, tmp_path
+) -> None:
+    """States and chunks written to local disk by one engine are loaded by a new one."""
+    disk = {"tiers": ["local_cpu", "local_disk"], "local_cpu_size_gb": 0.25,
+            "local_disk_path": str(tmp_path / "disk"), "local_disk_size_gb": 1.0}  # fmt: skip
+    base = {"model": str(mamba_model_dir), "kvtier": disk, **MODE}
+    run_engine({**base, "steps": [gen(A), FLUSH]})
+    out = run_engine({**base, "steps": [gen(A), STATS]})
+    assert out[0] == mamba_reference["a"]
+    assert out[1]["loaded_tokens"] == HIT and out[1]["load_failed_blocks"] == 0
+
+
+def test_zeroed_states_change_the_answer(run_engine, mamba_model_dir, mamba_reference) -> None:
+    """Negative control: with A's state entries zeroed (the attention chunks intact), the hit
+    loads a wrong state and the answer moves away from vLLM's prefix cache, which the exact
+    comparison above catches. (This model's attention layers carry most of the context: a
+    zeroed Gated DeltaNet state moves the logprobs by ~0.015, less than zeroed attention KV.)"""
+    steps = [gen(A), FLUSH, {"op": "corrupt", "prompt": A, "states": True}, RESET, gen(A), STATS]
+    out = run_engine({"model": str(mamba_model_dir), "kvtier": HOST, "steps": steps, **MODE})
+    assert out[2] == 3  # the states at 544, 1088 and 1632
+    assert out[5]["loaded_tokens"] == HIT
+    assert logprob_gap(out[4], mamba_reference["a"]) > 0
