@@ -44,6 +44,7 @@ def test_fingerprint_covers_every_field() -> None:
         "interior": "CPU_ATTN/amx",
         "content_bytes": 64,
         "groups": ("SlidingWindowSpec/128", "FullAttentionSpec"),
+        "states": ("MambaSpec/gated_delta_net/3x1024:bfloat16,4x128x128:float32",),
     }
     assert set(changes) == {f.name for f in dataclasses.fields(KVLayout)}
     for name, value in changes.items():
@@ -58,6 +59,7 @@ def test_groups_keep_the_one_group_fingerprint_and_order_matters() -> None:
     group orders are two chunk row orders, so two fingerprints."""
     ref = layout()
     assert dataclasses.replace(ref, groups=()).fingerprint() == ref.fingerprint()
+    assert dataclasses.replace(ref, states=()).fingerprint() == ref.fingerprint()
     a = layout(groups=("SlidingWindowSpec/128", "FullAttentionSpec"))
     b = layout(groups=("FullAttentionSpec", "SlidingWindowSpec/128"))
     assert a.fingerprint() != b.fingerprint()

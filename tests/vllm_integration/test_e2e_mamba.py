@@ -88,3 +88,34 @@ def test_zeroed_states_change_the_answer(run_engine, mamba_model_dir, mamba_refe
     assert out[2] == 3  # the states at 544, 1088 and 1632
     assert out[5]["loaded_tokens"] == HIT
     assert logprob_gap(out[4], mamba_reference["a"]) > 0
+
+
+@pytest.mark.parametrize("mode", [{"multiprocess": True}, {"tp": 2}], ids=["multiprocess", "tp2"])
+def test_a_hit_equals_vllms_prefix_cache_across_processes(
+    run_engine, mamba_model_dir, mode
+) -> None:
+    """vLLM's multiprocess mode (scheduler and worker in two processes), and tensor
+    parallelism 2 (each rank stores its own shard of the attention pages and of the Gated
+    DeltaNet state): A's hit equals vLLM's prefix cache in the same mode."""
+    base = {"model": str(mamba_model_dir), **MODE, **mode}
+    ref = run_engine({**base, "kvtier": None, "steps": [gen(A), gen(A)]})
+    steps = [gen(A), FLUSH, RESET, gen(A), STATS]
+    out = run_engine({**base, "kvtier": HOST, "steps": steps})
+    assert [out[0], out[3]] == ref
+    assert out[4]["loaded_tokens"] == HIT and out[4]["load_failed_blocks"] == 0
+
+
+def test_a_prompt_without_a_state_at_its_prefix_does_not_hide_stored_chunks(
+    run_engine, mamba_model_dir
+) -> None:
+    """At vLLM's default batch A is prefilled as 1632 + 68 tokens: the only state is at 1632.
+    B shares A's first two chunks but ends before 1632, so no state ends a prefix of it: a miss
+    (as for vLLM's own prefix cache: no state there either). A again still hits all of its
+    chunks (the probe's short answer for B does not hide them: test_hybrid_groups.py)."""
+    b = A[:1200] + [RNG.randrange(3, 3000) for _ in range(400)]
+    mode = {"prefix_caching": True, "prefix_cache_retention_interval": None}
+    steps = [gen(A), FLUSH, RESET, STATS, gen(b), STATS, RESET, gen(A), STATS]
+    out = run_engine({"model": str(mamba_model_dir), "kvtier": HOST, "steps": steps, **mode})
+    s0, s1, s2 = out[3], out[5], out[8]
+    assert s1["loaded_tokens"] - s0["loaded_tokens"] == 0
+    assert s2["loaded_tokens"] - s1["loaded_tokens"] == HIT

@@ -64,6 +64,7 @@ def test_a_window_only_group_is_tracked_also_when_vllm_wraps_its_layers_specs() 
 
     plain = cache_groups(config(sliding(64)))
     assert not plain.hybrid and plain.tracked and plain.window_sizes == (64,)
+    assert plain.rows == (0,)  # its one group's pages are a chunk's
     names = ["model.layers.0.attn", "model.layers.1.attn"]
     wrapped = UniformTypeKVCacheSpecs(
         block_size=32, kv_cache_specs={names[0]: sliding(128), names[1]: sliding(64)}
@@ -315,3 +316,23 @@ def test_a_chunk_larger_than_the_window_is_warned_about(caplog) -> None:
         assert caplog.text == ""
         check_hybrid(load_config(env={}, overrides={"chunk_size": 256}), groups, warn=False)
         assert caplog.text == ""  # a worker's connector: the scheduler's has said it
+
+
+@pytest.mark.parametrize("stateful", [False, True], ids=["attention", "mamba"])
+def test_a_short_probe_answer_forgets_chunks_only_without_states(stateful) -> None:
+    """A probe that finds fewer tokens than the index promised makes the scheduler forget the
+    chunk after them, unless the model has Mamba groups: its probes stop where a state entry
+    ends the hit, which says nothing of the chunks after it (forgetting them would keep later
+    prompts with a state further on from being probed)."""
+    from kvtier.vllm_integration.messages import ProbeAnswer
+    from kvtier.vllm_integration.scheduler.lookups import Lookups
+    from kvtier.vllm_integration.scheduler.prompts import Probe
+
+    forgotten: list = []
+    index = SimpleNamespace(forget=lambda rank, hashes, scope: forgotten.extend(hashes))
+    lookups = Lookups(load_config(env={}), index, 1, stateful=stateful)  # type: ignore[arg-type]
+    state = SimpleNamespace(probe=Probe(7, 0.0))
+    hashes = SimpleNamespace(missing_after=lambda hit: [b"next"], scope=None)
+    lookups.answer(state, hashes, 0, ProbeAnswer("r", 7, 0))  # type: ignore[arg-type]
+    assert state.probe.answers == {0: 0}
+    assert forgotten == ([] if stateful else [b"next"])

@@ -17,7 +17,9 @@ to a request it cannot help: the lookup and the save). Writes ``e2e.json`` and `
 tokens) and full attention, which vLLM serves with two KV cache groups (its hybrid memory
 allocator on, with kvtier as without it). Writes ``e2e-gemma3.json`` and ``e2e-gemma3.png``,
 with the KV bytes kvtier stores per prompt token next to those of the Llama model of the same
-size.
+size. ``--model qwen3-next``: the same size, layers alternating Gated DeltaNet (a recurrent
+state) and full attention, served by vLLM in its Mamba "align" mode, which needs prefix
+caching: kvtier's warm request then follows a ``reset_prefix_cache`` so kvtier serves it.
 
 ``--workload doc-question`` (issue 20): each document gets ``1 + --warm-questions`` questions;
 the first question is cold, the later ones (same document, another question: the prompts
@@ -52,6 +54,7 @@ BENCH_MODEL = ModelSpec(
 MODELS = {
     "llama": BENCH_MODEL,
     "gemma3": dataclasses.replace(BENCH_MODEL, architecture="gemma3", sliding_window=1024),
+    "qwen3-next": dataclasses.replace(BENCH_MODEL, architecture="qwen3-next"),
 }
 MODES = ("no_connector", "prefix_cache", "kvtier")
 DOCQ_MODES = ("prefix_cache", "kvtier", "kvtier_restart")
@@ -108,6 +111,7 @@ def main(argv: list[str]) -> int:
 
         return run_doc_question(args, modes, BENCH_MODEL)
     spec = MODELS[args.model]
+    mamba = spec.architecture == "qwen3-next"
     name = "model" if args.model == "llama" else f"model-{args.model}"
     model_dir = build_model(Path(args.cache_dir).expanduser() / name, spec)
     disk = Path(tempfile.mkdtemp(prefix="kvtier-bench-disk-"))
@@ -115,9 +119,11 @@ def main(argv: list[str]) -> int:
     prompt_tokens = 0
     try:
         for mode in modes:
+            # A Mamba hybrid runs with kvtier only in vLLM's "align" mode, which needs prefix
+            # caching: its warm requests then start from an emptied prefix cache (below).
             engine = Engine(
                 str(model_dir),
-                prefix_caching=mode == "prefix_cache",
+                prefix_caching=mode == "prefix_cache" or (mamba and mode == "kvtier"),
                 kvtier=BENCH_KVTIER | {"local_disk_path": str(disk)} if mode == "kvtier" else None,
                 max_model_len=max(4096, args.doc_tokens + 256),
             )
@@ -129,6 +135,9 @@ def main(argv: list[str]) -> int:
                     tokens = d[0].tokens
                     prompt_tokens = len(tokens)
                     cold.append(engine.run(tokens, 1).ttft_s)
+                    if mamba and mode == "kvtier":
+                        engine.flush()
+                        engine.llm.reset_prefix_cache()
                     time.sleep(args.gap_s)
                     res = engine.run(tokens, 1)
                     warm.append(res.ttft_s)
@@ -167,6 +176,9 @@ def main(argv: list[str]) -> int:
         # layers in full, docs/hybrid.md), and the same for the Llama model of this size.
         "kvtier_bytes_per_token": _kv_bytes_per_token(spec),
         "llama_bytes_per_token": _kv_bytes_per_token(BENCH_MODEL),
+        # Qwen3-Next: one state entry (every Gated DeltaNet layer's conv and SSM state, padded
+        # to vLLM's page) where vLLM ended a prefill step at a chunk boundary.
+        **({"state_bytes_per_entry": _state_bytes(spec)} if mamba else {}),
         "prompt_tokens": prompt_tokens,
         "docs": args.docs,
         "max_tokens": 1,
@@ -202,8 +214,19 @@ def main(argv: list[str]) -> int:
 
 
 def _kv_bytes_per_token(spec: ModelSpec) -> int:
-    """K and V of every layer, bf16."""
-    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_size * 2
+    """K and V of every attention layer, bf16 (Qwen3-Next: every other layer is Gated
+    DeltaNet, whose state is stored once per state entry, not per token)."""
+    layers = spec.num_layers // 2 if spec.architecture == "qwen3-next" else spec.num_layers
+    return 2 * layers * spec.num_kv_heads * spec.head_size * 2
+
+
+def _state_bytes(spec: ModelSpec) -> int:
+    """The unpadded recurrent state of the bench Qwen3-Next's Gated DeltaNet layers (conv
+    state ``(kernel - 1, 2 * key + value dims)`` bf16, SSM state ``(value heads, 128, 128)``
+    fp32, ``model.py``)."""
+    conv = 3 * (2 * 2 * 128 + 4 * 128) * 2
+    ssm = 4 * 128 * 128 * 4
+    return spec.num_layers // 2 * (conv + ssm)
 
 
 def _chart(results: dict[str, Any], path: Path, model: str = "llama") -> None:

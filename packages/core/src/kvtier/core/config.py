@@ -57,7 +57,11 @@ def _doc(text: str, **kw: Any) -> Any:
 class KVTierConfig:
     """All of kvtier's settings. Build one with ``load_config``."""
 
-    chunk_size: int = _doc("Tokens per chunk (a multiple of the engine's block size).", default=256)
+    chunk_size: int = _doc(
+        "Tokens per chunk (a multiple of the engine's block size; the default 256, where vLLM's "
+        "block size does not divide it, e.g. a Mamba hybrid's, becomes its next multiple).",
+        default=256,
+    )
     platform: str | None = _doc(
         "Platform to use (cpu, cuda, xpu, ...); empty = the available one with the highest priority.",
         default=None,

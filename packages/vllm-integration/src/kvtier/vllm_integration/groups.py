@@ -73,7 +73,7 @@ class CacheGroups:
     @property
     def rows(self) -> tuple[int, ...]:
         """The groups whose pages a chunk holds (every group but the Mamba ones)."""
-        return tuple(i for i in range(len(self.kinds)) if i not in self.mambas)
+        return tuple(i for i in range(len(self.kinds) or 1) if i not in self.mambas)
 
     def live_from(self, block_ids: Sequence[Sequence[int]]) -> int:
         """The first block from which every window group still has its blocks (vLLM freed

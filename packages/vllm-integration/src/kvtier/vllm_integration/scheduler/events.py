@@ -68,16 +68,19 @@ class EventLog:
         enabled: bool,
         digest: Callable[[bytes, Scope], str | None],
         groups: Sequence[tuple[str, int | None]] = (),
+        stateful: Sequence[int] = (),
     ) -> None:
         """``digest(chunk_hash, scope)``: rank 0's key digest of a chunk (None until rank 0
         has reported its key namespace); ``groups``: a hybrid model's (spec kind, window) per
-        KV cache group (``CacheGroups.event_specs``), empty for one group."""
+        KV cache group (``CacheGroups.event_specs``), empty for one group; ``stateful``: its
+        Mamba groups, whose blocks a chunk does not hold (no event names them)."""
         self.block_size = block_size
         self.enabled = enabled
         # The group fields of each chunk's events: one event per group, or one without them.
         self._group_fields: list[dict[str, Any]] = [
             {"group_idx": i, "kv_cache_spec_kind": kind, "kv_cache_spec_sliding_window": window}
             for i, (kind, window) in enumerate(groups)
+            if i not in stateful
         ] or [{}]
         self._digest = digest
         self._chunks: OrderedDict[str, _Chunk] = OrderedDict()  # rank-0 key digest -> chunk

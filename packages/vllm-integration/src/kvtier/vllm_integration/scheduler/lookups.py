@@ -118,9 +118,13 @@ class Lookups:
         num_workers: int,
         mode: str = "probe",
         index_trusted: Callable[[], bool] = lambda: True,
+        stateful: bool = False,
     ) -> None:
         """``index_trusted()``: False while the index's answers must be confirmed by probes
-        (a tier is quarantined: ``scheduler/verify.py``)."""
+        (a tier is quarantined: ``scheduler/verify.py``). ``stateful``: a Mamba hybrid's, whose
+        probes answer where a state entry ends the hit: a shorter answer than the index's says
+        nothing of the chunks after it (they are not forgotten)."""
+        self.stateful = stateful
         self.config = config
         self._index_trusted = index_trusted
         self.index = index
@@ -245,7 +249,8 @@ class Lookups:
         probe.answers[rank] = ans.hit
         if rank == 0:
             probe.sources = ans.sources
-        self.shortfall(hashes, rank, ans.hit)
+        if not self.stateful:
+            self.shortfall(hashes, rank, ans.hit)
 
     def sources(
         self, request: Request, num_external_tokens: int, block_size: int

@@ -108,12 +108,14 @@ class SchedulerSide:
             # A Mamba hybrid's hit needs a state entry the index does not track: probed.
             "probe" if self.hybrid.groups.mambas else lookup_mode(config, load_failure_policy),
             index_trusted=lambda: self.verify.index_trusted,
+            stateful=bool(self.hybrid.groups.mambas),
         )
         self.events = EventLog(
             block_size,
             kv_events,
             lambda h, scope: self.index.digest(0, h, scope),
             self.hybrid.groups.event_specs,
+            self.hybrid.groups.mambas,
         )
         self.sightings = Sightings(config.store_threshold)
         self.saves = SavePlanner(
