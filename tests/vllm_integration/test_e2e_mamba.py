@@ -119,3 +119,19 @@ def test_a_prompt_without_a_state_at_its_prefix_does_not_hide_stored_chunks(
     s0, s1, s2 = out[3], out[5], out[8]
     assert s1["loaded_tokens"] - s0["loaded_tokens"] == 0
     assert s2["loaded_tokens"] - s1["loaded_tokens"] == HIT
+
+
+def test_verification_compares_the_attention_pages(
+    run_engine, mamba_model_dir, mamba_reference
+) -> None:
+    """``verify_fraction`` 1.0: A's hit is recomputed instead of loaded and the attention pages
+    vLLM computed are compared with the stored chunks (state entries are not compared): a right
+    cache raises no alarm and the answer is the cold one; A's chunks zeroed are caught."""
+    kvtier = {**HOST, "verify_fraction": 1.0}
+    steps = [gen(A), FLUSH, RESET, gen(A), STATS, {"op": "corrupt", "prompt": A}, RESET, gen(A),
+             STATS]  # fmt: skip
+    out = run_engine({"model": str(mamba_model_dir), "kvtier": kvtier, "steps": steps, **MODE})
+    cold, checked, right, wrong = out[0], out[3], out[4], out[8]
+    assert cold == checked == mamba_reference["cold"]
+    assert right["verify_chunks"] >= 3 and right["verify_mismatches"] == 0
+    assert wrong["verify_mismatches"] >= 1

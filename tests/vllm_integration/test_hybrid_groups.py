@@ -336,3 +336,21 @@ def test_a_short_probe_answer_forgets_chunks_only_without_states(stateful) -> No
     lookups.answer(state, hashes, 0, ProbeAnswer("r", 7, 0))  # type: ignore[arg-type]
     assert state.probe.answers == {0: 0}
     assert forgotten == ([] if stateful else [b"next"])
+
+
+def test_the_default_chunk_size_follows_vllms_block_size() -> None:
+    """The default 256 becomes the next multiple of a block size that does not divide it, and
+    a Mamba hybrid's block size (states are offered at block boundaries, stored at chunk
+    boundaries); a chunk size the user set is kept, or refused by name when not a multiple."""
+    from kvtier.vllm_integration.groups import hybrid_chunk_size
+
+    default = load_config(env={})
+    assert hybrid_chunk_size(default, 16, explicit=False) == 256
+    assert hybrid_chunk_size(default, 160, explicit=False) == 320
+    assert hybrid_chunk_size(default, 160, explicit=False, states=True) == 160
+    assert hybrid_chunk_size(default, 544, explicit=False, states=True) == 544
+    set_ = load_config(env={}, overrides={"chunk_size": 1088})
+    assert hybrid_chunk_size(set_, 544, explicit=True, states=True) == 1088
+    with pytest.raises(ConfigError, match="chunk_size") as exc:
+        hybrid_chunk_size(set_, 640, explicit=True, states=True)
+    assert "640" in str(exc.value)

@@ -58,8 +58,9 @@ class KVTierConfig:
     """All of kvtier's settings. Build one with ``load_config``."""
 
     chunk_size: int = _doc(
-        "Tokens per chunk (a multiple of the engine's block size; the default 256, where vLLM's "
-        "block size does not divide it, e.g. a Mamba hybrid's, becomes its next multiple).",
+        "Tokens per chunk (a multiple of the engine's block size; the default 256 becomes the "
+        "next multiple where vLLM's block size does not divide it, and a Mamba hybrid's "
+        "block size, which vLLM raises so one block holds a state).",
         default=256,
     )
     platform: str | None = _doc(

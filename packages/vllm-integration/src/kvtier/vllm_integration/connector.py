@@ -91,12 +91,6 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.config: KVTierConfig = load_config(overrides=extra)
         logs.configure(self.config.log_level)
         self.block_size = int(vllm_config.cache_config.block_size)
-        # A Mamba hybrid's block size is raised by vLLM (one block holds a state): the default
-        # chunk size follows it; a chunk size the user set must be a multiple.
-        explicit = self.config.chunk_size != KVTierConfig().chunk_size
-        chunk = hybrid_chunk_size(self.config, self.block_size, explicit)
-        if chunk != self.config.chunk_size:
-            self.config = dataclasses.replace(self.config, chunk_size=chunk)
         if self.config.offload == "lazy" and not vllm_config.cache_config.enable_prefix_caching:
             raise ConfigError(
                 "offload",
@@ -105,6 +99,14 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 "about to evict); turn prefix caching on or use offload=eager",
             )
         self.groups = cache_groups(kv_cache_config)
+        # A Mamba hybrid's block size is raised by vLLM (one block holds a state): the default
+        # chunk size follows it; a chunk size the user set must be a multiple.
+        explicit = self.config.chunk_size != KVTierConfig().chunk_size
+        chunk = hybrid_chunk_size(
+            self.config, self.block_size, explicit, states=bool(self.groups.mambas)
+        )
+        if chunk != self.config.chunk_size:
+            self.config = dataclasses.replace(self.config, chunk_size=chunk)
         check_hybrid(self.config, self.groups, warn=role == KVConnectorRole.SCHEDULER)
         engine_id = str(self._kv_transfer_config.engine_id)
         self._scheduler: SchedulerSide | None = None

@@ -310,21 +310,29 @@ def check_hybrid(config: KVTierConfig, groups: CacheGroups, *, warn: bool = True
         )
 
 
-def hybrid_chunk_size(config: KVTierConfig, block_size: int, explicit: bool) -> int:
-    """The chunk size to run with for vLLM's final ``block_size`` (a Mamba hybrid's is raised
-    by vLLM so one block holds a state: 640 or more): the configured one when it is a
-    multiple, else, when the user did not set it (``explicit``), the smallest multiple of the
-    block size at least as large; a ``ConfigError`` naming both otherwise."""
+def hybrid_chunk_size(
+    config: KVTierConfig, block_size: int, explicit: bool, states: bool = False
+) -> int:
+    """The chunk size to run with for vLLM's final ``block_size``: the configured one when it
+    is a multiple (a set value that is not is a ``ConfigError`` naming both). Left at the
+    default (not ``explicit``), a model with Mamba groups (``states``; vLLM raises its block
+    size so one block holds a state) chunks by the block: vLLM offers states at block
+    boundaries and kvtier stores them at chunk boundaries. Otherwise the default becomes the
+    smallest multiple of the block size at least as large."""
     c = config.chunk_size
-    if c % block_size == 0:
-        return c
     if explicit:
-        raise ConfigError("chunk_size", c, f"must be a multiple of vLLM's block size {block_size}")
-    chunk = -(-c // block_size) * block_size
-    logger.info(
-        "kvtier: chunk_size %d (the default) is not a multiple of vLLM's block size %d; using %d",
-        c,
-        block_size,
-        chunk,
-    )
+        if c % block_size:
+            raise ConfigError(
+                "chunk_size", c, f"must be a multiple of vLLM's block size {block_size}"
+            )
+        return c
+    chunk = block_size if states else -(-c // block_size) * block_size
+    if chunk != c:
+        logger.info(
+            "kvtier: chunk_size %d (the default) -> %d for vLLM's block size %d%s",
+            c,
+            chunk,
+            block_size,
+            " (a model with Mamba layers: one state per block boundary)" if states else "",
+        )
     return chunk
