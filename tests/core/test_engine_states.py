@@ -108,9 +108,14 @@ def test_without_its_state_a_load_loads_nothing() -> None:
                                                     torch.full((3,), -1)]), state_blocks=[30])  # fmt: skip
     assert not bool(mask.any()) and eng.stats.state_misses == 1
     assert all(torch.equal(a, b) for a, b in zip(views, before, strict=True))
-    with pytest.raises(ValueError, match="state_blocks"):
-        eng.retrieve(PROMPT[: n + 3], torch.cat([slots(list(range(20, 24)), n),
-                                                 torch.full((3,), -1)]))  # fmt: skip
+    # vLLM gave no block for the state: nothing loads either.
+    eng.store_state(PROMPT, n, [44])
+    target = torch.cat([slots(list(range(20, 24)), n), torch.full((3,), -1)])
+    assert not bool(eng.retrieve(PROMPT[: n + 3], target).any())
+    assert all(torch.equal(a, b) for a, b in zip(views, before, strict=True))
+    with eng.hold(PROMPT[: n + 3]) as hold:
+        assert hold.num_tokens == n
+        assert not bool(eng.retrieve(PROMPT[: n + 3], target, hold=hold).any())
 
 
 def test_a_state_key_never_decodes_as_kv_nor_a_chunk_key_as_a_state() -> None:

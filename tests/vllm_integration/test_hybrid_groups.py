@@ -354,3 +354,39 @@ def test_the_default_chunk_size_follows_vllms_block_size() -> None:
     with pytest.raises(ConfigError, match="chunk_size") as exc:
         hybrid_chunk_size(set_, 640, explicit=True, states=True)
     assert "640" in str(exc.value)
+
+
+def test_a_state_block_a_load_or_a_copy_writes_is_fenced() -> None:
+    """A save still reading an offered state block: a later step whose asynchronous load puts
+    another request's state into that block, or whose copy-on-write targets it, drains the
+    saves first."""
+    from kvtier.vllm_integration.messages import LoadSpec
+
+    hybrid = HybridBlocks(cache_groups(config(mamba(), full())), 32)
+    save = SaveSpec("r", np.zeros(64, dtype=np.int64), [1, 2], 0, None, [[1, 2]], [(64, [70])])
+    hybrid.take_offers(_offers({}))
+    hybrid.fence(KVTierMetadata(step=1, saves=[save]), _output(), copied_through=0)
+    load = LoadSpec("s", np.zeros(100, dtype=np.int64), [5, 6], 0, 64, None, 1, True, [[5, 6]])
+    load.states = [70]
+    step2 = KVTierMetadata(step=2, loads=[load])
+    hybrid.take_offers(_offers({}))
+    hybrid.fence(step2, _output(), copied_through=0)
+    assert step2.drain_saves
+    copy = SimpleNamespace(src_block_id=3, dst_block_id=70)
+    step3 = KVTierMetadata(step=3)
+    out = _output()
+    out.kv_cache_block_copies = [copy]
+    hybrid.take_offers(_offers({}))
+    hybrid.fence(step3, out, copied_through=0)
+    assert step3.drain_saves and hybrid.drains == 2
+
+
+def test_ranks_that_found_different_hits_disagree() -> None:
+    """A Mamba hybrid's hit needs every rank to hold the state at the same boundary (each
+    rank's hold keeps only the state at its own hit's end): the scheduler takes a hit only
+    from ranks that agree (``Probe.agreed``), else a miss."""
+    from kvtier.vllm_integration.scheduler.prompts import Probe
+
+    assert Probe(1, 0.0, {0: 1088, 1: 1088}).agreed
+    split = Probe(1, 0.0, {0: 1088, 1: 544})
+    assert not split.agreed and split.hit == 544  # what an attention-only model would load

@@ -195,8 +195,13 @@ class CacheEngine:
         """Look ``tokens`` up and keep the hit prefix's objects in host memory (see ``Hold``)."""
         prompt = self.spans.prompt(tokens, scope)
         hits, state = self._state_cut(prompt, self.spans.hits(prompt))
-        sources = self.chunk_sources([s.key for s in hits])
-        spans, objs = self._fetch_prefix(hits)
+        try:
+            sources = self.chunk_sources([s.key for s in hits])
+            spans, objs = self._fetch_prefix(hits)
+        except BaseException:
+            if state is not None:
+                state[1].release()
+            raise
         if state is not None and (not spans or spans[-1].end != state[0]):
             state[1].release()  # a chunk went missing since: no hit without its state
             release_all(objs)

@@ -32,6 +32,7 @@ from kvtier.core.platform import Marker, Platform
 from kvtier.core.prompt import PromptHashes
 from kvtier.core.slots import written
 from kvtier.core.storage import StorageManager
+from kvtier.core.store_writer import release_all
 
 
 class StateEntries:
@@ -124,20 +125,22 @@ class StateEntries:
         state_blocks: Sequence[int] | None,
     ) -> tuple[list[Transfer], torch.Tensor]:
         """A load's chunk ``transfers`` (writing ``mask``) and the state at the end of the
-        wanted tokens (``cpu_slots``), or nothing: attention pages without their state are of
-        no use, and a state must never be left half-loaded."""
-        if state_blocks is None:
-            raise ValueError("a load of a model with state groups needs state_blocks")
+        wanted tokens (``cpu_slots``), or nothing (an all-False mask; the transfers' objects
+        released): attention pages without their state are of no use, and a state must never
+        be left half-loaded. ``state_blocks`` None (vLLM gave no block for it) loads nothing."""
         want = written(cpu_slots)
         wanted = want.nonzero()
         end = int(wanted[-1]) + 1 if wanted.numel() else 0
         state = None
-        if end and bool(mask[:end][want[:end]].all()):
-            state = self.load(prompt, end, state_blocks, held)
+        try:
+            complete = bool(mask[:end][want[:end]].all())
+            if state_blocks is not None and end % self.chunk_size == 0 and complete:
+                state = self.load(prompt, end, state_blocks, held)
+        except BaseException:
+            release_all([t.obj for t in transfers])
+            raise
         if state is None:
-            for t in transfers:
-                if not t.obj.released:
-                    t.obj.release()
+            release_all([t.obj for t in transfers])
             return [], torch.zeros_like(mask)
         return [*transfers, state], mask
 

@@ -165,7 +165,8 @@ class HybridBlocks:
 def _written(meta: KVTierMetadata, output: SchedulerOutput, block_size: int) -> Iterable[int]:
     """Every block this step may write: newly scheduled requests' blocks past what they had
     computed (before it: vLLM's prefix-cache hits, read only; kvtier's loads are listed with
-    the loads), new blocks of every group, and the blocks of the loads it carries."""
+    the loads), new blocks of every group, the blocks of the loads it carries (their state
+    blocks too) and the targets of vLLM's block copies."""
     for new in output.scheduled_new_reqs:
         first = new.num_computed_tokens // block_size
         for ids in new.block_ids:
@@ -176,3 +177,7 @@ def _written(meta: KVTierMetadata, output: SchedulerOutput, block_size: int) -> 
     for load in meta.loads:
         for ids in load.groups or ():
             yield from ids
+        yield from load.states or ()  # a Mamba hybrid's state blocks the load writes
+    # Blocks vLLM fills by copying this step (a Mamba group's copy-on-write of a state).
+    for copy in getattr(output, "kv_cache_block_copies", None) or ():
+        yield copy.dst_block_id

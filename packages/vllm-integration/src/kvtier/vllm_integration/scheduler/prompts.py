@@ -53,6 +53,12 @@ class Probe:
             return 0
         return min(self.answers.values())
 
+    @property
+    def agreed(self) -> bool:
+        """Whether every rank found the same hit (a Mamba hybrid's hit needs it: each rank's
+        hold keeps only the state at its own hit's end)."""
+        return len(set(self.answers.values())) <= 1
+
 
 class PromptHashes(prompt.PromptHashes):
     """One prompt's hashes (``kvtier.core.prompt``, the ones ``CacheEngine`` keys chunks with)

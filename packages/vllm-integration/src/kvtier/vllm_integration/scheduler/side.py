@@ -208,7 +208,7 @@ class SchedulerSide:
         probe = self.lookups.probe(state, self._hashes(state), num_computed_tokens, most)
         if probe is None:
             return None, False  # not yet: the workers are looking
-        hit = min(probe.hit, most)
+        hit = min(probe.hit, most) if probe.agreed or not self.hybrid.groups.mambas else 0
         hit -= hit % bs
         if (
             waits
