@@ -72,8 +72,8 @@ HIT_SOURCES = {"local_cpu": CacheHitSource.HOST, "local_disk": CacheHitSource.DI
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """kvtier's vLLM connector; see the module docstring for what each side does.
 
-    ``SupportsHMA``: vLLM keeps its hybrid memory allocator on for hybrid models (sliding-window
-    and full attention groups, ``groups.py``) and calls ``request_finished_all_groups``."""
+    ``SupportsHMA``: vLLM keeps its hybrid memory allocator on for hybrid models (sliding-window,
+    Mamba and full attention groups, ``groups.py``) and calls ``request_finished_all_groups``."""
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig

@@ -49,7 +49,8 @@ class CacheGroups:
     group), ``primary`` the first full-attention group (its block ids stand for the
     request's blocks wherever one list is needed), ``windows`` the groups vLLM frees blocks
     of while a request runs (also for a one-group model whose layers are all sliding window:
-    ``kinds`` empty, ``windows`` ``(0,)``)."""
+    ``kinds`` empty, ``windows`` ``(0,)``), ``mambas`` the Mamba groups whose states are
+    stored as state entries (``rows``: the others, whose pages a chunk holds)."""
 
     kinds: tuple[str, ...] = ()
     primary: int = 0
@@ -211,7 +212,9 @@ def shared_views(
     """The primary group's layer names in vLLM's order (one view per shared tensor) and, for
     every layer of every group, the position of the tensor it lives in. Group ``g``'s ``i``-th
     layer must be a view of the same bytes as the primary group's ``i``-th (same address,
-    shape, strides, element type): else a ``LayoutError`` naming the two layers."""
+    shape, strides, element type; a Mamba group's, listed in ``mambas``, must keep each
+    block's state in the first bytes of that block's page: ``_holds_state``): else a
+    ``LayoutError`` naming the two layers."""
     groups = kv_cache_config.kv_cache_groups
     reps = list(groups[primary].layer_names)
     position: dict[str, int] = {}

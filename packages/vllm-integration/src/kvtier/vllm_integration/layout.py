@@ -15,7 +15,8 @@ resolved ``KVCacheLayout``. What kvtier needs comes from vLLM's own objects:
 
 The page positions themselves come from the views' strides (``kvtier.core.pages``). A hybrid
 model's groups (``groups.py``) share those views: kvtier moves the primary group's and keys the
-chunk rows by group. What kvtier cannot move (groups of another kind or geometry, a spec without
+chunk rows by group; a Mamba group's states sit in the same pages and are named by
+``KVLayout.states`` (state entries, ``kvtier.core.states``). What kvtier cannot move (groups of another kind or geometry, a spec without
 per-layer views) is a ``LayoutError`` naming it and what is supported.
 """
 
