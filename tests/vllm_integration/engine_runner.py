@@ -73,8 +73,8 @@ literally that. The spec:
   per prompt, "preemptions": vLLM's count so far}`` (one ``generate`` call: the prompts run
   together and, with few KV blocks, preempt each other; the count needs ``"log_stats": true``).
 - ``{"op": "engine_info"}`` (in-process only) -> ``{async_scheduling, scheduler, connector,
-  kv_cache_groups}``: what vLLM runs (the class names of its scheduler, of its scheduler-side
-  connector and of each KV cache group's spec).
+  kv_cache_groups, block_size}``: what vLLM runs (the class names of its scheduler, of its
+  scheduler-side connector and of each KV cache group's spec, and its final block size).
 - ``{"op": "host_tier_gb"}`` -> each worker's kvtier ``local_cpu_size_gb`` and its host arena's
   bytes, by rank (``collective_rpc``).
 """
@@ -593,6 +593,7 @@ def main(spec_path: str, out_path: str) -> None:
                         type(g.kv_cache_spec).__name__
                         for g in scheduler.kv_cache_config.kv_cache_groups
                     ],
+                    "block_size": scheduler.cache_config.block_size,
                 }
             )
         elif op == "host_tier_gb":

@@ -43,6 +43,7 @@ def test_hits_under_async_scheduling_equal_vllms_prefix_cache(run_engine) -> Non
         "scheduler": "AsyncScheduler",
         "connector": "NoneType",
         "kv_cache_groups": ["FullAttentionSpec"],
+        "block_size": 32,
     }
     assert [r.pop("cached_tokens") for r in reference[:3]] == [0, EXTENDED_HIT, FULL_HIT]
     config = {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.25, "save_decode_cache": True}

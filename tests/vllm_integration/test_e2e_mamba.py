@@ -2,13 +2,15 @@
 alternating Gated DeltaNet and full attention, which vLLM serves with its hybrid memory
 allocator (a Mamba group in "align" mode beside a full-attention group).
 
-vLLM raises the block size so one block holds a layer's state (544 with the runner's 32), and
-kvtier's default chunk follows it (544). Chunks hold the attention pages; the states vLLM
-offers at chunk boundaries are stored as state entries (``kvtier.core.states``); a hit ends
-where both exist. The reference is vLLM's own prefix cache on the same requests in the same
-run shape: its Mamba prefix cache also needs a state at the hit's end, and with prefill steps of
-544 tokens and ``prefix_cache_retention_interval=None`` it keeps one at every block, so it hits
-what kvtier hits. A hit from kvtier is forced by resetting vLLM's prefix cache before each
+vLLM raises the block size so one block holds a layer's state, and kvtier's default chunk
+follows it: 544 with the runner's 32 where vLLM keeps the SSM state in fp32 (its accelerated
+GDN kernels, AVX-512), 288 where it keeps it in bf16 (AVX2); the tests read it from vLLM.
+Chunks hold the attention pages; the states vLLM offers at chunk boundaries are stored as state
+entries (``kvtier.core.states``); a hit ends where both exist. The reference is vLLM's own
+prefix cache on the same requests in the same run shape: its Mamba prefix cache also needs a
+state at the hit's end, and with prefill steps of at most 544 tokens (block-aligned) and
+``prefix_cache_retention_interval=None`` it keeps one at every block, so it hits what kvtier
+hits. A hit from kvtier is forced by resetting vLLM's prefix cache before each
 request. Tokens and logprobs must be equal.
 """
 
@@ -25,25 +27,28 @@ RNG = random.Random(4321)
 A = [RNG.randrange(3, 3000) for _ in range(1700)]
 EXT = A + [RNG.randrange(3, 3000) for _ in range(300)]  # A continued: hits A's states
 DIV = A[:850] + [RNG.randrange(3, 3000) for _ in range(850)]  # diverges inside A's 2nd chunk
-BLOCK = 544  # vLLM's block size for this model with the runner's block_size=32
-HIT = (len(A) - 1) // BLOCK * BLOCK  # 1632: A's last state before its last token
 RESET = {"op": "reset_prefix_cache"}
 FLUSH = {"op": "flush"}
 GROUPS = ["MambaSpec", "FullAttentionSpec"]
 MODE = {"prefix_caching": True, "prefix_cache_retention_interval": None,
-        "max_num_batched_tokens": BLOCK}  # fmt: skip
+        "max_num_batched_tokens": 544}  # fmt: skip
 HOST = {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.25}
 
 
 @pytest.fixture(scope="module")
-def mamba_reference(run_engine, mamba_model_dir) -> dict[str, dict]:
-    """vLLM's own prefix cache, no kvtier: A cold, then A, EXT and DIV hitting A's states."""
+def mamba_reference(run_engine, mamba_model_dir) -> dict:
+    """vLLM's own prefix cache, no kvtier: A cold, then A, EXT and DIV hitting A's states; and
+    vLLM's block size with the hits it implies (``block``, ``hit``: A's last state before its
+    last token, ``div_hit``: the last state DIV shares)."""
     spec = {"model": str(mamba_model_dir), "kvtier": None, "report_cached_tokens": True, **MODE}
     info, *out = run_engine({**spec, "steps": [{"op": "engine_info"}, gen(A), gen(A),
                                                gen(EXT), gen(DIV)]})  # fmt: skip
     assert info["kv_cache_groups"] == GROUPS
-    assert [r.pop("cached_tokens") for r in out] == [0, HIT, HIT, BLOCK]
-    return dict(zip(("cold", "a", "ext", "div"), out, strict=True))
+    block = info["block_size"]
+    hit, div_hit = (len(A) - 1) // block * block, 850 // block * block
+    assert [r.pop("cached_tokens") for r in out] == [0, hit, hit, div_hit]
+    ref = dict(zip(("cold", "a", "ext", "div"), out, strict=True))
+    return {**ref, "block": block, "hit": hit, "div_hit": div_hit}
 
 
 def test_hits_equal_vllms_prefix_cache(run_engine, mamba_model_dir, mamba_reference) -> None:
@@ -57,10 +62,10 @@ def test_hits_equal_vllms_prefix_cache(run_engine, mamba_model_dir, mamba_refere
     assert info["kv_cache_groups"] == GROUPS and info["connector"] == "KVTierConnector"
     loaded = [s1["loaded_tokens"] - s0["loaded_tokens"], s2["loaded_tokens"] - s1["loaded_tokens"],
               s3["loaded_tokens"] - s2["loaded_tokens"]]  # fmt: skip
-    assert loaded == [HIT, HIT, BLOCK]
+    ref = mamba_reference
+    assert loaded == [ref["hit"], ref["hit"], ref["div_hit"]]
     for r in (cold, a, ext, div):
         r.pop("cached_tokens")
-    ref = mamba_reference
     assert [cold, a, ext, div] == [ref["cold"], ref["a"], ref["ext"], ref["div"]]
     assert s3["load_failed_blocks"] == 0 and s3["save_errors"] == 0
 
@@ -75,7 +80,8 @@ def test_a_restarted_engine_hits_from_disk(
     run_engine({**base, "steps": [gen(A), FLUSH]})
     out = run_engine({**base, "steps": [gen(A), STATS]})
     assert out[0] == mamba_reference["a"]
-    assert out[1]["loaded_tokens"] == HIT and out[1]["load_failed_blocks"] == 0
+    assert out[1]["loaded_tokens"] == mamba_reference["hit"]
+    assert out[1]["load_failed_blocks"] == 0
 
 
 def test_zeroed_states_change_the_answer(run_engine, mamba_model_dir, mamba_reference) -> None:
@@ -85,14 +91,15 @@ def test_zeroed_states_change_the_answer(run_engine, mamba_model_dir, mamba_refe
     zeroed Gated DeltaNet state moves the logprobs by ~0.015, less than zeroed attention KV.)"""
     steps = [gen(A), FLUSH, {"op": "corrupt", "prompt": A, "states": True}, RESET, gen(A), STATS]
     out = run_engine({"model": str(mamba_model_dir), "kvtier": HOST, "steps": steps, **MODE})
-    assert out[2] == 3  # the states at 544, 1088 and 1632
-    assert out[5]["loaded_tokens"] == HIT
+    ref = mamba_reference
+    assert out[2] == ref["hit"] // ref["block"]  # a state at every block up to the hit
+    assert out[5]["loaded_tokens"] == ref["hit"]
     assert logprob_gap(out[4], mamba_reference["a"]) > 0
 
 
 @pytest.mark.parametrize("mode", [{"multiprocess": True}, {"tp": 2}], ids=["multiprocess", "tp2"])
 def test_a_hit_equals_vllms_prefix_cache_across_processes(
-    run_engine, mamba_model_dir, mode
+    run_engine, mamba_model_dir, mamba_reference, mode
 ) -> None:
     """vLLM's multiprocess mode (scheduler and worker in two processes), and tensor
     parallelism 2 (each rank stores its own shard of the attention pages and of the Gated
@@ -102,14 +109,16 @@ def test_a_hit_equals_vllms_prefix_cache_across_processes(
     steps = [gen(A), FLUSH, RESET, gen(A), STATS]
     out = run_engine({**base, "kvtier": HOST, "steps": steps})
     assert [out[0], out[3]] == ref
-    assert out[4]["loaded_tokens"] == HIT and out[4]["load_failed_blocks"] == 0
+    assert out[4]["loaded_tokens"] == mamba_reference["hit"]
+    assert out[4]["load_failed_blocks"] == 0
 
 
 def test_a_prompt_without_a_state_at_its_prefix_does_not_hide_stored_chunks(
-    run_engine, mamba_model_dir
+    run_engine, mamba_model_dir, mamba_reference
 ) -> None:
-    """At vLLM's default batch A is prefilled as 1632 + 68 tokens: the only state is at 1632.
-    B shares A's first two chunks but ends before 1632, so no state ends a prefix of it: a miss
+    """At vLLM's default batch A is prefilled in one step up to its last block boundary (1632
+    with blocks of 544): the only state is there. B shares A's first 1200 tokens but ends
+    before it, so no state ends a prefix of it: a miss
     (as for vLLM's own prefix cache: no state there either). A again still hits all of its
     chunks (the probe's short answer for B does not hide them: test_hybrid_groups.py)."""
     b = A[:1200] + [RNG.randrange(3, 3000) for _ in range(400)]
@@ -118,7 +127,7 @@ def test_a_prompt_without_a_state_at_its_prefix_does_not_hide_stored_chunks(
     out = run_engine({"model": str(mamba_model_dir), "kvtier": HOST, "steps": steps, **mode})
     s0, s1, s2 = out[3], out[5], out[8]
     assert s1["loaded_tokens"] - s0["loaded_tokens"] == 0
-    assert s2["loaded_tokens"] - s1["loaded_tokens"] == HIT
+    assert s2["loaded_tokens"] - s1["loaded_tokens"] == mamba_reference["hit"]
 
 
 def test_verification_compares_the_attention_pages(
