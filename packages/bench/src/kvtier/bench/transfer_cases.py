@@ -129,20 +129,25 @@ def make_case(shape: str, paged: PagedLayout, chunks: int, arena: HostArena, see
 
 
 def check(case: Case, mover: PageMover, name: str) -> None:
-    """``mover``'s bytes equal the torch reference's (a store, then a load), or raise."""
+    """``mover``'s bytes equal the torch reference's (a store, then a load, twice: a mover's
+    first call in each direction compiles its kernels, the later ones may take another path),
+    or raise."""
     twin = vllm_views(case.layout, case.views[0].shape[0], "cuda")
     storage_bytes(twin[0]).copy_(storage_bytes(case.views[0]))
     ref = TorchPageMover(twin, case.layout, mover.num_blocks)
-    mover.store(case.stores())
-    got = [o.tensor.clone() for o in case.store_objs]
-    ref.store(case.stores())
-    if not all(torch.equal(a, o.tensor) for a, o in zip(got, case.store_objs, strict=True)):
-        raise AssertionError(f"{name}: stored bytes differ from the torch reference")
-    mover.load(case.loads())
-    ref.load(case.loads())
-    torch.cuda.synchronize()
-    if not torch.equal(storage_bytes(case.views[0]), storage_bytes(twin[0])):
-        raise AssertionError(f"{name}: loaded cache differs from the torch reference")
+    for _ in range(2):
+        for o in case.store_objs:
+            o.tensor.zero_()
+        mover.store(case.stores())
+        got = [o.tensor.clone() for o in case.store_objs]
+        ref.store(case.stores())
+        if not all(torch.equal(a, o.tensor) for a, o in zip(got, case.store_objs, strict=True)):
+            raise AssertionError(f"{name}: stored bytes differ from the torch reference")
+        mover.load(case.loads())
+        ref.load(case.loads())
+        torch.cuda.synchronize()
+        if not torch.equal(storage_bytes(case.views[0]), storage_bytes(twin[0])):
+            raise AssertionError(f"{name}: loaded cache differs from the torch reference")
 
 
 def device_slug(name: str) -> str:

@@ -34,7 +34,7 @@ _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _TILE_BYTES = 16 * 1024
 _NUM_WARPS = 4
 # copy_words: int64s one program copies.
-_COPY_BLOCK = 1024
+COPY_BLOCK = 1024
 # Triton's interpreter patches triton.language while a launch runs: one launch at a time.
 _INTERPRETER = threading.Lock()
 
@@ -237,14 +237,22 @@ class Kernels:
         pinned host memory, read in place."""
         if n <= 0:
             return
-        grid = (-(-n // _COPY_BLOCK), 1, 1)
-        consts = (_COPY_BLOCK,)
+        grid = (-(-n // COPY_BLOCK), 1, 1)
+        consts = (COPY_BLOCK,)
         if stream is None:
             self._first(_jit()[1], grid, (src, dst, start, n, *consts), stream)
             return
         s, d = src.data_ptr(), dst.data_ptr()
         key = ("words", s % 16 == 0, d % 16 == 0)
         self._run(key, _jit()[1], grid, (src, dst, start, n), (s, d, start, n), 2, consts, stream)
+
+    def kept_direct(self, kind: str, *, to_cache: bool = False, layers: int = 0) -> _Kept | None:
+        """The kept ``pages`` (``to_cache``, ``layers``) or ``words`` kernel for 16-byte aligned
+        buffers, where it is launched with ``cuLaunchKernel`` (its parameter array is then
+        written by ``kvtier.cuda.native``); None before its first launch or where it is not."""
+        key = ("pages", to_cache, layers, True, True) if kind == "pages" else ("words", True, True)
+        kept = self._kept.get(key)
+        return kept if kept is not None and kept.direct is not None else None
 
     def _run(
         self,

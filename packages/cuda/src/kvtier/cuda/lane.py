@@ -39,7 +39,7 @@ def _torch_raw_stream(index: int) -> int:
 
 # The caller's current stream as a raw handle: torch's private accessor costs ~0.3 us where
 # ``torch.cuda.current_stream()`` builds a Stream object (~3-9 us on a busy host).
-_get_raw_stream: Callable[[int], int] = getattr(
+current_raw_stream: Callable[[int], int] = getattr(
     torch._C, "_cuda_getCurrentRawStream", _torch_raw_stream
 )
 
@@ -212,7 +212,7 @@ class Lane:
         calling thread has queued on its current stream so far."""
         if self.gpu:
             assert self.index is not None
-            caller = _get_raw_stream(self.index)
+            caller = current_raw_stream(self.index)
             self.after.record(caller)
             self.after.wait_on(stream)
 
@@ -220,7 +220,7 @@ class Lane:
         """The calling thread's current stream waits (on the device) for ``event``."""
         if self.gpu:
             assert self.index is not None
-            event.wait_on(_get_raw_stream(self.index))
+            event.wait_on(current_raw_stream(self.index))
 
     def synchronize(self) -> None:
         """The host waits for all work this lane issued."""

@@ -41,8 +41,11 @@ import torch
 from kvtier.core.errors import LayoutError
 from kvtier.core.layout import KVLayout
 from kvtier.core.mover import PageMover, Transfer
-from kvtier.cuda.kernels import Geometry, Kernels
-from kvtier.cuda.lane import Lane
+from kvtier.cuda import native
+from kvtier.cuda.kernels import COPY_BLOCK, Geometry, Kernels
+from kvtier.cuda.lane import Lane, current_raw_stream
+from kvtier.cuda.memory import REGISTRATIONS
+from kvtier.cuda.native import NativeLane
 from kvtier.cuda.plan import Plan, plan_transfers
 
 # A call's first group: small, so its first DMA starts early; later groups grow by GROWTH up to a
@@ -134,15 +137,50 @@ class CUDAPageMover(PageMover):
         self._row = layout.num_layers * layout.page_bytes
         self._store = Lane(device, opts.staging_slots, opts.staging_slot_bytes)
         self._load = Lane(device, opts.staging_slots, opts.staging_slot_bytes)
+        self._natives: dict[bool, NativeLane] = {}
 
     # -- whole calls ---------------------------------------------------------------------------
     def store(self, transfers: Sequence[Transfer]) -> None:
         with _Call(self._store, self.options.staging_buffer) as lane:
-            self._whole(lane, transfers, store=True)
+            if not self._native_call(lane, transfers, store=True):
+                self._whole(lane, transfers, store=True)
 
     def load(self, transfers: Sequence[Transfer]) -> None:
         with _Call(self._load, self.options.staging_buffer) as lane:
-            self._whole(lane, transfers, store=False)
+            if not self._native_call(lane, transfers, store=False):
+                self._whole(lane, transfers, store=False)
+
+    def _native_call(self, lane: Lane, transfers: Sequence[Transfer], *, store: bool) -> bool:
+        """A whole call that fits one slot, through the native issuer (``kvtier.cuda.native``):
+        False where it does not fit, on a CPU device, before the direction's kernels are kept
+        (its first call), or where the issuer could not be built."""
+        if not lane.gpu:
+            return False
+        issuer = self._natives.get(store)
+        if issuer is None:
+            issuer = self._native_lane(lane, store=store)
+            if issuer is None:
+                return False
+        assert lane.index is not None
+        return issuer.call(
+            transfers, current_raw_stream(lane.index), REGISTRATIONS.cuts, store=store
+        )
+
+    def _native_lane(self, lane: Lane, *, store: bool) -> NativeLane | None:
+        lib = native.library()
+        layers = self.layout.num_layers
+        pages = self._kernels.kept_direct("pages", to_cache=not store, layers=layers)
+        words = self._kernels.kept_direct("words") if store else None
+        if lib is None or pages is None or (store and words is None):
+            return None
+        g = self.geometry
+        issuer = NativeLane(
+            lib, lane, words, pages,
+            grid_y=g.runs * g.tiles_per_run, layers=layers, words_block=COPY_BLOCK,
+            num_blocks=self.num_blocks, layout=self.layout,
+        )  # fmt: skip
+        self._natives[store] = issuer
+        return issuer
 
     def _whole(self, lane: Lane, transfers: Sequence[Transfer], *, store: bool) -> None:
         """The first transfers, up to ``PLAN_AHEAD_BYTES``, are checked and issued, then the

@@ -12,6 +12,7 @@ import torch
 
 from kvtier.core.errors import LayoutError
 from kvtier.core.layout import KVLayout
+from kvtier.core.memory import MemoryObjMeta
 from kvtier.core.mover import Transfer
 from kvtier.cuda.lane import Lane
 
@@ -39,6 +40,16 @@ class Plan:
         return self.ptrs[t] + (i - self.starts[t]) * row
 
 
+def object_mismatch(meta: MemoryObjMeta, n: int, layout: KVLayout) -> LayoutError:
+    """The error for a memory object whose shape or dtype is not ``n`` blocks of the layout's
+    chunk."""
+    chunk = (n, layout.num_layers, layout.page_bytes)
+    return LayoutError(
+        f"a memory object {meta.shape} {meta.dtype} does not match the layout's "
+        f"chunk {chunk} {layout.chunk_dtype} ({layout.describe()})"
+    )
+
+
 def plan_transfers(
     lane: Lane,
     transfers: Sequence[Transfer],
@@ -58,10 +69,7 @@ def plan_transfers(
         n = blocks.shape[0]
         meta = obj.meta  # the object's tensor is this shape and dtype
         if meta.shape != (n, *chunk) or meta.dtype != torch.uint8:
-            raise LayoutError(
-                f"a memory object {meta.shape} {meta.dtype} does not match the layout's "
-                f"chunk {(n, *chunk)} {layout.chunk_dtype} ({layout.describe()})"
-            )
+            raise object_mismatch(meta, n, layout)
         ptr = obj.tensor.data_ptr()
         if ptr != end and total:
             cuts.append(total)

@@ -1,0 +1,216 @@
+/* kvtier-cuda's native issuer: a whole mover call that fits one staging slot, planned and issued
+ * by one C call that Python makes with the GIL released (ctypes.CDLL).
+ *
+ * Why: measured on an H100 host, a 32 MiB call's Python planning and driver calls cost as much as
+ * a third of its DMA time, and two threads (vLLM's saver and forward threads) issued one after
+ * the other because the Python holding the GIL ran until its call waited (docs/cuda-performance.md).
+ *
+ * The driver's entry points come from Python as function pointers (the libcuda.so.1 that is
+ * already loaded), so this file needs no CUDA header and links nothing. The kernels are the
+ * Triton kernels the mover compiled and kept (kvtier.cuda.kernels): their parameter arrays are
+ * written here, in the layout the driver confirmed for them.
+ *
+ * kvt_plan is pure (no driver): it is tested on any machine against the Python planner.
+ */
+#include <stddef.h>
+#include <stdint.h>
+
+typedef int (*kvt_record_fn)(void *event, void *stream);
+typedef int (*kvt_wait_fn)(void *stream, void *event, unsigned flags);
+typedef int (*kvt_launch_fn)(void *function, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                             unsigned by, unsigned bz, unsigned shared, void *stream,
+                             void **params, void **extra);
+typedef int (*kvt_dtoh_fn)(void *dst, uint64_t src, size_t nbytes, void *stream);
+typedef int (*kvt_htod_fn)(uint64_t dst, const void *src, size_t nbytes, void *stream);
+typedef int (*kvt_sync_fn)(void *event);
+typedef int (*kvt_stream_sync_fn)(void *stream);
+
+typedef struct {
+  kvt_record_fn record;
+  kvt_wait_fn wait;
+  kvt_launch_fn launch;
+  kvt_dtoh_fn dtoh;
+  kvt_htod_fn htod;
+  kvt_sync_fn sync;
+  kvt_stream_sync_fn stream_sync;
+} kvt_driver;
+
+typedef struct {
+  void *function;
+  void **params; /* pointers to each parameter's value */
+  uint32_t block_x;
+  uint32_t shared;
+} kvt_kernel;
+
+/* One direction of one mover (a lane); Python fills it once, and `slot`/`done` per call. */
+typedef struct {
+  const kvt_driver *drv;
+  void *stream;        /* the lane's copy stream */
+  void *after;         /* event: the caller's stream at the call */
+  void *done;          /* event: the call's last work (the slot's `free` event) */
+  kvt_kernel ids;      /* copy_words: a store's ids, pinned host -> device */
+  kvt_kernel pages;    /* the gather (store) or scatter (load) */
+  uint32_t grid_y;     /* the pages kernel's programs per page */
+  uint32_t layers;
+  uint32_t words_block; /* copy_words' ids per program */
+  int64_t *ids_host;   /* pinned */
+  uint64_t ids_dev;
+  uint64_t slot;
+  int64_t row;         /* bytes of one block's every layer */
+  int64_t num_blocks;
+  const uint64_t *cuts; /* where host registrations begin and end, sorted */
+  int64_t ncuts;
+} kvt_lane;
+
+/* Which driver call failed (kvt_store/kvt_load return its CUresult, and set *failed). */
+enum { KVT_RECORD = 1, KVT_WAIT, KVT_LAUNCH_IDS, KVT_LAUNCH_PAGES, KVT_DTOH, KVT_HTOD, KVT_SYNC };
+
+/* Check `total` block ids (-1: skip the block) of `count` transfers whose host objects start at
+ * `addrs` (each block's row `row` bytes after the previous), write the kept ids to `ids_out` and
+ * the runs of kept blocks back to back in host memory to `runs` (host address, first kept index,
+ * blocks: at most `total` triples). Returns the kept count and sets *nruns; or -1 when an id is
+ * below -1 or at least `num_blocks`, with lohi = {lowest, highest} id. */
+int64_t kvt_plan(const int64_t *addrs, const int64_t *counts, int64_t count, const int64_t *ids,
+                 int64_t row, int64_t num_blocks, int64_t *ids_out, int64_t *runs, int64_t *nruns,
+                 int64_t *lohi) {
+  int64_t total = 0, lo = INT64_MAX, hi = INT64_MIN;
+  for (int64_t t = 0; t < count; t++) total += counts[t];
+  for (int64_t i = 0; i < total; i++) {
+    int64_t b = ids[i];
+    if (b < lo) lo = b;
+    if (b > hi) hi = b;
+  }
+  if (total && (lo < -1 || hi >= num_blocks)) {
+    lohi[0] = lo;
+    lohi[1] = hi;
+    return -1;
+  }
+  int64_t k = 0, r = 0, next = -1, i = 0;
+  for (int64_t t = 0; t < count; t++) {
+    for (int64_t j = 0; j < counts[t]; j++, i++) {
+      int64_t b = ids[i];
+      if (b < 0) continue;
+      int64_t host = addrs[t] + j * row;
+      if (r && host == next) {
+        runs[3 * (r - 1) + 2] += 1;
+      } else {
+        runs[3 * r] = host;
+        runs[3 * r + 1] = k;
+        runs[3 * r + 2] = 1;
+        r++;
+      }
+      next = host + row;
+      ids_out[k++] = b;
+    }
+  }
+  *nruns = r;
+  return k;
+}
+
+/* The first cut strictly above `a`. */
+static int64_t first_cut_after(const kvt_lane *l, uint64_t a) {
+  int64_t lo = 0, hi = l->ncuts;
+  while (lo < hi) {
+    int64_t mid = (lo + hi) / 2;
+    if (l->cuts[mid] <= a) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+/* The DMAs of the runs, each split where a host registration begins or ends. */
+static int copies(const kvt_lane *l, const int64_t *runs, int64_t nruns, int store, int *failed) {
+  const kvt_driver *d = l->drv;
+  for (int64_t r = 0; r < nruns; r++) {
+    uint64_t host = (uint64_t)runs[3 * r];
+    uint64_t dev = l->slot + (uint64_t)(runs[3 * r + 1] * l->row);
+    uint64_t end = host + (uint64_t)(runs[3 * r + 2] * l->row);
+    int64_t c = l->ncuts ? first_cut_after(l, host) : 0;
+    while (host < end) {
+      uint64_t stop = (c < l->ncuts && l->cuts[c] < end) ? l->cuts[c++] : end;
+      int res = store ? d->dtoh((void *)host, dev, stop - host, l->stream)
+                      : d->htod(dev, (const void *)host, stop - host, l->stream);
+      if (res) {
+        *failed = store ? KVT_DTOH : KVT_HTOD;
+        return res;
+      }
+      dev += stop - host;
+      host = stop;
+    }
+  }
+  return 0;
+}
+
+static void set_u64(void **params, int i, uint64_t v) { *(uint64_t *)params[i] = v; }
+static void set_i32(void **params, int i, int32_t v) { *(int32_t *)params[i] = v; }
+
+static int launch_pages(const kvt_lane *l, int64_t n) {
+  void **p = l->pages.params; /* cache, staging, ids, layer_offsets, run_offsets, first_entry, first_layer */
+  set_u64(p, 1, l->slot);
+  set_u64(p, 2, l->ids_dev);
+  set_i32(p, 5, 0);
+  set_i32(p, 6, 0);
+  return l->drv->launch(l->pages.function, (unsigned)(n * l->layers), l->grid_y, 1,
+                        l->pages.block_x, 1, 1, l->pages.shared, l->stream, p, NULL);
+}
+
+/* After an error, wait for what was queued (the host objects may go once this returns). */
+static int fail(const kvt_lane *l, int res) {
+  l->drv->stream_sync(l->stream);
+  return res;
+}
+
+/* A store: the copy stream waits for the caller's stream, the ids go to the device, one gather
+ * fills the slot, the DMAs copy it to the host objects; the host waits for it all when `wait`. */
+int kvt_store(const kvt_lane *l, void *caller, const int64_t *runs, int64_t nruns, int64_t n,
+              int wait, int *failed) {
+  const kvt_driver *d = l->drv;
+  int res;
+  if (n <= 0) return 0;
+  if ((res = d->record(l->after, caller))) return *failed = KVT_RECORD, res;
+  if ((res = d->wait(l->stream, l->after, 0))) return *failed = KVT_WAIT, res;
+  void **p = l->ids.params; /* src, dst, start, n */
+  set_u64(p, 0, (uint64_t)(uintptr_t)l->ids_host);
+  set_u64(p, 1, l->ids_dev);
+  set_i32(p, 2, 0);
+  set_i32(p, 3, (int32_t)n);
+  if ((res = d->launch(l->ids.function, (unsigned)((n + l->words_block - 1) / l->words_block), 1,
+                       1, l->ids.block_x, 1, 1, l->ids.shared, l->stream, p, NULL)))
+    return *failed = KVT_LAUNCH_IDS, fail(l, res);
+  if ((res = launch_pages(l, n))) return *failed = KVT_LAUNCH_PAGES, fail(l, res);
+  if ((res = copies(l, runs, nruns, 1, failed))) return fail(l, res);
+  if ((res = d->record(l->done, l->stream))) return *failed = KVT_RECORD, fail(l, res);
+  if (wait && (res = d->sync(l->done))) return *failed = KVT_SYNC, res;
+  return 0;
+}
+
+/* A load: the ids and the host objects go to the slot first, then the copy stream waits for the
+ * caller's stream and one scatter writes the cache. */
+int kvt_load(const kvt_lane *l, void *caller, const int64_t *runs, int64_t nruns, int64_t n,
+             int wait, int *failed) {
+  const kvt_driver *d = l->drv;
+  int res;
+  if (n <= 0) return 0;
+  if ((res = d->htod(l->ids_dev, l->ids_host, (size_t)(8 * n), l->stream)))
+    return *failed = KVT_HTOD, fail(l, res);
+  if ((res = copies(l, runs, nruns, 0, failed))) return fail(l, res);
+  if ((res = d->record(l->after, caller))) return *failed = KVT_RECORD, fail(l, res);
+  if ((res = d->wait(l->stream, l->after, 0))) return *failed = KVT_WAIT, fail(l, res);
+  if ((res = launch_pages(l, n))) return *failed = KVT_LAUNCH_PAGES, fail(l, res);
+  if ((res = d->record(l->done, l->stream))) return *failed = KVT_RECORD, fail(l, res);
+  if (wait && (res = d->sync(l->done))) return *failed = KVT_SYNC, res;
+  return 0;
+}
+
+/* kvt_plan then kvt_store or kvt_load, in one call: returns -1 (lohi set) for a bad id, else a
+ * CUresult (0: done) with *failed naming the driver call. */
+int64_t kvt_call(const kvt_lane *l, void *caller, int store, const int64_t *addrs,
+                 const int64_t *counts, int64_t count, const int64_t *ids, int64_t *runs,
+                 int64_t *lohi, int wait, int *failed) {
+  int64_t nruns = 0;
+  int64_t n = kvt_plan(addrs, counts, count, ids, l->row, l->num_blocks, l->ids_host, runs, &nruns,
+                       lohi);
+  if (n < 0) return -1;
+  return store ? kvt_store(l, caller, runs, nruns, n, wait, failed)
+               : kvt_load(l, caller, runs, nruns, n, wait, failed);
+}

@@ -1,0 +1,336 @@
+"""The native issuer's C code (``kvtier/cuda/_issue.c``) on any machine with a C compiler: its
+planning equals the Python planner's on random calls, and a call issues the same driver sequence
+as the Python one-slot path, its copies split where host registrations begin or end, through a
+driver table of Python callbacks that do the copies on host memory. On a GPU the mover's own tests
+and the conformance suite run it against the real driver (a mover's second call onwards)."""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+from collections.abc import Iterator
+from ctypes import CFUNCTYPE, c_int, c_size_t, c_uint, c_uint64, c_void_p
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import BLOCKS, Objects, make_layout, make_views, random_blocks, same_cache, twin
+from kvtier.core.layout import PagedLayout
+from kvtier.core.memory import HostArena, MemoryObjMeta
+from kvtier.core.mover import Transfer
+from kvtier.cuda import native
+from kvtier.cuda.lane import Lane
+from kvtier.cuda.plan import plan_transfers
+from kvtier.cuda.platform import CUDAPlatform
+
+LAYOUT = make_layout()
+ROW = LAYOUT.num_layers * LAYOUT.page_bytes
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    if native._compiler() is None:
+        pytest.skip("no C compiler here: the native issuer is not built")
+    return native.load(native.build(out_dir=tmp_path_factory.mktemp("native")))
+
+
+def test_a_second_build_reuses_the_library(lib: ctypes.CDLL, tmp_path: Path) -> None:
+    first = native.build(out_dir=tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert native.build(out_dir=tmp_path) == first and first.stat().st_mtime_ns == mtime
+
+
+def test_a_source_that_does_not_compile_is_an_oserror_naming_the_compiler(
+    lib: ctypes.CDLL, tmp_path: Path
+) -> None:
+    bad = tmp_path / "bad.c"
+    bad.write_text("int f( {\n")
+    with pytest.raises(OSError, match="failed"):
+        native.build(source=bad, out_dir=tmp_path / "out")
+
+
+def _objects(arena: HostArena, lengths: list[int]) -> list:  # type: ignore[type-arg]
+    objs = []
+    for n in lengths:
+        tokens = n * LAYOUT.block_size
+        obj = arena.allocate(MemoryObjMeta(LAYOUT.chunk_shape(tokens), torch.uint8, tokens))
+        assert obj is not None
+        objs.append(obj)
+    return objs
+
+
+def _c_plan(lib: ctypes.CDLL, transfers: list[Transfer], num_blocks: int):  # type: ignore[no-untyped-def]
+    count = len(transfers)
+    addrs = native.Int64s(count)
+    counts = native.Int64s(count)
+    for i, t in enumerate(transfers):
+        addrs.array[i] = t.obj.tensor.data_ptr()
+        counts.array[i] = t.blocks.shape[0]
+    ids = native.ids_tensor([t.blocks for t in transfers])
+    total = ids.numel()
+    out, runs, lohi = native.Int64s(total), native.Int64s(3 * total), native.Int64s(2)
+    nruns = ctypes.c_int64()
+    kept = lib.kvt_plan(
+        addrs.address, counts.address, count, ids.data_ptr(), ROW, num_blocks,
+        out.address, runs.address, ctypes.byref(nruns), lohi.address,
+    )  # fmt: skip
+    if kept < 0:
+        return None, (lohi.array[0], lohi.array[1])
+    triples = [tuple(runs.array[3 * r : 3 * r + 3]) for r in range(nruns.value)]
+    return list(out.array[:kept]), triples
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 4), min_size=1, max_size=6),
+    order=st.randoms(use_true_random=False),
+    skips=st.lists(st.booleans(), min_size=24, max_size=24),
+    bad=st.sampled_from([None, -2, BLOCKS]),
+)
+def test_planning_equals_the_python_planner(lib, lengths, order, skips, bad) -> None:  # type: ignore[no-untyped-def]
+    """Kept ids in order, runs of rows back to back in host memory (objects allocated one after
+    another and then shuffled), skipped blocks (-1) left out, and the same bad-id error."""
+    arena = HostArena.create(1 << 20)
+    objs = _objects(arena, lengths)
+    order.shuffle(objs)
+    perm = torch.randperm(BLOCKS, generator=torch.Generator().manual_seed(len(lengths)))
+    at, transfers = 0, []
+    for o in objs:
+        n = o.tensor.shape[0]
+        ids = perm[at : at + n].clone()
+        for j in range(n):
+            if skips[(at + j) % len(skips)]:
+                ids[j] = -1
+        at += n
+        transfers.append(Transfer(o, ids))
+    if bad is not None:
+        transfers[-1].blocks[-1] = bad
+    lane = Lane(torch.device("cpu"), 2, 1 << 16)
+    got_ids, got = _c_plan(lib, transfers, BLOCKS)
+    if bad is not None:
+        with pytest.raises(IndexError):
+            plan_transfers(lane, transfers, 0, LAYOUT, BLOCKS)
+        assert got_ids is None and (got[0] == bad or got[1] == bad)
+    else:
+        plan = plan_transfers(lane, transfers, 0, LAYOUT, BLOCKS)
+        assert got_ids == lane.ids_np[: plan.count].tolist()
+        bounds = [0, *plan.cuts, plan.count]
+        want = [(plan.host(a, ROW), a, b - a) for a, b in itertools.pairwise(bounds) if b > a]
+        assert got == want
+    for o in objs:
+        o.release()
+
+
+# -- issuing, through a driver table of callbacks ------------------------------------------------
+_RECORD = CFUNCTYPE(c_int, c_void_p, c_void_p)
+_WAIT = CFUNCTYPE(c_int, c_void_p, c_void_p, c_uint)
+_LAUNCH = CFUNCTYPE(c_int, c_void_p, *([c_uint] * 7), c_void_p, c_void_p, c_void_p)
+_DTOH = CFUNCTYPE(c_int, c_void_p, c_uint64, c_size_t, c_void_p)
+_HTOD = CFUNCTYPE(c_int, c_uint64, c_void_p, c_size_t, c_void_p)
+_SYNC = CFUNCTYPE(c_int, c_void_p)
+
+STREAM, CALLER, AFTER, DONE, IDS_FN, PAGES_FN = 0x51, 0x52, 0xE1, 0xE2, 0xF1, 0xF2
+
+
+class FakeDriver:
+    """Callbacks that log each call and do copies on host memory; ``fail_at``: the index of the
+    copy that fails (CUDA_ERROR_INVALID_VALUE)."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.log: list[tuple] = []
+        self.copies = 0
+        self.fail_at = fail_at
+
+        def copy(kind: str, dst: int, src: int, n: int) -> int:
+            self.log.append((kind, n))
+            self.copies += 1
+            if self.fail_at is not None and self.copies - 1 == self.fail_at:
+                return 1
+            ctypes.memmove(dst, src, n)
+            return 0
+
+        def launch(fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra):  # type: ignore[no-untyped-def]
+            p = ctypes.cast(params, ctypes.POINTER(c_void_p))
+            if fn == IDS_FN:
+                n = ctypes.cast(p[3], ctypes.POINTER(ctypes.c_int32))[0]
+                self.log.append(("launch ids", gx, n))
+            else:
+                slot = ctypes.cast(p[1], ctypes.POINTER(c_uint64))[0]
+                self.log.append(("launch pages", gx, gy, slot))
+            return 0
+
+        self.callbacks = [
+            _RECORD(lambda e, s: self.log.append(("record", e, s)) or 0),
+            _WAIT(lambda s, e, f: self.log.append(("wait", s, e)) or 0),
+            _LAUNCH(launch),
+            _DTOH(lambda d, s, n, st: copy("dtoh", d, s, n)),
+            _HTOD(lambda d, s, n, st: copy("htod", d, s, n)),
+            _SYNC(lambda e: self.log.append(("sync", e)) or 0),
+            _SYNC(lambda s: self.log.append(("stream sync", s)) or 0),
+        ]
+        self.table = native.DriverTable(*[ctypes.cast(c, c_void_p).value for c in self.callbacks])
+
+
+class Setup:
+    """A lane struct over host memory standing in for the device: a slot, id buffers, kernels
+    whose parameter arrays are host values."""
+
+    def __init__(self, drv: FakeDriver, total: int, cuts: tuple[int, ...]) -> None:
+        self.slot = torch.zeros(total * ROW, dtype=torch.uint8)
+        self.ids_host = torch.zeros(total, dtype=torch.int64)
+        self.ids_dev = torch.zeros(total, dtype=torch.int64)
+        self.values = [c_uint64() for _ in range(5)] + [ctypes.c_int32(), ctypes.c_int32()]
+        self.params = (c_void_p * 7)(*[ctypes.addressof(v) for v in self.values])
+        self.words = [c_uint64(), c_uint64(), ctypes.c_int32(), ctypes.c_int32()]
+        self.wparams = (c_void_p * 4)(*[ctypes.addressof(v) for v in self.words])
+        self.cuts = (c_uint64 * max(1, len(cuts)))(*cuts)
+        s = self.struct = native.LaneStruct()
+        s.drv, s.stream, s.after, s.done = ctypes.addressof(drv.table), STREAM, AFTER, DONE
+        s.ids = native.KernelStruct(IDS_FN, ctypes.addressof(self.wparams), 128, 0)
+        s.pages = native.KernelStruct(PAGES_FN, ctypes.addressof(self.params), 128, 0)
+        s.grid_y, s.layers, s.words_block = 3, LAYOUT.num_layers, 1024
+        s.ids_host, s.ids_dev = self.ids_host.data_ptr(), self.ids_dev.data_ptr()
+        s.slot, s.row, s.num_blocks = self.slot.data_ptr(), ROW, BLOCKS
+        s.cuts, s.ncuts = ctypes.addressof(self.cuts), len(cuts)
+
+    def call(self, lib: ctypes.CDLL, transfers: list[Transfer], *, store: bool) -> tuple[int, int]:
+        count = len(transfers)
+        addrs, counts = native.Int64s(count), native.Int64s(count)
+        for i, t in enumerate(transfers):
+            addrs.array[i], counts.array[i] = t.obj.tensor.data_ptr(), t.blocks.shape[0]
+        ids = native.ids_tensor([t.blocks for t in transfers])
+        runs, lohi, failed = native.Int64s(3 * ids.numel()), native.Int64s(2), c_int(0)
+        res = lib.kvt_call(
+            ctypes.addressof(self.struct), CALLER, store, addrs.address, counts.address, count,
+            ids.data_ptr(), runs.address, lohi.address, 1, ctypes.byref(failed),
+        )  # fmt: skip
+        return int(res), failed.value
+
+
+@pytest.fixture
+def objects() -> Iterator[tuple[HostArena, list]]:  # type: ignore[type-arg]
+    arena = HostArena.create(1 << 20)
+    objs = _objects(arena, [3, 2, 4])
+    yield arena, objs
+    for o in objs:
+        o.release()
+
+
+def _cut_inside(objs: list) -> int:  # type: ignore[type-arg]
+    """An address inside the second object's second row: a registration boundary there."""
+    return objs[1].tensor.data_ptr() + ROW + ROW // 2
+
+
+def test_a_store_issues_the_one_slot_sequence_and_splits_copies_at_cuts(lib, objects) -> None:  # type: ignore[no-untyped-def]
+    """The copy stream waits for the caller's stream, the ids kernel, one gather, the copies of
+    the slot's rows to the kept blocks' rows (one run per objects back to back, split at the cut),
+    the done event, the host's wait; the kept ids are the ones the kernels read."""
+    _, objs = objects
+    drv = FakeDriver()
+    setup = Setup(drv, 9, (_cut_inside(objs),))
+    setup.slot.copy_(torch.randint(0, 256, setup.slot.shape, dtype=torch.uint8))
+    blocks = [torch.tensor([5, 6, 7]), torch.tensor([-1, 9]), torch.tensor([1, 2, 3, 4])]
+    res, _ = setup.call(
+        lib, [Transfer(o, b) for o, b in zip(objs, blocks, strict=True)], store=True
+    )
+    assert res == 0
+    kept = 8
+    assert setup.ids_host[:kept].tolist() == [5, 6, 7, 9, 1, 2, 3, 4]
+    assert drv.log[:4] == [
+        ("record", AFTER, CALLER), ("wait", STREAM, AFTER), ("launch ids", 1, kept),
+        ("launch pages", kept * LAYOUT.num_layers, 3, setup.slot.data_ptr()),
+    ]  # fmt: skip
+    # object 1's rows, then object 2's second row and object 3's rows (back to back), split at the cut
+    copies = [e for e in drv.log if e[0] == "dtoh"]
+    assert [n for _, n in copies] == [3 * ROW, ROW // 2, ROW // 2 + 4 * ROW]
+    assert drv.log[-2:] == [("record", DONE, STREAM), ("sync", DONE)]
+    rows = setup.slot.view(9, ROW)[:kept]
+    got = [
+        objs[0].tensor.reshape(3, ROW),
+        objs[1].tensor.reshape(2, ROW)[1:],
+        objs[2].tensor.reshape(4, ROW),
+    ]
+    assert torch.equal(torch.cat(got), rows)
+
+
+def test_a_load_copies_first_then_waits_for_the_caller_and_scatters(lib, objects) -> None:  # type: ignore[no-untyped-def]
+    _, objs = objects
+    for o in objs:
+        o.tensor.copy_(torch.randint(0, 256, o.tensor.shape, dtype=torch.uint8))
+    drv = FakeDriver()
+    setup = Setup(drv, 9, ())
+    blocks = [torch.tensor([5, 6, -1]), torch.tensor([8, 9]), torch.tensor([1, 2, 3, 4])]
+    res, _ = setup.call(
+        lib, [Transfer(o, b) for o, b in zip(objs, blocks, strict=True)], store=False
+    )
+    assert res == 0
+    kinds = [e[0] for e in drv.log]
+    assert kinds == ["htod", "htod", "htod", "record", "wait", "launch pages", "record", "sync"]
+    assert drv.log[0] == ("htod", 8 * 8)  # the kept ids first
+    assert setup.ids_dev[:8].tolist() == [5, 6, 8, 9, 1, 2, 3, 4]
+    want = torch.cat(
+        [
+            objs[0].tensor.reshape(3, ROW)[:2],
+            objs[1].tensor.reshape(2, ROW),
+            objs[2].tensor.reshape(4, ROW),
+        ]
+    )
+    assert torch.equal(setup.slot.view(9, ROW)[:8], want)
+
+
+def test_a_failed_copy_waits_for_what_was_queued_and_names_the_call(lib, objects) -> None:  # type: ignore[no-untyped-def]
+    _, objs = objects
+    drv = FakeDriver(fail_at=0)
+    setup = Setup(drv, 9, (_cut_inside(objs),))
+    blocks = [torch.tensor([5, 6, 7]), torch.tensor([8, 9]), torch.tensor([1, 2, 3, 4])]
+    res, failed = setup.call(
+        lib, [Transfer(o, b) for o, b in zip(objs, blocks, strict=True)], store=True
+    )
+    assert (res, native._FAILED[failed]) == (1, "cuMemcpyDtoHAsync")
+    assert drv.log[-1] == ("stream sync", STREAM) and ("sync", DONE) not in drv.log
+
+
+def test_a_bad_id_issues_nothing(lib, objects) -> None:  # type: ignore[no-untyped-def]
+    _, objs = objects
+    drv = FakeDriver()
+    setup = Setup(drv, 9, ())
+    blocks = [torch.tensor([5, 6, 7]), torch.tensor([8, BLOCKS]), torch.tensor([1, 2, 3, -3])]
+    res, _ = setup.call(
+        lib, [Transfer(o, b) for o, b in zip(objs, blocks, strict=True)], store=True
+    )
+    assert res == -1 and drv.log == []
+
+
+# -- on a GPU: the mover's calls after its first -------------------------------------------------
+@pytest.mark.parametrize("paged", [PagedLayout.LBHNC, PagedLayout.BLNHC, PagedLayout.BHLNC])
+def test_a_movers_later_calls_go_native_with_exact_bytes(device, arena, paged) -> None:  # type: ignore[no-untyped-def]
+    """Rounds of a store and a load, skipped blocks among them, equal the torch reference; from
+    the second round on both directions run through the native issuer."""
+    if device.type != "cuda":
+        pytest.skip("the native issuer runs on a GPU (on a CPU device calls run in Python)")
+    if native.library() is None:
+        pytest.fail("the native issuer was not built on this GPU machine")
+    layout = make_layout(paged)
+    mover = CUDAPlatform().create_mover(make_views(layout, device, 3), layout, num_blocks=BLOCKS)
+    ref = twin(mover.kv_caches, layout)
+    lengths = [3, 1, 4, 2]
+    for r in range(3):
+        blocks = random_blocks(lengths, seed=10 + r)
+        blocks[r % len(lengths)][0] = -1
+        mine, theirs = Objects(arena, layout, lengths, r), Objects(arena, layout, lengths, r)
+        mover.store(mine.transfers(blocks))
+        ref.store(theirs.transfers(blocks))
+        assert all(
+            torch.equal(a, b) for a, b in zip(mine.snapshot(), theirs.snapshot(), strict=True)
+        )
+        into = random_blocks(lengths, seed=20 + r)
+        into[-1][-1] = -1
+        objs = Objects(arena, layout, lengths, 30 + r)
+        mover.load(objs.transfers(into))
+        ref.load(objs.transfers(into))
+        torch.cuda.synchronize()
+        assert same_cache(mover, ref)
+        assert (set(mover._natives) == {True, False}) == (r > 0)
