@@ -93,7 +93,7 @@ def _c_plan(lib: ctypes.CDLL, transfers: list[Transfer], num_blocks: int):  # ty
 def test_planning_equals_the_python_planner(lib, lengths, order, skips, bad) -> None:  # type: ignore[no-untyped-def]
     """Kept ids in order, runs of rows back to back in host memory (objects allocated one after
     another and then shuffled), skipped blocks (-1) left out, and the same bad-id error."""
-    arena = HostArena.create(1 << 20)
+    arena = HostArena.create(32 * ROW)
     objs = _objects(arena, lengths)
     order.shuffle(objs)
     perm = torch.randperm(BLOCKS, generator=torch.Generator().manual_seed(len(lengths)))
@@ -212,7 +212,7 @@ class Setup:
 
 @pytest.fixture
 def objects() -> Iterator[tuple[HostArena, list]]:  # type: ignore[type-arg]
-    arena = HostArena.create(1 << 20)
+    arena = HostArena.create(32 * ROW)
     objs = _objects(arena, [3, 2, 4])
     yield arena, objs
     for o in objs:

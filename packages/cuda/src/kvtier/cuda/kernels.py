@@ -248,11 +248,18 @@ class Kernels:
 
     def kept_direct(self, kind: str, *, to_cache: bool = False, layers: int = 0) -> _Kept | None:
         """The kept ``pages`` (``to_cache``, ``layers``) or ``words`` kernel for 16-byte aligned
-        buffers, where it is launched with ``cuLaunchKernel`` (its parameter array is then
-        written by ``kvtier.cuda.native``); None before its first launch or where it is not."""
+        buffers, where it is launched with ``cuLaunchKernel``, its parameters that no call
+        changes set (the others are written by ``kvtier.cuda.native`` at each call); None before
+        its first launch or where it is not launched that way."""
         key = ("pages", to_cache, layers, True, True) if kind == "pages" else ("words", True, True)
         kept = self._kept.get(key)
-        return kept if kept is not None and kept.direct is not None else None
+        if kept is None or kept.direct is None:
+            return None
+        if kind == "pages":  # the parameters no call changes: cache, layer and run offsets
+            c, lo, ro = self._fixed
+            for i, v in ((0, c), (3, lo), (4, ro)):
+                kept.values[i].value = v
+        return kept
 
     def _run(
         self,
