@@ -132,7 +132,8 @@ _DTOH = CFUNCTYPE(c_int, c_void_p, c_uint64, c_size_t, c_void_p)
 _HTOD = CFUNCTYPE(c_int, c_uint64, c_void_p, c_size_t, c_void_p)
 _SYNC = CFUNCTYPE(c_int, c_void_p)
 
-STREAM, CALLER, AFTER, DONE, IDS_FN, PAGES_FN = 0x51, 0x52, 0xE1, 0xE2, 0xF1, 0xF2
+STREAM, KSTREAM, CALLER, IDS_FN, PAGES_FN = 0x51, 0x53, 0x52, 0xF1, 0xF2
+AFTER, PART1, PART2, DONE = 0xE1, 0xE3, 0xE4, 0xE2
 
 
 class FakeDriver:
@@ -144,8 +145,8 @@ class FakeDriver:
         self.copies = 0
         self.fail_at = fail_at
 
-        def copy(kind: str, dst: int, src: int, n: int) -> int:
-            self.log.append((kind, n))
+        def copy(kind: str, dst: int, src: int, n: int, stream: int) -> int:
+            self.log.append((kind, stream, n))
             self.copies += 1
             if self.fail_at is not None and self.copies - 1 == self.fail_at:
                 return 1
@@ -156,18 +157,19 @@ class FakeDriver:
             p = ctypes.cast(params, ctypes.POINTER(c_void_p))
             if fn == IDS_FN:
                 n = ctypes.cast(p[3], ctypes.POINTER(ctypes.c_int32))[0]
-                self.log.append(("launch ids", gx, n))
+                self.log.append(("launch ids", stream, gx, n))
             else:
                 slot = ctypes.cast(p[1], ctypes.POINTER(c_uint64))[0]
-                self.log.append(("launch pages", gx, gy, slot))
+                first = ctypes.cast(p[5], ctypes.POINTER(ctypes.c_int32))[0]
+                self.log.append(("launch pages", stream, gx, gy, slot, first))
             return 0
 
         self.callbacks = [
             _RECORD(lambda e, s: self.log.append(("record", e, s)) or 0),
             _WAIT(lambda s, e, f: self.log.append(("wait", s, e)) or 0),
             _LAUNCH(launch),
-            _DTOH(lambda d, s, n, st: copy("dtoh", d, s, n)),
-            _HTOD(lambda d, s, n, st: copy("htod", d, s, n)),
+            _DTOH(lambda d, s, n, st: copy("dtoh", d, s, n, st)),
+            _HTOD(lambda d, s, n, st: copy("htod", d, s, n, st)),
             _SYNC(lambda e: self.log.append(("sync", e)) or 0),
             _SYNC(lambda s: self.log.append(("stream sync", s)) or 0),
         ]
@@ -188,7 +190,8 @@ class Setup:
         self.wparams = (c_void_p * 4)(*[ctypes.addressof(v) for v in self.words])
         self.cuts = (c_uint64 * max(1, len(cuts)))(*cuts)
         s = self.struct = native.LaneStruct()
-        s.drv, s.stream, s.after, s.done = ctypes.addressof(drv.table), STREAM, AFTER, DONE
+        s.drv, s.stream, s.kstream = ctypes.addressof(drv.table), STREAM, KSTREAM
+        s.after, s.part1, s.part2, s.done = AFTER, PART1, PART2, DONE
         s.ids = native.KernelStruct(IDS_FN, ctypes.addressof(self.wparams), 128, 0)
         s.pages = native.KernelStruct(PAGES_FN, ctypes.addressof(self.params), 128, 0)
         s.grid_y, s.layers, s.words_block = 3, LAYOUT.num_layers, 1024
@@ -224,10 +227,13 @@ def _cut_inside(objs: list) -> int:  # type: ignore[type-arg]
     return objs[1].tensor.data_ptr() + ROW + ROW // 2
 
 
-def test_a_store_issues_the_one_slot_sequence_and_splits_copies_at_cuts(lib, objects) -> None:  # type: ignore[no-untyped-def]
-    """The copy stream waits for the caller's stream, the ids kernel, one gather, the copies of
-    the slot's rows to the kept blocks' rows (one run per objects back to back, split at the cut),
-    the done event, the host's wait; the kept ids are the ones the kernels read."""
+def test_a_store_gathers_a_small_first_part_then_the_rest_while_the_first_is_copied(
+    lib, objects
+) -> None:  # type: ignore[no-untyped-def]
+    """The kernel stream waits for the caller's stream, copies the ids, gathers the first
+    sixteenth of the rows, then the rest; the copy stream copies each part once it is gathered
+    (one copy per run of rows back to back in host memory, split at the registration cut), then
+    the done event and the host's wait. The kept ids are the ones the kernels read."""
     _, objs = objects
     drv = FakeDriver()
     setup = Setup(drv, 9, (_cut_inside(objs),))
@@ -237,16 +243,18 @@ def test_a_store_issues_the_one_slot_sequence_and_splits_copies_at_cuts(lib, obj
         lib, [Transfer(o, b) for o, b in zip(objs, blocks, strict=True)], store=True
     )
     assert res == 0
-    kept = 8
+    kept, layers, slot = 8, LAYOUT.num_layers, setup.slot.data_ptr()
     assert setup.ids_host[:kept].tolist() == [5, 6, 7, 9, 1, 2, 3, 4]
-    assert drv.log[:4] == [
-        ("record", AFTER, CALLER), ("wait", STREAM, AFTER), ("launch ids", 1, kept),
-        ("launch pages", kept * LAYOUT.num_layers, 3, setup.slot.data_ptr()),
+    # rows: object 1's three, then object 2's second and object 3's four (back to back)
+    assert drv.log == [
+        ("record", AFTER, CALLER), ("wait", KSTREAM, AFTER), ("launch ids", KSTREAM, 1, kept),
+        ("launch pages", KSTREAM, 1 * layers, 3, slot, 0), ("record", PART1, KSTREAM),
+        ("launch pages", KSTREAM, 7 * layers, 3, slot + ROW, 1), ("record", PART2, KSTREAM),
+        ("wait", STREAM, PART1), ("dtoh", STREAM, ROW),
+        ("wait", STREAM, PART2), ("dtoh", STREAM, 2 * ROW),
+        ("dtoh", STREAM, ROW // 2), ("dtoh", STREAM, ROW // 2 + 4 * ROW),
+        ("record", DONE, STREAM), ("sync", DONE),
     ]  # fmt: skip
-    # object 1's rows, then object 2's second row and object 3's rows (back to back), split at the cut
-    copies = [e for e in drv.log if e[0] == "dtoh"]
-    assert [n for _, n in copies] == [3 * ROW, ROW // 2, ROW // 2 + 4 * ROW]
-    assert drv.log[-2:] == [("record", DONE, STREAM), ("sync", DONE)]
     rows = setup.slot.view(9, ROW)[:kept]
     got = [
         objs[0].tensor.reshape(3, ROW),
@@ -256,7 +264,11 @@ def test_a_store_issues_the_one_slot_sequence_and_splits_copies_at_cuts(lib, obj
     assert torch.equal(torch.cat(got), rows)
 
 
-def test_a_load_copies_first_then_waits_for_the_caller_and_scatters(lib, objects) -> None:  # type: ignore[no-untyped-def]
+def test_a_load_copies_both_parts_in_and_scatters_each_after_the_callers_stream(
+    lib, objects
+) -> None:  # type: ignore[no-untyped-def]
+    """The ids and the rows go in first (the last sixteenth of the rows as a second part); the
+    kernel stream waits for the caller's stream and scatters each part once it is in."""
     _, objs = objects
     for o in objs:
         o.tensor.copy_(torch.randint(0, 256, o.tensor.shape, dtype=torch.uint8))
@@ -267,9 +279,15 @@ def test_a_load_copies_first_then_waits_for_the_caller_and_scatters(lib, objects
         lib, [Transfer(o, b) for o, b in zip(objs, blocks, strict=True)], store=False
     )
     assert res == 0
-    kinds = [e[0] for e in drv.log]
-    assert kinds == ["htod", "htod", "htod", "record", "wait", "launch pages", "record", "sync"]
-    assert drv.log[0] == ("htod", 8 * 8)  # the kept ids first
+    layers, slot = LAYOUT.num_layers, setup.slot.data_ptr()
+    assert drv.log == [
+        ("htod", STREAM, 8 * 8), ("htod", STREAM, 2 * ROW), ("htod", STREAM, 5 * ROW),
+        ("record", PART1, STREAM), ("htod", STREAM, ROW), ("record", PART2, STREAM),
+        ("record", AFTER, CALLER), ("wait", KSTREAM, AFTER), ("wait", KSTREAM, PART1),
+        ("launch pages", KSTREAM, 7 * layers, 3, slot, 0),
+        ("wait", KSTREAM, PART2), ("launch pages", KSTREAM, 1 * layers, 3, slot + 7 * ROW, 7),
+        ("record", DONE, KSTREAM), ("sync", DONE),
+    ]  # fmt: skip
     assert setup.ids_dev[:8].tolist() == [5, 6, 8, 9, 1, 2, 3, 4]
     want = torch.cat(
         [
@@ -281,6 +299,16 @@ def test_a_load_copies_first_then_waits_for_the_caller_and_scatters(lib, objects
     assert torch.equal(setup.slot.view(9, ROW)[:8], want)
 
 
+def test_one_row_is_one_part(lib, objects) -> None:  # type: ignore[no-untyped-def]
+    _, objs = objects
+    drv = FakeDriver()
+    setup = Setup(drv, 9, ())
+    res, _ = setup.call(lib, [Transfer(objs[1], torch.tensor([-1, 4]))], store=True)
+    assert res == 0
+    kinds = [e[0] for e in drv.log]
+    assert kinds.count("launch pages") == 1 and ("record", PART2, KSTREAM) not in drv.log
+
+
 def test_a_failed_copy_waits_for_what_was_queued_and_names_the_call(lib, objects) -> None:  # type: ignore[no-untyped-def]
     _, objs = objects
     drv = FakeDriver(fail_at=0)
@@ -290,7 +318,8 @@ def test_a_failed_copy_waits_for_what_was_queued_and_names_the_call(lib, objects
         lib, [Transfer(o, b) for o, b in zip(objs, blocks, strict=True)], store=True
     )
     assert (res, native._FAILED[failed]) == (1, "cuMemcpyDtoHAsync")
-    assert drv.log[-1] == ("stream sync", STREAM) and ("sync", DONE) not in drv.log
+    assert drv.log[-2:] == [("stream sync", STREAM), ("stream sync", KSTREAM)]
+    assert ("sync", DONE) not in drv.log
 
 
 def test_a_bad_id_issues_nothing(lib, objects) -> None:  # type: ignore[no-untyped-def]

@@ -42,11 +42,14 @@ typedef struct {
   uint32_t shared;
 } kvt_kernel;
 
-/* One direction of one mover (a lane); Python fills it once, and `slot`/`done` per call. */
+/* One direction of one mover (a lane); Python fills it once, and `slot`/`done` per call. A call
+ * goes in two parts (kvt_store, kvt_load): the kernel of one overlaps the DMAs of the other. */
 typedef struct {
   const kvt_driver *drv;
   void *stream;        /* the lane's copy stream */
+  void *kstream;       /* the lane's kernel stream */
   void *after;         /* event: the caller's stream at the call */
+  void *part1, *part2; /* events: each part gathered (store) or copied in (load) */
   void *done;          /* event: the call's last work (the slot's `free` event) */
   kvt_kernel ids;      /* copy_words: a store's ids, pinned host -> device */
   kvt_kernel pages;    /* the gather (store) or scatter (load) */
@@ -118,13 +121,18 @@ static int64_t first_cut_after(const kvt_lane *l, uint64_t a) {
   return lo;
 }
 
-/* The DMAs of the runs, each split where a host registration begins or ends. */
-static int copies(const kvt_lane *l, const int64_t *runs, int64_t nruns, int store, int *failed) {
+/* The DMAs of kept rows [a, b) of the runs, each split where a host registration begins or
+ * ends. */
+static int copies(const kvt_lane *l, const int64_t *runs, int64_t nruns, int64_t a, int64_t b,
+                  int store, int *failed) {
   const kvt_driver *d = l->drv;
   for (int64_t r = 0; r < nruns; r++) {
-    uint64_t host = (uint64_t)runs[3 * r];
-    uint64_t dev = l->slot + (uint64_t)(runs[3 * r + 1] * l->row);
-    uint64_t end = host + (uint64_t)(runs[3 * r + 2] * l->row);
+    int64_t k0 = runs[3 * r + 1], lo = k0 > a ? k0 : a;
+    int64_t hi = k0 + runs[3 * r + 2] < b ? k0 + runs[3 * r + 2] : b;
+    if (lo >= hi) continue;
+    uint64_t host = (uint64_t)(runs[3 * r] + (lo - k0) * l->row);
+    uint64_t dev = l->slot + (uint64_t)(lo * l->row);
+    uint64_t end = host + (uint64_t)((hi - lo) * l->row);
     int64_t c = l->ncuts ? first_cut_after(l, host) : 0;
     while (host < end) {
       uint64_t stop = (c < l->ncuts && l->cuts[c] < end) ? l->cuts[c++] : end;
@@ -144,60 +152,101 @@ static int copies(const kvt_lane *l, const int64_t *runs, int64_t nruns, int sto
 static void set_u64(void **params, int i, uint64_t v) { *(uint64_t *)params[i] = v; }
 static void set_i32(void **params, int i, int32_t v) { *(int32_t *)params[i] = v; }
 
-static int launch_pages(const kvt_lane *l, int64_t n) {
+/* The gather (store) or scatter (load) of kept rows [first, first + count) on the kernel
+ * stream: the kernel's staging starts at the part's first row, its ids at `first` (the driver
+ * copies the parameter values at the launch). */
+static int launch_pages(const kvt_lane *l, int64_t first, int64_t count) {
   void **p = l->pages.params; /* cache, staging, ids, layer_offsets, run_offsets, first_entry, first_layer */
-  set_u64(p, 1, l->slot);
+  set_u64(p, 1, l->slot + (uint64_t)(first * l->row));
   set_u64(p, 2, l->ids_dev);
-  set_i32(p, 5, 0);
+  set_i32(p, 5, (int32_t)first);
   set_i32(p, 6, 0);
-  return l->drv->launch(l->pages.function, (unsigned)(n * l->layers), l->grid_y, 1,
-                        l->pages.block_x, 1, 1, l->pages.shared, l->stream, p, NULL);
+  return l->drv->launch(l->pages.function, (unsigned)(count * l->layers), l->grid_y, 1,
+                        l->pages.block_x, 1, 1, l->pages.shared, l->kstream, p, NULL);
 }
 
 /* After an error, wait for what was queued (the host objects may go once this returns). */
 static int fail(const kvt_lane *l, int res) {
   l->drv->stream_sync(l->stream);
+  l->drv->stream_sync(l->kstream);
   return res;
 }
 
-/* A store: the copy stream waits for the caller's stream, the ids go to the device, one gather
- * fills the slot, the DMAs copy it to the host objects; the host waits for it all when `wait`. */
+/* A call's kept rows in two parts, so that the DMAs of one overlap the kernel of the other: the
+ * part whose kernel nothing hides (a store's first gather, a load's last scatter) is about a
+ * sixteenth of the rows. One part where the second would start at an address the kernel was not
+ * compiled for (rows of a size that is not a multiple of 16 bytes). */
+static int64_t small_part(const kvt_lane *l, int64_t n) {
+  int64_t m = (n + 15) / 16;
+  return n < 2 || (m * l->row) % 16 || ((n - m) * l->row) % 16 ? n : m;
+}
+
+#define CHECK(call, step)                                                                       \
+  do {                                                                                         \
+    if ((res = (call))) return *failed = (step), fail(l, res);                                 \
+  } while (0)
+
+/* A store: the kernel stream waits for the caller's stream, copies the ids to the device and
+ * gathers the two parts into the slot; the copy stream DMAs each part to the host objects once
+ * it is gathered. The host waits for it all when `wait`. */
 int kvt_store(const kvt_lane *l, void *caller, const int64_t *runs, int64_t nruns, int64_t n,
               int wait, int *failed) {
   const kvt_driver *d = l->drv;
   int res;
   if (n <= 0) return 0;
-  if ((res = d->record(l->after, caller))) return *failed = KVT_RECORD, res;
-  if ((res = d->wait(l->stream, l->after, 0))) return *failed = KVT_WAIT, res;
+  int64_t m = small_part(l, n);
+  CHECK(d->record(l->after, caller), KVT_RECORD);
+  CHECK(d->wait(l->kstream, l->after, 0), KVT_WAIT);
   void **p = l->ids.params; /* src, dst, start, n */
   set_u64(p, 0, (uint64_t)(uintptr_t)l->ids_host);
   set_u64(p, 1, l->ids_dev);
   set_i32(p, 2, 0);
   set_i32(p, 3, (int32_t)n);
-  if ((res = d->launch(l->ids.function, (unsigned)((n + l->words_block - 1) / l->words_block), 1,
-                       1, l->ids.block_x, 1, 1, l->ids.shared, l->stream, p, NULL)))
-    return *failed = KVT_LAUNCH_IDS, fail(l, res);
-  if ((res = launch_pages(l, n))) return *failed = KVT_LAUNCH_PAGES, fail(l, res);
-  if ((res = copies(l, runs, nruns, 1, failed))) return fail(l, res);
-  if ((res = d->record(l->done, l->stream))) return *failed = KVT_RECORD, fail(l, res);
+  CHECK(d->launch(l->ids.function, (unsigned)((n + l->words_block - 1) / l->words_block), 1, 1,
+                  l->ids.block_x, 1, 1, l->ids.shared, l->kstream, p, NULL),
+        KVT_LAUNCH_IDS);
+  CHECK(launch_pages(l, 0, m), KVT_LAUNCH_PAGES);
+  CHECK(d->record(l->part1, l->kstream), KVT_RECORD);
+  if (m < n) {
+    CHECK(launch_pages(l, m, n - m), KVT_LAUNCH_PAGES);
+    CHECK(d->record(l->part2, l->kstream), KVT_RECORD);
+  }
+  CHECK(d->wait(l->stream, l->part1, 0), KVT_WAIT);
+  if ((res = copies(l, runs, nruns, 0, m, 1, failed))) return fail(l, res);
+  if (m < n) {
+    CHECK(d->wait(l->stream, l->part2, 0), KVT_WAIT);
+    if ((res = copies(l, runs, nruns, m, n, 1, failed))) return fail(l, res);
+  }
+  CHECK(d->record(l->done, l->stream), KVT_RECORD);
   if (wait && (res = d->sync(l->done))) return *failed = KVT_SYNC, res;
   return 0;
 }
 
-/* A load: the ids and the host objects go to the slot first, then the copy stream waits for the
- * caller's stream and one scatter writes the cache. */
+/* A load: the copy stream DMAs the ids and the two parts into the slot; the kernel stream waits
+ * for the caller's stream and scatters each part once it is in. */
 int kvt_load(const kvt_lane *l, void *caller, const int64_t *runs, int64_t nruns, int64_t n,
              int wait, int *failed) {
   const kvt_driver *d = l->drv;
   int res;
   if (n <= 0) return 0;
-  if ((res = d->htod(l->ids_dev, l->ids_host, (size_t)(8 * n), l->stream)))
-    return *failed = KVT_HTOD, fail(l, res);
-  if ((res = copies(l, runs, nruns, 0, failed))) return fail(l, res);
-  if ((res = d->record(l->after, caller))) return *failed = KVT_RECORD, fail(l, res);
-  if ((res = d->wait(l->stream, l->after, 0))) return *failed = KVT_WAIT, fail(l, res);
-  if ((res = launch_pages(l, n))) return *failed = KVT_LAUNCH_PAGES, fail(l, res);
-  if ((res = d->record(l->done, l->stream))) return *failed = KVT_RECORD, fail(l, res);
+  int64_t m = n - small_part(l, n);
+  if (m == 0) m = n;
+  CHECK(d->htod(l->ids_dev, l->ids_host, (size_t)(8 * n), l->stream), KVT_HTOD);
+  if ((res = copies(l, runs, nruns, 0, m, 0, failed))) return fail(l, res);
+  CHECK(d->record(l->part1, l->stream), KVT_RECORD);
+  if (m < n) {
+    if ((res = copies(l, runs, nruns, m, n, 0, failed))) return fail(l, res);
+    CHECK(d->record(l->part2, l->stream), KVT_RECORD);
+  }
+  CHECK(d->record(l->after, caller), KVT_RECORD);
+  CHECK(d->wait(l->kstream, l->after, 0), KVT_WAIT);
+  CHECK(d->wait(l->kstream, l->part1, 0), KVT_WAIT);
+  CHECK(launch_pages(l, 0, m), KVT_LAUNCH_PAGES);
+  if (m < n) {
+    CHECK(d->wait(l->kstream, l->part2, 0), KVT_WAIT);
+    CHECK(launch_pages(l, m, n - m), KVT_LAUNCH_PAGES);
+  }
+  CHECK(d->record(l->done, l->kstream), KVT_RECORD);
   if (wait && (res = d->sync(l->done))) return *failed = KVT_SYNC, res;
   return 0;
 }

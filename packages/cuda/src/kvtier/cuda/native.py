@@ -6,8 +6,10 @@ and ~70 us in Python driver calls against ~650 us of DMA, and a store and a load
 from two threads issued one after the other, the first holding the GIL until its wait
 (docs/cuda-performance.md, "Native issuer"). Python now only reads each transfer's host address
 and block count and concatenates the block ids; the C call checks the ids, writes the kept ones to
-the lane's pinned id buffer, finds the runs of blocks back to back in host memory, and issues the
-same driver calls as the Python one-slot path (``CUDAPageMover._one_stream``), then waits.
+the lane's pinned id buffer, finds the runs of blocks back to back in host memory, issues the call
+in two parts on the lane's two streams (a store's gather of the second part runs while the first
+part's DMAs do; a load's scatter of the first part while the second part's DMAs do; the part
+whose kernel nothing hides is a sixteenth of the rows), then waits.
 
 The library is compiled at first use with the C compiler Triton uses too (``$CC``, else ``cc``,
 ``gcc`` or ``clang``), once per source and compiler, into ``~/.cache/kvtier/cuda``
@@ -89,7 +91,10 @@ class LaneStruct(Structure):
     _fields_ = [
         ("drv", c_void_p),
         ("stream", c_void_p),
+        ("kstream", c_void_p),
         ("after", c_void_p),
+        ("part1", c_void_p),
+        ("part2", c_void_p),
         ("done", c_void_p),
         ("ids", KernelStruct),
         ("pages", KernelStruct),
@@ -232,7 +237,9 @@ class NativeLane:
         self.driver = _driver_table()
         s = self.struct = LaneStruct()
         s.drv = ctypes.addressof(self.driver)
-        s.stream, s.after = lane.cs, lane.after.handle
+        s.stream, s.kstream, s.after = lane.cs, lane.ks, lane.after.handle
+        self.parts = (lane.event(), lane.event())
+        s.part1, s.part2 = self.parts[0].handle, self.parts[1].handle
         for field, kept in (("ids", ids_kernel), ("pages", pages_kernel)):
             if kept is not None:
                 _, block_x, shared = kept.direct
@@ -266,7 +273,7 @@ class NativeLane:
             obj = t.obj
             meta = obj.meta  # the object's tensor is this shape and dtype
             shape = meta.shape
-            if tuple(shape[1:]) != chunk or meta.dtype != torch.uint8:
+            if tuple(shape[1:]) != chunk or meta.dtype is not torch.uint8:
                 raise object_mismatch(meta, shape[0] if shape else 0, self.layout)
             addrs[i] = obj.tensor.data_ptr()
             counts[i] = n = shape[0]
