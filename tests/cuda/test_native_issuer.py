@@ -17,7 +17,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import BLOCKS, Objects, make_layout, make_views, random_blocks, same_cache, twin
+from conftest import (
+    BLOCKS,
+    LAYERS,
+    Objects,
+    make_layout,
+    make_views,
+    random_blocks,
+    same_cache,
+    twin,
+)
+from kvtier.core.errors import LayoutError
 from kvtier.core.layout import PagedLayout
 from kvtier.core.memory import HostArena, MemoryObjMeta
 from kvtier.core.mover import Transfer
@@ -50,6 +60,21 @@ def test_a_source_that_does_not_compile_is_an_oserror_naming_the_compiler(
     bad.write_text("int f( {\n")
     with pytest.raises(OSError, match="failed"):
         native.build(source=bad, out_dir=tmp_path / "out")
+
+
+def test_without_a_compiler_calls_run_in_python_after_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    native.library.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="kvtier"):
+            assert native.library() is None
+        assert "the native issuer could not be built" in caplog.text
+        assert "no-such-cc" in caplog.text
+    finally:
+        native.library.cache_clear()
 
 
 def _objects(arena: HostArena, lengths: list[int]) -> list:  # type: ignore[type-arg]
@@ -363,3 +388,12 @@ def test_a_movers_later_calls_go_native_with_exact_bytes(device, arena, paged) -
         torch.cuda.synchronize()
         assert same_cache(mover, ref)
         assert (set(mover._natives) == {True, False}) == (r > 0)
+    # bad input through the native issuer: the contract's errors, nothing moved
+    objs = Objects(arena, layout, [2], 40)
+    before = objs.snapshot()
+    with pytest.raises(IndexError, match=r"block ids must be -1 or in \[0, "):
+        mover.store(objs.transfers([torch.tensor([1, BLOCKS])]))
+    assert torch.equal(objs.snapshot()[0], before[0])
+    wrong = Objects(arena, make_layout(paged, num_layers=LAYERS // 2), [2], 41)
+    with pytest.raises(LayoutError, match="does not match the layout's chunk"):
+        mover.load(wrong.transfers([torch.tensor([1, 2])]))
