@@ -42,30 +42,42 @@ typedef struct {
   uint32_t shared;
 } kvt_kernel;
 
-/* One direction of one mover (a lane); Python fills it once, and `slot`/`done` per call. A call
- * goes in two parts (kvt_store, kvt_load): the kernel of one overlaps the DMAs of the other. */
+/* One direction of one mover (a lane), filled by Python (again when its buffers change). A call
+ * goes in parts (kvt_issue): the kernel of one overlaps the DMAs of another. */
 typedef struct {
   const kvt_driver *drv;
   void *stream;        /* the lane's copy stream */
   void *kstream;       /* the lane's kernel stream */
   void *after;         /* event: the caller's stream at the call */
-  void *part1, *part2; /* events: each part gathered (store) or copied in (load) */
-  void *done;          /* event: the call's last work (the slot's `free` event) */
   kvt_kernel ids;      /* copy_words: a store's ids, pinned host -> device */
   kvt_kernel pages;    /* the gather (store) or scatter (load) */
   uint32_t grid_y;     /* the pages kernel's programs per page */
   uint32_t layers;
   uint32_t words_block; /* copy_words' ids per program */
+  const uint64_t *slots; /* staging slots, `slot_rows` rows each */
+  void *const *filled; /* per slot: its part gathered (store) or copied in (load) */
+  void *const *free;   /* per slot: its part copied out (store) or scattered (load) */
+  int64_t nslots;
+  int64_t slot_rows;
+  int64_t first_rows;  /* a call larger than a slot: its first group's rows (then x4) */
   int64_t *ids_host;   /* pinned */
   uint64_t ids_dev;
-  uint64_t slot;
   int64_t row;         /* bytes of one block's every layer */
   int64_t num_blocks;
   const uint64_t *cuts; /* where host registrations begin and end, sorted */
   int64_t ncuts;
 } kvt_lane;
 
-/* Which driver call failed (kvt_store/kvt_load return its CUresult, and set *failed). */
+/* The struct's size and some fields' offsets, for Python to check its mirror of it against. */
+void kvt_lane_layout(int64_t *out) {
+  out[0] = (int64_t)sizeof(kvt_lane);
+  out[1] = (int64_t)offsetof(kvt_lane, ids);
+  out[2] = (int64_t)offsetof(kvt_lane, slots);
+  out[3] = (int64_t)offsetof(kvt_lane, ids_host);
+  out[4] = (int64_t)offsetof(kvt_lane, ncuts);
+}
+
+/* Which driver call failed (kvt_issue returns its CUresult, and sets *failed). */
 enum { KVT_RECORD = 1, KVT_WAIT, KVT_LAUNCH_IDS, KVT_LAUNCH_PAGES, KVT_DTOH, KVT_HTOD, KVT_SYNC };
 
 /* Check `total` block ids (-1: skip the block) of `count` transfers whose host objects start at
@@ -121,17 +133,17 @@ static int64_t first_cut_after(const kvt_lane *l, uint64_t a) {
   return lo;
 }
 
-/* The DMAs of kept rows [a, b) of the runs, each split where a host registration begins or
- * ends. */
+/* The DMAs between kept rows [a, b) of the runs and the device rows from `dev` on, each split
+ * where a host registration begins or ends. */
 static int copies(const kvt_lane *l, const int64_t *runs, int64_t nruns, int64_t a, int64_t b,
-                  int store, int *failed) {
+                  uint64_t dev0, int store, int *failed) {
   const kvt_driver *d = l->drv;
   for (int64_t r = 0; r < nruns; r++) {
     int64_t k0 = runs[3 * r + 1], lo = k0 > a ? k0 : a;
     int64_t hi = k0 + runs[3 * r + 2] < b ? k0 + runs[3 * r + 2] : b;
     if (lo >= hi) continue;
     uint64_t host = (uint64_t)(runs[3 * r] + (lo - k0) * l->row);
-    uint64_t dev = l->slot + (uint64_t)(lo * l->row);
+    uint64_t dev = dev0 + (uint64_t)((lo - a) * l->row);
     uint64_t end = host + (uint64_t)((hi - lo) * l->row);
     int64_t c = l->ncuts ? first_cut_after(l, host) : 0;
     while (host < end) {
@@ -152,12 +164,12 @@ static int copies(const kvt_lane *l, const int64_t *runs, int64_t nruns, int64_t
 static void set_u64(void **params, int i, uint64_t v) { *(uint64_t *)params[i] = v; }
 static void set_i32(void **params, int i, int32_t v) { *(int32_t *)params[i] = v; }
 
-/* The gather (store) or scatter (load) of kept rows [first, first + count) on the kernel
- * stream: the kernel's staging starts at the part's first row, its ids at `first` (the driver
- * copies the parameter values at the launch). */
-static int launch_pages(const kvt_lane *l, int64_t first, int64_t count) {
+/* The gather (store) or scatter (load) of kept rows [first, first + count) from or into the
+ * staging at `staging`, on the kernel stream (the driver copies the parameter values at the
+ * launch). */
+static int launch_pages(const kvt_lane *l, uint64_t staging, int64_t first, int64_t count) {
   void **p = l->pages.params; /* cache, staging, ids, layer_offsets, run_offsets, first_entry, first_layer */
-  set_u64(p, 1, l->slot + (uint64_t)(first * l->row));
+  set_u64(p, 1, staging);
   set_u64(p, 2, l->ids_dev);
   set_i32(p, 5, (int32_t)first);
   set_i32(p, 6, 0);
@@ -172,10 +184,10 @@ static int fail(const kvt_lane *l, int res) {
   return res;
 }
 
-/* A call's kept rows in two parts, so that the DMAs of one overlap the kernel of the other: the
- * part whose kernel nothing hides (a store's first gather, a load's last scatter) is about a
- * sixteenth of the rows. One part where the second would start at an address the kernel was not
- * compiled for (rows of a size that is not a multiple of 16 bytes). */
+/* Where a call that fits one slot splits in two: the part whose kernel nothing hides (a store's
+ * first gather, a load's last scatter) is about a sixteenth of the rows. One part where the
+ * second would start at an address the kernel was not compiled for (rows of a size that is not
+ * a multiple of 16 bytes). */
 static int64_t small_part(const kvt_lane *l, int64_t n) {
   int64_t m = (n + 15) / 16;
   return n < 2 || (m * l->row) % 16 || ((n - m) * l->row) % 16 ? n : m;
@@ -186,72 +198,81 @@ static int64_t small_part(const kvt_lane *l, int64_t n) {
     if ((res = (call))) return *failed = (step), fail(l, res);                                 \
   } while (0)
 
-/* A store: the kernel stream waits for the caller's stream, copies the ids to the device and
- * gathers the two parts into the slot; the copy stream DMAs each part to the host objects once
- * it is gathered. The host waits for it all when `wait`. */
-int kvt_store(const kvt_lane *l, void *caller, const int64_t *runs, int64_t nruns, int64_t n,
-              int wait, int *failed) {
+/* One part: kept rows [a, b) through slot `s` at row `at`. A store's kernel stream gathers it
+ * (first waiting until the slot's previous part was copied out, when `reuse`) and the copy stream
+ * DMAs it out once gathered; a load's copy stream DMAs it in (after the slot's previous scatter,
+ * when `reuse`) and the kernel stream scatters it once it is in. Each wait is issued right after
+ * the record it waits for, so one event per slot serves every part through it. */
+static int part(const kvt_lane *l, const int64_t *runs, int64_t nruns, int64_t s, int64_t at,
+                int64_t a, int64_t b, int reuse, int store, int *failed) {
   const kvt_driver *d = l->drv;
+  uint64_t staging = l->slots[s] + (uint64_t)(at * l->row);
   int res;
-  if (n <= 0) return 0;
-  int64_t m = small_part(l, n);
-  CHECK(d->record(l->after, caller), KVT_RECORD);
-  CHECK(d->wait(l->kstream, l->after, 0), KVT_WAIT);
-  void **p = l->ids.params; /* src, dst, start, n */
-  set_u64(p, 0, (uint64_t)(uintptr_t)l->ids_host);
-  set_u64(p, 1, l->ids_dev);
-  set_i32(p, 2, 0);
-  set_i32(p, 3, (int32_t)n);
-  CHECK(d->launch(l->ids.function, (unsigned)((n + l->words_block - 1) / l->words_block), 1, 1,
-                  l->ids.block_x, 1, 1, l->ids.shared, l->kstream, p, NULL),
-        KVT_LAUNCH_IDS);
-  CHECK(launch_pages(l, 0, m), KVT_LAUNCH_PAGES);
-  CHECK(d->record(l->part1, l->kstream), KVT_RECORD);
-  if (m < n) {
-    CHECK(launch_pages(l, m, n - m), KVT_LAUNCH_PAGES);
-    CHECK(d->record(l->part2, l->kstream), KVT_RECORD);
+  if (store) {
+    if (reuse) CHECK(d->wait(l->kstream, l->free[s], 0), KVT_WAIT);
+    CHECK(launch_pages(l, staging, a, b - a), KVT_LAUNCH_PAGES);
+    CHECK(d->record(l->filled[s], l->kstream), KVT_RECORD);
+    CHECK(d->wait(l->stream, l->filled[s], 0), KVT_WAIT);
+    if ((res = copies(l, runs, nruns, a, b, staging, 1, failed))) return fail(l, res);
+    CHECK(d->record(l->free[s], l->stream), KVT_RECORD);
+  } else {
+    if (reuse) CHECK(d->wait(l->stream, l->free[s], 0), KVT_WAIT);
+    if ((res = copies(l, runs, nruns, a, b, staging, 0, failed))) return fail(l, res);
+    CHECK(d->record(l->filled[s], l->stream), KVT_RECORD);
+    CHECK(d->wait(l->kstream, l->filled[s], 0), KVT_WAIT);
+    CHECK(launch_pages(l, staging, a, b - a), KVT_LAUNCH_PAGES);
+    CHECK(d->record(l->free[s], l->kstream), KVT_RECORD);
   }
-  CHECK(d->wait(l->stream, l->part1, 0), KVT_WAIT);
-  if ((res = copies(l, runs, nruns, 0, m, 1, failed))) return fail(l, res);
-  if (m < n) {
-    CHECK(d->wait(l->stream, l->part2, 0), KVT_WAIT);
-    if ((res = copies(l, runs, nruns, m, n, 1, failed))) return fail(l, res);
-  }
-  CHECK(d->record(l->done, l->stream), KVT_RECORD);
-  if (wait && (res = d->sync(l->done))) return *failed = KVT_SYNC, res;
   return 0;
 }
 
-/* A load: the copy stream DMAs the ids and the two parts into the slot; the kernel stream waits
- * for the caller's stream and scatters each part once it is in. */
-int kvt_load(const kvt_lane *l, void *caller, const int64_t *runs, int64_t nruns, int64_t n,
-             int wait, int *failed) {
+/* A whole call of `n` kept rows, planned (kvt_plan). The kernel stream first waits for the
+ * caller's stream (a store reads what it wrote; a load overwrites blocks only after its earlier
+ * use of them), then a store's ids go to the device by the ids kernel, a load's by DMA. A call
+ * that fits one slot goes in two parts through it; a larger one in groups through the slots in
+ * turn, `first_rows` rows first, each next group four times larger up to a slot. The host waits
+ * for the last part's `free` event (every earlier part is ordered before it) when `wait`. */
+int kvt_issue(const kvt_lane *l, void *caller, const int64_t *runs, int64_t nruns, int64_t n,
+              int store, int wait, int *failed) {
   const kvt_driver *d = l->drv;
   int res;
   if (n <= 0) return 0;
-  int64_t m = n - small_part(l, n);
-  if (m == 0) m = n;
-  CHECK(d->htod(l->ids_dev, l->ids_host, (size_t)(8 * n), l->stream), KVT_HTOD);
-  if ((res = copies(l, runs, nruns, 0, m, 0, failed))) return fail(l, res);
-  CHECK(d->record(l->part1, l->stream), KVT_RECORD);
-  if (m < n) {
-    if ((res = copies(l, runs, nruns, m, n, 0, failed))) return fail(l, res);
-    CHECK(d->record(l->part2, l->stream), KVT_RECORD);
-  }
   CHECK(d->record(l->after, caller), KVT_RECORD);
   CHECK(d->wait(l->kstream, l->after, 0), KVT_WAIT);
-  CHECK(d->wait(l->kstream, l->part1, 0), KVT_WAIT);
-  CHECK(launch_pages(l, 0, m), KVT_LAUNCH_PAGES);
-  if (m < n) {
-    CHECK(d->wait(l->kstream, l->part2, 0), KVT_WAIT);
-    CHECK(launch_pages(l, m, n - m), KVT_LAUNCH_PAGES);
+  if (store) {
+    void **p = l->ids.params; /* src, dst, start, n */
+    set_u64(p, 0, (uint64_t)(uintptr_t)l->ids_host);
+    set_u64(p, 1, l->ids_dev);
+    set_i32(p, 2, 0);
+    set_i32(p, 3, (int32_t)n);
+    CHECK(d->launch(l->ids.function, (unsigned)((n + l->words_block - 1) / l->words_block), 1,
+                    1, l->ids.block_x, 1, 1, l->ids.shared, l->kstream, p, NULL),
+          KVT_LAUNCH_IDS);
+  } else {
+    CHECK(d->htod(l->ids_dev, l->ids_host, (size_t)(8 * n), l->stream), KVT_HTOD);
   }
-  CHECK(d->record(l->done, l->kstream), KVT_RECORD);
-  if (wait && (res = d->sync(l->done))) return *failed = KVT_SYNC, res;
+  int64_t last = 0;
+  if (n <= l->slot_rows) {
+    int64_t m = store ? small_part(l, n) : n - small_part(l, n);
+    if (m == 0) m = n;
+    if ((res = part(l, runs, nruns, 0, 0, 0, m, 0, store, failed))) return res;
+    if (m < n && (res = part(l, runs, nruns, 0, m, m, n, 0, store, failed))) return res;
+  } else {
+    int64_t size = l->first_rows < l->slot_rows ? l->first_rows : l->slot_rows;
+    if (size < 1) size = 1;
+    for (int64_t a = 0, j = 0; a < n; j++) {
+      int64_t b = a + size < n ? a + size : n;
+      last = j % l->nslots;
+      if ((res = part(l, runs, nruns, last, 0, a, b, j >= l->nslots, store, failed))) return res;
+      a = b;
+      size = 4 * size < l->slot_rows ? 4 * size : l->slot_rows;
+    }
+  }
+  if (wait && (res = d->sync(l->free[last]))) return *failed = KVT_SYNC, res;
   return 0;
 }
 
-/* kvt_plan then kvt_store or kvt_load, in one call: returns -1 (lohi set) for a bad id, else a
+/* kvt_plan then kvt_issue, in one call: returns -1 (lohi set) for a bad id, else a
  * CUresult (0: done) with *failed naming the driver call. */
 int64_t kvt_call(const kvt_lane *l, void *caller, int store, const int64_t *addrs,
                  const int64_t *counts, int64_t count, const int64_t *ids, int64_t *runs,
@@ -260,6 +281,5 @@ int64_t kvt_call(const kvt_lane *l, void *caller, int store, const int64_t *addr
   int64_t n = kvt_plan(addrs, counts, count, ids, l->row, l->num_blocks, l->ids_host, runs, &nruns,
                        lohi);
   if (n < 0) return -1;
-  return store ? kvt_store(l, caller, runs, nruns, n, wait, failed)
-               : kvt_load(l, caller, runs, nruns, n, wait, failed);
+  return kvt_issue(l, caller, runs, nruns, n, store, wait, failed);
 }

@@ -25,6 +25,11 @@ layer's gather before yielding it, its DMAs running on until the generator is ex
 ``load_layerwise`` issues every layer at its first step and, before yielding layer ``i``, makes
 the caller's current stream wait for that layer's scatter, so attention can be queued at once.
 
+Whole calls from a mover's second call in each direction on are checked, planned and issued by
+one C call with the GIL released (``kvtier.cuda.native``: the same slots, streams, events and
+kernels, in parts as above); this module's Python path runs the first calls (which compile the
+kernels), the layer calls, and everything where the native issuer could not be built.
+
 On a CPU device (tests, under ``TRITON_INTERPRET=1``) the same code runs synchronously.
 """
 
@@ -151,9 +156,9 @@ class CUDAPageMover(PageMover):
                 self._whole(lane, transfers, store=False)
 
     def _native_call(self, lane: Lane, transfers: Sequence[Transfer], *, store: bool) -> bool:
-        """A whole call that fits one slot, through the native issuer (``kvtier.cuda.native``):
-        False where it does not fit, on a CPU device, before the direction's kernels are kept
-        (its first call), or where the issuer could not be built."""
+        """A whole call through the native issuer (``kvtier.cuda.native``): False on a CPU
+        device, before the direction's kernels are kept (its first call), where the issuer could
+        not be built, or where one block's row is larger than a slot."""
         if not lane.gpu:
             return False
         issuer = self._natives.get(store)
@@ -177,6 +182,7 @@ class CUDAPageMover(PageMover):
         issuer = NativeLane(
             lib, lane, words, pages,
             grid_y=g.runs * g.tiles_per_run, layers=layers, words_block=COPY_BLOCK,
+            first_rows=max(1, FIRST_GROUP_BYTES // self._row),
             num_blocks=self.num_blocks, layout=self.layout,
         )  # fmt: skip
         self._natives[store] = issuer

@@ -1,15 +1,17 @@
-"""The native issuer (``_issue.c``): a whole mover call that fits one staging slot, planned and
-issued by one C call made with the GIL released.
+"""The native issuer (``_issue.c``): a whole mover call, checked, planned and issued by one C call
+made with the GIL released.
 
 Why: on an H100 host a 32 MiB call (a small model's 16 chunks) spent ~260 us in Python planning
 and ~70 us in Python driver calls against ~650 us of DMA, and a store and a load called at once
 from two threads issued one after the other, the first holding the GIL until its wait
 (docs/cuda-performance.md, "Native issuer"). Python now only reads each transfer's host address
 and block count and concatenates the block ids; the C call checks the ids, writes the kept ones to
-the lane's pinned id buffer, finds the runs of blocks back to back in host memory, issues the call
-in two parts on the lane's two streams (a store's gather of the second part runs while the first
-part's DMAs do; a load's scatter of the first part while the second part's DMAs do; the part
-whose kernel nothing hides is a sixteenth of the rows), then waits.
+the lane's pinned id buffer, finds the runs of blocks back to back in host memory, and issues the
+call in parts on the lane's two streams so that the kernel of one part overlaps the DMAs of
+another: a call that fits one slot in two parts through it (the part whose kernel nothing hides,
+a store's first gather or a load's last scatter, a sixteenth of the rows), a larger one in groups
+through the slots in turn (2 MiB first, then four times larger up to a slot), every part issued
+before the host waits once.
 
 The library is compiled at first use with the C compiler Triton uses too (``$CC``, else ``cc``,
 ``gcc`` or ``clang``), once per source and compiler, into ``~/.cache/kvtier/cuda``
@@ -93,17 +95,19 @@ class LaneStruct(Structure):
         ("stream", c_void_p),
         ("kstream", c_void_p),
         ("after", c_void_p),
-        ("part1", c_void_p),
-        ("part2", c_void_p),
-        ("done", c_void_p),
         ("ids", KernelStruct),
         ("pages", KernelStruct),
         ("grid_y", c_uint32),
         ("layers", c_uint32),
         ("words_block", c_uint32),
+        ("slots", c_void_p),
+        ("filled", c_void_p),
+        ("free", c_void_p),
+        ("nslots", c_int64),
+        ("slot_rows", c_int64),
+        ("first_rows", c_int64),
         ("ids_host", c_void_p),
         ("ids_dev", c_uint64),
-        ("slot", c_uint64),
         ("row", c_int64),
         ("num_blocks", c_int64),
         ("cuts", c_void_p),
@@ -156,6 +160,14 @@ def load(path: Path) -> ctypes.CDLL:
     lib.kvt_call.argtypes = [c_void_p, c_void_p, c_int, c_void_p, c_void_p, c_int64, c_void_p]
     lib.kvt_call.argtypes += [c_void_p, c_void_p, c_int, POINTER(c_int)]
     lib.kvt_call.restype = c_int64
+    lib.kvt_lane_layout.argtypes = [c_void_p]
+    lib.kvt_lane_layout.restype = None
+    got = Int64s(5)
+    lib.kvt_lane_layout(got.address)
+    want = [ctypes.sizeof(LaneStruct)]
+    want += [getattr(LaneStruct, f).offset for f in ("ids", "slots", "ids_host", "ncuts")]
+    if list(got.array[:5]) != want:
+        raise OSError(f"{path.name}: kvt_lane is laid out as {list(got.array[:5])}, not {want}")
     return lib
 
 
@@ -227,6 +239,7 @@ class NativeLane:
         grid_y: int,
         layers: int,
         words_block: int,
+        first_rows: int,
         num_blocks: int,
         layout: KVLayout,
     ) -> None:
@@ -238,8 +251,15 @@ class NativeLane:
         s = self.struct = LaneStruct()
         s.drv = ctypes.addressof(self.driver)
         s.stream, s.kstream, s.after = lane.cs, lane.ks, lane.after.handle
-        self.parts = (lane.event(), lane.event())
-        s.part1, s.part2 = self.parts[0].handle, self.parts[1].handle
+        k = len(lane.free)
+        self.events = (
+            (c_void_p * k)(*[e.handle for e in lane.filled]),
+            (c_void_p * k)(*[e.handle for e in lane.free]),
+        )
+        s.filled, s.free = (ctypes.addressof(a) for a in self.events)
+        s.nslots, s.first_rows = k, first_rows
+        self.slots: Any = None
+        self.slot_array: Any = None
         for field, kept in (("ids", ids_kernel), ("pages", pages_kernel)):
             if kept is not None:
                 _, block_x, shared = kept.direct
@@ -261,9 +281,11 @@ class NativeLane:
     def call(
         self, transfers: Sequence[Transfer], caller: int, cuts: tuple[int, ...], *, store: bool
     ) -> bool:
-        """Check, plan and issue ``transfers`` as one group through one slot and wait for it;
-        False (nothing done) where they do not fit a slot."""
-        lane, chunk = self.lane, self.chunk
+        """Check, plan and issue ``transfers`` through the slots and wait for them; False
+        (nothing done) where one block's row does not fit a slot (the Python path grows it)."""
+        lane, chunk, row = self.lane, self.chunk, self.row
+        if row > lane.slot_bytes:
+            return False
         count = len(transfers)
         self.addrs.ensure(count)
         self.counts.ensure(count)
@@ -278,8 +300,6 @@ class NativeLane:
             addrs[i] = obj.tensor.data_ptr()
             counts[i] = n = shape[0]
             total += n
-        if total * self.row > lane.slot_bytes:
-            return False
         if not total:
             return True
         ids = ids_tensor([t.blocks for t in transfers])
@@ -293,8 +313,12 @@ class NativeLane:
             self.cuts_array = (c_uint64 * max(1, len(cuts)))(*cuts)
             s.cuts, s.ncuts = ctypes.addressof(self.cuts_array), len(cuts)
         self.runs.ensure(3 * total)
-        slot = lane.take_slot(total * self.row, lane.cs)  # a call's first use: no wait
-        s.slot, s.done = lane.slots[slot].data_ptr(), lane.free[slot].handle
+        if not lane.slots:
+            lane.take_slot(row, lane.cs)  # allocates the slots
+        if lane.slots is not self.slots:
+            self.slots = lane.slots
+            self.slot_array = (c_uint64 * len(lane.slots))(*[t.data_ptr() for t in lane.slots])
+            s.slots, s.slot_rows = ctypes.addressof(self.slot_array), lane.slot_bytes // row
         res = self.lib.kvt_call(
             self.address,
             caller,
