@@ -142,3 +142,27 @@ def test_a_state_key_never_decodes_as_kv_nor_a_chunk_key_as_a_state() -> None:
     other = KVLayout(**{**LAYOUT.__dict__, "states": ("MambaSpec/gdn/4x64:bfloat16",)})
     with pytest.raises(PayloadError):
         decode(blob(state_key), key=state_key, layout=other, max_tokens=CHUNK)
+
+
+def test_a_lookup_asks_the_tiers_whether_a_state_is_there_without_reading_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``lookup`` (an estimate) reads no state entry, a lower tier's included; ``hold`` reads the
+    one its hit ends at."""
+    eng, _ = engine()
+    n = 3 * CHUNK
+    eng.store(PROMPT[:n], slots(list(range(1, 1 + n // BLOCK)), n))
+    eng.store_state(PROMPT, 2 * CHUNK, [41])
+    reads: list = []
+    get = eng.storage.get
+
+    def counted(key, *args, **kwargs):  # type: ignore[no-untyped-def]
+        reads.append(key)
+        return get(key, *args, **kwargs)
+
+    monkeypatch.setattr(eng.storage, "get", counted)
+    assert eng.lookup(PROMPT) == 2 * CHUNK
+    assert not any(k.is_state for k in reads)
+    with eng.hold(PROMPT) as hold:
+        assert hold.state is not None and hold.state[0] == 2 * CHUNK
+    assert sum(k.is_state for k in reads) == 1

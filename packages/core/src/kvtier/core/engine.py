@@ -146,19 +146,8 @@ class CacheEngine:
         tail blocks or an alias into a stored chunk: ``kvtier.core.spans``); with state groups,
         cut to the longest one ending at a stored state (``kvtier.core.states``)."""
         prompt = self.spans.prompt(tokens, scope)
-        hits, state = self._state_cut(prompt, self.spans.hits(prompt))
-        if state is not None:
-            state[1].release()
-        return hits
-
-    def _state_cut(
-        self, prompt: PromptHashes, hits: list[ChunkSpan]
-    ) -> tuple[list[ChunkSpan], tuple[int, MemoryObj] | None]:
-        """With state groups, ``hits`` cut to a stored state before the prompt's last token
-        (the engine computes at least one token to continue from it), and that state."""
-        if self.states is None:
-            return hits, None
-        return self.states.cut(prompt, hits, len(prompt.arr) - 1)
+        hits = self.spans.hits(prompt)
+        return self.states.cut(prompt, hits, fetch=False)[0] if self.states else hits
 
     def store_spans(self, tokens: TokenIds, scope: Scope = None) -> list[ChunkSpan]:
         """Spans ``store`` would save for ``tokens``: full chunks, then the tail block by block."""
@@ -194,7 +183,9 @@ class CacheEngine:
     def hold(self, tokens: TokenIds, scope: Scope = None) -> Hold:
         """Look ``tokens`` up and keep the hit prefix's objects in host memory (see ``Hold``)."""
         prompt = self.spans.prompt(tokens, scope)
-        hits, state = self._state_cut(prompt, self.spans.hits(prompt))
+        hits, state = self.spans.hits(prompt), None
+        if self.states is not None:
+            hits, state = self.states.cut(prompt, hits)
         try:
             sources = self.chunk_sources([s.key for s in hits])
             spans, objs = self._fetch_prefix(hits)
@@ -202,10 +193,7 @@ class CacheEngine:
             if state is not None:
                 state[1].release()
             raise
-        if state is not None and (not spans or spans[-1].end != state[0]):
-            state[1].release()  # a chunk went missing since: no hit without its state
-            release_all(objs)
-            spans, objs, state = [], [], None
+        spans, objs, state = StateEntries.settle(spans, objs, state)
         hold = Hold(
             spans,
             objs,

@@ -19,7 +19,7 @@ the hit and the state into the block vLLM gives for it, or nothing at all.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -72,12 +72,14 @@ class StateEntries:
         return obj
 
     def cut(
-        self, prompt: PromptHashes, hits: list[ChunkSpan], limit: int
+        self, prompt: PromptHashes, hits: list[ChunkSpan], *, fetch: bool = True
     ) -> tuple[list[ChunkSpan], tuple[int, MemoryObj] | None]:
-        """``hits`` (a run from token 0) cut to the longest full-chunk prefix ``P <= limit``
-        that has a state entry, and that entry (``(P, object)``, the caller's to release);
-        ``([], None)`` when there is none."""
-        c = self.chunk_size
+        """``hits`` (a run from token 0) cut to the longest full-chunk prefix ``P`` before the
+        prompt's last token (the engine computes at least one token to continue from it) that
+        has a state entry, and that entry (``(P, object)``, the caller's to release);
+        ``([], None)`` when there is none. ``fetch`` False asks the tiers for presence only (a
+        lookup's estimate: no state is read, None in its place)."""
+        c, limit = self.chunk_size, len(prompt.arr) - 1
         ends = [s.end for s in hits if s.num_tokens == c and s.end % c == 0 and s.end <= limit]
         if not ends:
             return [], None
@@ -86,10 +88,26 @@ class StateEntries:
         for i in reversed(range(len(ends))):
             if not present[i]:
                 continue
+            cut = [s for s in hits if s.end <= ends[i]]
+            if not fetch:
+                return cut, None
             obj = self._get(keys[i])
             if obj is not None:
-                return [s for s in hits if s.end <= ends[i]], (ends[i], obj)
+                return cut, (ends[i], obj)
         return [], None
+
+    @staticmethod
+    def settle(
+        spans: list[ChunkSpan], objs: list[MemoryObj], state: tuple[int, MemoryObj] | None
+    ) -> tuple[list[ChunkSpan], list[MemoryObj], tuple[int, MemoryObj] | None]:
+        """A hold's fetched chunks and the state it was cut to: nothing at all (everything
+        released) when a chunk went missing since the cut, as there is no hit without its
+        state."""
+        if state is not None and (not spans or spans[-1].end != state[0]):
+            state[1].release()
+            release_all(objs)
+            return [], [], None
+        return spans, objs, state
 
     def load(
         self,
@@ -152,7 +170,7 @@ class StateEntries:
         mover: PageMover,
         platform: Platform,
         ready: Marker,
-        keep: object = None,
+        keep: Callable[[], bool] | None = None,
     ) -> bool:
         """Copy the state at ``boundary`` out of ``blocks`` (one per state group) and store
         it, unless it is stored already; whether a new entry was stored. ``ready`` and
@@ -171,7 +189,7 @@ class StateEntries:
         except BaseException:
             obj.release()
             raise
-        if callable(keep) and not keep():
+        if keep is not None and not keep():
             obj.release()
             self.stats.add(store_abandoned_chunks=1)
             return False
