@@ -360,36 +360,67 @@ def test_a_load_copies_a_part_in_and_scatters_it_while_the_next_is_copied(lib, o
     assert _loaded_right(drv, objects, blocks)
 
 
+def _group_log(setup: Setup, parts: list, nslots: int, *, store: bool) -> list[tuple]:  # type: ignore[type-arg]
+    """The driver calls of a call in ``parts`` (slot, first row, rows, copy sizes), in issue
+    order: each part's kernel and copies with the waits between the streams, a slot's next part
+    waiting for its previous one, the host's wait for the last part's slot."""
+    log: list[tuple] = [("record", AFTER, CALLER), ("wait", KSTREAM, AFTER)]
+    log.append(("launch ids", KSTREAM, 1, 8) if store else ("htod", STREAM, 8 * 8))
+    for j, (slot, first, rows, sizes) in enumerate(parts):
+        kernel = [("launch pages", KSTREAM, rows, setup.slot(slot), first)]
+        if store:
+            log += [("wait", KSTREAM, FREE[slot])] if j >= nslots else []
+            log += [*kernel, ("record", FILLED[slot], KSTREAM), ("wait", STREAM, FILLED[slot])]
+            log += [("dtoh", STREAM, n) for n in sizes] + [("record", FREE[slot], STREAM)]
+        else:
+            log += [("wait", STREAM, FREE[slot])] if j >= nslots else []
+            log += [("htod", STREAM, n) for n in sizes]
+            log += [("record", FILLED[slot], STREAM), ("wait", KSTREAM, FILLED[slot]), *kernel]
+            log += [("record", FREE[slot], KSTREAM)]
+    return [*log, ("sync", FREE[parts[-1][0]])]
+
+
 @pytest.mark.parametrize("store", [True, False], ids=["store", "load"])
 def test_a_call_larger_than_a_slot_goes_in_growing_groups_through_the_slots_in_turn(
     lib, objects, store
 ) -> None:  # type: ignore[no-untyped-def]
-    """Groups of 1, then 4 rows (capped at a slot: 3), through slots 0, 1, 2, 0: a slot's next
-    group waits for its previous one to be copied out (store) or scattered (load); the host waits
-    for the last group."""
+    """Groups of 1, then 4 rows (capped at a slot: 3), through slots 0, 1, 2, 0; copies split at
+    the registration cut (inside row 3)."""
     drv = FakeDriver()
     setup = Setup(drv, (_cut_inside(objects),), slot_rows=3, slots=3, first_rows=1)
     blocks = [[5, 6, 7], [-1, 9], [1, 2, 3, 4]]
     before = [o.tensor.clone() for o in objects]
     assert setup.call(lib, _transfers(objects, blocks), store=store)[0] == 0
-    pages = [e for e in drv.log if e[0] == "launch pages"]
-    s0, s1, s2 = setup.slot(0), setup.slot(1), setup.slot(2)
-    assert [(n, at, first) for _, _, n, at, first in pages] == [
-        (1, s0, 0),
-        (3, s1, 1),
-        (3, s2, 4),
-        (1, s0, 7),
-    ]
-    reuse = ("wait", KSTREAM if store else STREAM, FREE[0])
-    assert drv.log.count(reuse) == 1
-    assert drv.log.index(reuse) < drv.log.index(pages[-1])
-    assert drv.log[-1] == ("sync", FREE[0])
-    moved = sum(n for kind, _, n in (e for e in drv.log if e[0] in ("dtoh", "htod")))
-    assert moved == 8 * ROW + (0 if store else 8 * 8)
+    parts = [
+        (0, 0, 1, [ROW]), (1, 1, 3, [2 * ROW, ROW // 2, ROW // 2]), (2, 4, 3, [3 * ROW]),
+        (0, 7, 1, [ROW]),
+    ]  # fmt: skip
+    assert drv.log == _group_log(setup, parts, 3, store=store)
     if store:
         assert _stored_right(objects, blocks, before)
     else:
         assert _loaded_right(drv, objects, blocks)
+
+
+@pytest.mark.parametrize("store", [True, False], ids=["store", "load"])
+def test_two_slots_of_one_row_take_turns_and_the_host_waits_for_the_last(
+    lib, objects, store
+) -> None:  # type: ignore[no-untyped-def]
+    """Eight one-row groups through two slots: every group after the second waits for the one
+    before it in its slot; the last is in slot 1."""
+    drv = FakeDriver()
+    setup = Setup(drv, slot_rows=1, slots=2, first_rows=4)
+    blocks = [[5, 6, 7], [8, 9], [1, 2, 3]]
+    before = [o.tensor.clone() for o in objects]
+    assert (
+        setup.call(lib, _transfers(objects, [*blocks[:2], [*blocks[2], -1]]), store=store)[0] == 0
+    )
+    parts = [(j % 2, j, 1, [ROW]) for j in range(8)]
+    assert drv.log == _group_log(setup, parts, 2, store=store)
+    if store:
+        assert _stored_right(objects, [*blocks[:2], [*blocks[2], -1]], before)
+    else:
+        assert _loaded_right(drv, objects, [*blocks[:2], [*blocks[2], -1]])
 
 
 def test_one_row_is_one_part(lib, objects) -> None:  # type: ignore[no-untyped-def]

@@ -68,13 +68,15 @@ typedef struct {
   int64_t ncuts;
 } kvt_lane;
 
-/* The struct's size and some fields' offsets, for Python to check its mirror of it against. */
+/* The struct's size and every field's offset, in order, for Python to check its mirror against. */
 void kvt_lane_layout(int64_t *out) {
-  out[0] = (int64_t)sizeof(kvt_lane);
-  out[1] = (int64_t)offsetof(kvt_lane, ids);
-  out[2] = (int64_t)offsetof(kvt_lane, slots);
-  out[3] = (int64_t)offsetof(kvt_lane, ids_host);
-  out[4] = (int64_t)offsetof(kvt_lane, ncuts);
+  int i = 0;
+  out[i++] = (int64_t)sizeof(kvt_lane);
+#define AT(f) out[i++] = (int64_t)offsetof(kvt_lane, f)
+  AT(drv); AT(stream); AT(kstream); AT(after); AT(ids); AT(pages); AT(grid_y); AT(layers);
+  AT(words_block); AT(slots); AT(filled); AT(free); AT(nslots); AT(slot_rows); AT(first_rows);
+  AT(ids_host); AT(ids_dev); AT(row); AT(num_blocks); AT(cuts); AT(ncuts);
+#undef AT
 }
 
 /* Which driver call failed (kvt_issue returns its CUresult, and sets *failed). */
@@ -268,7 +270,7 @@ int kvt_issue(const kvt_lane *l, void *caller, const int64_t *runs, int64_t nrun
       size = 4 * size < l->slot_rows ? 4 * size : l->slot_rows;
     }
   }
-  if (wait && (res = d->sync(l->free[last]))) return *failed = KVT_SYNC, res;
+  if (wait && (res = d->sync(l->free[last]))) return *failed = KVT_SYNC, fail(l, res);
   return 0;
 }
 

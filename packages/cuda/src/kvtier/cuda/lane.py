@@ -72,6 +72,7 @@ class Lane:
         self.index: int | None = device.index if self.gpu else None
         self.slot_bytes = slot_bytes
         self.slots: list[torch.Tensor] = []
+        self.generation = 0  # bumped whenever the slots are allocated or released
         self.next_slot = 0
         if self.gpu:
             drv = driver()
@@ -110,9 +111,7 @@ class Lane:
         size = max(n, 4096)
         self.ids_host = torch.empty(size, dtype=torch.int64, pin_memory=self.gpu)
         self.ids_np = self.ids_host.numpy()
-        self.ids = (
-            torch.empty(size, dtype=torch.int64, device=self.device) if self.gpu else self.ids_host
-        )
+        self.ids = self.device_empty(size, torch.int64) if self.gpu else self.ids_host
 
     def begin(self) -> None:
         """A call starts: the lane is idle (every call ends with the host waiting for it)."""
@@ -128,9 +127,8 @@ class Lane:
             self.synchronize()
             self.slot_bytes = max(self.slot_bytes, nbytes)
             size = -(-self.slot_bytes // 16) * 16  # the kernels view a slot as 8-byte words
-            self.slots = [
-                torch.empty(size, dtype=torch.uint8, device=self.device) for _ in self.filled
-            ]
+            self.slots = [self.device_empty(size, torch.uint8) for _ in self.filled]
+            self.generation += 1
             self.taken = [False] * len(self.filled)
         s = self.next_slot
         self.next_slot = (s + 1) % len(self.filled)
@@ -142,6 +140,14 @@ class Lane:
     def release(self) -> None:
         """Give the slots back to torch's allocator (only with nothing of this lane in flight)."""
         self.slots = []
+        self.generation += 1
+
+    def device_empty(self, size: int, dtype: torch.dtype) -> torch.Tensor:
+        """Device memory of the lane, allocated on its copy stream: torch's caching allocator
+        then never hands it a block freed on the caller's stream with work still queued there (a
+        load's DMAs into it do not wait for the caller's stream)."""
+        with torch.cuda.stream(self.copy_stream):
+            return torch.empty(size, dtype=dtype, device=self.device)
 
     # -- device calls --------------------------------------------------------------------------
     def record(self, event: Any, stream: int) -> None:

@@ -162,12 +162,12 @@ def load(path: Path) -> ctypes.CDLL:
     lib.kvt_call.restype = c_int64
     lib.kvt_lane_layout.argtypes = [c_void_p]
     lib.kvt_lane_layout.restype = None
-    got = Int64s(5)
+    names = [field[0] for field in LaneStruct._fields_]
+    got = Int64s(1 + len(names))
     lib.kvt_lane_layout(got.address)
-    want = [ctypes.sizeof(LaneStruct)]
-    want += [getattr(LaneStruct, f).offset for f in ("ids", "slots", "ids_host", "ncuts")]
-    if list(got.array[:5]) != want:
-        raise OSError(f"{path.name}: kvt_lane is laid out as {list(got.array[:5])}, not {want}")
+    want = [ctypes.sizeof(LaneStruct), *(getattr(LaneStruct, f).offset for f in names)]
+    if list(got.array[: len(want)]) != want:
+        raise OSError(f"{path.name}: kvt_lane is laid out as {list(got.array)}, not {want}")
     return lib
 
 
@@ -258,7 +258,7 @@ class NativeLane:
         )
         s.filled, s.free = (ctypes.addressof(a) for a in self.events)
         s.nslots, s.first_rows = k, first_rows
-        self.slots: Any = None
+        self.generation = -1
         self.slot_array: Any = None
         for field, kept in (("ids", ids_kernel), ("pages", pages_kernel)):
             if kept is not None:
@@ -303,6 +303,10 @@ class NativeLane:
         if not total:
             return True
         ids = ids_tensor([t.blocks for t in transfers])
+        if ids.numel() != total:
+            raise ValueError(
+                f"the transfers hold {ids.numel()} block ids for objects of {total} blocks"
+            )
         lane.ensure_ids(total)
         s = self.struct
         if lane.ids_host is not self.ids_host:
@@ -315,8 +319,8 @@ class NativeLane:
         self.runs.ensure(3 * total)
         if not lane.slots:
             lane.take_slot(row, lane.cs)  # allocates the slots
-        if lane.slots is not self.slots:
-            self.slots = lane.slots
+        if lane.generation != self.generation:  # holds no slot: a released one is freed
+            self.generation = lane.generation
             self.slot_array = (c_uint64 * len(lane.slots))(*[t.data_ptr() for t in lane.slots])
             s.slots, s.slot_rows = ctypes.addressof(self.slot_array), lane.slot_bytes // row
         res = self.lib.kvt_call(
