@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -133,3 +134,24 @@ def arena(device: torch.device) -> Iterator[HostArena]:
     for objs in a.tracked:  # type: ignore[attr-defined]
         objs.release()
     assert a.used_bytes == 0
+
+
+@pytest.fixture(scope="session")
+def lib(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The native issuer's library (``kvtier/cuda/_issue.c``), built for this session."""
+    from kvtier.cuda import native
+
+    if native._compiler() is None:
+        pytest.skip("no C compiler here: the native issuer is not built")
+    return native.load(native.build(out_dir=tmp_path_factory.mktemp("native")))
+
+
+def chunk_objects(arena: HostArena, layout: KVLayout, lengths: list[int]) -> list[MemoryObj]:
+    """Unfilled host objects of ``lengths`` blocks of ``layout``, allocated one after another."""
+    objs = []
+    for n in lengths:
+        tokens = n * layout.block_size
+        obj = arena.allocate(MemoryObjMeta(layout.chunk_shape(tokens), torch.uint8, tokens))
+        assert obj is not None
+        objs.append(obj)
+    return objs
