@@ -1,9 +1,9 @@
 /* kvtier-cuda's native issuer: a whole mover call that fits one staging slot, planned and issued
  * by one C call that Python makes with the GIL released (ctypes.CDLL).
  *
- * Why: measured on an H100 host, a 32 MiB call's Python planning and driver calls cost as much as
- * a third of its DMA time, and two threads (vLLM's saver and forward threads) issued one after
- * the other because the Python holding the GIL ran until its call waited (docs/cuda-performance.md).
+ * Why: a small model's call is bound by host time; Python planning and Python driver calls cost a
+ * large share of its DMA time, and two threads (vLLM's saver and forward threads) issued one after
+ * the other on the GIL (measurements: docs/cuda-performance.md).
  *
  * The driver's entry points come from Python as function pointers (the libcuda.so.1 that is
  * already loaded), so this file needs no CUDA header and links nothing. The kernels are the

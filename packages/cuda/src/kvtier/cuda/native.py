@@ -1,10 +1,10 @@
 """The native issuer (``_issue.c``): a whole mover call, checked, planned and issued by one C call
 made with the GIL released.
 
-Why: on an H100 host a 32 MiB call (a small model's 16 chunks) spent ~260 us in Python planning
-and ~70 us in Python driver calls against ~650 us of DMA, and a store and a load called at once
-from two threads issued one after the other, the first holding the GIL until its wait
-(docs/cuda-performance.md, "Native issuer"). Python now only reads each transfer's host address
+Why: a small model's call is bound by host time. Planning it in Python and issuing its driver
+calls from Python cost a large share of its DMA time, and a store and a load called at once from
+two threads issued one after the other, the first holding the GIL until its wait (measurements:
+docs/cuda-performance.md, "Native issuer"). Python now only reads each transfer's host address
 and block count and concatenates the block ids; the C call checks the ids, writes the kept ones to
 the lane's pinned id buffer, finds the runs of blocks back to back in host memory, and issues the
 call in parts on the lane's two streams so that the kernel of one part overlaps the DMAs of
