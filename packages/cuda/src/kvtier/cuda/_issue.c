@@ -1,5 +1,5 @@
-/* kvtier-cuda's native issuer: a whole mover call that fits one staging slot, planned and issued
- * by one C call that Python makes with the GIL released (ctypes.CDLL).
+/* kvtier-cuda's native issuer: a whole mover call, checked, planned and issued by one C call that
+ * Python makes with the GIL released (ctypes.CDLL).
  *
  * Why: a small model's call is bound by host time; Python planning and Python driver calls cost a
  * large share of its DMA time, and two threads (vLLM's saver and forward threads) issued one after
