@@ -18,6 +18,7 @@ from conftest import BLOCKS, chunk_objects, make_layout
 from kvtier.core.memory import HostArena
 from kvtier.core.mover import Transfer
 from kvtier.cuda import native
+from kvtier.cuda.plan import ids_tensor
 
 LAYOUT = make_layout()
 ROW = LAYOUT.num_layers * LAYOUT.page_bytes
@@ -137,7 +138,7 @@ class Setup:
         addrs, counts = native.Int64s(count), native.Int64s(count)
         for i, t in enumerate(transfers):
             addrs.array[i], counts.array[i] = t.obj.tensor.data_ptr(), t.blocks.shape[0]
-        ids = native.ids_tensor([t.blocks for t in transfers])
+        ids = ids_tensor([t.blocks for t in transfers])
         runs, lohi, failed = native.Int64s(3 * ids.numel()), native.Int64s(2), c_int(0)
         res = lib.kvt_call(
             ctypes.addressof(self.struct), CALLER, store, addrs.address, counts.address, count,

@@ -32,7 +32,7 @@ from kvtier.core.memory import HostArena
 from kvtier.core.mover import Transfer
 from kvtier.cuda import native
 from kvtier.cuda.lane import Lane
-from kvtier.cuda.plan import plan_transfers
+from kvtier.cuda.plan import ids_tensor, plan_transfers
 from kvtier.cuda.platform import CUDAPlatform
 
 LAYOUT = make_layout()
@@ -76,7 +76,7 @@ def _c_plan(lib: ctypes.CDLL, transfers: list[Transfer], num_blocks: int):  # ty
     for i, t in enumerate(transfers):
         addrs.array[i] = t.obj.tensor.data_ptr()
         counts.array[i] = t.blocks.shape[0]
-    ids = native.ids_tensor([t.blocks for t in transfers])
+    ids = ids_tensor([t.blocks for t in transfers])
     total = ids.numel()
     out, runs, lohi = native.Int64s(total), native.Int64s(3 * total), native.Int64s(2)
     nruns = ctypes.c_int64()

@@ -40,7 +40,7 @@ import torch
 from kvtier.core.config import default_cache_dir
 from kvtier.core.layout import KVLayout
 from kvtier.core.mover import Transfer
-from kvtier.cuda.plan import object_mismatch
+from kvtier.cuda.plan import ids_tensor, object_mismatch
 
 logger = logging.getLogger("kvtier")
 
@@ -142,7 +142,7 @@ def build(source: Path = _SOURCE, out_dir: Path | None = None) -> Path:
             subprocess.run(cmd, check=True, capture_output=True, timeout=120)
         except subprocess.CalledProcessError as e:
             first = (e.stderr or b"").decode(errors="replace").strip().splitlines()[:3]
-            raise OSError(f"{' '.join(cmd[:1])} failed: {' / '.join(first)}") from e
+            raise OSError(f"{cc} failed: {' / '.join(first)}") from e
         except subprocess.TimeoutExpired as e:
             raise OSError(f"{cc} did not finish within 120 s") from e
         os.replace(built, lib)  # atomic: another process may be building the same
@@ -207,22 +207,6 @@ class Int64s:
             self.size = max(size, 2 * self.size, 16)
             self.array = (c_int64 * self.size)()
             self.address = ctypes.addressof(self.array)
-
-
-def ids_tensor(blocks: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The transfers' block ids, in order, as one contiguous int64 host tensor."""
-    if len(blocks) == 1:
-        ids = blocks[0]
-    else:
-        try:
-            ids = torch.cat(list(blocks))
-        except RuntimeError:  # on several devices
-            ids = torch.cat([b.cpu() for b in blocks])
-    if ids.device.type != "cpu":
-        ids = ids.cpu()
-    if ids.dtype != torch.int64:
-        ids = ids.to(torch.int64)
-    return ids.contiguous()
 
 
 class NativeLane:
