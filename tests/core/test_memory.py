@@ -35,6 +35,8 @@ def test_handles_free_once_when_last_holder_releases() -> None:
         obj.share()
     with pytest.raises(DoubleReleaseError):
         _ = obj.tensor
+    with pytest.raises(DoubleReleaseError):
+        _ = obj.address
 
 
 def test_context_manager_releases() -> None:
@@ -169,6 +171,9 @@ def test_object_tensors_are_their_own_bytes(
         assert obj is not None
         t = obj.tensor
         assert t.shape == tuple(shape) and t.dtype == dtype and t.is_contiguous()
+        twin = obj.share()
+        assert obj.address == t.data_ptr() == twin.address
+        twin.release()
         view = obj.byte_view()
         assert view.nbytes == meta.nbytes
         if meta.nbytes:

@@ -3,14 +3,15 @@ are vLLM's, its rows carry their fields, the targets are read from the worst lay
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from fixtures.kv_views import replica_views
-from kvtier.bench.transfer import _rows, target_check
-from kvtier.bench.transfer_cases import Case, device_slug, layout_of, vllm_views
+from kvtier.bench.transfer import _rows, _threaded, target_check
+from kvtier.bench.transfer_cases import Case, Pair, device_slug, layout_of, vllm_views
 from kvtier.core.cli import main as kvtier_main
 from kvtier.core.layout import PagedLayout
 
@@ -68,8 +69,13 @@ def test_targets_are_read_from_the_worst_layout():
         row("8b", "LHBNC", "kvtier", "load", 0.96),
         row("8b", "LBHNC", "kvtier", "both", 0.9, 1.8),
         row("small", "LBHNC", "kvtier", "both", 0.9, 1.65),
+        row("small", "LBHNC", "limit-threads", "both", 0.7, 1.3),
+        row("8b", "LBHNC", "limit-threads", "both", 0.8, 1.4),
     ]
-    streamed = [row("small", "BHLNC", "kvtier-streamed", "store", 0.96)]
+    streamed = [
+        row("small", "BHLNC", "kvtier-streamed", "store", 0.96),
+        row("small", "BHLNC", "kvtier-streamed", "both", 0.95, 1.72),
+    ]
     got = target_check(results, streamed)
     assert got["8b per_call"] == {
         "target": 0.97,
@@ -79,6 +85,40 @@ def test_targets_are_read_from_the_worst_layout():
     }
     assert got["small streamed"]["met"] is True
     assert got["both x one-way limit"]["worst_at"] == "small LBHNC"
+    assert got["both x one-way limit"]["plain_copies_same_threads"] == 1.3
+    assert got["streamed both x one-way limit"]["met"] is True
+    assert got["streamed both x one-way limit"]["plain_copies_same_threads"] is None
+
+
+def test_both_rows_are_also_read_against_the_copies_through_the_same_threads():
+    limit = {"store": 50.0, "load": 50.0, "both": 90.0}
+    case = _case("small", 500_000_000)
+    rows = _rows(case, "kvtier", {"both": 0.012}, limit)
+    rows += _rows(case, "limit-threads", {"both": 0.015}, limit)
+    _threaded(rows, "kvtier", "limit-threads")
+    assert rows[0]["x_threaded_limit"] == pytest.approx(1.25, abs=0.001)
+    assert "x_threaded_limit" not in rows[1]
+
+
+def test_a_pair_runs_both_calls_at_once_and_passes_on_their_errors():
+    """Each call waits until the other one has started: only two threads at once get past."""
+    both = threading.Barrier(2, timeout=10)
+    pair = Pair(both.wait, both.wait)
+    try:
+        for _ in range(3):
+            pair()
+    finally:
+        pair.close()
+
+    def fails() -> None:
+        raise RuntimeError("the load failed")
+
+    pair = Pair(lambda: None, fails)
+    try:
+        with pytest.raises(RuntimeError, match="the load failed"):
+            pair()
+    finally:
+        pair.close()
 
 
 @pytest.mark.skipif(

@@ -18,7 +18,6 @@ from conftest import BLOCKS, chunk_objects, make_layout
 from kvtier.core.memory import HostArena
 from kvtier.core.mover import Transfer
 from kvtier.cuda import native
-from kvtier.cuda.plan import ids_tensor
 
 LAYOUT = make_layout()
 ROW = LAYOUT.num_layers * LAYOUT.page_bytes
@@ -134,16 +133,14 @@ class Setup:
 
     def call(self, lib: ctypes.CDLL, transfers: list[Transfer], *, store: bool) -> tuple[int, int]:
         self.drv.store = store
-        count = len(transfers)
-        addrs, counts = native.Int64s(count), native.Int64s(count)
-        for i, t in enumerate(transfers):
-            addrs.array[i], counts.array[i] = t.obj.tensor.data_ptr(), t.blocks.shape[0]
-        ids = ids_tensor([t.blocks for t in transfers])
-        runs, lohi, failed = native.Int64s(3 * ids.numel()), native.Int64s(2), c_int(0)
+        arrays, failed = native.CallArrays(), c_int(0)
+        _, held = arrays.read(transfers, LAYOUT)
         res = lib.kvt_call(
-            ctypes.addressof(self.struct), CALLER, store, addrs.address, counts.address, count,
-            ids.data_ptr(), runs.address, lohi.address, 1, ctypes.byref(failed),
+            ctypes.addressof(self.struct), CALLER, store, arrays.addrs.address,
+            arrays.counts.address, len(transfers), arrays.ids.address, arrays.runs.address,
+            arrays.lohi.address, 1, ctypes.byref(failed),
         )  # fmt: skip
+        del held
         return int(res), failed.value
 
 

@@ -32,7 +32,7 @@ from kvtier.core.memory import HostArena
 from kvtier.core.mover import Transfer
 from kvtier.cuda import native
 from kvtier.cuda.lane import Lane
-from kvtier.cuda.plan import ids_tensor, plan_transfers
+from kvtier.cuda.plan import plan_transfers
 from kvtier.cuda.platform import CUDAPlatform
 
 LAYOUT = make_layout()
@@ -70,23 +70,17 @@ def test_without_a_compiler_calls_run_in_python_after_a_warning(
 
 
 def _c_plan(lib: ctypes.CDLL, transfers: list[Transfer], num_blocks: int):  # type: ignore[no-untyped-def]
-    count = len(transfers)
-    addrs = native.Int64s(count)
-    counts = native.Int64s(count)
-    for i, t in enumerate(transfers):
-        addrs.array[i] = t.obj.tensor.data_ptr()
-        counts.array[i] = t.blocks.shape[0]
-    ids = ids_tensor([t.blocks for t in transfers])
-    total = ids.numel()
-    out, runs, lohi = native.Int64s(total), native.Int64s(3 * total), native.Int64s(2)
-    nruns = ctypes.c_int64()
+    arrays = native.CallArrays()
+    total, held = arrays.read(transfers, LAYOUT)
+    out, nruns = native.Int64s(total), ctypes.c_int64()
     kept = lib.kvt_plan(
-        addrs.address, counts.address, count, ids.data_ptr(), ROW, num_blocks,
-        out.address, runs.address, ctypes.byref(nruns), lohi.address,
+        arrays.addrs.address, arrays.counts.address, len(transfers), arrays.ids.address, ROW,
+        num_blocks, out.address, arrays.runs.address, ctypes.byref(nruns), arrays.lohi.address,
     )  # fmt: skip
+    del held
     if kept < 0:
-        return None, (lohi.array[0], lohi.array[1])
-    triples = [tuple(runs.array[3 * r : 3 * r + 3]) for r in range(nruns.value)]
+        return None, (arrays.lohi.array[0], arrays.lohi.array[1])
+    triples = [tuple(arrays.runs.array[3 * r : 3 * r + 3]) for r in range(nruns.value)]
     return list(out.array[:kept]), triples
 
 
@@ -96,10 +90,12 @@ def _c_plan(lib: ctypes.CDLL, transfers: list[Transfer], num_blocks: int):  # ty
     order=st.randoms(use_true_random=False),
     skips=st.lists(st.booleans(), min_size=24, max_size=24),
     bad=st.sampled_from([None, -2, BLOCKS]),
+    form=st.sampled_from(["int64", "int32", "strided"]),
 )
-def test_planning_equals_the_python_planner(lib, lengths, order, skips, bad) -> None:  # type: ignore[no-untyped-def]
+def test_planning_equals_the_python_planner(lib, lengths, order, skips, bad, form) -> None:  # type: ignore[no-untyped-def]
     """Kept ids in order, runs of rows back to back in host memory (objects allocated one after
-    another and then shuffled), skipped blocks (-1) left out, and the same bad-id error."""
+    another and then shuffled), skipped blocks (-1) left out, and the same bad-id error; ids of
+    any integer dtype and stride (the C code reads contiguous int64s: others are converted)."""
     arena = HostArena.create(32 * ROW)
     objs = chunk_objects(arena, LAYOUT, lengths)
     order.shuffle(objs)
@@ -112,9 +108,14 @@ def test_planning_equals_the_python_planner(lib, lengths, order, skips, bad) -> 
             if skips[(at + j) % len(skips)]:
                 ids[j] = -1
         at += n
+        if bad is not None and len(transfers) == len(objs) - 1:
+            ids[-1] = bad
+        if form == "int32":
+            ids = ids.to(torch.int32)
+        elif form == "strided":
+            ids = torch.stack([ids, torch.zeros_like(ids)], 1)[:, 0]
+            assert n == 1 or not ids.is_contiguous()
         transfers.append(Transfer(o, ids))
-    if bad is not None:
-        transfers[-1].blocks[-1] = bad
     lane = Lane(torch.device("cpu"), 2, 1 << 16)
     got_ids, got = _c_plan(lib, transfers, BLOCKS)
     if bad is not None:

@@ -239,19 +239,28 @@ class MemoryObj:
     this handle is released.
     """
 
-    __slots__ = ("_alloc", "_released", "_tensor", "meta")
+    __slots__ = ("_address", "_alloc", "_released", "_tensor", "meta")
 
     def __init__(self, alloc: _Allocation, meta: MemoryObjMeta) -> None:
         self._alloc = alloc
         self.meta = meta
         self._released = False
         self._tensor = alloc.arena.tensor_at(alloc.offset, meta)
+        self._address = self._tensor.data_ptr()
 
     @property
     def tensor(self) -> torch.Tensor:
         if self._released:
             raise DoubleReleaseError("memory object used after release")
         return self._tensor
+
+    @property
+    def address(self) -> int:
+        """The host address of the object's first byte (``tensor.data_ptr()``, without a torch
+        call: a mover reads it for every chunk of a call)."""
+        if self._released:
+            raise DoubleReleaseError("memory object used after release")
+        return self._address
 
     @property
     def released(self) -> bool:
@@ -290,6 +299,7 @@ class MemoryObj:
         twin.meta = self.meta
         twin._released = False
         twin._tensor = self._tensor
+        twin._address = self._address
         return twin
 
     def release(self) -> None:

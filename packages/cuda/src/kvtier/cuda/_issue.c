@@ -82,30 +82,33 @@ void kvt_lane_layout(int64_t *out) {
 /* Which driver call failed (kvt_issue returns its CUresult, and sets *failed). */
 enum { KVT_RECORD = 1, KVT_WAIT, KVT_LAUNCH_IDS, KVT_LAUNCH_PAGES, KVT_DTOH, KVT_HTOD, KVT_SYNC };
 
-/* Check `total` block ids (-1: skip the block) of `count` transfers whose host objects start at
- * `addrs` (each block's row `row` bytes after the previous), write the kept ids to `ids_out` and
- * the runs of kept blocks back to back in host memory to `runs` (host address, first kept index,
- * blocks: at most `total` triples). Returns the kept count and sets *nruns; or -1 when an id is
- * below -1 or at least `num_blocks`, with lohi = {lowest, highest} id. */
-int64_t kvt_plan(const int64_t *addrs, const int64_t *counts, int64_t count, const int64_t *ids,
-                 int64_t row, int64_t num_blocks, int64_t *ids_out, int64_t *runs, int64_t *nruns,
-                 int64_t *lohi) {
+/* Check the block ids (-1: skip the block) of `count` transfers, transfer t's `counts[t]` ids at
+ * `ids[t]` and its host object at `addrs[t]` (each block's row `row` bytes after the previous),
+ * write the kept ids to `ids_out` and the runs of kept blocks back to back in host memory to `runs`
+ * (host address, first kept index, blocks: at most one triple per block). Returns the kept count
+ * and sets *nruns; or -1 when an id is below -1 or at least `num_blocks`, with lohi = {lowest,
+ * highest} id. */
+int64_t kvt_plan(const int64_t *addrs, const int64_t *counts, int64_t count,
+                 const int64_t *const *ids, int64_t row, int64_t num_blocks, int64_t *ids_out,
+                 int64_t *runs, int64_t *nruns, int64_t *lohi) {
   int64_t total = 0, lo = INT64_MAX, hi = INT64_MIN;
-  for (int64_t t = 0; t < count; t++) total += counts[t];
-  for (int64_t i = 0; i < total; i++) {
-    int64_t b = ids[i];
-    if (b < lo) lo = b;
-    if (b > hi) hi = b;
+  for (int64_t t = 0; t < count; t++) {
+    for (int64_t j = 0; j < counts[t]; j++) {
+      int64_t b = ids[t][j];
+      if (b < lo) lo = b;
+      if (b > hi) hi = b;
+    }
+    total += counts[t];
   }
   if (total && (lo < -1 || hi >= num_blocks)) {
     lohi[0] = lo;
     lohi[1] = hi;
     return -1;
   }
-  int64_t k = 0, r = 0, next = -1, i = 0;
+  int64_t k = 0, r = 0, next = -1;
   for (int64_t t = 0; t < count; t++) {
-    for (int64_t j = 0; j < counts[t]; j++, i++) {
-      int64_t b = ids[i];
+    for (int64_t j = 0; j < counts[t]; j++) {
+      int64_t b = ids[t][j];
       if (b < 0) continue;
       int64_t host = addrs[t] + j * row;
       if (r && host == next) {
@@ -277,7 +280,7 @@ int kvt_issue(const kvt_lane *l, void *caller, const int64_t *runs, int64_t nrun
 /* kvt_plan then kvt_issue, in one call: returns -1 (lohi set) for a bad id, else a
  * CUresult (0: done) with *failed naming the driver call. */
 int64_t kvt_call(const kvt_lane *l, void *caller, int store, const int64_t *addrs,
-                 const int64_t *counts, int64_t count, const int64_t *ids, int64_t *runs,
+                 const int64_t *counts, int64_t count, const int64_t *const *ids, int64_t *runs,
                  int64_t *lohi, int wait, int *failed) {
   int64_t nruns = 0;
   int64_t n = kvt_plan(addrs, counts, count, ids, l->row, l->num_blocks, l->ids_host, runs, &nruns,

@@ -40,7 +40,7 @@ import torch
 from kvtier.core.config import default_cache_dir
 from kvtier.core.layout import KVLayout
 from kvtier.core.mover import Transfer
-from kvtier.cuda.plan import ids_tensor, object_mismatch
+from kvtier.cuda.plan import object_mismatch
 
 logger = logging.getLogger("kvtier")
 
@@ -209,6 +209,48 @@ class Int64s:
             self.address = ctypes.addressof(self.array)
 
 
+class CallArrays:
+    """The arrays one call hands the C code: per transfer its host object's address
+    (``addrs``), block count (``counts``) and block ids' address (``ids``), and room for the
+    plan's runs and an id range (``runs``, ``lohi``)."""
+
+    def __init__(self) -> None:
+        self.addrs, self.counts, self.ids = Int64s(16), Int64s(16), Int64s(16)
+        self.runs, self.lohi = Int64s(48), Int64s(2)
+        self.meta: Any = None  # the latest object meta found to be the layout's chunk
+
+    def read(
+        self, transfers: Sequence[Transfer], layout: KVLayout
+    ) -> tuple[int, list[torch.Tensor]]:
+        """Fill the per-transfer arrays from ``transfers``: returns their block count and the
+        block-id tensors made for transfers whose ids were not contiguous int64 on the host
+        (they must live until the call returns). Raises ``LayoutError`` for an object that is
+        not the layout's chunk. Reads attributes only, no torch call per transfer but the ids'
+        address (``torch.cat`` of a call's ids cost 7-30 us of host time)."""
+        count = len(transfers)
+        for a in (self.addrs, self.counts, self.ids):
+            a.ensure(count)
+        addrs, counts, ids = self.addrs.array, self.counts.array, self.ids.array
+        chunk = (layout.num_layers, layout.page_bytes)
+        known, held, total = self.meta, [], 0
+        for i, t in enumerate(transfers):
+            obj, blocks = t.obj, t.blocks
+            meta = obj.meta  # the object's tensor is this shape and dtype (metas are frozen)
+            n = meta.shape[0] if meta.shape else 0
+            if meta is not known:
+                if tuple(meta.shape[1:]) != chunk or meta.dtype is not torch.uint8:
+                    raise object_mismatch(meta, n, layout)
+                known = meta
+            if blocks.dtype is not torch.int64 or not blocks.is_cpu or not blocks.is_contiguous():
+                blocks = blocks.to("cpu", torch.int64).contiguous()
+                held.append(blocks)
+            addrs[i], counts[i], ids[i] = obj.address, n, blocks.data_ptr()
+            total += n
+        self.meta = known
+        self.runs.ensure(3 * total)
+        return total, held
+
+
 class NativeLane:
     """One mover direction's state for the C issuer: the ``kvt_lane`` struct (streams, events,
     kept kernels, id buffers, registration cuts) and the arrays a call passes."""
@@ -229,7 +271,6 @@ class NativeLane:
     ) -> None:
         self.lib, self.lane, self.layout = lib, lane, layout
         self.row = row = layout.num_layers * layout.page_bytes
-        self.chunk = (layout.num_layers, layout.page_bytes)
         self.num_blocks = num_blocks
         self.driver = _driver_table()
         s = self.struct = LaneStruct()
@@ -251,12 +292,7 @@ class NativeLane:
         s.grid_y, s.layers, s.words_block = grid_y, layers, words_block
         s.row, s.num_blocks = row, num_blocks
         self.address = ctypes.addressof(s)
-        self.addrs, self.counts, self.runs, self.lohi = (
-            Int64s(16),
-            Int64s(16),
-            Int64s(48),
-            Int64s(2),
-        )
+        self.arrays = CallArrays()
         self.failed = c_int(0)
         self.ids_host: Any = None
         self.cuts: Any = None
@@ -267,30 +303,12 @@ class NativeLane:
     ) -> bool:
         """Check, plan and issue ``transfers`` through the slots and wait for them; False
         (nothing done) where one block's row does not fit a slot (the Python path grows it)."""
-        lane, chunk, row = self.lane, self.chunk, self.row
+        lane, row, arrays = self.lane, self.row, self.arrays
         if row > lane.slot_bytes:
             return False
-        count = len(transfers)
-        self.addrs.ensure(count)
-        self.counts.ensure(count)
-        addrs, counts = self.addrs.array, self.counts.array
-        total = 0
-        for i, t in enumerate(transfers):
-            obj = t.obj
-            meta = obj.meta  # the object's tensor is this shape and dtype
-            shape = meta.shape
-            if tuple(shape[1:]) != chunk or meta.dtype is not torch.uint8:
-                raise object_mismatch(meta, shape[0] if shape else 0, self.layout)
-            addrs[i] = obj.tensor.data_ptr()
-            counts[i] = n = shape[0]
-            total += n
+        total, held = arrays.read(transfers, self.layout)
         if not total:
             return True
-        ids = ids_tensor([t.blocks for t in transfers])
-        if ids.numel() != total:
-            raise ValueError(
-                f"the transfers hold {ids.numel()} block ids for objects of {total} blocks"
-            )
         lane.ensure_ids(total)
         s = self.struct
         if lane.ids_host is not self.ids_host:
@@ -300,7 +318,6 @@ class NativeLane:
             self.cuts = cuts
             self.cuts_array = (c_uint64 * max(1, len(cuts)))(*cuts)
             s.cuts, s.ncuts = ctypes.addressof(self.cuts_array), len(cuts)
-        self.runs.ensure(3 * total)
         if not lane.slots:
             lane.take_slot(row, lane.cs)  # allocates the slots
         if lane.generation != self.generation:  # holds no slot: a released one is freed
@@ -308,20 +325,13 @@ class NativeLane:
             self.slot_array = (c_uint64 * len(lane.slots))(*[t.data_ptr() for t in lane.slots])
             s.slots, s.slot_rows = ctypes.addressof(self.slot_array), lane.slot_bytes // row
         res = self.lib.kvt_call(
-            self.address,
-            caller,
-            store,
-            self.addrs.address,
-            self.counts.address,
-            count,
-            ids.data_ptr(),
-            self.runs.address,
-            self.lohi.address,
-            1,
+            self.address, caller, store, arrays.addrs.address, arrays.counts.address,
+            len(transfers), arrays.ids.address, arrays.runs.address, arrays.lohi.address, 1,
             ctypes.byref(self.failed),
-        )
+        )  # fmt: skip
+        del held  # kept alive until here: C read them
         if res == -1:
-            lo, hi = self.lohi.array[0], self.lohi.array[1]
+            lo, hi = arrays.lohi.array[0], arrays.lohi.array[1]
             raise IndexError(f"block ids must be -1 or in [0, {self.num_blocks}), got [{lo}, {hi}]")
         if res:
             raise lane.drv._fail(_FAILED.get(self.failed.value, "a driver call"), int(res))
