@@ -399,6 +399,42 @@ def test_a_transfer_needs_one_block_id_per_object_block() -> None:
         Transfer(obj, torch.tensor([1, 2, 3]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_block_ids_that_are_not_integers_are_a_value_error(dtype) -> None:
+    layout = make_layout(Case(PagedLayout.LBHNC))
+    arena = HostArena.create(1 << 20)
+    obj = arena.allocate(MemoryObjMeta(layout.chunk_shape(layout.block_size), torch.uint8, 1))
+    assert obj is not None
+    with obj, pytest.raises(ValueError, match="integers"):
+        Transfer(obj, torch.tensor([1], dtype=dtype))
+
+
+@pytest.mark.parametrize("form", ["int32", "strided"])
+@TWO
+def test_block_ids_of_any_integer_dtype_and_stride_move_the_same_pages(
+    subject, platform, device, arena, case, form
+):
+    """Ids given as int32, or as a strided view, on the test device: the same bytes as the
+    int64 ids (``Transfer`` keeps them as contiguous int64 on the host; a mover that read the
+    given tensor in place would read other ids)."""
+    mover, oracle = build(platform, subject, case, device, seed=48)
+    blocks = random_blocks(SHAPE.lengths, seed=49, holes=True, device=device)
+    if form == "int32":
+        given = [b.to(torch.int32) for b in blocks]
+    else:
+        given = [torch.stack([b, torch.full_like(b, -7)], 1)[:, 0] for b in blocks]
+    objs = Objects(arena, mover.layout, lengths_of(blocks), seed=50)
+    before = objs.snapshot()
+    mover.store(objs.transfers(given))
+    want = [oracle.after_store(b, ids.cpu()) for b, ids in zip(before, blocks, strict=True)]
+    assert same_bytes(objs.snapshot(), want)
+    into = random_blocks(SHAPE.lengths, seed=51, holes=True, device=device)
+    loaded = Objects(arena, mover.layout, lengths_of(into), seed=52)
+    sent = loaded.snapshot()
+    mover.load(loaded.transfers([b.to(torch.int32) for b in into]))
+    assert torch.equal(storage_of(mover), oracle.after_load(sent, [b.cpu() for b in into]))
+
+
 def test_views_that_do_not_match_the_layout_are_layout_errors(subject, platform, device):
     layout = make_layout(Case(PagedLayout.LBHNC))
     caches = make_caches(layout, Case(PagedLayout.LBHNC), device, seed=47)

@@ -133,14 +133,13 @@ class Setup:
 
     def call(self, lib: ctypes.CDLL, transfers: list[Transfer], *, store: bool) -> tuple[int, int]:
         self.drv.store = store
-        arrays, failed = native.CallArrays(), c_int(0)
-        _, held = arrays.read(transfers, LAYOUT)
+        arrays, failed = native.CallArrays(LAYOUT), c_int(0)
+        arrays.read(transfers)
         res = lib.kvt_call(
             ctypes.addressof(self.struct), CALLER, store, arrays.addrs.address,
             arrays.counts.address, len(transfers), arrays.ids.address, arrays.runs.address,
             arrays.lohi.address, 1, ctypes.byref(failed),
         )  # fmt: skip
-        del held
         return int(res), failed.value
 
 

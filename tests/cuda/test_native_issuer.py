@@ -70,14 +70,13 @@ def test_without_a_compiler_calls_run_in_python_after_a_warning(
 
 
 def _c_plan(lib: ctypes.CDLL, transfers: list[Transfer], num_blocks: int):  # type: ignore[no-untyped-def]
-    arrays = native.CallArrays()
-    total, held = arrays.read(transfers, LAYOUT)
+    arrays = native.CallArrays(LAYOUT)
+    total = arrays.read(transfers)
     out, nruns = native.Int64s(total), ctypes.c_int64()
     kept = lib.kvt_plan(
         arrays.addrs.address, arrays.counts.address, len(transfers), arrays.ids.address, ROW,
         num_blocks, out.address, arrays.runs.address, ctypes.byref(nruns), arrays.lohi.address,
     )  # fmt: skip
-    del held
     if kept < 0:
         return None, (arrays.lohi.array[0], arrays.lohi.array[1])
     triples = [tuple(arrays.runs.array[3 * r : 3 * r + 3]) for r in range(nruns.value)]

@@ -8,7 +8,8 @@ same checks against every platform, on views built by vLLM's own allocator):
   one manager block) from the views' strides and copies pages as opaque bytes: it never reads
   a page's interior.
 - A ``Transfer`` pairs a memory object (``[blocks, layers, page_bytes]`` uint8, see
-  ``KVLayout.chunk_shape``) with one cache block id per object block. A block id of ``-1``
+  ``KVLayout.chunk_shape``) with one cache block id per object block (kept as a contiguous
+  int64 host tensor: ``Transfer`` converts ids given otherwise). A block id of ``-1``
   means "skip this block": on store its pages in the object are left as they are, on load the
   engine's copy is left as it is (the engine already has it).
 - ``store``/``load`` return once the bytes are where they were asked to be: after ``store`` the
@@ -21,7 +22,8 @@ same checks against every platform, on views built by vLLM's own allocator):
 - **Bad input** raises and never writes outside the cache or the call's objects: a block id
   below -1 or past the cache, or a layer outside ``[0, num_layers)``, is an ``IndexError``; an
   object whose shape or dtype is not the layout's chunk a ``LayoutError``; a transfer whose
-  block count is not its object's a ``ValueError`` (``Transfer`` itself). Other transfers of the
+  block count is not its object's, or whose ids are not integers, a ``ValueError``
+  (``Transfer`` itself). Other transfers of the
   failed call may have moved; the mover stays usable. KV views whose pages do not match the
   layout are a ``LayoutError`` when the mover is built.
 - **Threads.** One store (``store``, ``store_layer``, or a ``store_layerwise`` generator not yet
@@ -87,18 +89,27 @@ def check_options(
 
 @dataclass(frozen=True)
 class Transfer:
-    """One chunk to move: a memory object and the cache block of each of its blocks."""
+    """One chunk to move: a memory object and the cache block of each of its blocks.
+
+    ``blocks`` is held as a contiguous int64 host tensor (ids of another integer dtype, stride or
+    device are converted once, here), so a mover reads them in place."""
 
     obj: MemoryObj
     blocks: torch.Tensor
 
     def __post_init__(self) -> None:
-        shape = self.obj.tensor.shape
-        if self.blocks.dim() != 1 or not shape or self.blocks.numel() != shape[0]:
+        blocks, shape = self.blocks, self.obj.meta.shape
+        dims = blocks.shape
+        if len(dims) != 1 or not shape or dims[0] != shape[0]:
             raise ValueError(
                 f"a transfer of an object of {shape[0] if shape else 0} blocks needs as many "
-                f"block ids, got shape {tuple(self.blocks.shape)}"
+                f"block ids, got shape {tuple(dims)}"
             )
+        if blocks.dtype is not torch.int64 or not blocks.is_cpu or not blocks.is_contiguous():
+            dtype = blocks.dtype
+            if dtype.is_floating_point or dtype.is_complex or dtype is torch.bool:
+                raise ValueError(f"a transfer's block ids must be integers, got {dtype}")
+            object.__setattr__(self, "blocks", blocks.to("cpu", torch.int64).contiguous())
 
 
 class PageMover(ABC):
@@ -132,7 +143,7 @@ class PageMover(ABC):
             raise IndexError(f"layer {layer} out of range [0, {self.layout.num_layers})")
 
     def check_transfer(self, transfer: Transfer) -> torch.Tensor:
-        """The transfer's block ids as a host long tensor, checked against the object's shape
+        """The transfer's block ids (a host int64 tensor), checked against the object's shape
         and the cache (``LayoutError``/``IndexError`` per the contract)."""
         obj, lay = transfer.obj, self.layout
         want = (int(transfer.blocks.numel()), lay.num_layers, lay.page_bytes)
@@ -141,7 +152,7 @@ class PageMover(ABC):
                 f"a memory object {tuple(obj.tensor.shape)} {obj.tensor.dtype} does not match "
                 f"the layout's chunk {want} {lay.chunk_dtype} ({lay.describe()})"
             )
-        blocks = transfer.blocks.to(device="cpu", dtype=torch.long)
+        blocks = transfer.blocks
         if blocks.numel():
             lo, hi = (int(v) for v in torch.aminmax(blocks))
             if lo < -1 or hi >= self.num_blocks:

@@ -197,6 +197,7 @@ class Int64s:
     """A growable C array of int64 (its address stays valid until it grows)."""
 
     __slots__ = ("address", "array", "size")
+    array: Any  # a ctypes c_int64 array (slice assignment takes a list of ints)
 
     def __init__(self, size: int) -> None:
         self.size = 0
@@ -214,41 +215,37 @@ class CallArrays:
     (``addrs``), block count (``counts``) and block ids' address (``ids``), and room for the
     plan's runs and an id range (``runs``, ``lohi``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout, self.chunk = layout, (layout.num_layers, layout.page_bytes)
         self.addrs, self.counts, self.ids = Int64s(16), Int64s(16), Int64s(16)
         self.runs, self.lohi = Int64s(48), Int64s(2)
         self.meta: Any = None  # the latest object meta found to be the layout's chunk
 
-    def read(
-        self, transfers: Sequence[Transfer], layout: KVLayout
-    ) -> tuple[int, list[torch.Tensor]]:
-        """Fill the per-transfer arrays from ``transfers``: returns their block count and the
-        block-id tensors made for transfers whose ids were not contiguous int64 on the host
-        (they must live until the call returns). Raises ``LayoutError`` for an object that is
-        not the layout's chunk. Reads attributes only, no torch call per transfer but the ids'
-        address (``torch.cat`` of a call's ids cost 7-30 us of host time)."""
+    def read(self, transfers: Sequence[Transfer]) -> int:
+        """Fill the per-transfer arrays from ``transfers`` and return their block count; a
+        ``LayoutError`` for an object that is not the layout's chunk. Reads attributes and one
+        torch call per transfer (the ids' address: ``Transfer`` holds them as contiguous int64
+        on the host), as host time counts: a ``torch.cat`` of a call's ids cost 7-30 us."""
         count = len(transfers)
         for a in (self.addrs, self.counts, self.ids):
             a.ensure(count)
-        addrs, counts, ids = self.addrs.array, self.counts.array, self.ids.array
-        chunk = (layout.num_layers, layout.page_bytes)
-        known, held, total = self.meta, [], 0
-        for i, t in enumerate(transfers):
-            obj, blocks = t.obj, t.blocks
-            meta = obj.meta  # the object's tensor is this shape and dtype (metas are frozen)
-            n = meta.shape[0] if meta.shape else 0
-            if meta is not known:
-                if tuple(meta.shape[1:]) != chunk or meta.dtype is not torch.uint8:
-                    raise object_mismatch(meta, n, layout)
+        objs = [t.obj for t in transfers]
+        metas = [o.meta for o in objs]
+        known = self.meta
+        for meta in metas:
+            if meta is not known:  # metas are frozen: one checked is good for every object
+                shape = meta.shape
+                if tuple(shape[1:]) != self.chunk or meta.dtype is not torch.uint8:
+                    raise object_mismatch(meta, shape[0] if shape else 0, self.layout)
                 known = meta
-            if blocks.dtype is not torch.int64 or not blocks.is_cpu or not blocks.is_contiguous():
-                blocks = blocks.to("cpu", torch.int64).contiguous()
-                held.append(blocks)
-            addrs[i], counts[i], ids[i] = obj.address, n, blocks.data_ptr()
-            total += n
         self.meta = known
+        counts = [m.shape[0] for m in metas]
+        self.addrs.array[:count] = [o.address for o in objs]
+        self.counts.array[:count] = counts
+        self.ids.array[:count] = [t.blocks.data_ptr() for t in transfers]
+        total = sum(counts)
         self.runs.ensure(3 * total)
-        return total, held
+        return total
 
 
 class NativeLane:
@@ -292,7 +289,7 @@ class NativeLane:
         s.grid_y, s.layers, s.words_block = grid_y, layers, words_block
         s.row, s.num_blocks = row, num_blocks
         self.address = ctypes.addressof(s)
-        self.arrays = CallArrays()
+        self.arrays = CallArrays(layout)
         self.failed = c_int(0)
         self.ids_host: Any = None
         self.cuts: Any = None
@@ -306,7 +303,7 @@ class NativeLane:
         lane, row, arrays = self.lane, self.row, self.arrays
         if row > lane.slot_bytes:
             return False
-        total, held = arrays.read(transfers, self.layout)
+        total = arrays.read(transfers)
         if not total:
             return True
         lane.ensure_ids(total)
@@ -329,7 +326,6 @@ class NativeLane:
             len(transfers), arrays.ids.address, arrays.runs.address, arrays.lohi.address, 1,
             ctypes.byref(self.failed),
         )  # fmt: skip
-        del held  # kept alive until here: C read them
         if res == -1:
             lo, hi = arrays.lohi.array[0], arrays.lohi.array[1]
             raise IndexError(f"block ids must be -1 or in [0, {self.num_blocks}), got [{lo}, {hi}]")
