@@ -70,6 +70,7 @@ def test_targets_are_read_from_the_worst_layout():
         row("8b", "LBHNC", "kvtier", "both", 0.9, 1.8),
         row("small", "LBHNC", "kvtier", "both", 0.9, 1.65),
         row("small", "LBHNC", "limit-threads", "both", 0.7, 1.3),
+        row("small", "BHLNC", "limit-threads", "both", 0.6, 1.2),
         row("8b", "LBHNC", "limit-threads", "both", 0.8, 1.4),
     ]
     streamed = [
@@ -85,6 +86,7 @@ def test_targets_are_read_from_the_worst_layout():
     }
     assert got["small streamed"]["met"] is True
     assert got["both x one-way limit"]["worst_at"] == "small LBHNC"
+    # read at the worst row's shape and layout, not the lowest anywhere
     assert got["both x one-way limit"]["plain_copies_same_threads"] == 1.3
     assert got["streamed both x one-way limit"]["met"] is True
     assert got["streamed both x one-way limit"]["plain_copies_same_threads"] is None
@@ -118,6 +120,21 @@ def test_a_pair_runs_both_calls_at_once_and_passes_on_their_errors():
         with pytest.raises(RuntimeError, match="the load failed"):
             pair()
     finally:
+        pair.close()
+
+
+def test_a_pair_that_timed_out_refuses_later_calls():
+    """A late thread would report on the next call: the pair is broken instead."""
+    release = threading.Event()
+    pair = Pair(lambda: None, lambda: release.wait(10), timeout=0.05)
+    try:
+        with pytest.raises(TimeoutError):
+            pair()
+        release.set()
+        with pytest.raises(RuntimeError, match="timed out earlier"):
+            pair()
+    finally:
+        release.set()
         pair.close()
 
 

@@ -158,10 +158,11 @@ def device_slug(name: str) -> str:
 class Pair:
     """Two persistent threads that run a store and a load at the same moment, on demand (an
     engine's saver and forward threads). Each thread waits on a lock of its own and signals one
-    of its own: two lock hand-offs a call, about half the host time of a ``threading.Barrier``
-    (two notified conditions; 200-260 us a call against 125-170 us, an H200 host, both threads'
-    calls empty). What is left still counts in a call's time: the bench times the plain copies
-    through a pair of these too (``limit-threads``)."""
+    of its own (four lock hand-offs a call): about two thirds of the host time of a
+    ``threading.Barrier`` (125-170 us a call against 200-260 us, H200 hosts, both threads' calls
+    empty). What is left still counts in a call's time: the bench times the plain copies through
+    a pair of these too (``limit-threads``). A call that times out breaks the pair: its threads
+    are out of step, so every later call raises."""
 
     def __init__(self, store: Call, load: Call, timeout: float = 120.0) -> None:
         self._timeout = timeout
@@ -170,6 +171,7 @@ class Pair:
         for lock in self._go + self._done:
             lock.acquire()
         self._stop = False
+        self._broken = False
         self._errors: list[BaseException] = []
         self._threads = [
             threading.Thread(target=self._loop, args=(i, f), daemon=True)
@@ -190,10 +192,13 @@ class Pair:
             self._done[i].release()
 
     def __call__(self) -> None:
+        if self._broken:
+            raise RuntimeError("this pair timed out earlier: its threads are out of step")
         for lock in self._go:
             lock.release()
         for lock in self._done:
             if not lock.acquire(timeout=self._timeout):
+                self._broken = True
                 raise TimeoutError(f"a paired call did not return within {self._timeout} s")
         if self._errors:
             raise self._errors[0]

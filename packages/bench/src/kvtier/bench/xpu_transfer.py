@@ -90,7 +90,8 @@ def run_case(
     arena = HostArena.create(nbytes + 256 * chunks, pin_memory=pinned)  # + alignment slack
     meta = MemoryObjMeta(layout.chunk_shape(chunk), layout.chunk_dtype, chunk)
     objs = [arena.allocate(meta) for _ in range(chunks)]
-    blocks = torch.randperm(num_blocks, device=device)[: chunks * blocks_per_chunk]
+    # block ids on the host, as the engine's scheduler hands them over
+    blocks = torch.randperm(num_blocks)[: chunks * blocks_per_chunk]
     transfers = [
         Transfer(o, blocks[i * blocks_per_chunk : (i + 1) * blocks_per_chunk])  # type: ignore[arg-type]
         for i, o in enumerate(objs)

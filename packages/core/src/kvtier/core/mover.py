@@ -91,8 +91,11 @@ def check_options(
 class Transfer:
     """One chunk to move: a memory object and the cache block of each of its blocks.
 
-    ``blocks`` is held as a contiguous int64 host tensor (ids of another integer dtype, stride or
-    device are converted once, here), so a mover reads them in place."""
+    ``blocks`` is held as a contiguous int64 host tensor, so a mover reads the ids in place: ids
+    of another integer dtype, stride or device are converted once, here; ids that already are
+    one are the caller's tensor, shared, and its values may change until a call takes them, but
+    it must not be resized or given other storage (a mover reads as many ids as the object has
+    blocks, from the tensor's data pointer)."""
 
     obj: MemoryObj
     blocks: torch.Tensor

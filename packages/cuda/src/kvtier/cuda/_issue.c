@@ -87,28 +87,17 @@ enum { KVT_RECORD = 1, KVT_WAIT, KVT_LAUNCH_IDS, KVT_LAUNCH_PAGES, KVT_DTOH, KVT
  * write the kept ids to `ids_out` and the runs of kept blocks back to back in host memory to `runs`
  * (host address, first kept index, blocks: at most one triple per block). Returns the kept count
  * and sets *nruns; or -1 when an id is below -1 or at least `num_blocks`, with lohi = {lowest,
- * highest} id. */
+ * highest} id. One pass that reads each id once: the id checked is the id written, whatever
+ * another thread does to the caller's ids meanwhile (nothing is issued before this returns). */
 int64_t kvt_plan(const int64_t *addrs, const int64_t *counts, int64_t count,
                  const int64_t *const *ids, int64_t row, int64_t num_blocks, int64_t *ids_out,
                  int64_t *runs, int64_t *nruns, int64_t *lohi) {
-  int64_t total = 0, lo = INT64_MAX, hi = INT64_MIN;
+  int64_t lo = INT64_MAX, hi = INT64_MIN, k = 0, r = 0, next = -1;
   for (int64_t t = 0; t < count; t++) {
     for (int64_t j = 0; j < counts[t]; j++) {
       int64_t b = ids[t][j];
       if (b < lo) lo = b;
       if (b > hi) hi = b;
-    }
-    total += counts[t];
-  }
-  if (total && (lo < -1 || hi >= num_blocks)) {
-    lohi[0] = lo;
-    lohi[1] = hi;
-    return -1;
-  }
-  int64_t k = 0, r = 0, next = -1;
-  for (int64_t t = 0; t < count; t++) {
-    for (int64_t j = 0; j < counts[t]; j++) {
-      int64_t b = ids[t][j];
       if (b < 0) continue;
       int64_t host = addrs[t] + j * row;
       if (r && host == next) {
@@ -122,6 +111,11 @@ int64_t kvt_plan(const int64_t *addrs, const int64_t *counts, int64_t count,
       next = host + row;
       ids_out[k++] = b;
     }
+  }
+  if (lo < -1 || hi >= num_blocks) { /* false with no id at all: lo > hi */
+    lohi[0] = lo;
+    lohi[1] = hi;
+    return -1;
   }
   *nruns = r;
   return k;
