@@ -7,8 +7,8 @@ two threads issued one after the other, the first holding the GIL until its wait
 docs/cuda-performance.md, "Native issuer"). Python now only reads each transfer's host address,
 block count and block ids' address (``CallArrays``); the C call reads the ids in place, checks
 them, writes the kept ones to the lane's pinned id buffer, finds the runs of blocks back to back
-in host memory, and issues the call in parts on the lane's two streams so that the kernel of one part overlaps the DMAs of
-another: a call that fits one slot in two parts through it (the part whose kernel nothing hides,
+in host memory, and issues the call in parts on the lane's two streams so that the kernel of
+one part overlaps the DMAs of another: a call that fits one slot in two parts through it (the part whose kernel nothing hides,
 a store's first gather or a load's last scatter, a sixteenth of the rows), a larger one in groups
 through the slots in turn (2 MiB first, then four times larger up to a slot), every part issued
 before the host waits once.
