@@ -8,10 +8,10 @@ docs/cuda-performance.md, "Native issuer"). Python now only reads each transfer'
 block count and block ids' address (``CallArrays``); the C call reads the ids in place, checks
 them, writes the kept ones to the lane's pinned id buffer, finds the runs of blocks back to back
 in host memory, and issues the call in parts on the lane's two streams so that the kernel of
-one part overlaps the DMAs of another: a call that fits one slot in two parts through it (the part whose kernel nothing hides,
-a store's first gather or a load's last scatter, a sixteenth of the rows), a larger one in groups
-through the slots in turn (2 MiB first, then four times larger up to a slot), every part issued
-before the host waits once.
+one part overlaps the DMAs of another: a call that fits one slot in two parts through it (the
+part whose kernel nothing hides, a store's first gather or a load's last scatter, a sixteenth of
+the rows), a larger one in groups through the slots in turn (2 MiB first, then four times
+larger up to a slot), every part issued before the host waits once.
 
 The library is compiled at first use with the C compiler Triton uses too (``$CC``, else ``cc``,
 ``gcc`` or ``clang``), once per source and compiler, into ``~/.cache/kvtier/cuda``
