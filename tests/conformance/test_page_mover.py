@@ -39,7 +39,7 @@ from device_cases import (
 from fixtures.threads import run_concurrently
 from kvtier.core.errors import LayoutError
 from kvtier.core.layout import KVLayout, PagedLayout
-from kvtier.core.memory import HostArena, MemoryObjMeta
+from kvtier.core.memory import HostArena
 from kvtier.core.mover import PageMover, Transfer
 from kvtier.core.platform import Platform
 
@@ -386,27 +386,6 @@ def test_an_object_of_another_geometry_is_a_layout_error(subject, platform, devi
     objs = Objects(arena, other, [1], seed=46)
     with pytest.raises(LayoutError):
         mover.store(objs.transfers([torch.tensor([1], device=device)]))
-
-
-def test_a_transfer_needs_one_block_id_per_object_block() -> None:
-    layout = make_layout(Case(PagedLayout.LBHNC))
-    arena = HostArena.create(1 << 20)
-    obj = arena.allocate(
-        MemoryObjMeta(layout.chunk_shape(2 * layout.block_size), torch.uint8, 2 * layout.block_size)
-    )
-    assert obj is not None
-    with obj, pytest.raises(ValueError, match="block ids"):
-        Transfer(obj, torch.tensor([1, 2, 3]))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
-def test_block_ids_that_are_not_integers_are_a_value_error(dtype) -> None:
-    layout = make_layout(Case(PagedLayout.LBHNC))
-    arena = HostArena.create(1 << 20)
-    obj = arena.allocate(MemoryObjMeta(layout.chunk_shape(layout.block_size), torch.uint8, 1))
-    assert obj is not None
-    with obj, pytest.raises(ValueError, match="integers"):
-        Transfer(obj, torch.tensor([1], dtype=dtype))
 
 
 @pytest.mark.parametrize("form", ["int32", "strided"])
