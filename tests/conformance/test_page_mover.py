@@ -388,23 +388,32 @@ def test_an_object_of_another_geometry_is_a_layout_error(subject, platform, devi
         mover.store(objs.transfers([torch.tensor([1], device=device)]))
 
 
-@pytest.mark.parametrize("form", ["int32", "strided"])
+@pytest.mark.parametrize("form", ["int32", "strided", "resized"])
 @TWO
 def test_block_ids_of_any_integer_dtype_and_stride_move_the_same_pages(
     subject, platform, device, arena, case, form
 ):
     """Ids given as int32, or as a strided view, on the test device: the same bytes as the
     int64 ids (``Transfer`` keeps them as contiguous int64 on the host; a mover that read the
-    given tensor in place would read other ids)."""
+    given tensor in place would read other ids). Host int64 ids that the caller shrinks and
+    points elsewhere after building the transfers still move the pages they named (a mover
+    reading the caller's tensor would read past it, or other ids)."""
     mover, oracle = build(platform, subject, case, device, seed=48)
     blocks = random_blocks(SHAPE.lengths, seed=49, holes=True, device=device)
     if form == "int32":
         given = [b.to(torch.int32) for b in blocks]
-    else:
+    elif form == "strided":
         given = [torch.stack([b, torch.full_like(b, -7)], 1)[:, 0] for b in blocks]
+    else:
+        given = [b.to("cpu", torch.int64, copy=True).contiguous() for b in blocks]
     objs = Objects(arena, mover.layout, lengths_of(blocks), seed=50)
+    transfers = objs.transfers(given)
+    if form == "resized":
+        for ids in given:
+            ids.resize_(1)
+            ids.set_(torch.full((len(blocks[0]) + 2,), SHAPE.blocks - 1, dtype=torch.int64))
     before = objs.snapshot()
-    mover.store(objs.transfers(given))
+    mover.store(transfers)
     want = [oracle.after_store(b, ids.cpu()) for b, ids in zip(before, blocks, strict=True)]
     assert same_bytes(objs.snapshot(), want)
     into = random_blocks(SHAPE.lengths, seed=51, holes=True, device=device)

@@ -46,7 +46,7 @@ def test_block_ids_that_are_not_integers_are_a_value_error(dtype: torch.dtype) -
 )
 def test_ids_are_kept_as_contiguous_int64_on_the_host_with_their_values(ids, dtype, step) -> None:  # type: ignore[no-untyped-def]
     """Any integer dtype and stride: the same values, as a tensor a mover can read in place;
-    ids already in that form are the caller's tensor, not a copy."""
+    ids already in that form are a view of the caller's storage, not a copy."""
     if dtype is torch.uint8:
         ids = [i % 256 for i in ids]
     elif dtype is torch.int16:
@@ -58,4 +58,19 @@ def test_ids_are_kept_as_contiguous_int64_on_the_host_with_their_values(ids, dty
         assert t.blocks.dtype is torch.int64 and t.blocks.is_contiguous() and t.blocks.is_cpu
         assert t.blocks.tolist() == ids
         if dtype is torch.int64 and step == 1:
-            assert t.blocks is given_ids
+            assert t.blocks.data_ptr() == given_ids.data_ptr()
+
+
+def test_a_transfer_keeps_its_ids_when_the_callers_tensor_is_resized_or_repointed() -> None:
+    """The shared form is a view: the caller's ``resize_``/``set_`` leaves the transfer with as
+    many ids as its object has blocks (a mover reads that many from the data pointer)."""
+    arena = HostArena.create(1 << 22)
+    with _object(arena, 3) as obj:
+        ids = torch.tensor([4, -1, 9])
+        t = Transfer(obj, ids)
+        ids.resize_(1)
+        assert t.blocks.tolist() == [4, -1, 9]
+        ids.set_(torch.tensor([1, 2, 3, 4, 5]))
+        assert t.blocks.tolist() == [4, -1, 9]
+        ids.fill_(0)
+        assert t.blocks.tolist() == [4, -1, 9]

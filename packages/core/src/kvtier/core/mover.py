@@ -93,9 +93,9 @@ class Transfer:
 
     ``blocks`` is held as a contiguous int64 host tensor, so a mover reads the ids in place: ids
     of another integer dtype, stride or device are converted once, here; ids that already are
-    one are the caller's tensor, shared, and its values may change until a call takes them, but
-    it must not be resized or given other storage (a mover reads as many ids as the object has
-    blocks, from the tensor's data pointer)."""
+    one are viewed, not copied: their values may change until a call takes them, while resizing
+    the caller's tensor or pointing it at other storage leaves the transfer's ids as they were
+    (a mover reads as many ids as the object has blocks, from the view's data pointer)."""
 
     obj: MemoryObj
     blocks: torch.Tensor
@@ -113,6 +113,10 @@ class Transfer:
             if dtype.is_floating_point or dtype.is_complex or dtype is torch.bool:
                 raise ValueError(f"a transfer's block ids must be integers, got {dtype}")
             object.__setattr__(self, "blocks", blocks.to("cpu", torch.int64).contiguous())
+        else:
+            # A view has its own size and storage reference: the caller's resize_ or set_ does
+            # not reach it (storage never shrinks), so no mover reads past the ids.
+            object.__setattr__(self, "blocks", blocks.view(dims))
 
 
 class PageMover(ABC):
