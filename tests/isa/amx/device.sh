@@ -6,9 +6,9 @@
 #   bash tests/isa/amx/device.sh setup SHA256 && bash tests/isa/amx/device.sh start &&
 #     bash tests/isa/amx/device.sh wait 480                                    (last part too)
 #   bash tests/isa/amx/device.sh wait 540                                      (until done)
-# The CPU suite runs as four pytest processes on four cores each (vLLM's tests in three,
-# everything else and then `kvtier demo` in the fourth), in a new session so it outlives a call;
-# every `wait` copies the logs (one line per test) and the demo's results to $OUT/amx.
+# The CPU suite runs as eight pytest processes on two cores each (see `suite`), in a new session
+# so it outlives a call; every `wait` writes a summary and the logs (one line per test) and the
+# demo's results, packed, to $OUT/amx.
 set -uo pipefail
 ROOT=$(pwd)
 A=/tmp/amx
@@ -38,21 +38,39 @@ suite)
   export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRITON_INTERPRET=1 KVTIER_TEST_DEVICE=cpu
   export PATH=/work/main/.nox/tests-cpu/bin:/opt/redis/bin:$PATH
   cd /work/main
-  mapfile -t F < <(ls tests/vllm_integration/test_*.py | sort)
-  g0=() g1=() g2=()
-  for i in "${!F[@]}"; do case $((i % 3)) in 0) g0+=("${F[$i]}") ;; 1) g1+=("${F[$i]}") ;; 2) g2+=("${F[$i]}") ;; esac; done
   run() { # group cores pytest-args...
     local n=$1 c=$2; shift 2
-    VLLM_CPU_OMP_THREADS_BIND=$c OMP_NUM_THREADS=4 VLLM_CACHE_ROOT=$A/vllm-cache-$n \
-      python -m pytest -v -ra -p no:cacheprovider --basetemp="$A/tmp-$n-$RANDOM" "$@" >> $A/$n.log 2>&1
+    VLLM_CPU_OMP_THREADS_BIND=$c OMP_NUM_THREADS=2 VLLM_CACHE_ROOT=$A/vllm-cache-$n \
+      python -m pytest -v -ra -p no:cacheprovider --basetemp="$A/tmp-$n" "$@" < /dev/null >> $A/$n.log 2>&1
     echo "$n $* rc=$?" >> $A/status
   }
-  run v0 0-3 "${g0[@]}" &
-  run v1 4-7 "${g1[@]}" &
-  run v2 8-11 "${g2[@]}" &
+  # vLLM's tests in 7 groups of 2 cores (the CPU suite's own machine has 2), balanced by the
+  # seconds each file took there (durations.txt); everything else, then the demo, on the last 2.
+  python3 - 7 tests/isa/amx/durations.txt > $A/groups.txt <<'PY'
+import pathlib, sys
+n, weights = int(sys.argv[1]), {}
+for line in open(sys.argv[2]):
+    if not line.startswith("#"):
+        secs, path = line.split()
+        weights[path] = float(secs)
+files = [str(p) for p in sorted(pathlib.Path("tests/vllm_integration").glob("test_*.py"))]
+loads, groups = [0.0] * n, [[] for _ in range(n)]
+for f in sorted(files, key=lambda f: -weights.get(f, 30.0)):
+    i = loads.index(min(loads))
+    loads[i] += weights.get(f, 30.0)
+    groups[i].append(f)
+for g in groups:
+    print(" ".join(g))
+PY
+  i=0
+  while read -r files; do
+    # shellcheck disable=SC2086
+    run v$i $((2 * i))-$((2 * i + 1)) $files &
+    i=$((i + 1))
+  done < $A/groups.txt
   # tests/test_install.py is left out: it resolves installs with pip against this machine's wheels.
-  ( for d in tests/conformance tests/core tests/storage tests/xpu tests/cuda; do run other 12-15 "$d"; done
-    VLLM_CPU_OMP_THREADS_BIND=12-15 kvtier demo --out $A/demo >> $A/demo.log 2>&1
+  ( for d in tests/conformance tests/core tests/storage tests/xpu tests/cuda; do run other 14-15 "$d"; done
+    VLLM_CPU_OMP_THREADS_BIND=14-15 kvtier demo --out $A/demo >> $A/demo.log 2>&1
     echo "demo rc=$?" >> $A/status ) &
   wait
   touch $A/all.done
@@ -60,11 +78,13 @@ suite)
 wait)
   end=$((SECONDS + $2))
   while [ $SECONDS -lt $end ] && [ ! -f $A/all.done ]; do sleep 15; done
-  date; cat $A/status 2>/dev/null
-  for f in $A/v?.log $A/other.log; do [ -f "$f" ] && echo "$f: $(grep -c ' PASSED' "$f") passed, $(grep -c ' FAILED\| ERROR' "$f") failed"; done
   mkdir -p "$OUT/amx"
-  cp $A/v?.log $A/other.log $A/status $A/demo.log "$OUT/amx/" 2>/dev/null
-  cp $A/demo/demo.json $A/demo/demo.png "$OUT/amx/" 2>/dev/null
+  { date; [ -f $A/all.done ] && echo "all done" || echo "still running"; cat $A/status 2>/dev/null
+    for f in $A/v?.log $A/other.log; do
+      [ -f "$f" ] && echo "$(basename "$f"): $(grep -c ' PASSED' "$f") passed, $(grep -c ' FAILED\| ERROR' "$f") failed or errors"
+    done
+    grep -h ' FAILED\| ERROR' $A/v?.log $A/other.log 2>/dev/null | head -40; } | tee "$OUT/amx/summary.txt"
+  (cd $A && tar -czf "$OUT/amx/logs.tar.gz" ./*.log status groups.txt demo 2>/dev/null)
   ;;
 *) echo "usage: device.sh info|part N|setup SHA256|start|wait SECONDS"; exit 2 ;;
 esac
