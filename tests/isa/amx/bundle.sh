@@ -12,9 +12,10 @@ py=$(readlink -f "$venv/bin/python")
 prefix=$(dirname "$(dirname "$py")")
 [ -x "$venv/bin/python" ] || { echo "run 'python3 dev.py test' once first: $venv is missing"; exit 1; }
 grep -qx '/.amx/' .git/info/exclude || echo '/.amx/' >> .git/info/exclude
-work=$(mktemp -d)
+rm -rf .amx/p* .amx/work.* && mkdir -p .amx
+# Beside .nox, on its filesystem: the venv's copy below is made of hard links.
+work=$(mktemp -d "$PWD/.amx/work.XXXX")
 trap 'rm -rf "$work"' EXIT
-rm -rf .amx/p* && mkdir -p .amx
 
 echo "python runtime from $prefix"
 tar -C / -cf - --exclude="${prefix#/}/lib/python3.11/site-packages" \
