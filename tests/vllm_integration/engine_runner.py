@@ -447,6 +447,9 @@ def main(spec_path: str, out_path: str) -> None:
     if spec.get("kvtier") is not None:
         # Hits are what these tests compare: none is turned into a verification unless asked.
         spec["kvtier"].setdefault("verify_fraction", 0.0)
+        # A hit is most tests' premise: on a loaded machine a probe may outlast the 2 s default
+        # and turn it into a miss (tests of that path set their own).
+        spec["kvtier"].setdefault("lookup_timeout_s", 30.0)
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KVTierConnector",
             "kv_role": spec.get("kv_role", "kv_both"),

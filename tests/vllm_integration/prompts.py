@@ -52,6 +52,9 @@ def gen(prompt: list[int], salt: str | None = None) -> dict:
 
 
 STATS = {"op": "stats"}
+# Waits for the worker's queued saves and checks (the saver thread runs them after the request
+# may have returned): before a STATS that counts them.
+FLUSH = {"op": "flush"}
 
 
 def loaded_after_each(results: list) -> list[int]:

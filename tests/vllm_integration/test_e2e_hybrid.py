@@ -13,7 +13,17 @@ prompt's replay boundary and hits nothing of SHARED). Tokens and logprobs must b
 from __future__ import annotations
 
 import pytest
-from prompts import DOC, FULL_HIT, OTHER, PARTIAL_HIT, SHARED, STATS, gen, loaded_after_each
+from prompts import (
+    DOC,
+    FLUSH,
+    FULL_HIT,
+    OTHER,
+    PARTIAL_HIT,
+    SHARED,
+    STATS,
+    gen,
+    loaded_after_each,
+)
 
 pytestmark = [pytest.mark.vllm]
 
@@ -81,18 +91,19 @@ def test_verification_compares_every_groups_pages(
     steps = [
         gen(DOC),
         gen(DOC),
+        FLUSH,
         STATS,
         gen(OTHER),
         {"op": "corrupt", "prompt": OTHER, "salt": None, "group": 0},
         gen(OTHER),
+        FLUSH,
         STATS,
     ]
-    cold, checked, right, *_, wrong = run_engine(
-        {"model": str(hybrid_model_dir), "kvtier": kvtier, "steps": steps}
-    )
+    out = run_engine({"model": str(hybrid_model_dir), "kvtier": kvtier, "steps": steps})
+    cold, checked, right, wrong = out[0], out[1], out[3], out[8]
     assert cold == checked == hybrid_reference["cold"]
-    assert right["verify_chunks"] >= 3 and right["verify_mismatches"] == 0
-    assert wrong["verify_mismatches"] >= 1
+    assert right["verify_chunks"] >= 3 and right["verify_mismatches"] == 0, right
+    assert wrong["verify_mismatches"] >= 1, wrong
 
 
 def test_restart_from_disk_and_one_groups_pages_matter(

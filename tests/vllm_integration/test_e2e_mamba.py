@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from prompts import STATS, gen, logprob_gap
+from prompts import FLUSH, STATS, gen, logprob_gap
 
 pytestmark = [pytest.mark.vllm]
 
@@ -28,7 +28,6 @@ A = [RNG.randrange(3, 3000) for _ in range(1700)]
 EXT = A + [RNG.randrange(3, 3000) for _ in range(300)]  # A continued: hits A's states
 DIV = A[:850] + [RNG.randrange(3, 3000) for _ in range(850)]  # diverges inside A's 2nd chunk
 RESET = {"op": "reset_prefix_cache"}
-FLUSH = {"op": "flush"}
 GROUPS = ["MambaSpec", "FullAttentionSpec"]
 MODE = {"prefix_caching": True, "prefix_cache_retention_interval": None,
         "max_num_batched_tokens": 544}  # fmt: skip
@@ -137,10 +136,10 @@ def test_verification_compares_the_attention_pages(
     vLLM computed are compared with the stored chunks (state entries are not compared): a right
     cache raises no alarm and the answer is the cold one; A's chunks zeroed are caught."""
     kvtier = {**HOST, "verify_fraction": 1.0}
-    steps = [gen(A), FLUSH, RESET, gen(A), STATS, {"op": "corrupt", "prompt": A}, RESET, gen(A),
-             STATS]  # fmt: skip
+    steps = [gen(A), FLUSH, RESET, gen(A), FLUSH, STATS, {"op": "corrupt", "prompt": A}, RESET,
+             gen(A), FLUSH, STATS]  # fmt: skip
     out = run_engine({"model": str(mamba_model_dir), "kvtier": kvtier, "steps": steps, **MODE})
-    cold, checked, right, wrong = out[0], out[3], out[4], out[8]
+    cold, checked, right, wrong = out[0], out[3], out[5], out[10]
     assert cold == checked == mamba_reference["cold"]
-    assert right["verify_chunks"] >= 3 and right["verify_mismatches"] == 0
-    assert wrong["verify_mismatches"] >= 1
+    assert right["verify_chunks"] >= 3 and right["verify_mismatches"] == 0, right
+    assert wrong["verify_mismatches"] >= 1, wrong

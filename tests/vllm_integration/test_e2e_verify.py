@@ -6,7 +6,7 @@ quarantined, and what is stored afterwards is right; a correct cache under
 from __future__ import annotations
 
 import pytest
-from prompts import DOC, FULL_HIT, OTHER, SHARED, STATS, gen
+from prompts import DOC, FLUSH, FULL_HIT, OTHER, SHARED, STATS, gen
 
 pytestmark = [pytest.mark.vllm]
 
@@ -82,7 +82,7 @@ def test_a_planted_chunk_is_caught_removed_and_stored_again_right(
 def test_a_right_cache_raises_no_alarm_under_full_verification(run_engine, tmp_path) -> None:
     """In vLLM's multiprocess mode (the checks cross from the scheduler's process)."""
     config = tiers(tmp_path, verify_fraction=1.0)
-    steps = [gen(DOC), gen(DOC), gen(SHARED), gen(SHARED), gen(OTHER), gen(DOC), STATS]
+    steps = [gen(DOC), gen(DOC), gen(SHARED), gen(SHARED), gen(OTHER), gen(DOC), FLUSH, STATS]
     out = run_engine({"kvtier": config, "multiprocess": True, "steps": steps})
     stats = out[-1]
     assert stats["verify_mismatches"] == 0

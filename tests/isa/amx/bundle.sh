@@ -11,7 +11,7 @@ venv=.nox/tests-cpu
 py=$(readlink -f "$venv/bin/python")
 prefix=$(dirname "$(dirname "$py")")
 [ -x "$venv/bin/python" ] || { echo "run 'python3 dev.py test' once first: $venv is missing"; exit 1; }
-grep -qx '/.amx/' .git/info/exclude || echo '/.amx/' >> .git/info/exclude
+mkdir -p .git/info && { grep -qsx '/.amx/' .git/info/exclude || echo '/.amx/' >> .git/info/exclude; }
 rm -rf .amx/p* .amx/work.* && mkdir -p .amx
 # Beside .nox, on its filesystem: the venv's copy below is made of hard links.
 work=$(mktemp -d "$PWD/.amx/work.XXXX")
