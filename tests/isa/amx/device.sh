@@ -6,6 +6,7 @@
 #   bash tests/isa/amx/device.sh setup SHA256 && bash tests/isa/amx/device.sh start &&
 #     bash tests/isa/amx/device.sh wait 480                                    (last part too)
 #   bash tests/isa/amx/device.sh wait 540                                      (until done)
+# or, after setup, a rerun of chosen tests: bash tests/isa/amx/device.sh some SECONDS TARGET...
 # The CPU suite runs as eight pytest processes on two cores each (see `suite`), in a new session
 # so it outlives a call; every `wait` writes a summary and the logs (one line per test) and the
 # demo's results, packed, to $OUT/amx.
@@ -86,5 +87,22 @@ wait)
     grep -h ' FAILED\| ERROR' $A/v?.log $A/other.log 2>/dev/null | head -40; } | tee "$OUT/amx/summary.txt"
   (cd $A && tar -czf "$OUT/amx/logs.tar.gz" ./*.log status groups.txt demo 2>/dev/null)
   ;;
-*) echo "usage: device.sh info|part N|setup SHA256|start|wait SECONDS"; exit 2 ;;
+some)
+  # A rerun of chosen tests after setup: `some SECONDS TARGET...`, each target (a pytest
+  # argument; quote several as one) in its own group of two cores, for at most SECONDS.
+  limit=$2; shift 2
+  export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 KVTIER_TEST_DEVICE=cpu
+  export PATH=/work/main/.nox/tests-cpu/bin:/opt/redis/bin:$PATH
+  cd /work/main && mkdir -p "$OUT/amx" && i=0
+  for t in "$@"; do
+    # shellcheck disable=SC2086
+    VLLM_CPU_OMP_THREADS_BIND=$((2 * i))-$((2 * i + 1)) OMP_NUM_THREADS=2 VLLM_CACHE_ROOT=$A/vc-s$i \
+      timeout "$limit" python -m pytest -q -ra -p no:cacheprovider --basetemp="$A/s$i" $t \
+      < /dev/null > "$A/s$i.log" 2>&1 &
+    i=$((i + 1))
+  done
+  wait
+  for f in $A/s*.log; do echo "== $f"; tail -n 6 "$f"; done | tee "$OUT/amx/some.txt"
+  ;;
+*) echo "usage: device.sh info|part N|setup SHA256|start|wait SECONDS|some SECONDS TARGET..."; exit 2 ;;
 esac
