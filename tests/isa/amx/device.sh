@@ -102,7 +102,7 @@ some)
     i=$((i + 1))
   done
   wait
-  for f in $A/s*.log; do echo "== $f"; tail -n 6 "$f"; done | tee "$OUT/amx/some.txt"
+  for f in $A/s[0-9]*.log; do echo "== $f"; tail -n 6 "$f"; done | tee "$OUT/amx/some.txt"
   ;;
 *) echo "usage: device.sh info|part N|setup SHA256|start|wait SECONDS|some SECONDS TARGET..."; exit 2 ;;
 esac
