@@ -85,344 +85,8 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Iterator
 
-
-def _corrupt(prompt: list[int], salt: str | None, group: int | None = None) -> int:
-    from kvtier.bench.workload import zero_stored_chunks
-
-    return zero_stored_chunks(prompt, salt, group)
-
-
-def _chunk_digests(prompt: list[int], salt: str | None) -> list[str | None]:
-    """A digest of the bytes stored under each key kvtier stores ``prompt`` under (None: not
-    stored), read through the storage manager's public API."""
-    import hashlib
-
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    engine = get_kv_transfer_group().engine
-    out: list[str | None] = []
-    for span in engine.store_spans(prompt, salt):
-        obj = engine.storage.get(span.key)
-        if obj is None:
-            out.append(None)
-            continue
-        with obj:
-            out.append(hashlib.blake2b(obj.tensor.numpy().tobytes(), digest_size=16).hexdigest())
-    return out
-
-
-def _plant(prompt: list[int], source: list[int]) -> str:
-    """Another prompt's KV under this prompt's key: the stored first chunk of ``source`` put
-    under ``prompt``'s first chunk key, through the storage manager's public API (a valid
-    payload, checksums and all). Returns the key planted."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    engine = get_kv_transfer_group().engine
-    target = engine.full_spans(prompt)[0].key
-    obj = engine.storage.get(engine.full_spans(source)[0].key)
-    assert obj is not None, "the source prompt's first chunk is not stored"
-    with obj:
-        engine.storage.put(target, obj)
-    return target.to_string()
-
-
-def _kvtier(connector):
-    """kvtier's connector: ``connector`` itself, or its child inside a ``MultiConnector``."""
-    for child in getattr(connector, "sub_connectors", ()):
-        if type(child).__name__ == "KVTierConnector":
-            return child
-    return connector
-
-
-def _host_tier_gb(worker) -> dict:
-    """Runs in each worker: its kvtier host tier's configured size and its arena's bytes."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-    from vllm.distributed.parallel_state import get_tp_group
-
-    engine = _kvtier(get_kv_transfer_group()).engine
-    arena = getattr(engine.storage, "arena", None)
-    return {
-        "rank": get_tp_group().rank_in_group,
-        "local_cpu_size_gb": engine.config.local_cpu_size_gb,
-        "arena_bytes": getattr(arena, "target_bytes", None),
-    }
-
-
-@contextlib.contextmanager
-def _forced_async_scheduling() -> Iterator[None]:
-    """Keep ``async_scheduling=True`` through vLLM CPU's platform check, which turns it off."""
-    from vllm.platforms.cpu import CpuPlatform
-
-    original = CpuPlatform.check_and_update_config.__func__
-
-    def keep(cls, vllm_config) -> None:
-        wanted = vllm_config.scheduler_config.async_scheduling
-        original(cls, vllm_config)
-        vllm_config.scheduler_config.async_scheduling = wanted
-
-    CpuPlatform.check_and_update_config = classmethod(keep)
-    try:
-        yield
-    finally:
-        CpuPlatform.check_and_update_config = classmethod(original)
-
-
-def _corrupt_in_worker(
-    worker, rank: int, prompt: list[int], salt: str | None, group: int | None = None
-) -> int:
-    """Runs in each worker: the one whose engine-local rank is ``rank`` zeroes its chunks."""
-    from vllm.distributed.parallel_state import get_tp_group
-
-    if get_tp_group().rank_in_group != rank:
-        return 0
-    return _corrupt(prompt, salt, group)
-
-
-@contextlib.contextmanager
-def _delayed_loads(delay_s: float, what: str = "retrieve") -> Iterator[None]:
-    """Delay every load the worker makes, synchronous or not (``what="retrieve"``), every
-    lookup its probes make (``what="hold"``), or every save (``what="store"``): a slow tier."""
-    import time
-
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    engine = get_kv_transfer_group().engine
-    original = getattr(engine, what)
-
-    def slow(*args, **kwargs):
-        time.sleep(delay_s)
-        return original(*args, **kwargs)
-
-    setattr(engine, what, slow)
-    try:
-        yield
-    finally:
-        setattr(engine, what, original)
-
-
-def _step_until_done(llm, outputs: dict, on_output=None, limit_s: float = 120.0) -> None:
-    import time
-
-    engine = llm.llm_engine
-    deadline = time.monotonic() + limit_s
-    while engine.has_unfinished_requests():
-        if time.monotonic() > deadline:
-            raise TimeoutError("engine did not finish its requests in time")
-        for out in engine.step():
-            outputs[out.request_id] = out
-            if on_output is not None:
-                on_output(out)
-
-
-def _result(out) -> dict:
-    comp = out.outputs[0]
-    logprobs = [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs, strict=True)]
-    return {"tokens": list(comp.token_ids), "logprobs": logprobs}
-
-
-def _load_while_decoding(llm, params, step: dict) -> dict:
-    from vllm import SamplingParams
-
-    second_params = SamplingParams(
-        max_tokens=step["second_max_tokens"], temperature=0.0, logprobs=0, ignore_eos=True
-    )
-    seen = {"second_before_first": None}
-    outputs: dict = {}
-
-    def on_output(out) -> None:
-        if out.request_id == "first" and out.finished:
-            second = outputs.get("second")
-            seen["second_before_first"] = len(second.outputs[0].token_ids) if second else 0
-
-    with _delayed_loads(step["delay_s"], step.get("delay", "retrieve")):
-        llm.llm_engine.add_request("first", {"prompt_token_ids": step["first"]}, params)
-        llm.llm_engine.add_request("second", {"prompt_token_ids": step["second"]}, second_params)
-        _step_until_done(llm, outputs, on_output)
-    return {
-        "first": _result(outputs["first"]),
-        "second": _result(outputs["second"]),
-        "second_tokens_when_first_finished": seen["second_before_first"],
-    }
-
-
-def _abort_during_load(llm, params, step: dict) -> bool:
-    import time
-
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    worker = get_kv_transfer_group().worker_side
-    outputs: dict = {}
-    with _delayed_loads(step["delay_s"]):
-        llm.llm_engine.add_request("doomed", {"prompt_token_ids": step["prompt"]}, params)
-        deadline = time.monotonic() + 60
-        while worker.loads_in_flight == 0 and time.monotonic() < deadline:
-            llm.llm_engine.step()
-        assert worker.loads_in_flight == 1, "the load never started"
-        llm.llm_engine.abort_request(["doomed"])
-        _step_until_done(llm, outputs)
-        while worker.loads_in_flight and time.monotonic() < deadline:
-            llm.llm_engine.step()  # the finished load is reported, its blocks freed
-        llm.llm_engine.step()
-    return bool(llm.reset_prefix_cache())
-
-
-def _perturb_kv(llm, seed: int) -> int:
-    """Add noise to every layer's input norm weights (what the layer's K and V are computed
-    from), as a weight update would; returns the layers changed. Not the QKV projection itself:
-    on CPUs with AVX-512, vLLM repacks linear weights for oneDNN or its own GEMM kernels at load
-    (and may drop the original), so changing the parameter changes nothing the model computes;
-    norm weights are read as they are on every CPU."""
-    import torch
-
-    def perturb(model) -> int:
-        gen = torch.Generator().manual_seed(seed)
-        changed = 0
-        for name, param in model.named_parameters():
-            if not name.endswith("input_layernorm.weight"):
-                continue
-            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32) * 0.2
-            param.data.add_(noise.to(param.dtype))
-            changed += 1
-        return changed
-
-    return sum(llm.apply_model(perturb))
-
-
-@contextlib.contextmanager
-def _evict_after_lookup(llm) -> Iterator[dict]:
-    """While active, wrap the scheduler connector's ``update_state_after_alloc`` (runs between the lookup and
-    the load, in the same step) to evict the request's chunks from the worker's host tier."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    from kvtier.core.memory import MemoryObjMeta
-
-    scheduler_connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
-    engine = get_kv_transfer_group().engine
-    lay = engine.layout
-    original = scheduler_connector.update_state_after_alloc
-    report = {"stored": 0, "evicted": 0, "filler_bytes": 0, "tier_full": False}
-
-    def update_state_after_alloc(request, blocks, num_external_tokens):
-        original(request, blocks, num_external_tokens)
-        if not num_external_tokens:
-            return
-        keys = [s.key for s in engine.store_spans(request.prompt_token_ids, request.cache_salt)]
-        stored = sum(engine.storage.contains(keys))
-        meta = MemoryObjMeta(lay.chunk_shape(engine.chunk_size), lay.chunk_dtype, engine.chunk_size)
-        # More than the whole tier: without a hold, LRU eviction reaches every older chunk.
-        capacity = engine.config.local_cpu_size_gb * (1 << 30)
-        for _ in range(int(capacity // meta.nbytes) + 2):
-            if not any(engine.storage.contains(keys)):
-                break
-            obj = engine.storage.allocate(meta)
-            if obj is None:
-                break  # only chunks the tier may not evict are left
-            with obj:
-                engine.storage.put(engine.keys.key(os.urandom(16)), obj)
-            report["filler_bytes"] += meta.nbytes
-        report["tier_full"] = report["filler_bytes"] + stored * meta.nbytes >= capacity
-        report["stored"] += stored
-        report["evicted"] += stored - sum(engine.storage.contains(keys))
-
-    scheduler_connector.update_state_after_alloc = update_state_after_alloc
-    try:
-        yield report
-    finally:
-        scheduler_connector.update_state_after_alloc = original
-
-
-class _EventListener:
-    """A router's view: a ZMQ subscriber to vLLM's KV-event publisher, decoding each batch."""
-
-    def __init__(self, endpoint: str) -> None:
-        import threading
-
-        import zmq
-
-        self._sock = zmq.Context.instance().socket(zmq.SUB)
-        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        # The subscriber binds (loopback only) and vLLM's publisher connects: an endpoint with a
-        # host makes vLLM connect; binding it on "*" would listen on every interface.
-        self._sock.bind(endpoint)
-        self._events: list[dict] = []
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        import msgspec
-        from vllm.distributed.kv_events import KVEventBatch
-
-        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        while True:
-            _topic, _seq, payload = self._sock.recv_multipart()
-            batch = decoder.decode(payload)
-            with self._lock:
-                for event in batch.events:
-                    row = {"type": type(event).__name__}
-                    for name in (
-                        "block_hashes",
-                        "parent_block_hash",
-                        "token_ids",
-                        "medium",
-                        "ownership",
-                    ):
-                        value = getattr(event, name, None)
-                        if isinstance(value, bytes):
-                            value = value.hex()
-                        elif isinstance(value, list):
-                            value = [v.hex() if isinstance(v, bytes) else v for v in value]
-                        row[name] = value
-                    self._events.append(row)
-
-    def take(self, quiet_s: float = 1.0, limit_s: float = 20.0) -> list[dict]:
-        """Events received so far, once none arrived for ``quiet_s`` (at most ``limit_s``)."""
-        import time
-
-        deadline = time.monotonic() + limit_s
-        seen = -1
-        while time.monotonic() < deadline:
-            with self._lock:
-                n = len(self._events)
-            if n == seen and n:
-                break
-            seen = n
-            time.sleep(quiet_s)
-        with self._lock:
-            events, self._events = self._events, []
-        return events
-
-
-def _preemptions(llm) -> int:
-    """vLLM's count of preempted requests so far (needs ``"log_stats": true``)."""
-    return int(
-        sum(
-            m.value
-            for m in llm.get_metrics()
-            if m.name == "vllm:num_preemptions" and hasattr(m, "value")
-        )
-    )
-
-
-def _metrics(llm, prefixes) -> list[dict]:
-    """``llm.get_metrics()`` (needs ``"log_stats": true``): counters, gauges and histograms
-    whose name starts with one of ``prefixes``, as ``{name, labels, value}`` (histograms:
-    ``count`` and ``sum`` instead of ``value``)."""
-    out = []
-    for m in llm.get_metrics():
-        if not m.name.startswith(tuple(prefixes)):
-            continue
-        row = {"name": m.name, "labels": dict(m.labels)}
-        if hasattr(m, "value"):
-            row["value"] = m.value
-        elif hasattr(m, "count"):
-            row.update(count=m.count, sum=m.sum, buckets=dict(getattr(m, "buckets", {})))
-        else:
-            continue
-        out.append(row)
-    return out
+import engine_ops as ops
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -435,6 +99,10 @@ def main(spec_path: str, out_path: str) -> None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
         os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        import cloudpickle
+
+        # By value: a worker need not find this directory on its path to import them.
+        cloudpickle.register_pickle_by_value(ops)
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -487,7 +155,7 @@ def main(spec_path: str, out_path: str) -> None:
         kwargs["kv_events_config"] = KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}"
         )
-        listener = _EventListener(f"tcp://127.0.0.1:{port}")
+        listener = ops.EventListener(f"tcp://127.0.0.1:{port}")
     if "prefix_cache_retention_interval" in spec:
         kwargs["prefix_cache_retention_interval"] = spec["prefix_cache_retention_interval"]
     if spec.get("num_gpu_blocks_override"):
@@ -495,7 +163,7 @@ def main(spec_path: str, out_path: str) -> None:
     if spec.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     forcing = spec.get("force_async_scheduling")
-    with _forced_async_scheduling() if forcing else contextlib.nullcontext():
+    with ops.forced_async_scheduling() if forcing else contextlib.nullcontext():
         llm = LLM(
             model=spec["model"],
             enforce_eager=True,
@@ -510,7 +178,7 @@ def main(spec_path: str, out_path: str) -> None:
         )
     patches = contextlib.ExitStack()  # kept open until the process ends
     if spec.get("slow_saves_s"):  # every save waits this long before it copies (in-process)
-        patches.enter_context(_delayed_loads(spec["slow_saves_s"], "store"))
+        patches.enter_context(ops.delayed_loads(spec["slow_saves_s"], "store"))
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, logprobs=0)
     results: list = []
     last_prompt: list[int] = []
@@ -542,7 +210,7 @@ def main(spec_path: str, out_path: str) -> None:
 
                 lora = LoRARequest(step["lora"]["name"], step["lora"]["id"], step["lora"]["path"])
             evicting = step.get("evict_after_lookup")
-            with _evict_after_lookup(llm) if evicting else contextlib.nullcontext({}) as evict:
+            with ops.evict_after_lookup(llm) if evicting else contextlib.nullcontext({}) as evict:
                 request_out = llm.generate(
                     [prompt], step_params, use_tqdm=False, lora_request=lora
                 )[0]
@@ -577,13 +245,13 @@ def main(spec_path: str, out_path: str) -> None:
                         ]
                         for o in outs
                     ],
-                    "preemptions": _preemptions(llm),
+                    "preemptions": ops.preemptions(llm),
                 }
             )
         elif op == "stats":
             results.append(query_worker_stats(engine_id, step.get("rank", 0)))
         elif op == "sched_stats":  # the scheduler side's counters (in-process engines only)
-            connector = _kvtier(llm.llm_engine.engine_core.engine_core.scheduler.connector)
+            connector = ops.kvtier(llm.llm_engine.engine_core.engine_core.scheduler.connector)
             results.append(dict(connector.scheduler_side.stats))
         elif op == "engine_info":  # in-process engines only
             scheduler = llm.llm_engine.engine_core.engine_core.scheduler
@@ -600,17 +268,17 @@ def main(spec_path: str, out_path: str) -> None:
                 }
             )
         elif op == "host_tier_gb":
-            results.append(sorted(llm.collective_rpc(_host_tier_gb), key=lambda r: r["rank"]))
+            results.append(sorted(llm.collective_rpc(ops.host_tier_gb), key=lambda r: r["rank"]))
         elif op == "flush":
             results.append(flush_worker(engine_id, step.get("rank", 0)))
         elif op == "load_while_decoding":
-            results.append(_load_while_decoding(llm, params, step))
+            results.append(ops.load_while_decoding(llm, params, step))
         elif op == "abort_during_load":
-            results.append(_abort_during_load(llm, params, step))
+            results.append(ops.abort_during_load(llm, params, step))
         elif op == "corrupt_rank":
             flush_worker(engine_id, step["rank"])  # the prompt's saves land first
             args = (step["rank"], step["prompt"], step.get("salt"), step.get("group"))
-            results.append(sum(llm.collective_rpc(_corrupt_in_worker, args=args)))
+            results.append(sum(llm.collective_rpc(ops.corrupt_in_worker, args=args)))
         elif op in ("reset_prefix_cache", "reset_connector"):
             # A finished request whose saves were pending keeps its blocks until the engine's
             # next step reports the saves done; the offline LLM steps only inside generate().
@@ -618,7 +286,7 @@ def main(spec_path: str, out_path: str) -> None:
             results.append(llm.reset_prefix_cache(reset_connector=op == "reset_connector"))
         elif op == "plant":
             flush_worker(engine_id, 0)
-            results.append(_plant(step["prompt"], step["source"]))
+            results.append(ops.plant(step["prompt"], step["source"]))
             flush_worker(engine_id, 0)  # its lower-tier copies land too
         elif op == "sleep":
             import time
@@ -626,7 +294,7 @@ def main(spec_path: str, out_path: str) -> None:
             time.sleep(step["seconds"])
             results.append(None)
         elif op == "perturb_kv":
-            results.append(_perturb_kv(llm, step["seed"]))
+            results.append(ops.perturb_kv(llm, step["seed"]))
         elif op == "corrupt":
             # The prompt's saves land first: one still copying would overwrite the zeros.
             flush_worker(engine_id, 0)
@@ -635,12 +303,12 @@ def main(spec_path: str, out_path: str) -> None:
 
                 results.append(zero_stored_states(step["prompt"], step.get("salt")))
             else:
-                results.append(_corrupt(step["prompt"], step.get("salt"), step.get("group")))
+                results.append(ops.corrupt(step["prompt"], step.get("salt"), step.get("group")))
         elif op == "chunk_digests":  # in-process only
             flush_worker(engine_id, 0)
-            results.append(_chunk_digests(step["prompt"], step.get("salt")))
+            results.append(ops.chunk_digests(step["prompt"], step.get("salt")))
         elif op == "metrics":
-            results.append(_metrics(llm, step.get("prefixes", ("vllm:kvtier_",))))
+            results.append(ops.metrics(llm, step.get("prefixes", ("vllm:kvtier_",))))
         elif op == "kv_events":
             assert listener is not None, "the spec needs kv_events_port"
             results.append(listener.take())
