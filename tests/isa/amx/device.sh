@@ -14,6 +14,13 @@ set -uo pipefail
 ROOT=$(pwd)
 A=/tmp/amx
 mkdir -p $A
+# What every test run here needs: offline, CPU only, the unpacked venv and redis first on PATH,
+# from the checkout the venv's editables name.
+test_env() {
+  export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRITON_INTERPRET=1 KVTIER_TEST_DEVICE=cpu
+  export PATH=/work/main/.nox/tests-cpu/bin:/opt/redis/bin:$PATH
+  cd /work/main || exit 1
+}
 case "${1:-}" in
 info)
   echo "checkout at $ROOT"; nproc; python3 --version
@@ -36,9 +43,7 @@ start)
   sleep 1; echo started
   ;;
 suite)
-  export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRITON_INTERPRET=1 KVTIER_TEST_DEVICE=cpu
-  export PATH=/work/main/.nox/tests-cpu/bin:/opt/redis/bin:$PATH
-  cd /work/main
+  test_env
   run() { # group cores pytest-args...
     local n=$1 c=$2; shift 2
     VLLM_CPU_OMP_THREADS_BIND=$c OMP_NUM_THREADS=2 VLLM_CACHE_ROOT=$A/vllm-cache-$n \
@@ -91,9 +96,8 @@ some)
   # A rerun of chosen tests after setup: `some SECONDS TARGET...`, each target (a pytest
   # argument; quote several as one) in its own group of two cores, for at most SECONDS.
   limit=$2; shift 2
-  export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 KVTIER_TEST_DEVICE=cpu
-  export PATH=/work/main/.nox/tests-cpu/bin:/opt/redis/bin:$PATH
-  cd /work/main && mkdir -p "$OUT/amx" && i=0
+  test_env
+  mkdir -p "$OUT/amx" && i=0
   for t in "$@"; do
     # shellcheck disable=SC2086
     VLLM_CPU_OMP_THREADS_BIND=$((2 * i))-$((2 * i + 1)) OMP_NUM_THREADS=2 VLLM_CACHE_ROOT=$A/vc-s$i \
