@@ -21,6 +21,7 @@ import pytest
 from prompts import (
     CORRUPT_GAP,
     DOC,
+    FLUSH,
     FULL_HIT,
     OTHER,
     PARTIAL_HIT,
@@ -190,7 +191,7 @@ def test_restart_hits_the_disk_tier(run_engine, reference, hit_reference, tmp_pa
     """A restarted engine loads the prompt from disk, with asynchronous loads (the default)
     and with synchronous ones."""
     config = kvtier_config(tmp_path)
-    first = run_engine({"kvtier": config, "steps": [gen(DOC), {"op": "flush"}]})
+    first = run_engine({"kvtier": config, "steps": [gen(DOC), FLUSH]})
     assert first == [reference["doc"], True]
     for load_async in (True, False):
         again = {**config, "load_async": load_async}
@@ -207,7 +208,7 @@ def test_two_engines_share_through_redis(run_engine, reference, hit_reference, r
         "redis_url": redis_clean.url,
         "local_cpu_size_gb": 0.25,
     }
-    first = run_engine({"kvtier": config, "steps": [gen(DOC), {"op": "flush"}, STATS]})
+    first = run_engine({"kvtier": config, "steps": [gen(DOC), FLUSH, STATS]})
     assert first[:2] == [reference["doc"], True]
     assert first[2]["loaded_tokens"] == 0
     for load_async in (True, False):  # asynchronous loads (the default) and synchronous ones

@@ -8,7 +8,7 @@ a test hook (as a slow tier would be), never timed: the assertions count tokens 
 from __future__ import annotations
 
 import pytest
-from prompts import DOC, FULL_HIT, OTHER, STATS, gen
+from prompts import DOC, FLUSH, FULL_HIT, OTHER, STATS, gen
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -77,7 +77,7 @@ def test_a_disk_only_hit_is_probed_without_stalling_the_scheduler(
         "local_disk_path": str(tmp_path / "disk"),
         "lookup_timeout_s": 20.0,
     }
-    run_engine({"kvtier": config, "steps": [gen(DOC), {"op": "flush"}]})
+    run_engine({"kvtier": config, "steps": [gen(DOC), FLUSH]})
     steps = [
         {
             "op": "load_while_decoding",

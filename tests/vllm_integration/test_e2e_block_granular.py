@@ -22,7 +22,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prompts import DOC, STATS, gen, loaded_after_each
+from prompts import DOC, FLUSH, STATS, gen, loaded_after_each
 
 pytestmark = [pytest.mark.vllm]
 
@@ -77,7 +77,7 @@ def test_second_prompts_hit_every_shared_block_from_disk_after_a_restart(
         "local_disk_path": str(tmp_path / "disk"),
         "local_cpu_size_gb": 0.25,
     }
-    assert run_engine({"kvtier": config, "steps": [gen(DOC), {"op": "flush"}]})[1] is True
+    assert run_engine({"kvtier": config, "steps": [gen(DOC), FLUSH]})[1] is True
     check(run_engine({"kvtier": config, "steps": second_steps()}), expected)
 
 
@@ -91,7 +91,7 @@ def test_second_prompts_hit_every_shared_block_through_redis_from_another_engine
         "redis_url": redis_clean.url,
         "local_cpu_size_gb": 0.25,
     }
-    assert run_engine({"kvtier": config, "steps": [gen(DOC), {"op": "flush"}]})[1] is True
+    assert run_engine({"kvtier": config, "steps": [gen(DOC), FLUSH]})[1] is True
     check(run_engine({"kvtier": config, "steps": second_steps()}), expected)
 
 

@@ -119,7 +119,7 @@ def test_restart_from_disk_and_one_groups_pages_matter(
         "local_disk_path": str(tmp_path / "disk"),
     }
     model = str(hybrid_model_dir)
-    first = run_engine({"model": model, "kvtier": tiers, "steps": [gen(DOC), {"op": "flush"}]})
+    first = run_engine({"model": model, "kvtier": tiers, "steps": [gen(DOC), FLUSH]})
     assert first[0] == hybrid_reference["cold"]
     steps = [
         gen(DOC),

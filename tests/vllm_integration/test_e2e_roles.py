@@ -5,7 +5,7 @@ shared disk tier. Outputs equal vLLM's own prefix cache hitting the same blocks.
 from __future__ import annotations
 
 import pytest
-from prompts import DOC, FULL_HIT, OTHER, STATS, gen
+from prompts import DOC, FLUSH, FULL_HIT, OTHER, STATS, gen
 
 pytestmark = [pytest.mark.vllm]
 
@@ -25,7 +25,7 @@ def test_producer_saves_and_consumer_loads(run_engine, hit_reference, tmp_path) 
         {
             "kvtier": config,
             "kv_role": "kv_producer",
-            "steps": [gen(DOC), gen(DOC), {"op": "flush"}, STATS],
+            "steps": [gen(DOC), gen(DOC), FLUSH, STATS],
         }
     )
     stats = producer[3]

@@ -44,7 +44,7 @@ def test_a_planted_chunk_is_caught_removed_and_stored_again_right(
                 gen(DOC),
                 {"op": "plant", "prompt": DOC, "source": OTHER},
                 gen(DOC),  # sampled: computed, compared, the planted chunk caught
-                {"op": "flush"},
+                FLUSH,
                 STATS,
                 metrics,
                 gen(DOC),  # host memory quarantined: found on disk

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from prompts import FLUSH
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -48,7 +49,7 @@ def test_metrics_and_hit_sources_host_then_disk(run_engine, tmp_path) -> None:
         {
             "kvtier": config,
             "log_stats": True,
-            "steps": [gen(DOC), gen(DOC), {"op": "flush"}, METRICS],
+            "steps": [gen(DOC), gen(DOC), FLUSH, METRICS],
         }
     )
     assert warm[2] is True
