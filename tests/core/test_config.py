@@ -163,3 +163,36 @@ def test_redis_password_is_masked_in_repr_and_errors() -> None:
     with pytest.raises(ConfigError) as exc:
         load_config(env={"KVTIER_REDIS_URL": "redis://:hunter2@127.0.0.1:6379x"})
     assert "hunter2" not in str(exc.value)
+
+
+def test_a_binary_config_file_is_a_named_error(tmp_path) -> None:
+    path = tmp_path / "kvtier.yaml"
+    path.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ConfigError, match="config_file") as info:
+        load_config(path, env={})
+    assert "UTF-8" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "field, value, coerced",
+    [("chunk_size", "64", 64), ("local_cpu_size_gb", "0.5", 0.5), ("tiers", "local_cpu", None)],
+)
+def test_the_constructor_and_replace_coerce_as_load_config_does(field, value, coerced) -> None:
+    expected = load_config(env={}, overrides={field: value})
+    assert getattr(KVTierConfig(**{field: value}), field) == getattr(expected, field)
+    assert getattr(KVTierConfig().replace(**{field: value}), field) == getattr(expected, field)
+    if coerced is not None:
+        assert getattr(expected, field) == coerced
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("verify_fraction", True), ("verify_max_tokens", 1.5), ("store_threshold", 1.5)],
+)
+def test_the_constructor_refuses_what_load_config_refuses(field, value) -> None:
+    with pytest.raises(ConfigError, match=field):
+        load_config(env={}, overrides={field: value})
+    with pytest.raises(ConfigError, match=field):
+        KVTierConfig(**{field: value})
+    with pytest.raises(ConfigError, match=field):
+        KVTierConfig().replace(**{field: value})

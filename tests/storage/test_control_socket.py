@@ -7,6 +7,7 @@ salt and answered arbitrary hit counts)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -22,6 +23,8 @@ from kvtier.vllm_integration.channel import (
     ControlClient,
     ControlServer,
     UnsafeRuntimeDir,
+    flush_worker,
+    query_worker_stats,
     socket_path,
 )
 
@@ -176,3 +179,15 @@ def test_a_server_of_another_user_is_refused():
         os.kill(pid, 9)
         os.waitpid(pid, 0)
         shutil.rmtree(shared, ignore_errors=True)
+
+
+@pytest.mark.parametrize("timeout", [math.inf, math.nan, 0, -1, True, "5"])
+def test_a_client_without_a_finite_positive_timeout_is_refused(timeout) -> None:
+    """An infinite timeout was an ``OverflowError`` from the socket layer at the first call."""
+    with pytest.raises(ValueError, match="timeout_s"):
+        ControlClient("/nonexistent/kvtier.sock", timeout)
+    if timeout == math.inf:
+        with pytest.raises(ValueError, match="timeout_s"):
+            flush_worker("no-such-engine", 0, timeout)
+        with pytest.raises(ValueError, match="timeout_s"):
+            query_worker_stats("no-such-engine", 0, timeout)

@@ -80,6 +80,10 @@ class Harness:
     pool: BlockPool | None = None
     in_copy: list[SaveSpec] = field(default_factory=list)  # lazy saves delivered, not copied
     copied: dict[int, list[str]] = field(default_factory=dict)  # for the next report
+    # Each rank's live weights (their digest): what a worker reports at start and after every
+    # reset; a test changes them as a weight update would.
+    live: list[str] = field(default_factory=list)
+    weights_epoch: int = 0
 
     @classmethod
     def create(
@@ -153,7 +157,9 @@ class Harness:
             kv_events=kv_events,
             max_num_batched_tokens=max_num_batched_tokens,
         )
-        harness = cls(sched, ranks)
+        harness = cls(sched, ranks, live=["weights-0"] * world_size)
+        for rank, live in zip(ranks, harness.live, strict=True):
+            rank.feed.weights(0, live)
         if pool_blocks is not None:
             assert pool_blocks <= cache_blocks
             harness.pool = BlockPool(pool_blocks, enable_caching=True, hash_block_size=BLOCK)
@@ -179,6 +185,10 @@ class Harness:
         """What the workers do with a step's metadata: releases, then probes (answered now
         unless ``answer`` is False: the answer then never comes), then lazy saves (copied now
         unless ``copy`` is False)."""
+        if meta.weights_epoch != self.weights_epoch:
+            self.weights_epoch = meta.weights_epoch
+            for rank, live in zip(self.ranks, self.live, strict=True):
+                rank.feed.weights(meta.weights_epoch, live)
         self.in_copy.extend(meta.lazy_saves)
         if copy:
             self.copy_lazy()

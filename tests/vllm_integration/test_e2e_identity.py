@@ -9,7 +9,7 @@ Outputs are compared token for token and logprob for logprob.
 from __future__ import annotations
 
 import pytest
-from prompts import DOC, FULL_HIT, STATS, gen, loaded_after_each
+from prompts import DOC, FLUSH, FULL_HIT, STATS, gen, loaded_after_each
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -78,3 +78,76 @@ def test_weight_update_then_reset_serves_the_new_weights(run_engine, tmp_path) -
     assert out[0::2] == ref
     assert loaded_after_each(out) == [0, 0, FULL_HIT]
     assert out[-1]["generation_resets"] == 1
+
+
+def copy_model(src, dst):
+    """The model's files at another path (another mount, another host's layout)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def perturb_checkpoint(model_dir) -> None:
+    """New weights of the same shapes written over the old file at the same path (a new
+    checkpoint deployed into the same directory)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    gen = torch.Generator().manual_seed(11)
+    changed = {
+        name: (t.float() + torch.randn(t.shape, generator=gen) * 0.2).to(t.dtype)
+        for name, t in tensors.items()
+    }
+    save_file(changed, str(path), metadata={"format": "pt"})
+
+
+def test_keys_follow_the_weights_not_their_path(
+    run_engine, vllm_model_dir, hit_reference, tmp_path
+) -> None:
+    """The same weights at another path hit (equal to vLLM's prefix cache hitting the same
+    blocks); new weights written over the old file at the same path never load the old KV
+    (equal to the new model with no cache)."""
+    here = copy_model(vllm_model_dir, tmp_path / "here")
+    there = copy_model(vllm_model_dir, tmp_path / "mnt" / "there")
+    config = {"local_cpu_size_gb": 0.25, "local_disk_path": str(tmp_path / "disk")}
+    first = run_engine({"model": str(here), "kvtier": config, "steps": [gen(DOC), FLUSH, STATS]})
+    assert first[2]["loaded_tokens"] == 0
+    moved = run_engine({"model": str(there), "kvtier": config, "steps": [gen(DOC), STATS]})
+    assert moved[1]["loaded_tokens"] == FULL_HIT
+    assert moved[0] == hit_reference["doc"]
+    perturb_checkpoint(here)
+    ref = run_engine({"model": str(here), "kvtier": None, "steps": [gen(DOC)]})
+    assert ref[0]["tokens"] != first[0]["tokens"]  # the new weights do answer differently
+    swapped = run_engine({"model": str(here), "kvtier": config, "steps": [gen(DOC), STATS]})
+    assert swapped[1]["loaded_tokens"] == 0
+    assert swapped[0] == ref[0]
+
+
+def test_engines_that_made_the_same_weight_update_share_after_their_resets(
+    run_engine, tmp_path
+) -> None:
+    """Two engines update their weights in place the same way and reset (as RL trainers'
+    inference fleets do): the second loads what the first stored after its update; an engine
+    that made another update does not."""
+    config = {"local_cpu_size_gb": 0.25, "local_disk_path": str(tmp_path / "disk")}
+
+    def updated(seed: int, steps: list) -> list:
+        out = run_engine(
+            {
+                "kvtier": config,
+                "steps": [{"op": "perturb_kv", "seed": seed}, {"op": "reset_connector"}, *steps],
+            }
+        )
+        assert out[0] > 0 and out[1] is True
+        return out[2:]
+
+    first = updated(7, [gen(DOC), gen(DOC), FLUSH, STATS])
+    assert first[3]["loaded_tokens"] == FULL_HIT  # its own chunks after the reset
+    second = updated(7, [gen(DOC), STATS])
+    assert second[1]["loaded_tokens"] == FULL_HIT
+    assert second[0] == first[1]  # the first engine's hit on the same weights
+    other = updated(8, [gen(DOC), STATS])
+    assert other[1]["loaded_tokens"] == 0

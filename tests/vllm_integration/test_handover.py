@@ -54,6 +54,29 @@ def test_a_producer_announces_what_it_stored() -> None:
         h.close()
 
 
+def test_a_producer_without_unfull_chunks_announces_only_whole_chunks() -> None:
+    """With ``save_unfull_chunk: false`` the engine stores whole chunks: announcing the
+    block-aligned tail too made every consumer wait ``consumer_wait_s`` for blocks never
+    stored. The consumer then loads exactly what was announced, without waiting."""
+    h = Harness.create(save_unfull_chunk=False)
+    try:
+        h.sched.loads_enabled = False  # a producer
+        prompt = list(range(100, 100 + 3 * CHUNK + BLOCK + 5))  # a whole block past 3 chunks
+        req = request(prompt)
+        h.store(req)
+        _, params = h.sched.finished(req, [])
+        assert announced(params) == 3 * CHUNK
+        h.sched.loads_enabled, h.sched.saves_enabled = True, False  # now its consumer
+        clock = Clock()
+        h.sched.waits = ConsumerWait(h.sched.config, clock)
+        follow = request(prompt)
+        follow.kv_transfer_params = params
+        assert h.hit(follow) == 3 * CHUNK
+        assert h.sched.waits.timeouts == 0
+    finally:
+        h.close()
+
+
 def test_a_consumer_waits_for_announced_chunks_then_loads_them() -> None:
     h, clock = consumer()
     try:

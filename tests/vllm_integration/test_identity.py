@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm", reason="vLLM is not installed (install kvtier[vllm])")
 
-from sched_harness import Harness
+from sched_harness import Harness, empty_output
 from vllm import SamplingParams
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
@@ -122,7 +122,7 @@ def test_adapter_identity_follows_the_adapter_files(tmp_path) -> None:
     lora = LoRARequest("a", 1, str(path))
     first = adapter_identity(lora)
     assert first == adapter_identity(LoRARequest("a", 7, str(path)))  # the int id is per engine
-    assert first != adapter_identity(LoRARequest("b", 1, str(path)))
+    assert first == adapter_identity(LoRARequest("b", 1, str(path)))  # a name is not content
     (path / "adapter_model.safetensors").write_bytes(b"weights-2, rewritten in place")
     assert adapter_identity(lora) != first
     assert adapter_identity(None) is None
@@ -195,30 +195,105 @@ def test_two_images_behind_the_same_placeholders_never_share(served) -> None:
     assert h.hit(request(images=["image-2"])) == IMAGE.offset
 
 
+def adapter_dir(root, name: str, content: bytes) -> str:
+    path = root / name
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_model.safetensors").write_bytes(content)
+    (path / "adapter_config.json").write_text('{"r": 8}')
+    return str(path)
+
+
 def test_lora_adapters_and_base_never_share(served, tmp_path) -> None:
     h = served
+    a = adapter_dir(tmp_path, "a", b"adapter a")
+    b = adapter_dir(tmp_path, "b", b"adapter b")
     h.store(request())
     full = len(TEXT) - BLOCK
     assert h.hit(request()) == full
-    assert h.hit(request(lora=LoRARequest("a", 1, str(tmp_path / "a")))) == 0
-    h.store(request(lora=LoRARequest("a", 1, str(tmp_path / "a"))))
-    assert h.hit(request(lora=LoRARequest("a", 3, str(tmp_path / "a")))) == full
-    assert h.hit(request(lora=LoRARequest("b", 2, str(tmp_path / "b")))) == 0
+    assert h.hit(request(lora=LoRARequest("a", 1, a))) == 0
+    h.store(request(lora=LoRARequest("a", 1, a)))
+    assert h.hit(request(lora=LoRARequest("a", 3, a))) == full
+    assert h.hit(request(lora=LoRARequest("b", 2, b))) == 0
+    # The same files under another name and path: the same adapter.
+    copy = adapter_dir(tmp_path / "elsewhere", "renamed", b"adapter a")
+    assert h.hit(request(lora=LoRARequest("renamed", 4, copy))) == full
 
 
-def test_reset_cache_starts_a_generation_nothing_old_is_served_in(served) -> None:
+def test_an_adapter_whose_files_cannot_be_read_is_neither_looked_up_nor_saved(
+    served, tmp_path
+) -> None:
+    """A Hub id not downloaded here (or a path that does not exist) has no content identity:
+    keying it by its name would serve another adapter's KV after the name is reused."""
+    h = served
+    missing = LoRARequest("hub", 1, "no-such-org/no-such-adapter")
+    assert adapter_identity(missing).startswith("unresolved:")
+    h.store(request(lora=missing))
+    assert h.hit(request(lora=missing)) == 0
+    assert h.prefill(request(lora=missing)).saves == []
+
+
+def test_reset_cache_with_changed_weights_serves_nothing_old(served) -> None:
     h = served
     h.store(request(salt="t"))
     assert h.hit(request(salt="t")) == len(TEXT) - BLOCK
     running = request(salt="t")
     h.hit(running)
+    h.live = ["weights-1"]  # updated in place, as an RL step does
     assert h.sched.reset_cache() is True
+    # "Not yet" until the next step's reports resolve the reset, then a miss.
+    assert h.sched.get_num_new_matched_tokens(request(salt="t"), 0) == (None, False)
     assert h.hit(request(salt="t")) == 0
+    assert h.sched.weights.current is not None
     # A request that started before the reset mixes weights: it is neither served nor saved.
     assert h.hit(running) == 0
     assert h.prefill(running).saves == []
     h.store(request(salt="t"))
     assert h.hit(request(salt="t")) == len(TEXT) - BLOCK  # the new generation's own
+
+
+def test_reset_cache_with_unchanged_weights_keeps_the_cache(served) -> None:
+    h = served
+    h.store(request(salt="t"))
+    assert h.sched.reset_cache() is True
+    assert h.hit(request(salt="t")) == len(TEXT) - BLOCK  # once the workers answered
+    assert h.sched.weights.current is None
+
+
+def test_instances_that_made_the_same_change_agree_on_the_generation() -> None:
+    """Two engines that updated to the same weights share keys after their resets; one with
+    other weights does not; none uses a random number."""
+    generations = []
+    for live in (["w-1", "w-1"], ["w-1", "w-1"], ["w-1", "w-2"]):
+        h = Harness.create(world_size=2)
+        try:
+            h.live = live
+            h.sched.reset_cache()
+            h.step()
+            assert not h.sched.weights.pending
+            generations.append(h.sched.weights.current)
+        finally:
+            h.close()
+    assert generations[0] == generations[1] is not None
+    assert generations[2] != generations[0]
+
+
+def test_a_reset_is_pending_until_every_rank_answered() -> None:
+    h = Harness.create(world_size=2)
+    try:
+        h.store(request())
+        h.sched.reset_cache()
+        meta = h.sched.build_connector_meta(empty_output())
+        h.weights_epoch = meta.weights_epoch
+        h.ranks[0].feed.weights(meta.weights_epoch, "w-1")  # rank 1 has not answered yet
+        h.report()
+        assert h.sched.weights.pending
+        assert h.sched.get_num_new_matched_tokens(request(), 0) == (None, False)
+        h.ranks[1].feed.weights(meta.weights_epoch, "weights-0")
+        h.report()
+        assert not h.sched.weights.pending
+        assert h.sched.weights.current is not None  # rank 0's weights changed
+    finally:
+        h.close()
 
 
 def test_prompt_embeddings_are_neither_looked_up_nor_saved(served) -> None:
@@ -244,3 +319,30 @@ def test_blocks_of_finished_requests_are_pending_until_their_saves_are_reported(
     assert sched.has_pending_block_frees()
     sched.update_connector_output(KVConnectorOutput(finished_sending={req.request_id}))
     assert not sched.has_pending_block_frees()
+
+
+@pytest.mark.parametrize("field", ["decode_context_parallel_size", "prefill_context_parallel_size"])
+def test_context_parallelism_is_refused_by_name(field) -> None:
+    """Each rank would store its token shard under one key: refused, not served wrong."""
+    from types import SimpleNamespace
+
+    from kvtier.core.errors import ConfigError
+    from kvtier.vllm_integration.identity import refuse_context_parallel
+
+    refuse_context_parallel(SimpleNamespace(**{field: 1}))
+    with pytest.raises(ConfigError, match=field):
+        refuse_context_parallel(SimpleNamespace(**{field: 2}))
+
+
+def test_a_reset_the_workers_never_answer_stops_waiting_and_saves_nothing(served) -> None:
+    """No hang: past ``lookup_timeout_s`` requests are computed, and nothing is saved under a
+    generation nobody confirmed."""
+    h = served
+    now = [100.0]
+    h.sched.weights._clock = lambda: now[0]
+    h.sched.reset_cache()
+    assert h.sched.get_num_new_matched_tokens(request(), 0) == (None, False)
+    now[0] += h.sched.config.lookup_timeout_s + 1
+    req = request()
+    assert h.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert h.prefill(req).saves == []

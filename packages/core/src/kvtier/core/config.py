@@ -13,6 +13,7 @@ is checked by ``kvtier.core.config_checks``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -216,7 +217,12 @@ class KVTierConfig:
     )
 
     def __post_init__(self) -> None:
-        validated(self)  # however it is built (load_config, replace, the constructor)
+        # However it is built (load_config, replace, the constructor): the same coercion and
+        # checks, so ``KVTierConfig(chunk_size="64")`` is 64 and ``verify_fraction=True`` an error.
+        hints = _hints()
+        for f in fields(self):
+            object.__setattr__(self, f.name, coerce(f.name, getattr(self, f.name), hints[f.name]))
+        validated(self)
 
     def __repr__(self) -> str:
         body = ", ".join(f"{f.name}={shown(f.name, getattr(self, f.name))!r}" for f in fields(self))
@@ -255,6 +261,7 @@ class KVTierConfig:
         return self.replace(local_cpu_size_gb=share, local_cpu_size_gb_total=None)
 
 
+@functools.cache
 def _hints() -> dict[str, Any]:
     return get_type_hints(KVTierConfig)
 
@@ -302,6 +309,8 @@ def load_config(
                 data = yaml.safe_load(f) or {}
         except OSError as e:
             raise ConfigError("config_file", str(file_path), f"cannot be read: {e}") from None
+        except UnicodeDecodeError:
+            raise ConfigError("config_file", str(file_path), "is not UTF-8 text (YAML)") from None
         except yaml.YAMLError as e:
             raise ConfigError("config_file", str(file_path), f"is not valid YAML: {e}") from None
         if not isinstance(data, Mapping):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import stat
@@ -233,8 +234,14 @@ class ControlClient:
     """
 
     def __init__(self, path: str, timeout_s: float) -> None:
+        """``timeout_s``: a finite number of seconds above 0 (``ValueError`` otherwise: an
+        unbounded call is what the channel exists to avoid)."""
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
+            raise ValueError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
+        if not math.isfinite(timeout_s) or timeout_s <= 0:
+            raise ValueError(f"timeout_s must be finite and above 0, got {timeout_s!r}")
         self.path = path
-        self.timeout_s = timeout_s
+        self.timeout_s = float(timeout_s)
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
 

@@ -45,6 +45,7 @@ from kvtier.core.engine import CacheEngine
 from kvtier.core.errors import ConfigError
 from kvtier.vllm_integration import logs
 from kvtier.vllm_integration.groups import cache_groups, check_hybrid, hybrid_chunk_size
+from kvtier.vllm_integration.identity import refuse_context_parallel
 from kvtier.vllm_integration.layout import pages_verifiable
 from kvtier.vllm_integration.messages import KVTierMetadata
 from kvtier.vllm_integration.plugin import offloading_size_conflict
@@ -87,6 +88,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if conflict is not None:
             size = vllm_config.cache_config.kv_offloading_size
             raise ConfigError("kv_offloading_size", size, conflict)
+        refuse_context_parallel(vllm_config.parallel_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.config: KVTierConfig = load_config(overrides=extra)
         logs.configure(self.config.log_level)

@@ -52,11 +52,13 @@ def announcement(stored_tokens: int) -> dict[str, Any]:
     return {KEY: {"stored_tokens": stored_tokens}}
 
 
-def producer_params(saved_upto: int, prompt_len: int, block_size: int) -> dict[str, Any] | None:
+def producer_params(saved_upto: int, prompt_len: int, step: int) -> dict[str, Any] | None:
     """A producer's ``kv_transfer_params`` for a request that handed tokens ``[0, saved_upto)``
-    to its saves (None when not one block of the prompt was)."""
+    to its saves, which store whole units of ``step`` tokens (blocks with ``save_unfull_chunk``,
+    else chunks): what the engine stores, not what it was handed, so a consumer never waits for
+    a tail that is not coming (None when not one unit of the prompt was stored)."""
     stored = min(saved_upto, prompt_len)
-    return announcement(stored - stored % block_size) if stored >= block_size else None
+    return announcement(stored - stored % step) if stored >= step else None
 
 
 def producer_config(config: KVTierConfig) -> KVTierConfig:

@@ -2,16 +2,20 @@
 
 A chunk key must change whenever the KV would (``kvtier.core.keys``). From vLLM this takes:
 
-- **The engine** (the key's model part): the model name or path, its revision, dtype,
-  quantization, whether KV scales are computed at run time, and a digest of the model's whole
-  HF config as vLLM loaded it (so ``hf_overrides``, rope scaling and any other override that
-  changes the weights or positions change it). vLLM's KV cache dtype string (``fp8_e4m3`` and
-  ``fp8_e5m2`` are both uint8 tensors) goes into the layout fingerprint instead.
+- **The engine** (the key's model part): the served weights by their content (a digest of the
+  live parameters every worker computes with, ``weights.py``), dtype, quantization, whether KV
+  scales are computed at run time, and a digest of the model's whole HF config as vLLM loaded
+  it (so ``hf_overrides``, rope scaling and any other override that changes how the weights are
+  applied change it). Not the path, the mount point or a revision name: the same weights
+  anywhere share, new weights at the old path never do. vLLM's KV cache dtype string
+  (``fp8_e4m3`` and ``fp8_e5m2`` are both uint8 tensors) goes into the layout fingerprint.
 - **The rank** (``engine_rank``): the engine-local tensor/pipeline-parallel rank, not the global
   torch rank (data-parallel engines of one model share chunks). MLA caches are the same on every
   tensor-parallel rank, so they are keyed by the pipeline rank alone and stored once.
-- **The request** (``request_scope``): cache salt, LoRA adapter (name, path and a digest of its
-  files) and the weights generation (bumped by ``reset_cache``) seed the hash chain.
+- **The request** (``request_scope``): cache salt, LoRA adapter (a digest of its files'
+  content) and the weights generation seed the hash chain. The generation is None until a
+  ``reset_cache`` finds the live weights changed since start; it is then a digest of the live
+  weights, the same on every instance that made the same change (``scheduler/weights.py``).
 - **Token ids** (``identity_tokens``): a multimodal item's placeholder tokens are the same for
   every image of one size, so they are replaced by ids derived from the item's content hash
   (vLLM's ``mm_features`` identifiers, the hashes its own prefix cache uses), position by
@@ -32,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvtier.core.errors import ConfigError
 from kvtier.core.keys import KeyScope
 
 if TYPE_CHECKING:
@@ -52,25 +57,57 @@ def _digest(*parts: str) -> str:
     return h.hexdigest()
 
 
-def model_identity(vllm_config: VllmConfig) -> str:
-    """The model part of every key: readable name, then a digest of everything that changes
-    the weights or how positions are encoded."""
-    mc = vllm_config.model_config
+# Serialisation details of the HF config that name where or how it was read, not the model.
+_LOCATION_FIELDS = ("_name_or_path", "_commit_hash", "transformers_version")
+
+
+def _hf_config_json(mc: Any) -> str:
     try:
-        hf = mc.hf_config.to_json_string(use_diff=False)
+        fields = json.loads(mc.hf_config.to_json_string(use_diff=False))
     except Exception:  # a config that cannot be serialised still has a stable repr
-        hf = repr(sorted(vars(mc.hf_config).items()))
+        fields = {k: repr(v) for k, v in vars(mc.hf_config).items()}
+    for name in _LOCATION_FIELDS:
+        fields.pop(name, None)
+    return json.dumps(fields, sort_keys=True, default=repr)
+
+
+def model_identity(vllm_config: VllmConfig, weights: str) -> str:
+    """The model part of every key: the model type (readable), then a digest of the served
+    weights' content (``weights``, from ``kvtier.vllm_integration.weights``) and of everything
+    that changes how they are applied. Never the path, the mount point or a revision name."""
+    mc = vllm_config.model_config
     fields = {
-        "model": str(mc.model),
-        "revision": str(getattr(mc, "revision", None)),
+        "weights": weights,
         "dtype": str(mc.dtype),
         "quantization": str(getattr(mc, "quantization", None)),
         "hf_overrides": repr(getattr(mc, "hf_overrides", None)),
         "calculate_kv_scales": str(getattr(vllm_config.cache_config, "calculate_kv_scales", None)),
-        "hf_config": hf,
+        "hf_config": _hf_config_json(mc),
     }
-    name = Path(str(mc.model).rstrip("/")).name or str(mc.model)
-    return f"{name}-{_digest(json.dumps(fields, sort_keys=True))}"
+    label = str(getattr(mc.hf_config, "model_type", "") or "model")
+    label = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)
+    return f"{label}-{_digest(json.dumps(fields, sort_keys=True))}"
+
+
+def engine_weights(vllm_config: VllmConfig, digest: str) -> str:
+    """The engine's weights digest from this worker's (``digest`` of its shard): every
+    tensor-parallel and pipeline-parallel rank's, gathered (all workers call this together, in
+    ``register_kv_caches``), so all of them key chunks under one model part."""
+    pc = vllm_config.parallel_config
+    if int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size) == 1:
+        return digest
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    from kvtier.vllm_integration.weights import combine
+
+    for group in (get_tp_group(), get_pp_group()):
+        if group.world_size == 1:
+            continue
+        gathered: list[Any] = [None] * group.world_size
+        dist.all_gather_object(gathered, digest, group=group.cpu_group)
+        digest = combine(dict(enumerate(str(d) for d in gathered)))
+    return digest
 
 
 def engine_rank(vllm_config: VllmConfig, use_mla: bool) -> tuple[int, int]:
@@ -100,22 +137,44 @@ def _adapter_digest(path: str, stamp: tuple[tuple[str, int, int], ...]) -> str:
     return h.hexdigest()
 
 
+def _adapter_dir(path: str) -> str | None:
+    """The local directory of an adapter given as a directory or a Hub id already downloaded
+    (vLLM's workers download Hub adapters into the Hugging Face cache); None when unknown."""
+    if path and os.path.isdir(path):
+        return path
+    if not path:
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(repo_id=path, local_files_only=True)
+    except Exception:  # not a Hub id, or not downloaded yet
+        return None
+    return str(local) if os.path.isdir(local) else None
+
+
+_UNRESOLVED = "unresolved:"
+
+
 def adapter_identity(lora_request: Any) -> str | None:
-    """``name|path|digest of the adapter's files`` (digest cached by file names, sizes and
-    modification times, so an adapter rewritten in place gets a new identity)."""
+    """A LoRA adapter by its content: a digest of its files (cached by file names, sizes and
+    modification times, so an adapter rewritten in place gets a new identity), wherever they
+    live and whatever the adapter is called. An adapter whose files cannot be read here gets an
+    ``unresolved:`` identity, and its requests are neither looked up nor saved (``cacheable``).
+    None: no adapter."""
     if lora_request is None:
         return None
     name = str(getattr(lora_request, "lora_name", ""))
     path = str(getattr(lora_request, "lora_path", "") or "")
-    digest = "-"
-    if path and os.path.isdir(path):
-        stamp = tuple(
-            (p.name, p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(Path(path).iterdir())
-            if p.is_file()
-        )
-        digest = _adapter_digest(path, stamp)
-    return f"{name}|{path}|{digest}"
+    local = _adapter_dir(path)
+    if local is None:
+        return f"{_UNRESOLVED}{name}|{path}"
+    stamp = tuple(
+        (p.name, p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(Path(local).iterdir())
+        if p.is_file()
+    )
+    return f"lora:{_adapter_digest(local, stamp)}"
 
 
 def request_scope(request: Request, generation: str | None) -> KeyScope:
@@ -128,8 +187,12 @@ def request_scope(request: Request, generation: str | None) -> KeyScope:
 
 
 def cacheable(request: Request) -> bool:
-    """Prompt-embedding requests carry placeholder token ids: never looked up or saved."""
-    return getattr(request, "prompt_embeds", None) is None
+    """Prompt-embedding requests carry placeholder token ids, and an adapter whose files cannot
+    be read has no content identity: such requests are never looked up or saved."""
+    if getattr(request, "prompt_embeds", None) is not None:
+        return False
+    lora = getattr(request, "lora_request", None)
+    return lora is None or not str(adapter_identity(lora)).startswith(_UNRESOLVED)
 
 
 def _int64(tokens: list[int] | np.ndarray) -> np.ndarray:
@@ -161,3 +224,17 @@ def identity_tokens(request: Request, tokens: list[int] | np.ndarray) -> np.ndar
         mixed = (np.uint64(seed) + offsets * np.uint64(0x9E3779B97F4A7C15)) & np.uint64(_MM_ID_MASK)
         out[start:end] = mixed.astype(np.int64) + _MM_ID_BASE
     return out
+
+
+def refuse_context_parallel(parallel_config: Any) -> None:
+    """Context parallelism shards a request's tokens over ranks (vLLM's scheduler block is then
+    ``block_size x dcp``, each rank holding a slice of every block): kvtier maps slots with the
+    plain block size and MLA keys drop the tensor-parallel rank, so every rank's shard would be
+    stored under one key. Refused at start with a named error until each shard is keyed by its
+    own rank and slots follow vLLM's scheduler block."""
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = int(getattr(parallel_config, name, 1) or 1)
+        if size > 1:
+            raise ConfigError(
+                name, size, "kvtier does not support context parallelism yet (set it to 1)"
+            )

@@ -108,9 +108,12 @@ class KVTierMetadata(KVConnectorMetadata):
     # Saves of finished requests' blocks near eviction (``scheduler/lazy.py``); their ``req_id``
     # names the save, and the worker reports each one's copy done in ``LazyWorkerMeta``.
     lazy_saves: list[SaveSpec] = field(default_factory=list)
-    # The weights generation every spec of this step is keyed under (``reset_cache`` starts a
-    # new one); a worker that sees it change drops its host-memory tier.
+    # The weights generation every spec of this step is keyed under (``reset_cache`` may start
+    # a new one); a worker that sees it change drops its host-memory tier.
     generation: str | None = None
+    # Bumped by every ``reset_cache``: a worker that sees it change digests its live weights
+    # and reports them (``RankReport.weights``).
+    weights_epoch: int = 0
     # This step's serial number: workers report the last step whose saves they have copied.
     step: int = 0
     # Finished requests whose blocks vLLM freed at once, their saves copied already
@@ -191,6 +194,9 @@ class RankReport:
     saves_copied: int = -1
     # tiers a verification quarantined, with the seconds it lasts (``kvtier.core.verify``)
     quarantined: list[tuple[str, float]] = field(default_factory=list)
+    # (weights epoch, digest of this rank's live parameters): epoch 0 at start, then the epoch
+    # of each ``reset_cache`` the rank has seen (``scheduler/generation.py``)
+    weights: tuple[int, str] | None = None
 
 
 @dataclass
@@ -223,6 +229,7 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
                     mine.listed + rep.listed,
                     max(mine.saves_copied, rep.saves_copied),
                     mine.quarantined + rep.quarantined,
+                    rep.weights or mine.weights,
                 )
         return KVTierWorkerMeta(merged)
 

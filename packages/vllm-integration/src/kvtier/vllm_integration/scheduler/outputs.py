@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from kvtier.vllm_integration.messages import KVTierWorkerMeta, LazyWorkerMeta, RankReport
 from kvtier.vllm_integration.scheduler.events import EventLog
 from kvtier.vllm_integration.scheduler.frees import BlockFrees
+from kvtier.vllm_integration.scheduler.generation import WeightsGeneration
 from kvtier.vllm_integration.scheduler.index import PresenceIndex
 from kvtier.vllm_integration.scheduler.lazy import LazyOffload
 from kvtier.vllm_integration.scheduler.lookups import Lookups, RequestState
@@ -38,6 +39,7 @@ class StepOutputs:
     lazy: LazyOffload | None
     hashes: Callable[[RequestState], PromptHashes]
     chunk_size: int
+    weights: WeightsGeneration
 
     def apply(self, output: KVConnectorOutput) -> None:
         self.frees.sent(set(output.finished_sending or ()))
@@ -69,6 +71,8 @@ class StepOutputs:
 
     def _report(self, report: RankReport) -> None:
         self.index.apply(report)
+        if report.weights is not None:
+            self.weights.report(report.rank, *report.weights)
         for _, seconds in report.quarantined:
             self.verify.quarantined(seconds)
         self.frees.copied(report.rank, report.saves_copied)

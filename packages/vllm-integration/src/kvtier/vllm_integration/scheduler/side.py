@@ -17,15 +17,15 @@ runs: its save is remembered when it finishes and sent once vLLM is about to evi
 Every lookup, load and save is keyed by the request's identity (``identity.py``): its scope
 (salt, LoRA adapter, weights generation) and its identity tokens (multimodal placeholders
 replaced by content-derived ids). Prompt-embedding requests are neither looked up nor saved.
-``reset_cache`` starts a new weights generation: chunks of the old weights are never served
-again, and requests running across the reset save nothing more (their KV mixes generations).
+``reset_cache`` asks the workers for a digest of their live weights: if they changed, a new
+weights generation starts, chunks of the old weights are never served again, and requests
+running across the reset save nothing more (their KV mixes weights) (``generation.py``).
 The time kvtier's hooks take in each scheduler step is the ``scheduler_seconds`` metric.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
 from kvtier.core.config import KVTierConfig
@@ -45,6 +45,7 @@ from kvtier.vllm_integration.messages import (
 )
 from kvtier.vllm_integration.scheduler.events import EventLog
 from kvtier.vllm_integration.scheduler.frees import BlockFrees
+from kvtier.vllm_integration.scheduler.generation import WeightsGeneration
 from kvtier.vllm_integration.scheduler.hybrid import HybridBlocks
 from kvtier.vllm_integration.scheduler.index import PresenceIndex
 from kvtier.vllm_integration.scheduler.lazy import LazyOffload, target_blocks
@@ -127,6 +128,7 @@ class SchedulerSide:
             self.lazy = LazyOffload(block_size, target, num_workers)
         self._async_loads: list[LoadSpec] = []  # for the next step's metadata
         self.frees = BlockFrees(num_workers)
+        self.weights = WeightsGeneration(num_workers)
         self.outputs = StepOutputs(
             self._reqs,
             self.index,
@@ -137,13 +139,19 @@ class SchedulerSide:
             self.lazy,
             self._hashes,
             self.chunk_size,
+            self.weights,
         )
         self._step = 0  # serial number of the step whose metadata is being built
-        self.generation: str | None = None
         self._counts = {"lookups": 0, "hit_tokens": 0, "uncacheable": 0}
         self.metrics = StatsTracker()
         self.timer = StepTimer(self.metrics, "scheduler")  # kvtier's time in each step
         warn_load_failure_policy(load_failure_policy, config)
+
+    @property
+    def generation(self) -> str | None:
+        """The weights generation requests arriving now are keyed under
+        (``scheduler/generation.py``)."""
+        return self.weights.for_new_requests
 
     @property
     def stats(self) -> dict[str, int]:
@@ -194,11 +202,18 @@ class SchedulerSide:
         most = (n - 1) // bs * bs  # the last prompt token is always recomputed
         if most <= num_computed_tokens:
             return 0, False
+        if self.weights.pending:
+            # A reset: the next step's metadata asks the workers what weights they serve.
+            return (
+                (None, False)
+                if self.weights.waited() < self.config.lookup_timeout_s
+                else (0, False)
+            )
         state = self._state(request)
         if state.load_failed:
             return 0, False
         if state.generation != self.generation:
-            return 0, False  # it started under older weights: nothing of theirs is served
+            return 0, False  # it started under other weights than the cache's now
         if state.verify is not None:
             return 0, False  # sampled for verification: vLLM computes its prefix
         waits = self.waits
@@ -262,7 +277,7 @@ class SchedulerSide:
     def _save_spec(
         self, rid: str, state: RequestState, end: int, *, expect: bool = True
     ) -> SaveSpec | None:
-        if not self.saves_enabled:
+        if not self.saves_enabled or self.weights.pending:
             return None
         return self.saves.spec(rid, state, end, self.generation, self._step, expect=expect)
 
@@ -289,7 +304,7 @@ class SchedulerSide:
         if self.lazy is not None:
             return  # saved when it finishes and vLLM is about to evict its blocks
         spec = self._save_spec(rid, state, computed + scheduled)
-        if self.saves_enabled and state.generation == self.generation:
+        if self.saves_enabled and state.generation == self.generation and not self.weights.pending:
             spec = self.hybrid.with_states(rid, state, spec, self.chunk_size, self._step)
         if spec is not None:
             self.hybrid.attach(spec, state.groups)
@@ -301,7 +316,8 @@ class SchedulerSide:
         meta = KVTierMetadata(
             preempted=set(scheduler_output.preempted_req_ids or ()),
             releases=releases,
-            generation=self.generation,
+            generation=self.weights.current,
+            weights_epoch=self.weights.epoch,
             loads=self._async_loads,
             probes=probes,
             step=self._step,
@@ -333,8 +349,13 @@ class SchedulerSide:
         (``handover.py``)."""
         params = None
         state = self._reqs.get(request.request_id)
-        if not self.loads_enabled and state is not None and state.generation == self.generation:
-            params = producer_params(state.saved_upto, len(state.prompt), self.block_size)
+        if (
+            not self.loads_enabled
+            and state is not None
+            and state.generation == self.generation
+            and not self.weights.pending
+        ):
+            params = producer_params(state.saved_upto, len(state.prompt), self.saves.step)
         if self.waits is not None:
             self.waits.done(request.request_id)
         return self.request_finished(request, block_ids), params
@@ -386,13 +407,15 @@ class SchedulerSide:
         return self.frees.pending or (self.lazy is not None and self.lazy.pending)
 
     def reset_cache(self) -> bool:
-        """Start a new weights generation (after a weight update): no chunk stored so far is
-        served again; the workers drop their host tier when the next step's metadata arrives,
-        lower tiers' old chunks become unreachable and age out."""
-        self.generation = os.urandom(8).hex()
+        """After a weight update (or to start over): the workers digest their live weights with
+        the next step's metadata, and the generation follows what they find
+        (``scheduler/generation.py``): unchanged weights keep their chunks, changed ones start a
+        generation no chunk of the old weights is served in (the workers drop their host tier,
+        lower tiers' old chunks become unreachable and age out)."""
+        self.weights.reset()
         if self.lazy is not None:
             self.lazy.clear()
-        logger.info("kvtier: cache reset, new weights generation %s", self.generation)
+        logger.info("kvtier: cache reset %d: the workers digest their weights", self.weights.epoch)
         return True
 
     def shutdown(self) -> None:

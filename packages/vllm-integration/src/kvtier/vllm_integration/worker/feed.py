@@ -39,6 +39,7 @@ class PresenceFeed:
         self._short: list[tuple[str, int]] = []
         self._quarantined: list[tuple[str, float]] = []
         self._saves_copied = self._copied_sent = -1
+        self._weights: tuple[int, str] | None = None
         self._sent_once = False
         self._host_only = list(engine.config.tiers) == ["local_cpu"]
         self._lower_tier = next((t for t in engine.config.tiers if t != "local_cpu"), "")
@@ -82,6 +83,11 @@ class PresenceFeed:
         with self._lock:
             self._quarantined.extend(tiers)
 
+    def weights(self, epoch: int, digest: str) -> None:
+        """This rank's live weights digest as of weights epoch ``epoch``."""
+        with self._lock:
+            self._weights = (epoch, digest)
+
     def saves_copied(self, step: int) -> None:
         """The worker's saver has copied every save of the steps up to ``step``."""
         with self._lock:
@@ -97,6 +103,7 @@ class PresenceFeed:
                 or self._tier_events
                 or self._short
                 or self._quarantined
+                or self._weights
                 or self._saves_copied != self._copied_sent
             ):
                 return None
@@ -108,6 +115,7 @@ class PresenceFeed:
             short, self._short = self._short, []
             quarantined, self._quarantined = self._quarantined, []
             listed, self._listed = self._listed, 0
+            weights, self._weights = self._weights, None
             self._sent_once = True
         report = RankReport(
             self.rank,
@@ -124,6 +132,7 @@ class PresenceFeed:
             listed,
             self._copied_sent,
             quarantined,
+            weights,
         )
         return KVTierWorkerMeta({self.rank: report})
 

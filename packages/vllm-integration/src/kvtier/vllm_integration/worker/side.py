@@ -46,7 +46,7 @@ from kvtier.core.platform import get_platform
 from kvtier.core.thread_cpu import PROCESS_THREADS
 from kvtier.vllm_integration.channel import ControlServer, socket_path
 from kvtier.vllm_integration.handover import producer_config
-from kvtier.vllm_integration.identity import engine_rank, model_identity
+from kvtier.vllm_integration.identity import engine_rank, engine_weights, model_identity
 from kvtier.vllm_integration.layout import register
 from kvtier.vllm_integration.messages import (
     KVTierMetadata,
@@ -57,6 +57,7 @@ from kvtier.vllm_integration.messages import (
     hold_ttl_s,
 )
 from kvtier.vllm_integration.stats import Counters, KVTierStats, StatsTracker, StepTimer
+from kvtier.vllm_integration.weights import model_digest, served_weights
 from kvtier.vllm_integration.worker.feed import PresenceFeed
 from kvtier.vllm_integration.worker.holds import HoldTable
 from kvtier.vllm_integration.worker.loads import WorkerLoads
@@ -129,6 +130,8 @@ class WorkerSide:
         self._engine_id = engine_id
         self._rt: Runtime | None = None  # built by register_kv_caches
         self._generation: str | None = None
+        self._weights_epoch = 0  # the last reset whose weights this worker digested
+        self._model: torch.nn.Module | None = None  # what it digests (``weights.py``)
         self.counters = Counters(WORKER_COUNTERS)
         self._count = self.counters.add
         self.metrics = StatsTracker()
@@ -162,6 +165,9 @@ class WorkerSide:
         # The control socket is per worker; the key's rank collapses MLA's identical TP shards.
         _, worker = engine_rank(vc, use_mla=False)
         key_world, key_rank = engine_rank(vc, layout.use_mla)
+        model, weights, live = served_weights(vc)
+        self._model = model
+        weights = engine_weights(vc, weights)
         platform = get_platform(
             self.config.platform or caches[0].device.type,
             self.config.plugins,
@@ -171,7 +177,7 @@ class WorkerSide:
         engine = CacheEngine(
             self.config.per_worker(int(vc.parallel_config.world_size)),
             layout,
-            model=model_identity(vc),
+            model=model_identity(vc, weights),
             world_size=key_world,
             rank=key_rank,
             platform=platform,
@@ -182,6 +188,7 @@ class WorkerSide:
         feed = PresenceFeed(
             worker, engine, tier_events=bool(kv_events and kv_events.enable_kv_cache_events)
         )
+        feed.weights(0, live)
         self._rt = Runtime(
             engine=engine,
             rank=worker,
@@ -283,6 +290,21 @@ class WorkerSide:
         reports = report.reports if report is not None else {}
         return LazyWorkerMeta(reports, {rt.rank: sorted(done)} if done else {})
 
+    def _digest_weights(self, rt: Runtime, meta: KVTierMetadata) -> None:
+        """A ``reset_cache`` since the last step: report the live weights' digest (the
+        scheduler decides the generation from every rank's, ``scheduler/generation.py``)."""
+        if meta.weights_epoch == self._weights_epoch or self._model is None:
+            return
+        self._weights_epoch = meta.weights_epoch
+        t0 = time.perf_counter()
+        digest = model_digest(self._model)
+        rt.feed.weights(meta.weights_epoch, digest)
+        logger.info(
+            "kvtier: live weights digested for cache reset %d in %.3f s",
+            meta.weights_epoch,
+            time.perf_counter() - t0,
+        )
+
     def _new_generation(self, rt: Runtime, meta: KVTierMetadata) -> None:
         """Drop host-memory chunks of older weights when the scheduler starts a generation."""
         if meta.generation == self._generation:
@@ -302,6 +324,7 @@ class WorkerSide:
         rt = self._rt
         if rt is None:
             return
+        self._digest_weights(rt, meta)
         self._new_generation(rt, meta)
         for rid, hold_id in meta.releases:
             rt.holds.release(rid, hold_id)
