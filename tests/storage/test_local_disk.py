@@ -193,3 +193,22 @@ def test_o_direct_round_trip_restart_and_corruption(make_manager, tokens):
     obj = plain.get(key(0))
     check_obj(obj, 0)
     obj.release()
+
+
+def test_a_file_that_cannot_be_deleted_is_not_called_a_directory(tmp_path, monkeypatch) -> None:
+    """remove_entry used to answer "a non-empty directory" for any file unlink refused."""
+    from kvtier.storage.backends import _disk_io
+
+    victim = tmp_path / "chunk.kv"
+    victim.write_bytes(b"x")
+
+    def refuse(path, *a, **kw):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(_disk_io.os, "unlink", refuse)
+    with pytest.raises(PermissionError):
+        _disk_io.remove_entry(victim)
+    monkeypatch.undo()
+    empty = tmp_path / "a-directory"
+    empty.mkdir()
+    assert _disk_io.remove_entry(empty) is True

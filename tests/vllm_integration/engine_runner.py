@@ -1,8 +1,9 @@
 """Runs one real vLLM engine in a fresh process and executes a scripted list of steps.
 
-Usage: ``python engine_runner.py SPEC.json OUT.json``. Each test scenario is one process, so
-engines never share vLLM's process-global state, and "a second engine in a new process" is
-literally that. The spec:
+Usage: ``python engine_runner.py SPEC.json OUT.json``, or ``python engine_runner.py --warm``
+(imports first, then reads ``["SPEC.json", "OUT.json"]`` from stdin: ``warm``). Each test
+scenario is one process, so engines never share vLLM's process-global state, and "a second
+engine in a new process" is literally that. The spec:
 
 - ``model`` (path), ``multiprocess`` (bool: vLLM's default multiprocess mode, else in-process),
   ``prefix_caching`` (bool), ``engine_id`` (str), ``kvtier`` (None = no connector, else the
@@ -324,5 +325,28 @@ def main(spec_path: str, out_path: str) -> None:
     os._exit(0)
 
 
+def warm() -> None:
+    """``--warm``: import vLLM, torch and kvtier now (most of a run's start), then wait for one
+    ``[spec path, out path]`` line on stdin and run it (an empty line: exit). The test fixture
+    keeps one such process ready while the previous run goes on, so each scenario still has a
+    process of its own. vLLM reads its environment variables when an engine is built, not at
+    import, so ``main`` sets them as before."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from vllm import LLM, SamplingParams  # noqa: F401
+
+    import kvtier.vllm_integration.connector  # noqa: F401
+    from kvtier.vllm_integration.channel import flush_worker  # noqa: F401
+
+    line = sys.stdin.readline()
+    if not line.strip():
+        os._exit(0)
+    spec_path, out_path = json.loads(line)
+    main(spec_path, out_path)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "--warm":
+        warm()
+    else:
+        main(sys.argv[1], sys.argv[2])

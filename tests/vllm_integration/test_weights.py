@@ -58,6 +58,13 @@ def test_names_shapes_and_dtypes_are_part_of_the_digest() -> None:
     assert digest_tensors([("w", t), ("x", t)]) == digest_tensors([("x", t), ("w", t)])
 
 
+def test_tensors_past_float_precision_are_sampled_to_their_last_element() -> None:
+    big = torch.zeros((1 << 24) + 3, dtype=torch.int8)
+    before = digest_tensors([("w", big)])
+    big[-1] = 1
+    assert digest_tensors([("w", big)]) != before
+
+
 def test_engines_combine_their_ranks_in_rank_order() -> None:
     assert combine({0: "a"}) == "a"
     assert combine({0: "a", 1: "b"}) == combine({1: "b", 0: "a"})

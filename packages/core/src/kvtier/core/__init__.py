@@ -7,6 +7,7 @@ from kvtier.core.__about__ import __version__
 from kvtier.core.config import KVTierConfig, load_config
 from kvtier.core.engine import CacheEngine
 from kvtier.core.errors import (
+    ClosedError,
     ConfigError,
     DoubleReleaseError,
     KVTierError,
@@ -27,6 +28,7 @@ __all__ = [
     "CacheEngine",
     "ChunkKey",
     "ChunkSpan",
+    "ClosedError",
     "ConfigError",
     "DoubleReleaseError",
     "Hold",

@@ -120,9 +120,10 @@ class KVTierConfig:
         default=256,
     )
     write_queue_wait_s: float = _doc(
-        "How long a save waits for room in a full lower-tier write queue before that copy is "
-        "dropped (s); 0 = never waits. A vLLM kv_producer waits at least 10 s (its chunks are "
-        "another instance's input).",
+        "How long a chunk saved while the lower-tier write queue is full may wait, queued "
+        "past write_queue_size (up to as many again), for a writer before that copy is dropped "
+        "(s); 0 = dropped at once. The save itself never waits. A vLLM kv_producer uses at "
+        "least 10 s (its chunks are another instance's input).",
         default=0.0,
     )
     io_threads: int = _doc("Threads serving lower-tier reads and writes.", default=4)

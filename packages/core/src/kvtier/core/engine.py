@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from kvtier.core.config import KVTierConfig
-from kvtier.core.errors import ConfigError, KVTierError
+from kvtier.core.errors import ClosedError, ConfigError, KVTierError
 from kvtier.core.handles import ChunkSpan, EngineStats, Hold, RetrieveJob
 from kvtier.core.keys import ChunkKey, KeyFactory, Scope, TokenIds
 from kvtier.core.layout import KVLayout
@@ -83,9 +83,15 @@ class CacheEngine:
         self.keys = KeyFactory(model, layout.fingerprint(), world_size, rank)
         self.platform = platform or get_platform(config.platform, config.plugins)
         if storage is None:
-            arena = self.platform.create_arena(
-                int(config.local_cpu_size_gb * GiB), pin_memory=config.pin_memory
-            )
+            nbytes = int(config.local_cpu_size_gb * GiB)
+            try:
+                arena = self.platform.create_arena(nbytes, pin_memory=config.pin_memory)
+            except (RuntimeError, MemoryError) as e:  # torch's allocator says it as RuntimeError
+                raise ConfigError(
+                    "local_cpu_size_gb",
+                    config.local_cpu_size_gb,
+                    f"host memory of {nbytes} bytes cannot be allocated here: {e}",
+                ) from None
             namespace = self.keys.key(b"").namespace()
             storage = create_storage_manager(config, arena, layout, namespace)
         self.storage = storage
@@ -97,6 +103,7 @@ class CacheEngine:
             tails=config.save_unfull_chunk,
         )
         self.mover: PageMover | None = None
+        self._closed = False
         self.stats = EngineStats()
         self._tier_hits = TierHits()
         self._writer = StoreWriter(storage, self.spans, layout, self.chunk_size, self.stats)
@@ -112,6 +119,7 @@ class CacheEngine:
     ) -> None:
         """Hand over the engine's per-layer KV views (once, before any transfer);
         ``num_blocks``: the cache's (manager) blocks, when the views count kernel blocks."""
+        self._check_open()
         self.mover = self.platform.create_mover(
             kv_caches,
             self.layout,
@@ -156,6 +164,7 @@ class CacheEngine:
     # -- API -----------------------------------------------------------------------------------
     def lookup(self, tokens: TokenIds, scope: Scope = None) -> int:
         """Number of leading tokens of ``tokens`` whose KV is stored (a multiple of the block size)."""
+        self._check_open()
         hits = self.hit_spans(tokens, scope)
         n = hits[-1].end if hits else 0
         self.stats.add(lookups=1, lookup_hit_tokens=n)
@@ -182,6 +191,7 @@ class CacheEngine:
 
     def hold(self, tokens: TokenIds, scope: Scope = None) -> Hold:
         """Look ``tokens`` up and keep the hit prefix's objects in host memory (see ``Hold``)."""
+        self._check_open()
         prompt = self.spans.prompt(tokens, scope)
         hits, state = self.spans.hits(prompt), None
         if self.states is not None:
@@ -253,6 +263,7 @@ class CacheEngine:
         stream. ``keep``: asked once the copy is done; if it returns False the copied chunks
         are dropped, nothing is stored (the engine's blocks may have been reused meanwhile).
         """
+        self._check_open()
         mover = self._require_mover()
         plan, aliases = self._plan_store(tokens, slot_mapping, scope)
         if not plan:
@@ -273,6 +284,7 @@ class CacheEngine:
         self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], *, scope: Scope = None
     ) -> Iterator[int]:
         """Like ``store``, one layer per ``next()``; the chunks are saved when it is exhausted."""
+        self._check_open()
         mover = self._require_mover()
         plan, aliases = self._plan_store(tokens, slot_mapping, scope)
         try:
@@ -334,6 +346,7 @@ class CacheEngine:
         group that takes the state at the end of the loaded tokens; the whole load is skipped
         (an all-False mask) when that state is not stored.
         """
+        self._check_open()
         mover = self._require_mover()
         transfers, mask = self._plan_retrieve(tokens, slot_mapping, scope, hold, state_blocks)
         try:
@@ -354,6 +367,7 @@ class CacheEngine:
         hold: Hold | None = None,
     ) -> RetrieveJob:
         """Fetch the stored prefix now; load it layer by layer as the job's ``layers`` is iterated."""
+        self._check_open()
         mover = self._require_mover()
         transfers, mask = self._plan_retrieve(tokens, slot_mapping, scope, hold)
 
@@ -382,13 +396,19 @@ class CacheEngine:
         """Store the recurrent state after the first ``boundary`` tokens (a full-chunk boundary)
         from ``blocks``, one cache block per state group (``kvtier.core.states``); whether a
         new entry was stored. ``ready``, ``keep``: as for ``store``."""
+        self._check_open()
         if self.states is None:
             raise KVTierError("store_state needs a layout with state groups (KVLayout.states)")
         mover = self._require_mover()
         prompt = self.spans.prompt(tokens, scope)
         return self.states.store(prompt, boundary, blocks, mover, self.platform, ready, keep)
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("this kvtier CacheEngine is closed: the call came after close()")
+
     def close(self) -> None:
+        self._closed = True
         self.storage.close()
         arena = getattr(self.storage, "arena", None)
         if arena is not None:

@@ -33,6 +33,10 @@ class OutOfHostMemory(KVTierError, MemoryError):
     """The host arena cannot hold an object even after evicting what may be evicted."""
 
 
+class ClosedError(KVTierError, RuntimeError):
+    """A kvtier object was used after its ``close()`` (an engine, a storage manager)."""
+
+
 class DoubleReleaseError(KVTierError, RuntimeError):
     """A memory object handle was released twice (or used after release)."""
 

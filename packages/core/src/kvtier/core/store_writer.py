@@ -23,6 +23,7 @@ from kvtier.core.prompt import PromptHashes
 from kvtier.core.slots import complete, span_rows
 from kvtier.core.spans import SpanPlanner
 from kvtier.core.storage import StorageManager
+from kvtier.core.warn import warn_throttled
 
 logger = logging.getLogger("kvtier")
 
@@ -81,10 +82,22 @@ class StoreWriter:
                 continue
             obj = self.storage.allocate(self._meta(span.num_tokens))
             if obj is None:
-                logger.warning(
-                    "kvtier host memory is full: %d chunk(s) not stored", len(spans) - len(plan)
-                )
-                self.stats.add(store_skipped_chunks=len(spans) - len(plan))
+                skipped = len(spans) - len(plan)
+                self.stats.add(store_skipped_chunks=skipped)
+                arena = getattr(self.storage, "arena", None)
+                if arena is not None and arena.capacity < arena.target_bytes:
+                    # Not full: the arena is still being set up (pinned segment by segment).
+                    logger.debug(
+                        "kvtier host memory is still growing (%d of %d bytes ready): %d "
+                        "chunk(s) not stored",
+                        arena.capacity,
+                        arena.target_bytes,
+                        skipped,
+                    )
+                else:
+                    warn_throttled(
+                        "host-full", "kvtier host memory is full: %d chunk(s) not stored", skipped
+                    )
                 break
             plan.append((span, Transfer(obj, blocks[span.key])))
             if span.num_tokens == self.chunk_size:

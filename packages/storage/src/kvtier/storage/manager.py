@@ -38,7 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, TypeVar
 
-from kvtier.core.errors import ConfigError, OutOfHostMemory
+from kvtier.core.errors import ClosedError, ConfigError, OutOfHostMemory
 from kvtier.core.quarantine import Quarantine
 from kvtier.core.storage import StorageManager
 from kvtier.storage._log import warn_throttled
@@ -329,7 +329,7 @@ class TieredStorageManager(StorageManager):
     # -- lifecycle -----------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("kvtier storage manager is closed")
+            raise ClosedError("the kvtier storage manager is closed: this call came after close()")
 
     def close(self) -> None:
         """Stop writers and readers (bounded by ``close_timeout_s``) and release every object.

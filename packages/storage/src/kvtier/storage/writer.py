@@ -2,7 +2,11 @@
 background threads, through a bounded queue, and ``flush`` reports what did not land.
 
 - ``submit`` never blocks: when the queue (``write_queue_size``) is full the lower-tier copy is
-  dropped and counted (``write_queue.dropped``). A chunk's alias entries (``kvtier.core.aliases``)
+  dropped and counted (``write_queue.dropped``). With ``write_queue_wait_s`` (a prefill
+  producer's, whose chunks another instance waits for) it is queued past the limit instead, up
+  to as many again, and dropped (counted the same) if no writer has taken it when its wait is
+  over: the caller (the worker's saver thread, which gates block frees and save reports) never
+  waits on a lower tier. A chunk's alias entries (``kvtier.core.aliases``)
   ride in its queue slot and are written with it; counters count chunks, not aliases.
 - Each writer thread takes up to ``_WRITE_BATCH`` queued chunks and hands them to every lower
   tier in order; a tier that raises is counted (``<tier>.errors``, ``<tier>.write_failed``) and
@@ -42,6 +46,9 @@ _LOSS_SUFFIXES = (".store_skipped", ".write_failed", ".dropped_at_close")
 _LOSS_NAMES = ("write_queue.dropped",)
 
 
+_Entry = tuple[float | None, list[tuple["ChunkKey", "MemoryObj"]]]
+
+
 def _is_loss(name: str) -> bool:
     return name in _LOSS_NAMES or name.endswith(_LOSS_SUFFIXES)
 
@@ -72,12 +79,16 @@ class LowerTierWriter:
         threads: int,
         wait_s: float = 0.0,
     ) -> None:
-        """``wait_s``: how long ``submit`` waits for room in a full queue before it drops."""
+        """``wait_s``: how long a chunk submitted to a full queue may wait for a writer before it
+        is dropped (0: dropped at once)."""
         self.lower = list(lower)
         self.wait_s = wait_s
         self.stats = stats
-        # one entry per chunk: the chunk first, then its alias entries
-        self._queue: queue.Queue[list[tuple[ChunkKey, MemoryObj]]] = queue.Queue(maxsize=queue_size)
+        self._capacity = queue_size
+        # One entry per chunk (the chunk first, then its alias entries), with the monotonic time
+        # after which it is dropped if still queued (None: written whenever its turn comes).
+        self._queue: queue.Queue[_Entry] = queue.Queue()
+        self._queued = 0  # entries in ``_queue`` (under ``_pending_cv``)
         self._pending = 0
         self._pending_cv = threading.Condition()
         self._stop = threading.Event()
@@ -104,26 +115,32 @@ class LowerTierWriter:
         aliases: Sequence[tuple[ChunkKey, MemoryObj]] = (),
     ) -> None:
         """Queue a share of ``obj`` (and of its ``aliases``' objects) for the lower tiers, or
-        drop them (counted as one chunk) if the queue is still full after ``wait_s``."""
-        mine = [(key, obj.share())] + [(k, o.share()) for k, o in aliases]
+        drop them (counted as one chunk) when the queue is full (see the module docstring).
+        Never blocks."""
+        deadline: float | None = None
         with self._pending_cv:
-            self._pending += 1
-        try:
-            if self.wait_s > 0:
-                self._queue.put(mine, timeout=self.wait_s)
+            full = self._queued >= self._capacity
+            if full and (self.wait_s <= 0 or self._queued >= 2 * self._capacity):
+                admitted = False
             else:
-                self._queue.put_nowait(mine)
-        except queue.Full:
-            for _, o in mine:
-                o.release()
-            self._done_pending(1)
-            self.stats.add("write_queue.dropped")
-            warn_throttled(
-                "write-queue-full",
-                "kvtier: lower-tier write queue is full (write_queue_size=%d); chunks are kept in "
-                "host memory only",
-                self._queue.maxsize,
-            )
+                admitted = True
+                deadline = time.monotonic() + self.wait_s if full else None
+                self._queued += 1
+                self._pending += 1
+        if not admitted:
+            self._dropped()
+            return
+        mine = [(key, obj.share())] + [(k, o.share()) for k, o in aliases]
+        self._queue.put_nowait((deadline, mine))
+
+    def _dropped(self) -> None:
+        self.stats.add("write_queue.dropped")
+        warn_throttled(
+            "write-queue-full",
+            "kvtier: lower-tier write queue is full (write_queue_size=%d); chunks are kept in "
+            "host memory only",
+            self._capacity,
+        )
 
     def _done_pending(self, n: int) -> None:
         with self._pending_cv:
@@ -132,16 +149,28 @@ class LowerTierWriter:
                 self._pending_cv.notify_all()
 
     def _next_batch(self) -> list[list[tuple[ChunkKey, MemoryObj]]]:
+        """Up to ``_WRITE_BATCH`` queued chunks; those whose wait is over are dropped."""
         try:
-            first = self._queue.get(timeout=_POLL_S)
+            entries = [self._queue.get(timeout=_POLL_S)]
         except queue.Empty:
             return []
-        batch = [first]
-        while len(batch) < _WRITE_BATCH:
+        while len(entries) < _WRITE_BATCH:
             try:
-                batch.append(self._queue.get_nowait())
+                entries.append(self._queue.get_nowait())
             except queue.Empty:
                 break
+        with self._pending_cv:
+            self._queued -= len(entries)
+        now = time.monotonic()
+        batch = [group for deadline, group in entries if deadline is None or now <= deadline]
+        expired = len(entries) - len(batch)
+        if expired:
+            for deadline, group in entries:
+                if deadline is not None and now > deadline:
+                    for _, obj in group:
+                        obj.release()
+                    self._dropped()
+            self._done_pending(expired)
         return batch
 
     def _run(self) -> None:
@@ -218,7 +247,7 @@ class LowerTierWriter:
         dropped = 0
         while True:
             try:
-                group = self._queue.get_nowait()
+                _, group = self._queue.get_nowait()
             except queue.Empty:
                 break
             for _, obj in group:

@@ -1,10 +1,11 @@
 """Prefill/decode disaggregation through the shared tiers (vLLM's ``kv_role``).
 
 A ``kv_producer`` (prefill instance) saves and never loads; when a request finishes it announces
-what it stored in the request's ``kv_transfer_params`` (``{"kvtier": {"stored_tokens": n}}``),
-which vLLM returns with the response: a proxy (``kvtier bench pd``'s, or vLLM's disaggregated
-serving proxy pattern) sends the decode request on with them. Its lower-tier writes wait for
-room in a full write queue instead of being dropped (``write_queue_wait_s``).
+what its engine stores in the request's ``kv_transfer_params``
+(``{"kvtier": {"stored_tokens": n}}``), which vLLM returns with the response: a proxy
+(``kvtier bench pd``'s, or vLLM's disaggregated serving proxy pattern) sends the decode request
+on with them. Its lower-tier writes wait for room in a full write queue instead of being dropped
+(``write_queue_wait_s``; the wait is the chunk's, in the queue, never the saver thread's).
 
 A ``kv_consumer`` (decode instance) loads and never saves. A request that arrives with a
 producer's announcement may get there before the producer's chunks are readable in the shared

@@ -2,22 +2,24 @@
 
 A key must change whenever the KV would, and be the same wherever the same weights are served.
 A path, a mount point or a Hub revision name says neither (a checkpoint replaced in place keeps
-its path; the same files mounted elsewhere change it), so kvtier digests the live parameters the
-worker computes with, after vLLM loaded (and quantized, and sharded) them:
+its path; the same files mounted elsewhere change it). So a worker names its weights by two
+digests (``served_weights``), taken in ``register_kv_caches``:
 
-- every parameter contributes its name, dtype, shape, a 64-bit wrapping sum of its whole memory
-  read as integer words (exact, so the same on every device and in any reduction order), and
-  ``SAMPLES`` elements at evenly spaced positions. A fine-tune of any layer changes the sum of
-  the tensors it touched; a change that keeps a tensor's word sum and every sampled element is
-  not caught (no such update is made by training, and the cost of a full hash is seconds per
-  gigabyte on a CPU);
-- the cost is one read of the weights at start (and at ``reset_cache``), done where they live:
-  on a GPU at memory bandwidth (milliseconds for 16 GB), on a CPU at the speed of one summing
-  pass (docs/keys-and-tiers.md has the measurement).
+- **the checkpoint files** vLLM loaded, every byte (``files_digest``; 64 MiB pieces hashed on
+  every core, remembered per file version so a restart does not read them again). This covers
+  what the live parameters cannot show: vLLM CPU repacks linear layers into its kernels' own
+  buffers and empties their parameters.
+- **the live parameters** (``model_digest``): each parameter's name, dtype, shape, a 64-bit
+  wrapping sum of its memory read as integer words (exact, so the same on every device and in
+  any reduction order; it runs at memory speed) and ``SAMPLES`` evenly spaced elements. This is
+  what ``reset_cache`` takes again to see whether the weights were changed in place (an RL
+  update through ``collective_rpc``). A change that keeps a tensor's word sum and every sampled
+  element is not seen; no training update is such a change.
 
 A tensor-parallel or pipeline-parallel engine's workers each digest their own shard; the
 engine's identity combines every rank's digest (``combine``), so the key's model part is the same
 on all of its workers and on every engine with the same weights and the same parallel layout.
+docs/keys-and-tiers.md has what is in the identity and what the digests cost.
 """
 
 from __future__ import annotations
@@ -42,14 +44,20 @@ SAMPLES = 1024  # elements sampled from every parameter, evenly spaced (both end
 _FRAMES = 24  # how far up the stack ``find_model`` looks for vLLM's model runner
 
 
-def _words(flat: torch.Tensor) -> torch.Tensor:
-    """``flat``'s memory as the widest integer words that tile it exactly."""
+def _word_sum(flat: torch.Tensor) -> torch.Tensor:
+    """The wrapping 64-bit sum of ``flat``'s memory read as the widest integer words that tile
+    it (int64 words sum at memory speed; narrower ones are widened as they are added). Integer
+    addition modulo 2**64 is exact in any order, so every device and reduction agrees."""
     raw = flat.view(torch.uint8) if flat.dtype != torch.bool else flat.to(torch.uint8)
     n = raw.numel()
-    for dtype, size in ((torch.int32, 4), (torch.int16, 2)):
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
         if n % size == 0:
-            return raw.view(dtype)
-    return raw
+            try:
+                words = raw.view(dtype)
+            except RuntimeError:  # a storage offset not aligned to the word
+                continue
+            return words.sum() if dtype == torch.int64 else words.sum(dtype=torch.int64)
+    return raw.sum(dtype=torch.int64)
 
 
 def _tensor_part(name: str, t: torch.Tensor) -> tuple[bytes, torch.Tensor, torch.Tensor]:
@@ -59,10 +67,11 @@ def _tensor_part(name: str, t: torch.Tensor) -> tuple[bytes, torch.Tensor, torch
     if flat.numel() == 0:
         empty = torch.zeros(0, dtype=torch.uint8, device=t.device)
         return header, torch.zeros((), dtype=torch.int64, device=t.device), empty
-    total = _words(flat).sum(dtype=torch.int64)
+    total = _word_sum(flat)
     n = flat.numel()
     k = min(SAMPLES, n)
-    idx = torch.linspace(0, n - 1, k, device=t.device).round().to(torch.int64)
+    # Integer arithmetic: a float linspace rounds past the end above 2**24 elements.
+    idx = torch.arange(k, device=t.device, dtype=torch.int64) * (n - 1) // max(1, k - 1)
     picked = flat[idx].contiguous()
     sample = picked.view(torch.uint8) if picked.dtype != torch.bool else picked.to(torch.uint8)
     return header, total, sample.reshape(-1)

@@ -95,13 +95,21 @@ def create_temp(directory: Path, name: str, extra_flags: int = 0) -> tuple[int, 
 
 def remove_entry(path: Path) -> bool:
     """Remove whatever sits at ``path`` (a file, a link, a FIFO, an empty directory); True if
-    nothing is left. A non-empty directory is left in place (the caller bypasses it)."""
+    nothing is left. A non-empty directory is left in place (False: the caller bypasses it);
+    an entry that cannot be deleted for another reason raises that ``OSError``."""
     try:
         os.unlink(path)
         return True
     except FileNotFoundError:
         return True
     except (IsADirectoryError, PermissionError):
+        # unlink of a directory is EISDIR on Linux, EPERM elsewhere; a file the process may
+        # not delete is reported as what it is, not as a directory.
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                raise
+        except FileNotFoundError:
+            return True
         try:
             os.rmdir(path)
             return True
