@@ -112,11 +112,20 @@ def main() -> None:
             "max_store_s": round(max(times), 5),
             "lower_tier_dropped": dropped,
         }
-        print(f"{name:22s} median {rows[name]['median_store_s']:.4f} s  max "
-              f"{rows[name]['max_store_s']:.4f} s  dropped {dropped}")
-    ratio = rows["sleeping lower tier"]["median_store_s"] / rows["fast lower tier"]["median_store_s"]
+        print(
+            f"{name:22s} median {rows[name]['median_store_s']:.4f} s  max "
+            f"{rows[name]['max_store_s']:.4f} s  dropped {dropped}"
+        )
+    ratio = (
+        rows["sleeping lower tier"]["median_store_s"] / rows["fast lower tier"]["median_store_s"]
+    )
     print(f"ratio (sleeping / fast, median): {ratio:.2f}")
-    result = {"rounds": args.rounds, "sleep_s": args.sleep_s, "runs": rows, "ratio": round(ratio, 2)}
+    result = {
+        "rounds": args.rounds,
+        "sleep_s": args.sleep_s,
+        "runs": rows,
+        "ratio": round(ratio, 2),
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "producer-slow-tier.json").write_text(json.dumps(result, indent=2) + "\n")
