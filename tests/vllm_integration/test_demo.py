@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fixtures.vllm_model import worker_core
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -27,10 +28,14 @@ def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("demo-cache")
 
 
-def run_demo(cache: Path, tmp_path: Path, *extra: str) -> tuple[int, str, dict[str, Any]]:
+def run_demo(cache: Path, tmp_path: Path, *extra: str) -> tuple[int, str, dict[str, Any], str]:
+    """``(exit code, the output's tail, demo.json, everything the screen showed)``."""
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     env["KVTIER_RUNTIME_DIR"] = str(tmp_path)
+    core = worker_core()
+    if core is not None:  # under pytest-xdist: this worker's core (fixtures/vllm_model.py)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
     proc = subprocess.run(
         [
             sys.executable,
@@ -55,14 +60,25 @@ def run_demo(cache: Path, tmp_path: Path, *extra: str) -> tuple[int, str, dict[s
         timeout=500,
         check=False,
     )
+    engine_log = out / "engine.log"
     log = proc.stdout[-3000:] + proc.stderr[-3000:]
+    if engine_log.exists():
+        log += "\n--- engine.log ---\n" + engine_log.read_text(errors="replace")[-3000:]
     assert (out / "demo.png").stat().st_size > 0, log
-    return proc.returncode, log, json.loads((out / "demo.json").read_text())
+    screen = proc.stdout + proc.stderr
+    return proc.returncode, log, json.loads((out / "demo.json").read_text()), screen
 
 
 def test_demo_answers_equal_vllms_prefix_cache(demo_cache, tmp_path) -> None:
-    rc, log, report = run_demo(demo_cache, tmp_path)
+    rc, log, report, screen = run_demo(demo_cache, tmp_path)
     assert rc == 0, log
+    # The screen is kvtier's: its table and verdict, no engine log line; those are one file away.
+    assert "kvtier demo: time to first token" in screen, screen
+    assert "identical to vLLM's own prefix cache on the same requests: yes" in screen, screen
+    assert not [line for line in screen.splitlines() if "WARNING" in line or " INFO " in line]
+    engine_log = tmp_path / "out" / "engine.log"
+    assert str(engine_log) in screen
+    assert "vllm" in engine_log.read_text().lower()
     assert (report["block_size"], report["dtype"]) == (32, "bfloat16")
     assert report["attention_isa"] in ("vec", "vec16", "amx"), report["attention_isa"]
     assert report["mismatches"] == []
@@ -94,7 +110,7 @@ def test_demo_answers_equal_vllms_prefix_cache(demo_cache, tmp_path) -> None:
 def test_demo_check_fails_when_the_loaded_kv_is_corrupt(demo_cache, tmp_path) -> None:
     """The negative control: the same demo with zeros stored over what each hit loads. The hits
     are still taken, and the check fails on both of them (the cold question is untouched)."""
-    rc, log, bad = run_demo(demo_cache, tmp_path, "--corrupt-loaded-kv")
+    rc, log, bad, _ = run_demo(demo_cache, tmp_path, "--corrupt-loaded-kv")
     assert rc == 1, log
     assert bad["corrupt_loaded_kv"] is True
     (row,) = bad["rows"]

@@ -220,6 +220,11 @@ class Machine(RuleBasedStateMachine):
 
     def answered(self, lv: Live, n: int, load_async: bool) -> None:
         assert self.h is not None
+        if lv.gen is not None and lv.gen.startswith("pending-"):
+            # It arrived while a reset was being resolved: vLLM's lookup waited for the
+            # workers' weights, and the request computes under the generation they gave.
+            lv.gen = self.h.sched.generation
+            self.paint_kv(lv, 0, lv.computed, lv.gen)
         total, size = lv.computed + n, len(lv.tokens)
         if n:
             assert total % BLOCK == 0, (lv.computed, n)
@@ -419,6 +424,8 @@ class Machine(RuleBasedStateMachine):
         """A weight update: nothing stored before is served again."""
         assert self.h is not None
         self.drops += 2
+        # New weights on every rank: the reset starts the generation they name.
+        self.h.live = [f"weights-{self.drops}"] * len(self.h.ranks)
         self.h.sched.reset_cache()
         for lv in [*self.live.values(), *self.aborted.values()]:
             lv.may_fail = True

@@ -26,6 +26,7 @@ import platform
 import shutil
 import statistics
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,11 @@ def _engine(model_dir: Path, mode: str, disk: Path, doc_tokens: int) -> Engine:
 
 
 def _run_mode(
-    engine: Engine, docs: list[list[Request]], mode: str, doc_tokens: int
+    engine: Engine,
+    docs: list[list[Request]],
+    mode: str,
+    doc_tokens: int,
+    say: Callable[[str], None],
 ) -> dict[str, Any]:
     engine.warm_up(doc_tokens)
     cold, warm, hits = [], [], []
@@ -57,7 +62,7 @@ def _run_mode(
             res = engine.run(later.tokens, 1)
             warm.append(res.ttft_s)
             hits.append(res.loaded_tokens)
-            print(
+            say(
                 f"{mode:>15} doc {first.doc} q{later.question + 1}: {len(first.tokens)}/"
                 f"{len(later.tokens)} tokens, cold {cold[-1] if cold else float('nan'):.3f} s, "
                 f"warm {warm[-1]:.3f} s, loaded {hits[-1]}"
@@ -67,7 +72,13 @@ def _run_mode(
     return {"cold": cold, "warm": warm, "hits": hits}
 
 
-def run_doc_question(args: argparse.Namespace, modes: list[str], spec: ModelSpec) -> int:
+def run_doc_question(
+    args: argparse.Namespace,
+    modes: list[str],
+    spec: ModelSpec,
+    say: Callable[[str], None] = print,
+) -> int:
+    """``say``: where its progress and table go (the screen, beside the engines' log)."""
     model_dir = build_model(Path(args.cache_dir).expanduser() / "model", spec)
     disk = Path(tempfile.mkdtemp(prefix="kvtier-bench-disk-"))
     raw: dict[str, dict[str, Any]] = {}
@@ -80,7 +91,7 @@ def run_doc_question(args: argparse.Namespace, modes: list[str], spec: ModelSpec
                     engine.tokenizer, args.docs, args.doc_tokens, 1 + args.warm_questions
                 )
                 lengths = [tuple(len(q.tokens) for q in d) for d in docs]
-                raw[mode] = _run_mode(engine, docs, mode, args.doc_tokens)
+                raw[mode] = _run_mode(engine, docs, mode, args.doc_tokens, say)
             finally:
                 engine.close()
     finally:
@@ -119,14 +130,14 @@ def run_doc_question(args: argparse.Namespace, modes: list[str], spec: ModelSpec
     out = results_dir(args.out)
     (out / "e2e-docq.json").write_text(json.dumps(report, indent=2, default=str))
     _chart(results, out / "e2e-docq.png")
-    print(f"\n{'mode':>15} {'cold s':>8} {'warm s':>8} {'warm/cold':>9} {'/prefix':>8} {'hit':>6}")
+    say(f"\n{'mode':>15} {'cold s':>8} {'warm s':>8} {'warm/cold':>9} {'/prefix':>8} {'hit':>6}")
     for mode, r in results.items():
-        print(
+        say(
             f"{mode:>15} {r['ttft_cold_s']:8.3f} {r['ttft_warm_s']:8.3f} "
             f"{r['warm_over_cold']:9.3f} {r.get('over_prefix_cache', float('nan')):8.2f} "
             f"{statistics.mean(r['warm_hit_tokens']):6.0f}"
         )
-    print(f"wrote {out / 'e2e-docq.json'} and {out / 'e2e-docq.png'}")
+    say(f"wrote {out / 'e2e-docq.json'} and {out / 'e2e-docq.png'}")
     return 0
 
 

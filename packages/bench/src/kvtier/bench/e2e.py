@@ -39,12 +39,15 @@ import os
 import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kvtier.bench.model import ModelSpec, build_model
+from kvtier.bench.screen import EngineLog, advice
 from kvtier.bench.workload import BENCH_KVTIER, Engine, build_requests, require_extras, results_dir
 from kvtier.core.config import default_cache_dir
 
@@ -88,6 +91,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         default=os.path.join(default_cache_dir(), "bench-e2e"),
         help="where the benchmark model is built (default ~/.cache/kvtier/bench-e2e)",
     )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the engines' own output (vLLM, torch, ...) here instead of in engine.log",
+    )
     args = p.parse_args(argv)
     docq = args.workload == "doc-question"
     args.docs = args.docs if args.docs is not None else (3 if docq else 4)
@@ -100,16 +108,31 @@ def main(argv: list[str]) -> int:
     args = _parse(argv)
     require_extras()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    out = results_dir(args.out)
+    log_path = out / "engine.log"
+    log_path.unlink(missing_ok=True)
+    with EngineLog(log_path, args.verbose) as console:
+        code = _main(args, console.out)
+        if not args.verbose:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for line in advice(log_path):
+                console.out(f"note: {line}")
+            console.out(f"the engines' own output (vLLM, torch, ...): {log_path}")
+    return code
+
+
+def _main(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     modes = [m for m in args.modes.split(",") if m]
     known = DOCQ_MODES if args.workload == "doc-question" else MODES
     unknown = set(modes) - set(known)
     if unknown:
-        print(f"kvtier bench e2e: unknown mode(s) {sorted(unknown)}; known: {known}")
+        say(f"kvtier bench e2e: unknown mode(s) {sorted(unknown)}; known: {known}")
         return 2
     if args.workload == "doc-question":
         from kvtier.bench.docq import run_doc_question
 
-        return run_doc_question(args, modes, BENCH_MODEL)
+        return run_doc_question(args, modes, BENCH_MODEL, say)
     spec = MODELS[args.model]
     mamba = spec.architecture == "qwen3-next"
     name = "model" if args.model == "llama" else f"model-{args.model}"
@@ -142,9 +165,7 @@ def main(argv: list[str]) -> int:
                     res = engine.run(tokens, 1)
                     warm.append(res.ttft_s)
                     hits.append(res.loaded_tokens)
-                    print(
-                        f"{mode:>13} doc {d[0].doc}: cold {cold[-1]:.3f} s, warm {warm[-1]:.3f} s"
-                    )
+                    say(f"{mode:>13} doc {d[0].doc}: cold {cold[-1]:.3f} s, warm {warm[-1]:.3f} s")
                 results[mode] = {
                     "ttft_cold_s": statistics.mean(cold),
                     "ttft_warm_s": statistics.mean(warm),
@@ -199,17 +220,17 @@ def main(argv: list[str]) -> int:
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     _chart(results, out / f"{stem}.png", args.model)
 
-    print(f"\n{'mode':>13} {'cold s':>8} {'warm s':>8} {'warm/cold':>9}")
+    say(f"\n{'mode':>13} {'cold s':>8} {'warm s':>8} {'warm/cold':>9}")
     for mode, r in results.items():
-        print(
+        say(
             f"{mode:>13} {r['ttft_cold_s']:8.3f} {r['ttft_warm_s']:8.3f} {r['warm_over_cold']:9.3f}"
         )
     if "kvtier_no_hit_overhead" in report:
-        print(
+        say(
             f"kvtier no-hit overhead: {report['kvtier_no_hit_overhead']:+.1%} (means), "
             f"{report['kvtier_no_hit_overhead_median']:+.1%} (medians)"
         )
-    print(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}")
+    say(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}")
     return 0
 
 
