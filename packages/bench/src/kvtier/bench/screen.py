@@ -56,8 +56,9 @@ class EngineLog:
     def __enter__(self) -> Any:
         from rich.console import Console
 
+        # Long lines (paths, the verdict) are not cut into the table's width.
         if self.verbose:
-            return Console()
+            return Console(soft_wrap=True)
         sys.stdout.flush()
         sys.stderr.flush()
         self._saved = [os.dup(1), os.dup(2)]
@@ -67,7 +68,7 @@ class EngineLog:
         self._log = open(self.path, "ab")
         os.dup2(self._log.fileno(), 1)
         os.dup2(self._log.fileno(), 2)
-        return Console(file=self._terminal, force_terminal=self._terminal.isatty())
+        return Console(file=self._terminal, force_terminal=self._terminal.isatty(), soft_wrap=True)
 
     def __exit__(
         self,
