@@ -179,6 +179,7 @@ def main(argv: list[str]) -> int:
     _table(rows)
     _chart(rows, out / "pd.png", machine)
     print(f"wrote {out / 'pd.json'} and {out / 'pd.png'}")
+    print(f"the servers' and the clients' own output: {logs}")
     return 0 if all(not r.get("failed") for r in rows) else 1
 
 
