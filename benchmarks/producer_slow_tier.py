@@ -129,6 +129,23 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "producer-slow-tier.json").write_text(json.dumps(result, indent=2) + "\n")
+    _chart(rows, out / "producer-slow-tier.png")
+
+
+def _chart(rows: dict[str, dict[str, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(rows)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(names, [rows[n]["median_store_s"] * 1000 for n in names])
+    ax.set_ylabel("median engine.store of 4 chunks (ms)")
+    ax.set_title("producer store time, lower tier sleeping or not")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
