@@ -80,8 +80,9 @@ class Harness:
     pool: BlockPool | None = None
     in_copy: list[SaveSpec] = field(default_factory=list)  # lazy saves delivered, not copied
     copied: dict[int, list[str]] = field(default_factory=dict)  # for the next report
-    # Each rank's live weights (their digest): what a worker reports at start and after every
-    # reset; a test changes them as a weight update would.
+    # Each rank's live weights (their digest) at start, and now: a worker reports the latter,
+    # and whether it differs, after every reset; a test changes them as a weight update would.
+    start_live: list[str] = field(default_factory=list)
     live: list[str] = field(default_factory=list)
     weights_epoch: int = 0
 
@@ -157,9 +158,8 @@ class Harness:
             kv_events=kv_events,
             max_num_batched_tokens=max_num_batched_tokens,
         )
-        harness = cls(sched, ranks, live=["weights-0"] * world_size)
-        for rank, live in zip(ranks, harness.live, strict=True):
-            rank.feed.weights(0, live)
+        start = ["weights-0"] * world_size
+        harness = cls(sched, ranks, start_live=start, live=list(start))
         if pool_blocks is not None:
             assert pool_blocks <= cache_blocks
             harness.pool = BlockPool(pool_blocks, enable_caching=True, hash_block_size=BLOCK)
@@ -187,8 +187,8 @@ class Harness:
         unless ``copy`` is False)."""
         if meta.weights_epoch != self.weights_epoch:
             self.weights_epoch = meta.weights_epoch
-            for rank, live in zip(self.ranks, self.live, strict=True):
-                rank.feed.weights(meta.weights_epoch, live)
+            for rank, live, start in zip(self.ranks, self.live, self.start_live, strict=True):
+                rank.feed.weights(meta.weights_epoch, live, live != start)
         self.in_copy.extend(meta.lazy_saves)
         if copy:
             self.copy_lazy()

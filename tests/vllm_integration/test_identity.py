@@ -259,6 +259,19 @@ def test_reset_cache_with_unchanged_weights_keeps_the_cache(served) -> None:
     assert h.sched.weights.current is None
 
 
+def test_a_reset_before_the_first_report_with_unchanged_weights_keeps_the_cache() -> None:
+    """A reset right after start (before any step reported): each worker compares with its own
+    start, so unchanged weights still keep the generation (the cache stays shared)."""
+    h = Harness.create(report_first=False)
+    try:
+        h.sched.reset_cache()
+        h.step()
+        assert not h.sched.weights.pending
+        assert h.sched.weights.current is None
+    finally:
+        h.close()
+
+
 def test_instances_that_made_the_same_change_agree_on_the_generation() -> None:
     """Two engines that updated to the same weights share keys after their resets; one with
     other weights does not; none uses a random number."""
@@ -284,11 +297,11 @@ def test_a_reset_is_pending_until_every_rank_answered() -> None:
         h.sched.reset_cache()
         meta = h.sched.build_connector_meta(empty_output())
         h.weights_epoch = meta.weights_epoch
-        h.ranks[0].feed.weights(meta.weights_epoch, "w-1")  # rank 1 has not answered yet
+        h.ranks[0].feed.weights(meta.weights_epoch, "w-1", True)  # rank 1 has not answered
         h.report()
         assert h.sched.weights.pending
         assert h.sched.get_num_new_matched_tokens(request(), 0) == (None, False)
-        h.ranks[1].feed.weights(meta.weights_epoch, "weights-0")
+        h.ranks[1].feed.weights(meta.weights_epoch, "weights-0", False)
         h.report()
         assert not h.sched.weights.pending
         assert h.sched.weights.current is not None  # rank 0's weights changed

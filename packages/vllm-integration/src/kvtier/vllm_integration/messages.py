@@ -194,9 +194,9 @@ class RankReport:
     saves_copied: int = -1
     # tiers a verification quarantined, with the seconds it lasts (``kvtier.core.verify``)
     quarantined: list[tuple[str, float]] = field(default_factory=list)
-    # (weights epoch, digest of this rank's live parameters): epoch 0 at start, then the epoch
-    # of each ``reset_cache`` the rank has seen (``scheduler/generation.py``)
-    weights: tuple[int, str] | None = None
+    # After a ``reset_cache``: (its weights epoch, the digest of this rank's live parameters,
+    # whether they differ from those the rank started with) (``scheduler/generation.py``)
+    weights: tuple[int, str, bool] | None = None
 
 
 @dataclass

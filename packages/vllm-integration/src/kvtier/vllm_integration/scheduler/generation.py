@@ -4,10 +4,11 @@ RL frameworks update an engine's weights in place (``collective_rpc``) and then 
 ``reset_prefix_cache``; operators call it to start over. Neither may serve KV of weights no longer
 loaded, and instances with the same weights must keep sharing. So a reset does not draw a random
 number: it bumps the *weights epoch*, every worker digests its live parameters when the next
-step's metadata reaches it (``RankReport.weights``), and once every rank has answered:
+step's metadata reaches it and says whether they differ from its own at start
+(``RankReport.weights``), and once every rank has answered:
 
-- every rank's digest equals its digest at start: the weights are those the key's model part
-  names already, the generation stays None (the cache stays valid and shared);
+- no rank's changed: the weights are those the key's model part names already, the generation
+  stays None (the cache stays valid and shared);
 - otherwise the generation is the digests combined (``weights.combine``): every instance that
   made the same change agrees on it, and an instance with other weights never does.
 
@@ -38,8 +39,8 @@ class WeightsGeneration:
         self._since = 0.0  # when the last reset was asked for
         self.epoch = 0  # bumped by every reset
         self.current: str | None = None  # the generation keys are made under now
-        self._start: dict[int, str] = {}  # rank -> its live digest at start (epoch 0)
         self._answers: dict[int, str] = {}  # rank -> its digest for ``epoch``
+        self._changed = False  # whether any rank's weights differ from those at its start
 
     @property
     def pending(self) -> bool:
@@ -55,26 +56,23 @@ class WeightsGeneration:
     def reset(self) -> None:
         self.epoch += 1
         self._answers = {}
+        self._changed = False
         self._since = self._clock()
 
     def waited(self) -> float:
         """Seconds since the last reset was asked for."""
         return self._clock() - self._since
 
-    def report(self, rank: int, epoch: int, digest: str) -> None:
-        """A worker's digest of its live weights as of ``epoch``."""
-        if epoch == 0:
-            self._start.setdefault(rank, digest)
-            return
+    def report(self, rank: int, epoch: int, digest: str, changed: bool) -> None:
+        """A worker's digest of its live weights as of ``epoch``, and whether they differ from
+        those it started with."""
         if epoch != self.epoch or not self.pending:
             return  # an older reset's answer
         self._answers[rank] = digest
+        self._changed = self._changed or changed
         if self.pending:
             return
-        if self._answers == self._start:
-            self.current = None
-        else:
-            self.current = combine(self._answers)
+        self.current = combine(self._answers) if self._changed else None
         logger.info(
             "kvtier: cache reset %d: the weights are %s (generation %s)",
             self.epoch,

@@ -39,7 +39,7 @@ class PresenceFeed:
         self._short: list[tuple[str, int]] = []
         self._quarantined: list[tuple[str, float]] = []
         self._saves_copied = self._copied_sent = -1
-        self._weights: tuple[int, str] | None = None
+        self._weights: tuple[int, str, bool] | None = None
         self._sent_once = False
         self._host_only = list(engine.config.tiers) == ["local_cpu"]
         self._lower_tier = next((t for t in engine.config.tiers if t != "local_cpu"), "")
@@ -83,10 +83,11 @@ class PresenceFeed:
         with self._lock:
             self._quarantined.extend(tiers)
 
-    def weights(self, epoch: int, digest: str) -> None:
-        """This rank's live weights digest as of weights epoch ``epoch``."""
+    def weights(self, epoch: int, digest: str, changed: bool) -> None:
+        """This rank's live weights digest as of weights epoch ``epoch``, and whether it differs
+        from the rank's at start."""
         with self._lock:
-            self._weights = (epoch, digest)
+            self._weights = (epoch, digest, changed)
 
     def saves_copied(self, step: int) -> None:
         """The worker's saver has copied every save of the steps up to ``step``."""

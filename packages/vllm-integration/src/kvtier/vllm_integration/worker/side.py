@@ -132,6 +132,7 @@ class WorkerSide:
         self._generation: str | None = None
         self._weights_epoch = 0  # the last reset whose weights this worker digested
         self._model: torch.nn.Module | None = None  # what it digests (``weights.py``)
+        self._live_at_start = ""  # the digest of the live parameters at start
         self.counters = Counters(WORKER_COUNTERS)
         self._count = self.counters.add
         self.metrics = StatsTracker()
@@ -166,7 +167,7 @@ class WorkerSide:
         _, worker = engine_rank(vc, use_mla=False)
         key_world, key_rank = engine_rank(vc, layout.use_mla)
         model, weights, live = served_weights(vc)
-        self._model = model
+        self._model, self._live_at_start = model, live
         weights = engine_weights(vc, weights)
         platform = get_platform(
             self.config.platform or caches[0].device.type,
@@ -188,7 +189,6 @@ class WorkerSide:
         feed = PresenceFeed(
             worker, engine, tier_events=bool(kv_events and kv_events.enable_kv_cache_events)
         )
-        feed.weights(0, live)
         self._rt = Runtime(
             engine=engine,
             rank=worker,
@@ -298,7 +298,7 @@ class WorkerSide:
         self._weights_epoch = meta.weights_epoch
         t0 = time.perf_counter()
         digest = model_digest(self._model)
-        rt.feed.weights(meta.weights_epoch, digest)
+        rt.feed.weights(meta.weights_epoch, digest, digest != self._live_at_start)
         logger.info(
             "kvtier: live weights digested for cache reset %d in %.3f s",
             meta.weights_epoch,
