@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from kvtier.vllm_integration import weights
 from kvtier.vllm_integration.weights import digest_tensors, files_digest, weight_files
 
 FILE_GB = 4
@@ -61,7 +62,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
         root = Path(tmp)
-        os.environ["KVTIER_CACHE_DIR"] = str(root / "cache")
+        os.environ["XDG_CACHE_HOME"] = str(root / "cache")
         ckpt = root / "ckpt"
         ckpt.mkdir()
         print(f"writing a {args.gb:g} GB checkpoint ...", flush=True)
@@ -73,6 +74,7 @@ def main() -> None:
             )
         )
         first_s, digest = timed(lambda: files_digest(files))
+        weights._DIGESTS.clear()  # what a restart has: the digests on disk only
         again_s, again = timed(lambda: files_digest(files))
         assert again == digest
     n = int(args.live_gb * (1 << 30)) // 2

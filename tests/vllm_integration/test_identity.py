@@ -9,6 +9,7 @@ or a weights update would otherwise share chunks.
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import numpy as np
@@ -126,6 +127,25 @@ def test_adapter_identity_follows_the_adapter_files(tmp_path) -> None:
     (path / "adapter_model.safetensors").write_bytes(b"weights-2, rewritten in place")
     assert adapter_identity(lora) != first
     assert adapter_identity(None) is None
+
+
+def test_an_adapter_rewritten_in_place_with_its_old_size_and_mtime_is_another(
+    tmp_path, monkeypatch
+) -> None:
+    """Its file digest is remembered per file version (inode, size, mtime, ctime): ``cp -p``
+    of same-size weights over the old file keeps size and mtime, never the ctime."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / "adapter"
+    path.mkdir()
+    weights = path / "adapter_model.safetensors"
+    weights.write_bytes(b"weights-1")
+    st = weights.stat()
+    lora = LoRARequest("a", 1, str(path))
+    first = adapter_identity(lora)
+    weights.write_bytes(b"weights-2")
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert weights.stat().st_size == st.st_size
+    assert adapter_identity(lora) != first
 
 
 def test_an_engine_restarted_with_another_fp8_format_misses(tmp_path) -> None:

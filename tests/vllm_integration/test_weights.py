@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 pytest.importorskip("vllm", reason="vLLM is not installed (install kvtier[vllm])")
 
 from kvtier.core.errors import LayoutError
+from kvtier.vllm_integration import weights
 from kvtier.vllm_integration.weights import (
     combine,
     digest_tensors,
@@ -21,6 +22,12 @@ from kvtier.vllm_integration.weights import (
     model_digest,
     weight_files,
 )
+
+
+@pytest.fixture(autouse=True)
+def fresh_digests(monkeypatch) -> None:
+    """Each test starts with no file digest remembered in this process."""
+    monkeypatch.setattr(weights, "_DIGESTS", {})
 
 
 def small_model(seed: int = 0) -> torch.nn.Module:
@@ -72,7 +79,7 @@ def test_engines_combine_their_ranks_in_rank_order() -> None:
 
 
 def test_a_checkpoint_digest_is_its_content_not_its_path(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     for d in ("x", "y"):
         (tmp_path / d).mkdir()
         (tmp_path / d / "model.safetensors").write_bytes(b"\x01" * 1000 + b"weights")
@@ -90,7 +97,7 @@ def test_a_checkpoint_digest_is_its_content_not_its_path(tmp_path, monkeypatch) 
 def test_a_file_rewritten_in_place_with_its_old_mtime_is_read_again(tmp_path, monkeypatch) -> None:
     """The digest cache is keyed by the file's version (inode, size, mtime, ctime): ``cp -p``
     over the old file keeps the inode and sets the old mtime, but not the ctime."""
-    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     f = tmp_path / "model.safetensors"
     f.write_bytes(b"a" * 4096)
     st = f.stat()
@@ -102,13 +109,14 @@ def test_a_file_rewritten_in_place_with_its_old_mtime_is_read_again(tmp_path, mo
 
 
 def test_large_files_are_hashed_in_pieces_the_same_way_every_time(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr("kvtier.vllm_integration.weights.SEGMENT", 1000)
     f = tmp_path / "model.safetensors"
     f.write_bytes(os.urandom(10_500))
     one = file_digest(f, workers=1)
-    for p in (tmp_path / "cache" / "weights").iterdir():
+    for p in (tmp_path / "cache" / "kvtier" / "weights").iterdir():
         p.unlink()
+    weights._DIGESTS.clear()  # read it again, not this process's memory of it
     assert file_digest(f, workers=4) == one
 
 

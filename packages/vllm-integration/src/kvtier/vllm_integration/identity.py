@@ -30,7 +30,6 @@ import hashlib
 import json
 import os
 import struct
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +37,7 @@ import numpy as np
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import KeyScope
+from kvtier.vllm_integration.weights import files_digest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -125,18 +125,6 @@ def engine_rank(vllm_config: VllmConfig, use_mla: bool) -> tuple[int, int]:
     return tp * pp, pp_rank * tp + tp_rank
 
 
-@lru_cache(maxsize=256)
-def _adapter_digest(path: str, stamp: tuple[tuple[str, int, int], ...]) -> str:
-    h = hashlib.blake2b(digest_size=8)
-    base = Path(path)
-    for name, _, _ in stamp:
-        h.update(name.encode() + b"\x00")
-        with open(base / name, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()
-
-
 def _adapter_dir(path: str) -> str | None:
     """The local directory of an adapter given as a directory or a Hub id already downloaded
     (vLLM's workers download Hub adapters into the Hugging Face cache); None when unknown."""
@@ -157,11 +145,11 @@ _UNRESOLVED = "unresolved:"
 
 
 def adapter_identity(lora_request: Any) -> str | None:
-    """A LoRA adapter by its content: a digest of its files (cached by file names, sizes and
-    modification times, so an adapter rewritten in place gets a new identity), wherever they
-    live and whatever the adapter is called. An adapter whose files cannot be read here gets an
-    ``unresolved:`` identity, and its requests are neither looked up nor saved (``cacheable``).
-    None: no adapter."""
+    """A LoRA adapter by its content: a digest of its files (``weights.files_digest``, as for a
+    checkpoint: remembered per file version, so an adapter rewritten in place gets a new
+    identity), wherever they live and whatever the adapter is called. An adapter whose files
+    cannot be read here gets an ``unresolved:`` identity, and its requests are neither looked up
+    nor saved (``keyable``). None: no adapter."""
     if lora_request is None:
         return None
     name = str(getattr(lora_request, "lora_name", ""))
@@ -169,12 +157,7 @@ def adapter_identity(lora_request: Any) -> str | None:
     local = _adapter_dir(path)
     if local is None:
         return f"{_UNRESOLVED}{name}|{path}"
-    stamp = tuple(
-        (p.name, p.stat().st_size, p.stat().st_mtime_ns)
-        for p in sorted(Path(local).iterdir())
-        if p.is_file()
-    )
-    return f"lora:{_adapter_digest(local, stamp)}"
+    return f"lora:{files_digest([p for p in Path(local).iterdir() if p.is_file()])}"
 
 
 def request_scope(request: Request, generation: str | None) -> KeyScope:
@@ -186,13 +169,18 @@ def request_scope(request: Request, generation: str | None) -> KeyScope:
     )
 
 
-def cacheable(request: Request) -> bool:
-    """Prompt-embedding requests carry placeholder token ids, and an adapter whose files cannot
-    be read has no content identity: such requests are never looked up or saved."""
+def keyable(request: Request, adapter: str | None) -> bool:
+    """Whether ``request``, whose adapter identity is ``adapter``, can be keyed: prompt-embedding
+    requests carry placeholder token ids, and an adapter whose files cannot be read has no
+    content identity; such requests are never looked up or saved."""
     if getattr(request, "prompt_embeds", None) is not None:
         return False
-    lora = getattr(request, "lora_request", None)
-    return lora is None or not str(adapter_identity(lora)).startswith(_UNRESOLVED)
+    return adapter is None or not adapter.startswith(_UNRESOLVED)
+
+
+def cacheable(request: Request) -> bool:
+    """``keyable`` for a request whose adapter identity is not known yet."""
+    return keyable(request, adapter_identity(getattr(request, "lora_request", None)))
 
 
 def _int64(tokens: list[int] | np.ndarray) -> np.ndarray:

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from kvtier.core.config import default_cache_dir
 from kvtier.core.errors import LayoutError
 
 # What vLLM's loaders read, by preference: safetensors when the checkpoint has them.
@@ -195,11 +196,8 @@ def _file_stamp(path: Path) -> str:
     return hashlib.blake2b(repr(parts).encode(), digest_size=16).hexdigest()
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("KVTIER_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvtier"
-    )
-    return Path(root) / "weights"
+# File version stamp -> digest, for this process (adapters are asked for at every lookup).
+_DIGESTS: dict[str, str] = {}
 
 
 def file_digest(path: Path, workers: int | None = None) -> str:
@@ -207,9 +205,13 @@ def file_digest(path: Path, workers: int | None = None) -> str:
     digests), remembered per file version under the kvtier cache directory so a restart reads
     the file once more only if it changed (new inode, size, mtime or ctime)."""
     stamp = _file_stamp(path)
-    cached = _cache_dir() / f"{stamp}.json"
+    if stamp in _DIGESTS:
+        return _DIGESTS[stamp]
+    cached = Path(default_cache_dir()) / "weights" / f"{stamp}.json"
     try:
-        return str(json.loads(cached.read_text())["digest"])
+        digest = str(json.loads(cached.read_text())["digest"])
+        _DIGESTS[stamp] = digest
+        return digest
     except (OSError, ValueError, KeyError, TypeError):
         pass
     size = path.stat().st_size
@@ -223,6 +225,7 @@ def file_digest(path: Path, workers: int | None = None) -> str:
         h.update(d)
     digest = h.hexdigest()
     if _file_stamp(path) == stamp:  # not written while it was read
+        _DIGESTS[stamp] = digest
         try:
             cached.parent.mkdir(parents=True, exist_ok=True)
             tmp = cached.with_suffix(f".{os.getpid()}.tmp")

@@ -33,7 +33,6 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kvtier.vllm_integration.groups import NULL_BLOCK, CacheGroups
-from kvtier.vllm_integration.identity import cacheable
 from kvtier.vllm_integration.messages import KVTierMetadata, LoadSpec, SaveSpec, VerifySpec
 from kvtier.vllm_integration.scheduler.lookups import RequestState
 
@@ -111,7 +110,7 @@ class HybridBlocks:
         alone when its chunks are stored already."""
         limit = min(len(spec.tokens) if spec is not None else len(state.prompt), len(state.prompt))
         states = self.states(rid, chunk, limit)
-        if not states or not cacheable(state.request):
+        if not states or not state.cacheable:
             return spec
         if spec is None:
             end = states[-1][0]

@@ -26,6 +26,7 @@ import numpy as np
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import KeyScope
+from kvtier.vllm_integration.identity import keyable
 from kvtier.vllm_integration.messages import ProbeAnswer, ProbeSpec, hold_ttl_s
 from kvtier.vllm_integration.scheduler.index import PresenceIndex
 from kvtier.vllm_integration.scheduler.prompts import Probe, PromptHashes
@@ -102,6 +103,12 @@ class RequestState:
     # from which every window group still has its blocks (``scheduler/hybrid.py``).
     groups: list[list[int]] | None = None
     live_from: int = 0
+
+    @property
+    def cacheable(self) -> bool:
+        """Whether it may be looked up and saved (``identity.keyable``, with the adapter
+        identity taken when it arrived)."""
+        return keyable(self.request, self.adapter)
 
     @property
     def scope(self) -> KeyScope:

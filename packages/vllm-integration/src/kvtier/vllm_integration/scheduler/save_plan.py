@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvtier.core.config import KVTierConfig
-from kvtier.vllm_integration.identity import cacheable, identity_tokens
+from kvtier.vllm_integration.identity import identity_tokens
 from kvtier.vllm_integration.messages import SaveSpec
 from kvtier.vllm_integration.scheduler.events import EventLog
 from kvtier.vllm_integration.scheduler.index import PresenceIndex
@@ -52,7 +52,7 @@ class SavePlanner:
         """The save tokens ``[0, end)`` make possible (None: nothing new to store); updates
         the request's save progress."""
         req = state.request
-        if not cacheable(req) or state.generation != generation:
+        if not state.cacheable or state.generation != generation:
             return None
         prompt_len = req.num_prompt_tokens
         c = self.chunk_size
