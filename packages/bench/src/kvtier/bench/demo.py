@@ -31,13 +31,12 @@ import os
 import platform
 import shutil
 import statistics
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvtier.bench.model import ModelSpec, build_model
-from kvtier.bench.screen import EngineLog, advice
+from kvtier.bench.screen import add_verbose, logged
 from kvtier.bench.workload import (
     BLOCK_SIZE,
     Engine,
@@ -70,11 +69,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         default=os.path.join(default_cache_dir(), "demo"),
         help="model and disk-tier directory (default ~/.cache/kvtier/demo)",
     )
-    p.add_argument(
-        "--verbose",
-        action="store_true",
-        help="show the engines' own output (vLLM, torch, ...) here instead of in engine.log",
-    )
+    add_verbose(p)
     # The negative control of the demo's test: zeros are stored over what every hit loads.
     p.add_argument("--corrupt-loaded-kv", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -139,17 +134,7 @@ def main(argv: list[str]) -> int:
         # The worker gets a function to run (``Engine.zero_stored_kv``).
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     out = results_dir(args.out or os.path.join(args.cache_dir, "results"))
-    log_path = out / "engine.log"
-    log_path.unlink(missing_ok=True)
-    with EngineLog(log_path, args.verbose) as console:
-        code = _run(args, console, out)
-        if not args.verbose:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            for line in advice(log_path):
-                console.print(f"[yellow]note:[/] {line}")
-            console.print(f"the engines' own output (vLLM, torch, ...): {log_path}")
-    return code
+    return logged(out, args.verbose, lambda console: _run(args, console, out))
 
 
 def _run(args: argparse.Namespace, console: Any, out: Path) -> int:

@@ -39,7 +39,6 @@ import os
 import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -47,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.model import ModelSpec, build_model
-from kvtier.bench.screen import EngineLog, advice
+from kvtier.bench.screen import add_verbose, logged
 from kvtier.bench.workload import BENCH_KVTIER, Engine, build_requests, require_extras, results_dir
 from kvtier.core.config import default_cache_dir
 
@@ -91,11 +90,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         default=os.path.join(default_cache_dir(), "bench-e2e"),
         help="where the benchmark model is built (default ~/.cache/kvtier/bench-e2e)",
     )
-    p.add_argument(
-        "--verbose",
-        action="store_true",
-        help="show the engines' own output (vLLM, torch, ...) here instead of in engine.log",
-    )
+    add_verbose(p)
     args = p.parse_args(argv)
     docq = args.workload == "doc-question"
     args.docs = args.docs if args.docs is not None else (3 if docq else 4)
@@ -108,18 +103,7 @@ def main(argv: list[str]) -> int:
     args = _parse(argv)
     require_extras()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    out = results_dir(args.out)
-    log_path = out / "engine.log"
-    log_path.unlink(missing_ok=True)
-    with EngineLog(log_path, args.verbose) as console:
-        code = _main(args, console.out)
-        if not args.verbose:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            for line in advice(log_path):
-                console.out(f"note: {line}")
-            console.out(f"the engines' own output (vLLM, torch, ...): {log_path}")
-    return code
+    return logged(results_dir(args.out), args.verbose, lambda console: _main(args, console.out))
 
 
 def _main(args: argparse.Namespace, say: Callable[[str], None]) -> int:

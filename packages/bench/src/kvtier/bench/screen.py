@@ -8,8 +8,10 @@ with. ``advice`` turns the log lines a user should act on into one short sentenc
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -31,6 +33,31 @@ ADVICE = (
         "vLLM fell back from oneDNN to torch's linear layers for this model: slower",
     ),
 )
+
+
+def add_verbose(parser: argparse.ArgumentParser) -> None:
+    """The ``--verbose`` flag of a command that runs engines under ``logged``."""
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the engines' own output (vLLM, torch, ...) here instead of in engine.log",
+    )
+
+
+def logged(out: Path, verbose: bool, body: Callable[[Any], int]) -> int:
+    """``body(console)`` with the engines' output in ``out/engine.log`` (unless ``verbose``),
+    then, on the screen, a line for each thing to act on and where the log is."""
+    log_path = out / "engine.log"
+    log_path.unlink(missing_ok=True)
+    with EngineLog(log_path, verbose) as console:
+        code = body(console)
+        if not verbose:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for line in advice(log_path):
+                console.print(f"[yellow]note:[/] {line}")
+            console.print(f"the engines' own output (vLLM, torch, ...): {log_path}")
+    return code
 
 
 def advice(log_path: Path) -> list[str]:

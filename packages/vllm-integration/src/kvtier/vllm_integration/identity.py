@@ -3,19 +3,20 @@
 A chunk key must change whenever the KV would (``kvtier.core.keys``). From vLLM this takes:
 
 - **The engine** (the key's model part): the served weights by their content (a digest of the
-  live parameters every worker computes with, ``weights.py``), dtype, quantization, whether KV
-  scales are computed at run time, and a digest of the model's whole HF config as vLLM loaded
-  it (so ``hf_overrides``, rope scaling and any other override that changes how the weights are
-  applied change it). Not the path, the mount point or a revision name: the same weights
-  anywhere share, new weights at the old path never do. vLLM's KV cache dtype string
-  (``fp8_e4m3`` and ``fp8_e5m2`` are both uint8 tensors) goes into the layout fingerprint.
+  checkpoint files vLLM loaded and of the live parameters, ``weights.py``), dtype,
+  quantization, whether KV scales are computed at run time, and a digest of the model's whole
+  HF config as vLLM loaded it (so ``hf_overrides``, rope scaling and any other override that
+  changes how the weights are applied change it). Not the path, the mount point or a revision
+  name: the same weights anywhere share, new weights at the old path never do. vLLM's KV cache
+  dtype string (``fp8_e4m3`` and ``fp8_e5m2`` are both uint8 tensors) goes into the layout
+  fingerprint.
 - **The rank** (``engine_rank``): the engine-local tensor/pipeline-parallel rank, not the global
   torch rank (data-parallel engines of one model share chunks). MLA caches are the same on every
   tensor-parallel rank, so they are keyed by the pipeline rank alone and stored once.
 - **The request** (``request_scope``): cache salt, LoRA adapter (a digest of its files'
   content) and the weights generation seed the hash chain. The generation is None until a
   ``reset_cache`` finds the live weights changed since start; it is then a digest of the live
-  weights, the same on every instance that made the same change (``scheduler/weights.py``).
+  weights, the same on every instance that made the same change (``scheduler/generation.py``).
 - **Token ids** (``identity_tokens``): a multimodal item's placeholder tokens are the same for
   every image of one size, so they are replaced by ids derived from the item's content hash
   (vLLM's ``mm_features`` identifiers, the hashes its own prefix cache uses), position by

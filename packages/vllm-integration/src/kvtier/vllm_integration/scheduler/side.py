@@ -274,6 +274,11 @@ class SchedulerSide:
         state.external = 0
         state.saved_upto = max(state.saved_upto, end // self.chunk_size * self.chunk_size)
 
+    def _current(self, state: RequestState) -> bool:
+        """Whether ``state``'s KV is of the weights keys are made under now (no reset pending,
+        none that changed them since it arrived)."""
+        return state.generation == self.generation and not self.weights.pending
+
     def _save_spec(
         self, rid: str, state: RequestState, end: int, *, expect: bool = True
     ) -> SaveSpec | None:
@@ -304,7 +309,7 @@ class SchedulerSide:
         if self.lazy is not None:
             return  # saved when it finishes and vLLM is about to evict its blocks
         spec = self._save_spec(rid, state, computed + scheduled)
-        if self.saves_enabled and state.generation == self.generation and not self.weights.pending:
+        if self.saves_enabled and self._current(state):
             spec = self.hybrid.with_states(rid, state, spec, self.chunk_size, self._step)
         if spec is not None:
             self.hybrid.attach(spec, state.groups)
@@ -349,12 +354,7 @@ class SchedulerSide:
         (``handover.py``)."""
         params = None
         state = self._reqs.get(request.request_id)
-        if (
-            not self.loads_enabled
-            and state is not None
-            and state.generation == self.generation
-            and not self.weights.pending
-        ):
+        if not self.loads_enabled and state is not None and self._current(state):
             params = producer_params(state.saved_upto, len(state.prompt), self.saves.step)
         if self.waits is not None:
             self.waits.done(request.request_id)
