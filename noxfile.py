@@ -40,8 +40,10 @@ VLLM_CONFLICTS = ("torchvision", "torchaudio", "torchcodec")
 TEST_DEPS = (
     "pytest>=8",
     "pytest-timeout>=2.3",
+    "pytest-xdist>=3.5",
     "hypothesis>=6.100",
     "prometheus-client>=0.17",
+    "hatchling>=1.21",  # tests/test_install.py builds the packages' metadata without isolation
 )
 MEMBERS = {
     "core": "packages/core",
@@ -70,13 +72,21 @@ def _install(
 
 
 def _run_tests(
-    session: nox.Session, paths: tuple[str, ...], env: dict[str, str] | None = None
+    session: nox.Session,
+    paths: tuple[str, ...],
+    env: dict[str, str] | None = None,
+    *,
+    two_streams: bool = False,
 ) -> None:
     args = session.posargs or list(paths)
+    # Two workers: every test that starts a vLLM engine on one, in order, the others beside it
+    # (tests/conftest.py); vLLM tests alone keep one engine at a time either way.
+    streams = ["-n", "2", "--dist", "loadgroup"] if two_streams else []
     # The 25 slowest tests are printed at the end: what the suite's time is made of.
     session.run(
         "pytest",
         "--durations=25",
+        *streams,
         *args,
         env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})},
     )
@@ -161,7 +171,8 @@ def tests_cpu(session: nox.Session) -> None:
     """Everything that runs without an accelerator (Triton kernels under TRITON_INTERPRET=1)."""
     _ensure_redis_server(session)
     _install(session, tuple(MEMBERS), vllm=True, extra=(*TEST_DEPS, *TOOL_DEPS, "triton"))
-    _run_tests(session, ("tests",), {"TRITON_INTERPRET": "1", "KVTIER_TEST_DEVICE": "cpu"})
+    env = {"TRITON_INTERPRET": "1", "KVTIER_TEST_DEVICE": "cpu"}
+    _run_tests(session, ("tests",), env, two_streams=True)
 
 
 @nox.session(name="tests-quick", python=PYTHON)

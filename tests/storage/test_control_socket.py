@@ -18,7 +18,9 @@ import threading
 
 import pytest
 
+from kvtier.core.errors import ConfigError
 from kvtier.vllm_integration.channel import (
+    SUN_PATH_MAX,
     ChannelError,
     ControlClient,
     ControlServer,
@@ -54,6 +56,41 @@ def test_xdg_runtime_dir_is_used_when_set(tmp_path, monkeypatch):
     xdg.mkdir(mode=0o700)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
     assert socket_path("e", 1).startswith(str(xdg) + os.sep)
+
+
+def test_engine_ids_that_share_a_start_get_sockets_of_their_own(runtime_base):
+    """A socket name keeps the id's readable start and a digest of all of it: two long ids
+    that differ only at their end never answer for each other."""
+    a, b = "x" * 60 + "-prefill", "x" * 60 + "-decode"
+    assert socket_path(a, 0) != socket_path(b, 0)
+    assert socket_path(a, 0) == socket_path(a, 0) != socket_path(a, 1)
+
+
+def test_a_deep_runtime_dir_gets_a_short_socket_name_then_a_named_error(tmp_path, monkeypatch):
+    """A Unix socket's path has at most 107 bytes: in a deep runtime directory the name is the
+    digest alone (the engine still starts and is reachable); deeper still, a ConfigError
+    naming KVTIER_RUNTIME_DIR instead of the socket module's 'AF_UNIX path too long' from
+    inside a vLLM worker."""
+    engine = "kvtier-test-" + "e" * 40
+    # Room for the digest-only name (about 20 bytes) but not the readable one.
+    deep = tmp_path / ("d" * max(1, SUN_PATH_MAX - len(str(tmp_path)) - 32 - 25))
+    deep.mkdir()
+    monkeypatch.setenv("KVTIER_RUNTIME_DIR", str(deep))
+    path = socket_path(engine, 0)
+    assert len(os.fsencode(path)) <= SUN_PATH_MAX
+    assert os.path.basename(path).endswith("-r0.sock") and "kvtier-test" not in path
+    server = ControlServer(path, lambda r: {"stats": {"n": 1}})
+    client = ControlClient(path, 5.0)
+    try:
+        assert client.call({"op": "stats"}) == {"stats": {"n": 1}}
+    finally:
+        client.close()
+        server.close()
+    deeper = tmp_path / ("d" * (SUN_PATH_MAX - len(str(tmp_path))))
+    deeper.mkdir()
+    monkeypatch.setenv("KVTIER_RUNTIME_DIR", str(deeper))
+    with pytest.raises(ConfigError, match="KVTIER_RUNTIME_DIR"):
+        socket_path(engine, 0)
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,11 @@
-"""Runs one real vLLM engine in a fresh process and executes a scripted list of steps.
+"""Runs real vLLM engines, each a new ``LLM``, and executes a scripted list of steps on each.
 
-Usage: ``python engine_runner.py SPEC.json OUT.json``, or ``python engine_runner.py --warm``
-(imports first, then reads ``["SPEC.json", "OUT.json"]`` from stdin: ``warm``). Each test
-scenario is one process, so engines never share vLLM's process-global state, and "a second
-engine in a new process" is literally that. The spec:
+Usage: ``python engine_runner.py SPEC.json OUT.json``, ``python engine_runner.py --warm``
+(imports first, then reads ``["SPEC.json", "OUT.json"]`` from stdin: ``warm``), or
+``python engine_runner.py --serve`` (runs spec after spec in one process: ``serve``). A
+multiprocess or TP engine, or one with vLLM's stats or KV events, gets a process of its own
+(``fixtures.vllm_model.reusable``); in-process engines of one rank run one after another in a
+``--serve`` process, each a new ``LLM`` built after the previous one was shut down. The spec:
 
 - ``model`` (path), ``multiprocess`` (bool: vLLM's default multiprocess mode, else in-process),
   ``prefix_caching`` (bool), ``engine_id`` (str), ``kvtier`` (None = no connector, else the
@@ -93,6 +95,17 @@ import engine_ops as ops
 def main(spec_path: str, out_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
+    results = run(spec)
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+    # Skip the interpreter teardown, which races vLLM's background threads; results are written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run(spec: dict) -> list:
+    """Builds the spec's engine, runs its steps, stops the engine; returns the steps' results."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocess") else "0"
     tp = int(spec.get("tp", 1))
     if tp > 1:
@@ -177,7 +190,7 @@ def main(spec_path: str, out_path: str) -> None:
             disable_log_stats=not spec.get("log_stats"),
             **kwargs,
         )
-    patches = contextlib.ExitStack()  # kept open until the process ends
+    patches = contextlib.ExitStack()  # closed once the steps ran
     if spec.get("slow_saves_s"):  # every save waits this long before it copies (in-process)
         patches.enter_context(ops.delayed_loads(spec["slow_saves_s"], "store"))
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0, logprobs=0)
@@ -315,22 +328,15 @@ def main(spec_path: str, out_path: str) -> None:
             results.append(listener.take())
         else:
             raise ValueError(f"unknown step {op!r}")
-    with open(out_path, "w") as f:
-        json.dump(results, f)
-    # Stop the engine (its EngineCore/worker processes in multiprocess mode), then skip the
-    # interpreter teardown, which races vLLM's background threads; results are written.
+    patches.close()
+    # Stop the engine (its EngineCore/worker processes in multiprocess mode; in process, its
+    # distributed state too, so that the next engine of a --serve process can start).
     llm.llm_engine.engine_core.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    return results
 
 
-def warm() -> None:
-    """``--warm``: import vLLM, torch and kvtier now (most of a run's start), then wait for one
-    ``[spec path, out path]`` line on stdin and run it (an empty line: exit). The test fixture
-    keeps one such process ready while the previous run goes on, so each scenario still has a
-    process of its own. vLLM reads its environment variables when an engine is built, not at
-    import, so ``main`` sets them as before."""
+def _imports() -> None:
+    """vLLM, torch and kvtier: most of a fresh run's start."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from vllm import LLM, SamplingParams  # noqa: F401
@@ -338,6 +344,13 @@ def warm() -> None:
     import kvtier.vllm_integration.connector  # noqa: F401
     from kvtier.vllm_integration.channel import flush_worker  # noqa: F401
 
+
+def warm() -> None:
+    """``--warm``: import first, then wait for one ``[spec path, out path]`` line on stdin and
+    run it (an empty line: exit). The test fixture keeps one such process ready while the
+    previous run goes on, so each scenario that needs it has a process of its own. vLLM reads
+    its environment variables when an engine is built, not at import, so ``main`` sets them."""
+    _imports()
     line = sys.stdin.readline()
     if not line.strip():
         os._exit(0)
@@ -345,8 +358,56 @@ def warm() -> None:
     main(spec_path, out_path)
 
 
+def serve() -> None:
+    """``--serve``: import once, then run ``[spec path, out path, log path]`` lines from stdin one
+    after another, each a new engine in this process, its output in its own log; answer ``ok``
+    or ``error`` on the original stdout per line. The fixture sends only specs that may share a
+    process (``fixtures.vllm_model.reusable``). An engine's first
+    request in a process pays one-time kernel and allocator set-up (2-3 s here), and the imports
+    8-15 s: a test session pays them once instead of once per engine. An error ends the process
+    (the next run gets a fresh one)."""
+    import gc
+    import traceback
+
+    answers = os.fdopen(os.dup(1), "w")  # stdout is the fixture's pipe: answers only
+    os.dup2(2, 1)
+    _imports()
+    from vllm import envs
+
+    gc.freeze()  # the imported modules: collections after each engine skip them
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        spec_path, out_path, log_path = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
+        try:
+            with open(spec_path) as f:
+                spec = json.load(f)
+            results = run(spec)
+            with open(out_path, "w") as f:
+                json.dump(results, f)
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            answers.write("error\n")
+            answers.flush()
+            os._exit(1)
+        envs.disable_envs_cache()  # the next spec's environment is read afresh
+        gc.collect()
+        answers.write("ok\n")
+        answers.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--warm":
         warm()
+    elif sys.argv[1] == "--serve":
+        serve()
     else:
         main(sys.argv[1], sys.argv[2])

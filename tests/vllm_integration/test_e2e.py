@@ -1,6 +1,6 @@
 """kvtier through real vLLM on CPU: outputs, logprobs and hits, with the local random model.
 
-Every engine runs in its own process (``run_engine``); hits are counted by the worker-side
+Every run is a new engine (``run_engine``); hits are counted by the worker-side
 connector's counters (``loaded_tokens``), never inferred from timings. Block size 32, chunk
 256: a 700-token prompt stores chunks [0,256) [256,512) and the block-aligned tail [512,672);
 a repeat loads 672 tokens (the most that leaves the last token to recompute).

@@ -69,17 +69,6 @@ def test_hits_equal_vllms_prefix_cache_with_hma_on(
     assert stats["load_failed_blocks"] == 0 and stats["save_errors"] == 0
 
 
-def test_multiprocess_hit_equals_vllms_prefix_cache(run_engine, hybrid_model_dir) -> None:
-    """vLLM's multiprocess mode (scheduler and worker in two processes): DOC's hit equals
-    vLLM's prefix cache in the same mode."""
-    base = {"model": str(hybrid_model_dir), "multiprocess": True}
-    ref = run_engine({**base, "kvtier": None, "prefix_caching": True,
-                      "steps": [gen(DOC), gen(DOC)]})  # fmt: skip
-    out = run_engine({**base, "kvtier": HOST, "steps": [gen(DOC), gen(DOC), STATS]})
-    assert out[:2] == ref
-    assert out[2]["loaded_tokens"] == FULL_HIT
-
-
 def test_verification_compares_every_groups_pages(
     run_engine, hybrid_model_dir, hybrid_reference
 ) -> None:
@@ -169,8 +158,10 @@ def test_freed_window_blocks_are_not_read_after_reuse(run_engine, hybrid_model_d
 
 @pytest.mark.slow
 def test_tp2_hybrid_hits_equal_vllms_prefix_cache(run_engine, hybrid_model_dir) -> None:
-    """Tensor parallelism 2 (two worker processes, one KV head per rank): each rank stores and
-    loads every group's pages of its shard; DOC's hit equals vLLM's own prefix cache in the
+    """Tensor parallelism 2 (two worker processes apart from the scheduler, one KV head per
+    rank: the cross-process case that vLLM CPU's multiprocess mode also makes, with one worker
+    process; test_e2e.py runs that mode): each rank stores and loads every group's pages of its
+    shard; DOC's hit equals vLLM's own prefix cache in the
     same TP mode, and zeroing rank 1's sliding-window pages changes the answer."""
     model = str(hybrid_model_dir)
     cold, hit = run_engine(

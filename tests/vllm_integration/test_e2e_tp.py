@@ -18,6 +18,7 @@ def stats(rank: int) -> dict:
     return {"op": "stats", "rank": rank}
 
 
+@pytest.fixture(scope="module")
 def tp2_reference(run_engine) -> tuple[dict, dict]:
     """DOC cold and DOC hit by vLLM's own prefix cache, TP 2, no kvtier."""
     cold, hit = run_engine(
@@ -26,8 +27,8 @@ def tp2_reference(run_engine) -> tuple[dict, dict]:
     return cold, hit
 
 
-def test_tp2_cold_warm_and_restart_equal_vllm(run_engine, tmp_path) -> None:
-    cold, hit = tp2_reference(run_engine)
+def test_tp2_cold_warm_and_restart_equal_vllm(run_engine, tp2_reference, tmp_path) -> None:
+    cold, hit = tp2_reference
     config = {"local_cpu_size_gb": 0.25, "local_disk_path": str(tmp_path / "disk")}
     first = run_engine(
         {
@@ -67,20 +68,25 @@ def test_tp2_cold_warm_and_restart_equal_vllm(run_engine, tmp_path) -> None:
     assert second[4]["logprobs"] != hit["logprobs"]  # rank 1's KV is what attention read
 
 
-def test_tp2_hits_answered_by_the_index_load_on_both_ranks(run_engine) -> None:
+def test_tp2_hits_answered_by_the_index_load_on_both_ranks(run_engine, tp2_reference) -> None:
     """Under ``kv_load_failure_policy="recompute"`` (``lookup: auto`` -> index) a hit is answered
     from the scheduler's index only where both ranks reported the chunk, and each rank loads its
     own shard without a hold; the outputs equal vLLM's without kvtier in the same TP mode (the hit:
-    its prefix cache hitting the same blocks)."""
-    cold, hit = tp2_reference(run_engine)
+    its prefix cache hitting the same blocks). The host budget is given for the whole engine
+    (``local_cpu_size_gb_total``): each rank gets half of it (test_host_budget.py)."""
+    cold, hit = tp2_reference
     out = run_engine(
         {
-            "kvtier": {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.25},
+            "kvtier": {"tiers": ["local_cpu"], "local_cpu_size_gb_total": 0.5},
             "tp": 2,
             "load_failure_policy": "recompute",
-            "steps": [gen(DOC), gen(DOC), stats(0), stats(1)],
+            "steps": [{"op": "host_tier_gb"}, gen(DOC), gen(DOC), stats(0), stats(1)],
         }
     )
+    ranks, *out = out
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert [r["local_cpu_size_gb"] for r in ranks] == [0.25, 0.25]
+    assert [r["arena_bytes"] for r in ranks] == [1 << 28, 1 << 28]  # what each rank allocates
     assert out[:2] == [cold, hit]
     for s in out[2:]:
         assert s["loaded_tokens"] == FULL_HIT

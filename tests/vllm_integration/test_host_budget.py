@@ -1,7 +1,7 @@
 """A host budget for the whole engine (``local_cpu_size_gb_total``) next to the per-worker one
 (``local_cpu_size_gb``): config errors, the even split over the engine's workers (tensor x
-pipeline parallel, as vLLM's ``cpu_bytes_to_use``), and the split through real vLLM with
-tensor parallelism 2."""
+pipeline parallel, as vLLM's ``cpu_bytes_to_use``). The split through real vLLM with tensor
+parallelism 2 is checked in test_e2e_tp.py (each rank's budget and arena)."""
 
 from __future__ import annotations
 
@@ -47,13 +47,3 @@ def test_both_budgets_through_the_constructor_and_bad_totals() -> None:
             KVTierConfig(local_cpu_size_gb_total=bad)
     with pytest.raises(ConfigError, match="local_cpu_size_gb_total"):
         load_config(env={}, overrides={"local_cpu_size_gb_total": "lots"})
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_tp2_workers_each_get_half_of_the_total(run_engine) -> None:
-    config = {"tiers": ["local_cpu"], "local_cpu_size_gb_total": 0.5}
-    (ranks,) = run_engine({"kvtier": config, "tp": 2, "steps": [{"op": "host_tier_gb"}]})
-    assert [r["rank"] for r in ranks] == [0, 1]
-    assert [r["local_cpu_size_gb"] for r in ranks] == [0.25, 0.25]
-    assert [r["arena_bytes"] for r in ranks] == [1 << 28, 1 << 28]  # what each rank allocates

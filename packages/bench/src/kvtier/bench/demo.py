@@ -158,8 +158,11 @@ def _run(args: argparse.Namespace, console: Any, out: Path) -> int:
     answers: dict[str, dict[tuple[int, str], Result]] = {}
     by_tier: dict[str, dict[str, int]] = {}  # phase -> tier -> hit tokens, from vLLM's metrics
     docs: list[list[Request]] = []
+    # The negative control checks kvtier against vLLM's prefix cache only: the full recompute
+    # (information, not part of the check) is left out.
+    phases = [p for p in PHASES if not (args.corrupt_loaded_kv and p.name == RECOMPUTE)]
     with Progress(console=console, transient=False) as progress:
-        for phase in PHASES:
+        for phase in phases:
             task = progress.add_task(f"{phase.name}: starting vLLM", total=None)
             engine = Engine(
                 str(model_dir),
@@ -187,11 +190,11 @@ def _run(args: argparse.Namespace, console: Any, out: Path) -> int:
                 engine.close()
 
     kv = {**answers[KVTIER], **answers[RESTART]}
-    ref, base = answers[PREFIX_CACHE], answers[RECOMPUTE]
+    ref, base = answers[PREFIX_CACHE], answers.get(RECOMPUTE)
     checks = []
     for doc, label in ((d[0].doc, label) for d in docs for label in (Q1, Q2, AGAIN)):
         res = kv[(doc, label)]
-        same_as_recompute = base[(doc, Q1 if label == AGAIN else label)].tokens
+        recomputed = base[(doc, Q1 if label == AGAIN else label)].tokens if base else None
         checks.append(
             {
                 "doc": doc,
@@ -200,8 +203,10 @@ def _run(args: argparse.Namespace, console: Any, out: Path) -> int:
                 "hit_tokens_kvtier": res.cached_tokens,
                 "hit_tokens_prefix_cache": ref[(doc, label)].cached_tokens,
                 "same_as_prefix_cache": res.tokens == ref[(doc, label)].tokens,
-                "kvtier_same_as_recompute": res.tokens == same_as_recompute,
-                "prefix_cache_same_as_recompute": ref[(doc, label)].tokens == same_as_recompute,
+                "kvtier_same_as_recompute": res.tokens == recomputed if base else None,
+                "prefix_cache_same_as_recompute": (
+                    ref[(doc, label)].tokens == recomputed if base else None
+                ),
             }
         )
     mismatches = [
@@ -210,20 +215,24 @@ def _run(args: argparse.Namespace, console: Any, out: Path) -> int:
         if not c["same_as_prefix_cache"]
     ]
     hit_gaps = [c for c in checks if c["hit_tokens_kvtier"] != c["hit_tokens_prefix_cache"]]
-    differ_from_recompute = {
-        "kvtier": sum(not c["kvtier_same_as_recompute"] for c in checks),
-        "vllm_prefix_cache": sum(not c["prefix_cache_same_as_recompute"] for c in checks),
-        "of": len(checks),
-    }
+    differ_from_recompute = (
+        {
+            "kvtier": sum(not c["kvtier_same_as_recompute"] for c in checks),
+            "vllm_prefix_cache": sum(not c["prefix_cache_same_as_recompute"] for c in checks),
+            "of": len(checks),
+        }
+        if base
+        else None
+    )
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     for d in docs:
         doc = d[0].doc
         rows.append(
             {
                 "doc": doc,
                 "prompt_tokens": len(d[1].tokens),
-                "ttft_no_kvtier_s": base[(doc, Q2)].ttft_s,
+                "ttft_no_kvtier_s": base[(doc, Q2)].ttft_s if base else None,
                 "ttft_cold_s": kv[(doc, Q1)].ttft_s,
                 "ttft_warm_s": kv[(doc, Q2)].ttft_s,
                 "ttft_restart_s": kv[(doc, AGAIN)].ttft_s,
@@ -234,8 +243,8 @@ def _run(args: argparse.Namespace, console: Any, out: Path) -> int:
             }
         )
     warm_prompt = sum(len(d[1].tokens) for d in docs)
-    summary = {
-        "ttft_no_kvtier_s": statistics.mean(r["ttft_no_kvtier_s"] for r in rows),
+    summary: dict[str, Any] = {
+        "ttft_no_kvtier_s": statistics.mean(r["ttft_no_kvtier_s"] for r in rows) if base else None,
         "ttft_cold_s": statistics.mean(r["ttft_cold_s"] for r in rows),
         "ttft_warm_s": statistics.mean(r["ttft_warm_s"] for r in rows),
         "ttft_restart_s": statistics.mean(r["ttft_restart_s"] for r in rows),
@@ -262,7 +271,7 @@ def _run(args: argparse.Namespace, console: Any, out: Path) -> int:
         table.add_row(
             str(row["doc"]),
             str(row["prompt_tokens"]),
-            f"{row['ttft_no_kvtier_s']:.3f}",
+            _seconds(row["ttft_no_kvtier_s"]),
             f"{row['ttft_cold_s']:.3f}",
             f"{row['ttft_warm_s']:.3f}",
             f"{row['ttft_restart_s']:.3f}",
@@ -272,7 +281,7 @@ def _run(args: argparse.Namespace, console: Any, out: Path) -> int:
     table.add_row(
         "mean",
         "",
-        f"{summary['ttft_no_kvtier_s']:.3f}",
+        _seconds(summary["ttft_no_kvtier_s"]),
         f"{summary['ttft_cold_s']:.3f}",
         f"{summary['ttft_warm_s']:.3f}",
         f"{summary['ttft_restart_s']:.3f}",
@@ -290,11 +299,12 @@ def _run(args: argparse.Namespace, console: Any, out: Path) -> int:
         f"the check: kvtier's answers identical to vLLM's own prefix cache on the same requests: "
         f"{'yes' if not mismatches else 'NO'} ({n - len(mismatches)} of {n})"
     )
-    console.print(
-        f"for information, answers that differ from a full recompute (vLLM without any cache): "
-        f"kvtier {differ_from_recompute['kvtier']} of {n}, vLLM's prefix cache "
-        f"{differ_from_recompute['vllm_prefix_cache']} of {n}"
-    )
+    if differ_from_recompute:
+        console.print(
+            "for information, answers that differ from a full recompute (vLLM without any "
+            f"cache): kvtier {differ_from_recompute['kvtier']} of {n}, vLLM's prefix cache "
+            f"{differ_from_recompute['vllm_prefix_cache']} of {n}"
+        )
     if hit_gaps:
         console.print(
             "[yellow]kvtier's hit differs from vLLM's prefix cache's on: "
@@ -341,6 +351,10 @@ def _run(args: argparse.Namespace, console: Any, out: Path) -> int:
     return 0
 
 
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def _chart(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -354,6 +368,7 @@ def _chart(rows: list[dict[str, Any]], path: Path) -> None:
         ("after restart (disk)", "ttft_restart_s"),
         ("vLLM prefix cache warm", "ttft_prefix_cache_warm_s"),
     ]
+    series = [(label, key) for label, key in series if rows[0][key] is not None]
     fig, ax = plt.subplots(figsize=(8, 4.6))
     width = 0.8 / len(series)
     for i, (label, key) in enumerate(series):

@@ -19,6 +19,7 @@ Frames: 4-byte big-endian length + a JSON object. Nothing is unpickled from the 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -32,6 +33,8 @@ import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from kvtier.core.errors import ConfigError
 
 logger = logging.getLogger("kvtier")
 
@@ -80,12 +83,28 @@ def runtime_dir() -> Path:
     return d
 
 
+SUN_PATH_MAX = 107  # bytes of a Unix socket's path (sockaddr_un.sun_path less its NUL, Linux)
+
+
 def socket_path(engine_id: str, rank: int) -> str:
     """Where rank ``rank`` of engine ``engine_id`` serves its control channel (the same path in
-    every process)."""
+    every process): the engine id's readable start and a digest of all of it (two ids that
+    share a start never share a socket), or the digest alone where the runtime directory is too
+    deep for both; a directory too deep even for that is a ``ConfigError`` naming
+    ``KVTIER_RUNTIME_DIR`` (a socket path has at most 107 bytes)."""
     d = runtime_dir()
-    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)[:48]
-    return str(d / f"{safe}-r{rank}.sock")
+    digest = hashlib.blake2b(engine_id.encode(), digest_size=6).hexdigest()
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)[:32]
+    for name in (f"{safe}-{digest}-r{rank}.sock", f"{digest}-r{rank}.sock"):
+        path = str(d / name)
+        if len(os.fsencode(path)) <= SUN_PATH_MAX:
+            return path
+    raise ConfigError(
+        "KVTIER_RUNTIME_DIR",
+        str(d.parent),
+        f"too deep for a control socket ({path!r} is {len(os.fsencode(path))} bytes, a Unix "
+        f"socket's path at most {SUN_PATH_MAX}): set KVTIER_RUNTIME_DIR to a shorter directory",
+    )
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
