@@ -38,8 +38,8 @@ def _resolve(tmp_path: Path, *targets: str) -> set[str]:
         "--dry-run",
         "--ignore-installed",
         "--quiet",
-        # The packages' build backend (hatchling) from this environment: an isolated build
-        # environment per package and per test cost most of each test's 15 s.
+        # The packages' build backend (hatchling) from this environment, not an isolated build
+        # environment per package and per resolution (most of these tests' time otherwise).
         "--no-build-isolation",
         "--report",
         str(report),

@@ -362,10 +362,10 @@ def serve() -> None:
     """``--serve``: import once, then run ``[spec path, out path, log path]`` lines from stdin one
     after another, each a new engine in this process, its output in its own log; answer ``ok``
     or ``error`` on the original stdout per line. The fixture sends only specs that may share a
-    process (``fixtures.vllm_model.reusable``). An engine's first
-    request in a process pays one-time kernel and allocator set-up (2-3 s here), and the imports
-    8-15 s: a test session pays them once instead of once per engine. An error ends the process
-    (the next run gets a fresh one)."""
+    process (``fixtures.vllm_model.reusable``). The imports and an engine's one-time kernel and
+    allocator set-up (its first request in a process) are paid once per process instead of once
+    per engine (docs/testing.md has the costs). An error ends the process (the next run gets a
+    fresh one)."""
     import gc
     import traceback
 

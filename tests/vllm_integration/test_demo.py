@@ -5,9 +5,9 @@ its ``amx`` attention for these) and its own check: each kvtier answer equals vL
 cache on the same requests. The negative control runs the same demo with zeros stored over
 everything its hits load: the check must then fail.
 
-vLLM runs in process here (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): a multiprocess engine of the
-demo's model starts in about 35 s on 2 cores against 10 s, and nothing the demo checks, draws or
-prints depends on the mode. kvtier in vLLM's multiprocess mode is tested in test_e2e.py
+vLLM runs in process here (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): a multiprocess engine starts
+several times slower on 2 cores (docs/testing.md), and nothing the demo checks, draws or prints
+depends on the mode. kvtier in vLLM's multiprocess mode is tested in test_e2e.py
 (scheduler, worker and front end in three processes) and test_serve_metrics.py (``vllm serve``,
 its metrics crossing from the engine's process); ``python3 dev.py demo`` runs the demo as users
 do (multiprocess).
