@@ -7,10 +7,10 @@ everything its hits load: the check must then fail.
 
 vLLM runs in process here (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): a multiprocess engine starts
 several times slower on 2 cores (docs/testing.md), and nothing the demo checks, draws or prints
-depends on the mode. kvtier in vLLM's multiprocess mode is tested in test_e2e.py
-(scheduler, worker and front end in three processes) and test_serve_metrics.py (``vllm serve``,
-its metrics crossing from the engine's process); ``python3 dev.py demo`` runs the demo as users
-do (multiprocess).
+depends on the mode. kvtier across processes is tested in test_e2e_tp.py (TP 2: front end,
+scheduler and two workers in four processes), test_e2e_verify.py (multiprocess mode) and
+test_serve_metrics.py (``vllm serve``, its metrics crossing from the engine's process);
+``python3 dev.py demo`` runs the demo as users do (multiprocess).
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ connector's counters (``loaded_tokens``), never inferred from timings. Block siz
 256: a 700-token prompt stores chunks [0,256) [256,512) and the block-aligned tail [512,672);
 a repeat loads 672 tokens (the most that leaves the last token to recompute).
 
-Each comparison changes one factor: the reference runs in the same mode (in-process or
-multiprocess) with only kvtier switched off. A cold request equals vLLM without kvtier; a hit
+Each comparison changes one factor: the reference runs in the same mode (in process, as every
+run here; vLLM's multiprocess mode is test_e2e_tp.py's, whose TP 2 workers run apart from the
+scheduler) with only kvtier switched off. A cold request equals vLLM without kvtier; a hit
 (full or partial) equals vLLM's own prefix cache hitting the same blocks of the same prompts
 (``hit_reference``): it computes the same suffix after the same cached KV, so tokens and
 logprobs must be identical. A full recompute is not a hit's reference: on CPUs whose kernels are
@@ -30,7 +31,6 @@ from prompts import (
     gen,
     loaded_after_each,
     logprob_gap,
-    prefix_cache_hits,
 )
 
 pytestmark = [pytest.mark.vllm]
@@ -157,33 +157,6 @@ def test_outputs_match_and_hits_are_used(
         assert sched["finished_freed_at_once"] >= 5, sched
     else:
         assert sched["finished_freed_at_once"] == sched["finished_held"] == 0, sched
-
-
-@pytest.mark.slow
-def test_multiprocess_scheduler_sees_worker_host_memory(run_engine) -> None:
-    """Default vLLM mode (scheduler and worker in different processes), host-memory tier only:
-    the scheduler learns what the worker's memory holds from the workers' per-step reports
-    through vLLM, and its probe reaches the worker the same way. The first repeat comes as soon
-    as a one-token request returned (its save runs after the step; the worker's probe waits for
-    an in-flight save of the same prefix). The references (vLLM's prefix cache on the same
-    prompts) run in multiprocess mode too (vLLM binds threads differently there)."""
-    ref = prefix_cache_hits(run_engine, multiprocess=True)
-    first = {**gen(DOC), "max_tokens": 1}
-    steps = [first, STATS, first, STATS, gen(DOC), STATS, gen(SHARED), STATS]
-    out = run_engine(
-        {
-            "kvtier": {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.25},
-            "multiprocess": True,
-            "steps": steps,
-        }
-    )
-
-    def one_token(r: dict) -> dict:
-        return {k: v[:1] for k, v in r.items()}
-
-    assert out[0:8:2] == [one_token(ref["cold"]), one_token(ref["doc"]), ref["doc"], ref["shared"]]
-    assert loaded_after_each(out) == [0, FULL_HIT, FULL_HIT, PARTIAL_HIT]
-    assert out[-1]["holds"] == out[-1]["held_objects"] == 0
 
 
 @pytest.mark.slow

@@ -2,14 +2,19 @@
 
 Keys use the engine-local rank, each rank stores and loads its own shard, and the scheduler
 counts a hit only where both ranks hold it. The references run vLLM without kvtier in the same
-TP mode with its own prefix cache on: DOC cold, then DOC again (a hit of the same blocks). A restarted engine hits the disk tier on both ranks; zeroing one rank's chunks
+TP mode with its own prefix cache on: DOC cold, DOC again (a hit of the same blocks), SHARED (a
+partial hit). A restarted engine hits the disk tier on both ranks; zeroing one rank's chunks
 changes the output (both ranks' loaded KV is what attention reads).
+
+TP 2 is also this suite's case of vLLM's multiprocess mode: the scheduler runs in the EngineCore
+process, the workers apart from it, so what the scheduler knows of the workers' host memory
+comes in their per-step reports and its probe reaches them through vLLM.
 """
 
 from __future__ import annotations
 
 import pytest
-from prompts import DOC, FULL_HIT, gen
+from prompts import DOC, FULL_HIT, PARTIAL_HIT, SHARED, gen, loaded_after_each, prefix_cache_hits
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -19,24 +24,35 @@ def stats(rank: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tp2_reference(run_engine) -> tuple[dict, dict]:
-    """DOC cold and DOC hit by vLLM's own prefix cache, TP 2, no kvtier."""
-    cold, hit = run_engine(
-        {"kvtier": None, "tp": 2, "prefix_caching": True, "steps": [gen(DOC), gen(DOC)]}
-    )
-    return cold, hit
+def tp2_reference(run_engine) -> dict[str, dict]:
+    """vLLM's own prefix cache, TP 2, no kvtier: DOC cold (``cold``), DOC's full hit (``doc``),
+    SHARED's partial hit (``shared``)."""
+    return prefix_cache_hits(run_engine, tp=2)
+
+
+def one_token(r: dict) -> dict:
+    return {k: v[:1] for k, v in r.items()}
 
 
 def test_tp2_cold_warm_and_restart_equal_vllm(run_engine, tp2_reference, tmp_path) -> None:
-    cold, hit = tp2_reference
+    """vLLM's default ``kv_load_failure_policy`` ("fail": lookups probe the workers). The first
+    repeat comes as soon as a one-token request returned: its save runs after the step, and
+    the workers' probe waits for an in-flight save of the same prefix."""
+    ref = tp2_reference
     config = {"local_cpu_size_gb": 0.25, "local_disk_path": str(tmp_path / "disk")}
+    first_token = {**gen(DOC), "max_tokens": 1}
     first = run_engine(
         {
             "kvtier": config,
             "tp": 2,
             "steps": [
+                first_token,
+                stats(0),
+                first_token,
+                stats(0),
                 gen(DOC),
-                gen(DOC),
+                stats(0),
+                gen(SHARED),
                 stats(0),
                 stats(1),
                 {"op": "flush", "rank": 0},
@@ -44,9 +60,17 @@ def test_tp2_cold_warm_and_restart_equal_vllm(run_engine, tp2_reference, tmp_pat
             ],
         }
     )
-    assert first[:2] == [cold, hit]
-    assert [first[2]["loaded_tokens"], first[3]["loaded_tokens"]] == [FULL_HIT, FULL_HIT]
-    assert first[4:] == [True, True]
+    assert first[0:8:2] == [
+        one_token(ref["cold"]),
+        one_token(ref["doc"]),
+        ref["doc"],
+        ref["shared"],
+    ]
+    assert loaded_after_each(first[:8]) == [0, FULL_HIT, FULL_HIT, PARTIAL_HIT]
+    assert first[8]["loaded_tokens"] == first[7]["loaded_tokens"]  # rank 1 loaded its shards
+    assert first[7]["holds"] == first[7]["held_objects"] == 0
+    assert first[9:] == [True, True]
+    hit = ref["doc"]
     second = run_engine(
         {
             "kvtier": config,
@@ -74,7 +98,7 @@ def test_tp2_hits_answered_by_the_index_load_on_both_ranks(run_engine, tp2_refer
     own shard without a hold; the outputs equal vLLM's without kvtier in the same TP mode (the hit:
     its prefix cache hitting the same blocks). The host budget is given for the whole engine
     (``local_cpu_size_gb_total``): each rank gets half of it (test_host_budget.py)."""
-    cold, hit = tp2_reference
+    cold, hit = tp2_reference["cold"], tp2_reference["doc"]
     out = run_engine(
         {
             "kvtier": {"tiers": ["local_cpu"], "local_cpu_size_gb_total": 0.5},
