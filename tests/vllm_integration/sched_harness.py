@@ -30,6 +30,7 @@ from vllm.v1.request import Request
 
 from kvtier.core import CacheEngine, HostArena, HostMemoryStorageManager, KVLayout, load_config
 from kvtier.core.platforms.cpu import CPUPlatform
+from kvtier.core.receipts import has_receipt, write_receipt
 from kvtier.vllm_integration.messages import (
     KVTierMetadata,
     KVTierWorkerMeta,
@@ -198,8 +199,12 @@ class Harness:
             if not answer:
                 continue
             for p in meta.probes:
+                storage, keys = rank.engine.storage, rank.engine.keys
+                # As a worker's probe: the consumer's receipt first, then the chunks.
+                settled = p.receipt is not None and has_receipt(storage, keys, p.receipt, p.scope)
                 n = rank.holds.lookup(p.req_id, p.hold_id, p.tokens, p.scope)
-                rank.feed.answer(ProbeAnswer(p.req_id, p.hold_id, n, rank.holds.sources(p.req_id)))
+                sources = rank.holds.sources(p.req_id)
+                rank.feed.answer(ProbeAnswer(p.req_id, p.hold_id, n, sources, settled))
 
     def copy_lazy(self) -> None:
         """Every rank copies the lazy saves delivered so far from their blocks (reported with
@@ -269,19 +274,26 @@ class Harness:
         )
         return self.sched.build_connector_meta(out)
 
-    def store(self, req: Request, ranks: list[int] | None = None) -> None:
+    def store(
+        self, req: Request, ranks: list[int] | None = None, saved: bool = True
+    ) -> KVTierMetadata:
         """Prefill ``req`` and store what the step's metadata says to save, on every rank (or
-        only ``ranks``), as the workers would (blocks 0.. hold the prompt); then report."""
+        only ``ranks``), as the workers would (blocks 0.. hold the prompt; with ``saved`` False
+        every store is skipped, as when host memory is full), then write its receipts (a
+        producer's); then report. Returns the step's metadata."""
         meta = self.prefill(req)
         self.deliver(meta)
         for i, rank in enumerate(self.ranks):
             if ranks is not None and i not in ranks:
                 continue
-            for spec in meta.saves:
+            for spec in meta.saves if saved else ():
                 n = len(spec.tokens)
                 rank.engine.store(spec.tokens, torch.arange(n), scope=spec.scope)
+            for r in meta.receipts:
+                assert write_receipt(rank.engine.storage, rank.engine.keys, r.receipt, r.scope)
             rank.feed.saves_copied(meta.step)  # as the worker's saver reports it
         self.report()
+        return meta
 
     def close(self) -> None:
         self.sched.shutdown()

@@ -1,18 +1,21 @@
 """Prefill/decode handover through the shared tiers, on the scheduler half with real worker
 parts: a producer announces what it stored in the request's ``kv_transfer_params``; a consumer
 whose request carries an announcement waits (answering "not yet", never blocking) until the
-announced chunks are readable, then loads them; the wait is bounded."""
+announced chunks are readable, or every rank found the producer's receipt (written after its
+last save: what is there is all that is coming), then loads them; the wait is bounded."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from sched_harness import BLOCK, CHUNK, Harness, request
+from sched_harness import BLOCK, CHUNK, Harness, empty_output, request
 
 from kvtier.core.errors import ConfigError
 from kvtier.vllm_integration.handover import (
     ConsumerWait,
+    Receipts,
     announced,
+    announced_receipt,
     announcement,
     producer_config,
 )
@@ -75,6 +78,104 @@ def test_a_producer_without_unfull_chunks_announces_only_whole_chunks() -> None:
         assert h.sched.waits.timeouts == 0
     finally:
         h.close()
+
+
+def producer(**overrides) -> Harness:
+    h = Harness.create(**overrides)
+    h.sched.loads_enabled = False
+    h.sched.receipts = Receipts("prefill-engine")
+    return h
+
+
+def as_consumer(h: Harness) -> Clock:
+    """The same tiers, now read by a consumer's scheduler half (the default 10 s wait)."""
+    h.sched.loads_enabled, h.sched.saves_enabled = True, False
+    h.sched.receipts = None
+    clock = Clock()
+    h.sched.waits = ConsumerWait(h.sched.config, clock)
+    return clock
+
+
+@pytest.mark.parametrize("stored_chunks", [0, 1, 3])
+def test_a_consumer_stops_waiting_at_the_receipt_of_a_producer_that_stored_less(
+    stored_chunks,
+) -> None:
+    """The producer announces the prompt when the request finishes, and its stores are then
+    skipped (host memory full of chunks still being written): before receipts, the consumer
+    waited ``consumer_wait_s`` for tokens that were never coming. The receipt, written after
+    the request's last save, ends the wait at the next probe; what was stored is loaded."""
+    h = producer()
+    try:
+        req = request(PROMPT)
+        meta = h.store(req, saved=False)
+        (receipt,) = meta.receipts
+        assert receipt.req_id == req.request_id
+        _, params = h.sched.finished(req, [])
+        assert announced(params) == len(PROMPT) - len(PROMPT) % BLOCK
+        assert announced_receipt(params) == receipt.receipt
+        n = stored_chunks * CHUNK
+        if n:
+            h.ranks[0].engine.store(PROMPT[:n], torch.arange(n))
+        clock = as_consumer(h)
+        follow = request(PROMPT)
+        follow.kv_transfer_params = params
+        assert h.hit(follow) == min(n, HIT)
+        assert h.sched.waits.timeouts == 0
+        assert h.sched.waits.settled_short == (1 if n < HIT else 0)
+        assert clock.now == 1000.0, "no wait beyond the probes"
+    finally:
+        h.close()
+
+
+def test_a_receipt_on_one_rank_of_two_is_not_the_end() -> None:
+    """Each rank writes its own receipt: until every rank's is found, the consumer waits."""
+    h = producer(world_size=2)
+    try:
+        req = request(PROMPT)
+        h.store(req, ranks=[0], saved=False)  # rank 1's saver has not got there yet
+        _, params = h.sched.finished(req, [])
+        as_consumer(h)
+        follow = request(PROMPT)
+        follow.kv_transfer_params = params
+        for _ in range(4):
+            assert h.sched.get_num_new_matched_tokens(follow, 0)[0] is None
+            h.step()
+            h.sched.waits._clock.now += 0.06  # type: ignore[attr-defined]
+        assert h.sched.waits.settled_short == 0
+    finally:
+        h.close()
+
+
+def test_a_producer_sends_a_new_receipt_after_a_preemption() -> None:
+    """A preempted request's KV is saved again on resume: its receipt goes after those saves."""
+    h = producer()
+    try:
+        req = request(PROMPT)
+        first = h.store(req)
+        assert len(first.receipts) == 1
+        assert h.step().receipts == []  # once per prompt
+        preempt = empty_output()
+        preempt.preempted_req_ids = {req.request_id}
+        h.deliver(h.sched.build_connector_meta(preempt))
+        again = h.store(req)
+        assert again.saves, "saved again on resume"
+        assert [r.receipt for r in again.receipts] == [r.receipt for r in first.receipts]
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        None,
+        {"kvtier": {"stored_tokens": 5}},
+        {"kvtier": {"stored_tokens": 5, "receipt": 7}},
+        {"kvtier": {"stored_tokens": 5, "receipt": "zz" * 16}},
+        {"kvtier": {"stored_tokens": 5, "receipt": "ab"}},
+    ],
+)
+def test_what_is_not_a_receipt(params) -> None:
+    assert announced_receipt(params) is None
 
 
 def test_a_consumer_waits_for_announced_chunks_then_loads_them() -> None:

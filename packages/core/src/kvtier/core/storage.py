@@ -70,6 +70,12 @@ class StorageManager(ABC):
         for alias_key, alias_obj in aliases:
             self.put(alias_key, alias_obj)
 
+    def put_last(self, key: ChunkKey, obj: MemoryObj) -> None:
+        """``put`` a small record (a hand-over receipt, ``kvtier.core.receipts``) that reaches
+        each lower tier only after every chunk put before it has landed there or was dropped. A
+        manager without lower tiers puts it at once."""
+        self.put(key, obj)
+
     @abstractmethod
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """Whether each key is held by some tier."""

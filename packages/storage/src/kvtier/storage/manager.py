@@ -165,6 +165,12 @@ class TieredStorageManager(StorageManager):
             return
         self._writer.submit(key, obj, aliases)
 
+    def put_last(self, key: ChunkKey, obj: MemoryObj) -> None:
+        self._check_open()
+        self.host.batched_put([(key, obj)])
+        if self.lower:
+            self._writer.submit_last(key, obj)
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait (up to ``timeout`` s) for queued lower-tier writes; True only if all of them are
         done and every chunk put since the previous flush landed in every lower tier. The

@@ -11,6 +11,10 @@ background threads, through a bounded queue, and ``flush`` reports what did not 
 - Each writer thread takes up to ``_WRITE_BATCH`` queued chunks and hands them to every lower
   tier in order; a tier that raises is counted (``<tier>.errors``, ``<tier>.write_failed``) and
   the others still get the batch.
+- ``submit_last`` queues an entry written only after every entry submitted before it is done
+  (written to every lower tier, or dropped): a kv_producer's hand-over receipt
+  (``kvtier.core.receipts``), which tells a consumer that nothing more is coming. It is always
+  admitted (a small record, one per request) and not counted as a chunk.
 - ``flush`` waits for the queue to drain and compares the loss counters (``_LOSS_SUFFIXES``,
   ``_LOSS_NAMES``) with their values at the previous flush.
 - ``close`` stops the threads; queued chunks, and tiers a dequeued batch did not reach yet, are
@@ -46,7 +50,12 @@ _LOSS_SUFFIXES = (".store_skipped", ".write_failed", ".dropped_at_close")
 _LOSS_NAMES = ("write_queue.dropped",)
 
 
-_Entry = tuple[float | None, list[tuple["ChunkKey", "MemoryObj"]]]
+@dataclass(eq=False)
+class _Entry:
+    seq: int  # submission order
+    deadline: float | None  # dropped if still queued after this (monotonic); None: never
+    group: list[tuple[ChunkKey, MemoryObj]]  # a chunk then its alias entries, or one record
+    last: bool = False  # written only once every entry submitted before it is done
 
 
 def _is_loss(name: str) -> bool:
@@ -88,8 +97,9 @@ class LowerTierWriter:
         # One entry per chunk (the chunk first, then its alias entries), with the monotonic time
         # after which it is dropped if still queued (None: written whenever its turn comes).
         self._queue: queue.Queue[_Entry] = queue.Queue()
-        self._queued = 0  # entries in ``_queue`` (under ``_pending_cv``)
-        self._pending = 0
+        self._queued = 0  # chunk entries in ``_queue`` (under ``_pending_cv``)
+        self._seq = 0
+        self._open: set[int] = set()  # entries submitted and not yet done (under ``_pending_cv``)
         self._pending_cv = threading.Condition()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -126,12 +136,25 @@ class LowerTierWriter:
                 admitted = True
                 deadline = time.monotonic() + self.wait_s if full else None
                 self._queued += 1
-                self._pending += 1
+                seq = self._admit()
         if not admitted:
             self._dropped()
             return
         mine = [(key, obj.share())] + [(k, o.share()) for k, o in aliases]
-        self._queue.put_nowait((deadline, mine))
+        self._queue.put_nowait(_Entry(seq, deadline, mine))
+
+    def submit_last(self, key: ChunkKey, obj: MemoryObj) -> None:
+        """Queue ``obj`` to be written once every entry submitted before it is done (see the
+        module docstring). Never blocks."""
+        with self._pending_cv:
+            seq = self._admit()
+        self._queue.put_nowait(_Entry(seq, None, [(key, obj.share())], last=True))
+
+    def _admit(self) -> int:
+        """A new entry's sequence number (under ``_pending_cv``)."""
+        seq, self._seq = self._seq, self._seq + 1
+        self._open.add(seq)
+        return seq
 
     def _dropped(self) -> None:
         self.stats.add("write_queue.dropped")
@@ -142,14 +165,13 @@ class LowerTierWriter:
             self._capacity,
         )
 
-    def _done_pending(self, n: int) -> None:
+    def _done(self, entries: Sequence[_Entry]) -> None:
         with self._pending_cv:
-            self._pending -= n
-            if self._pending == 0:
-                self._pending_cv.notify_all()
+            self._open.difference_update(e.seq for e in entries)
+            self._pending_cv.notify_all()
 
-    def _next_batch(self) -> list[list[tuple[ChunkKey, MemoryObj]]]:
-        """Up to ``_WRITE_BATCH`` queued chunks; those whose wait is over are dropped."""
+    def _next_batch(self) -> list[_Entry]:
+        """Up to ``_WRITE_BATCH`` queued entries; chunks whose wait is over are dropped."""
         try:
             entries = [self._queue.get(timeout=_POLL_S)]
         except queue.Empty:
@@ -160,32 +182,44 @@ class LowerTierWriter:
             except queue.Empty:
                 break
         with self._pending_cv:
-            self._queued -= len(entries)
+            self._queued -= sum(not e.last for e in entries)
         now = time.monotonic()
-        batch = [group for deadline, group in entries if deadline is None or now <= deadline]
-        expired = len(entries) - len(batch)
+        expired = [e for e in entries if e.deadline is not None and now > e.deadline]
+        for e in expired:
+            for _, obj in e.group:
+                obj.release()
+            self._dropped()
         if expired:
-            for deadline, group in entries:
-                if deadline is not None and now > deadline:
-                    for _, obj in group:
-                        obj.release()
-                    self._dropped()
-            self._done_pending(expired)
-        return batch
+            self._done(expired)
+        return [e for e in entries if e.deadline is None or now <= e.deadline]
+
+    def _wait_for_earlier(self, entry: _Entry) -> None:
+        """Until every entry submitted before ``entry`` is done (they are all taken by writer
+        threads already, which never wait on a later entry), or the writer stops."""
+        with self._pending_cv:
+            while min(self._open, default=entry.seq) < entry.seq and not self._stop.is_set():
+                self._pending_cv.wait(_POLL_S)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             batch = self._next_batch()
-            if not batch:
-                continue
-            items = [item for group in batch for item in group]
-            try:
-                for tier in self.lower:
-                    self._write(tier, items, len(batch))
-            finally:
-                for _, obj in items:
-                    obj.release()
-                self._done_pending(len(batch))
+            # Runs of the batch, each ``last`` entry starting one: it waits for the run before.
+            runs: list[list[_Entry]] = []
+            for e in batch:
+                if e.last or not runs:
+                    runs.append([])
+                runs[-1].append(e)
+            for run in runs:
+                if run[0].last:
+                    self._wait_for_earlier(run[0])
+                items = [item for e in run for item in e.group]
+                try:
+                    for tier in self.lower:
+                        self._write(tier, items, sum(not e.last for e in run))
+                finally:
+                    for _, obj in items:
+                        obj.release()
+                    self._done(run)
 
     def _write(
         self, tier: StorageBackend, batch: list[tuple[ChunkKey, MemoryObj]], chunks: int
@@ -213,12 +247,12 @@ class LowerTierWriter:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._flush_lock:
             with self._pending_cv:
-                while self._pending:
+                while self._open:
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         break
                     self._pending_cv.wait(left)
-                pending = self._pending
+                pending = len(self._open)
             now = {n: v for n, v in self.stats.snapshot().items() if _is_loss(n)}
             lost = {
                 n: v - self._loss_base.get(n, 0)
@@ -244,17 +278,18 @@ class LowerTierWriter:
         self._stop.set()
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        dropped = 0
+        left: list[_Entry] = []
         while True:
             try:
-                _, group = self._queue.get_nowait()
+                left.append(self._queue.get_nowait())
             except queue.Empty:
                 break
-            for _, obj in group:
+        for e in left:
+            for _, obj in e.group:
                 obj.release()
-            dropped += 1
+        self._done(left)
+        dropped = sum(not e.last for e in left)
         if dropped:
-            self._done_pending(dropped)
             self.stats.add("write_queue.dropped_at_close", dropped)
             logger.warning(
                 "kvtier: close dropped %d queued lower-tier write(s); call flush() "

@@ -129,6 +129,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                     str(vllm_config.cache_config.cache_dtype), kv_cache_config
                 ),
                 groups=self.groups,
+                engine_id=engine_id,
             )
         else:
             self._worker = WorkerSide(

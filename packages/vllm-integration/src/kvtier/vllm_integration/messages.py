@@ -43,6 +43,9 @@ class ProbeSpec:
     hold_id: int
     tokens: np.ndarray
     scope: KeyScope
+    # A consumer's request: the receipt its producer announced (``kvtier.core.receipts``),
+    # asked for before the chunks.
+    receipt: bytes | None = None
 
 
 @dataclass
@@ -81,6 +84,16 @@ class SaveSpec:
     # A Mamba hybrid's states to store: ``(boundary, block of each Mamba group)``, from vLLM's
     # boundary-state offers of this step (``scheduler/hybrid.py``).
     states: list[tuple[int, list[int]]] = field(default_factory=list)
+
+
+@dataclass
+class ReceiptSpec:
+    """A producer's request ``req_id`` has had its last save: write its hand-over receipt
+    (``kvtier.core.receipts``), after those saves."""
+
+    req_id: str
+    receipt: bytes
+    scope: KeyScope
 
 
 @dataclass
@@ -125,6 +138,8 @@ class KVTierMetadata(KVConnectorMetadata):
     # A hybrid model's window blocks that a save may still be reading were freed by vLLM and
     # are reused in this step: the workers finish their saves before anything writes.
     drain_saves: bool = False
+    # A producer's hand-over receipts, written on the saver after this step's saves.
+    receipts: list[ReceiptSpec] = field(default_factory=list)
 
 
 def slot_mapping(
@@ -170,6 +185,7 @@ class ProbeAnswer:
     hold_id: int
     hit: int
     sources: list[list[Any]] = field(default_factory=list)
+    settled: bool = False  # the probe's receipt was found before the chunks were looked up
 
 
 @dataclass

@@ -203,10 +203,16 @@ class Lookups:
             state.probe = None
 
     def probe(
-        self, state: RequestState, hashes: PromptHashes, computed: int, most: int
+        self,
+        state: RequestState,
+        hashes: PromptHashes,
+        computed: int,
+        most: int,
+        receipt: bytes | None = None,
     ) -> Probe | None:
         """The request's answered probe; None while there is none yet (one is sent if the
-        request may hit) or it is in flight."""
+        request may hit) or it is in flight. ``receipt``: a consumer request's, from its
+        producer's announcement (the workers ask for it before the chunks)."""
         now = time.monotonic()
         probe = state.probe
         if probe is None and self.mode == "index" and self.index.complete and self._index_trusted():
@@ -226,7 +232,7 @@ class Lookups:
             rid = state.request.request_id
             probe = state.probe = Probe(self._next_hold_id, now)
             self._next_hold_id += 1
-            self.probes.append(ProbeSpec(rid, probe.hold_id, state.prompt, state.scope))
+            self.probes.append(ProbeSpec(rid, probe.hold_id, state.prompt, state.scope, receipt))
             self.sent += 1
             logger.debug("kvtier: request %s: probe %d goes to the workers", rid, probe.hold_id)
             return None
@@ -254,6 +260,8 @@ class Lookups:
         if probe is None or probe.hold_id != ans.hold_id or probe.expired or hashes is None:
             return  # a request gone or probed again since: its hold was released
         probe.answers[rank] = ans.hit
+        if ans.settled:
+            probe.receipts.add(rank)
         if rank == 0:
             probe.sources = ans.sources
         if not self.stateful:

@@ -43,6 +43,7 @@ class Probe:
     expired: bool = False
     # Answered by the scheduler's index (``lookup: index``): nothing was sent, nothing is held.
     indexed: bool = False
+    receipts: set[int] = field(default_factory=set)  # ranks that found the producer's receipt
 
     def answered(self, num_ranks: int) -> bool:
         return self.expired or len(self.answers) >= num_ranks
@@ -52,6 +53,12 @@ class Probe:
         if self.expired or not self.answers:
             return 0
         return min(self.answers.values())
+
+    @property
+    def settled(self) -> bool:
+        """Whether every rank found the request's hand-over receipt before its chunks: what
+        they found is all its producer wrote (``kvtier.core.receipts``)."""
+        return not self.expired and bool(self.answers) and self.receipts >= set(self.answers)
 
     @property
     def agreed(self) -> bool:

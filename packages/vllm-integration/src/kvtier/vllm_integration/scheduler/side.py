@@ -33,7 +33,9 @@ from kvtier.vllm_integration import logs
 from kvtier.vllm_integration.groups import CacheGroups
 from kvtier.vllm_integration.handover import (
     ConsumerWait,
+    Receipts,
     announced,
+    announced_receipt,
     check_role,
     producer_params,
 )
@@ -87,6 +89,7 @@ class SchedulerSide:
         role: str = "kv_both",
         verifiable: bool = True,
         groups: CacheGroups | None = None,
+        engine_id: str = "",
     ) -> None:
         self.config = config
         check_role(config, role)  # a producer saves and never loads, a consumer the reverse
@@ -102,6 +105,8 @@ class SchedulerSide:
         self.verify = VerifySampling(config, role, block_size, verifiable=verifiable)
         # A consumer waits (bounded) for the chunks a producer announced (handover.py).
         self.waits = ConsumerWait(config) if role == "kv_consumer" else None
+        # A producer's receipts: written after each request's last save (handover.py).
+        self.receipts = Receipts(engine_id) if role == "kv_producer" else None
         self.lookups = Lookups(
             config,
             self.index,
@@ -163,6 +168,11 @@ class SchedulerSide:
             lookup_failures=self.lookups.failures,
             window_drains=self.hybrid.drains,
         )
+        if self.waits is not None:
+            out.update(
+                consumer_wait_timeouts=self.waits.timeouts,
+                consumer_waits_settled_short=self.waits.settled_short,
+            )
         out.update(self.frees.stats)
         if self.lazy is not None:
             out.update(self.lazy.stats)
@@ -217,10 +227,12 @@ class SchedulerSide:
         if state.verify is not None:
             return 0, False  # sampled for verification: vLLM computes its prefix
         waits = self.waits
-        expected = min(announced(request.kv_transfer_params), most) if waits else 0
+        params = request.kv_transfer_params
+        expected = min(announced(params), most) if waits else 0
         if waits and expected and state.probe is None and not waits.may_probe(request.request_id):
             return None, False  # waiting for a producer's chunks: probed again shortly
-        probe = self.lookups.probe(state, self._hashes(state), num_computed_tokens, most)
+        receipt = announced_receipt(params) if expected else None
+        probe = self.lookups.probe(state, self._hashes(state), num_computed_tokens, most, receipt)
         if probe is None:
             return None, False  # not yet: the workers are looking
         hit = min(probe.hit, most) if probe.agreed or not self.hybrid.groups.mambas else 0
@@ -228,7 +240,7 @@ class SchedulerSide:
         if (
             waits
             and expected
-            and waits.keep_waiting(request.request_id, hit, expected - expected % bs)
+            and waits.keep_waiting(request.request_id, hit, expected - expected % bs, probe.settled)
         ):
             self.lookups.release(state)  # look again: the producer's writes may land
             return None, False
@@ -314,6 +326,10 @@ class SchedulerSide:
         if spec is not None:
             self.hybrid.attach(spec, state.groups)
             meta.saves.append(spec)
+        if self.receipts is not None and self._current(state):
+            receipt = self.receipts.due(rid, state.prompt_saved, state.scope)
+            if receipt is not None:
+                meta.receipts.append(receipt)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
         releases, probes = self.lookups.take()
@@ -329,6 +345,9 @@ class SchedulerSide:
             unheld=self.frees.take_unheld(),
         )
         self._async_loads = []
+        if self.receipts is not None:
+            for rid in scheduler_output.preempted_req_ids or ():
+                self.receipts.preempted(rid)
         self.hybrid.take_offers(scheduler_output)
         for rid, computed, scheduled in track_blocks(
             scheduler_output, self._reqs, self._primary, self.hybrid
@@ -354,8 +373,9 @@ class SchedulerSide:
         (``handover.py``)."""
         params = None
         state = self._reqs.get(request.request_id)
+        receipt = self.receipts.finished(request.request_id) if self.receipts else None
         if not self.loads_enabled and state is not None and self._current(state):
-            params = producer_params(state.saved_upto, len(state.prompt), self.saves.step)
+            params = producer_params(state.saved_upto, len(state.prompt), self.saves.step, receipt)
         if self.waits is not None:
             self.waits.done(request.request_id)
         return self.request_finished(request, block_ids), params

@@ -25,12 +25,13 @@ import numpy as np
 
 from kvtier.core.keys import KeyScope
 from kvtier.core.platform import Marker
-from kvtier.vllm_integration.messages import SaveSpec, VerifySpec
+from kvtier.vllm_integration.messages import ReceiptSpec, SaveSpec, VerifySpec
 
 logger = logging.getLogger("kvtier")
 
-# A job: a save, or a verification (which reads the blocks as a save does).
-Spec = SaveSpec | VerifySpec
+# A job: a save, a verification (which reads the blocks as a save does), or a hand-over
+# receipt (written after the saves before it).
+Spec = SaveSpec | VerifySpec | ReceiptSpec
 # Runs one job: (spec, ready marker, keep) -> tokens stored.
 StoreFn = Callable[[Spec, Marker, Callable[[], bool]], int]
 
@@ -137,7 +138,8 @@ class Saver:
 
         def related() -> bool:
             return any(
-                j.spec.scope == scope
+                not isinstance(j.spec, ReceiptSpec)
+                and j.spec.scope == scope
                 and len(j.spec.tokens) >= k
                 and np.array_equal(j.spec.tokens[:k], tokens[:k])
                 for j in self._inflight

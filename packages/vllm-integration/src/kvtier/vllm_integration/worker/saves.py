@@ -9,7 +9,8 @@ captured in ``save_kv_layer`` right after attention wrote it, so the saves are c
 step ends. Lazy saves (``scheduler/lazy.py``: blocks of finished requests the scheduler touched)
 go to the same saver; each one's copy is reported done (``lazy_copied``). Verifications
 (``worker/verify.py``) run on the saver too, before the step's saves, and keep their blocks the
-same way.
+same way. A producer's hand-over receipts (``kvtier.core.receipts``) run on it after the step's
+saves: the receipt is put after every chunk of its request.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ import torch
 from kvtier.core.config import KVTierConfig
 from kvtier.core.engine import CacheEngine
 from kvtier.core.platform import Marker
-from kvtier.vllm_integration.messages import KVTierMetadata, SaveSpec, VerifySpec, spec_slots
+from kvtier.core.receipts import write_receipt
+from kvtier.vllm_integration.messages import (
+    KVTierMetadata,
+    ReceiptSpec,
+    SaveSpec,
+    VerifySpec,
+    spec_slots,
+)
 from kvtier.vllm_integration.stats import StatsTracker
 from kvtier.vllm_integration.worker.saver import Saver
 from kvtier.vllm_integration.worker.verify import WorkerVerify
@@ -66,10 +74,15 @@ class WorkerSaves:
         slots = spec_slots(spec.block_ids, spec.groups, self.block_size, n, spec.skip, n)
         return torch.from_numpy(slots)
 
-    def _run(self, spec: SaveSpec | VerifySpec, ready: Marker, keep: Any) -> int:
-        """One saver job: a check, or a save (tokens stored)."""
+    def _run(self, spec: SaveSpec | VerifySpec | ReceiptSpec, ready: Marker, keep: Any) -> int:
+        """One saver job: a check, a receipt, or a save (tokens stored)."""
         if isinstance(spec, VerifySpec):
             self.verify.run(spec, ready)
+            return 0
+        if isinstance(spec, ReceiptSpec):
+            storage, keys = self.engine.storage, self.engine.keys
+            written = write_receipt(storage, keys, spec.receipt, spec.scope)
+            self._count(receipts_written=int(written), receipts_unwritten=int(not written))
             return 0
         t0 = time.perf_counter()
         n = self.engine.store(
@@ -123,6 +136,8 @@ class WorkerSaves:
         elif meta.saves:
             # On the thread and stream of vLLM's forward pass: the saver's copies wait for it.
             self.saver.submit(meta.saves, platform.record_marker(), meta.step)
+        if meta.receipts:  # after the saves, on the same thread
+            self.saver.submit(meta.receipts, platform.record_marker(), meta.step)
         self.saver.mark(meta.step)  # layer-wise saves are copied already
 
     def before_reuse(self) -> None:

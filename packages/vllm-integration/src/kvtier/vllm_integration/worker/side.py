@@ -43,6 +43,7 @@ from kvtier.core.errors import LayoutError
 from kvtier.core.keys import KeyScope
 from kvtier.core.metrics import engine_values
 from kvtier.core.platform import get_platform
+from kvtier.core.receipts import has_receipt
 from kvtier.core.thread_cpu import PROCESS_THREADS
 from kvtier.vllm_integration.channel import ControlServer, socket_path
 from kvtier.vllm_integration.handover import producer_config
@@ -61,7 +62,7 @@ from kvtier.vllm_integration.weights import model_digest, served_weights
 from kvtier.vllm_integration.worker.feed import PresenceFeed
 from kvtier.vllm_integration.worker.holds import HoldTable
 from kvtier.vllm_integration.worker.loads import WorkerLoads
-from kvtier.vllm_integration.worker.prober import Prober
+from kvtier.vllm_integration.worker.prober import Found, Prober
 from kvtier.vllm_integration.worker.saves import SAVE_DRAIN_TIMEOUT_S, WorkerSaves
 from kvtier.vllm_integration.worker.verify import WorkerVerify
 
@@ -86,6 +87,8 @@ WORKER_COUNTERS = (
     "save_errors",
     "saves_abandoned",
     "generation_resets",
+    "receipts_written",  # a producer's hand-over receipts (kvtier.core.receipts)
+    "receipts_unwritten",  # no host memory even for the receipt: its consumer waits it out
 )
 # The counters that are also metrics (``kvtier.core.metrics.METRICS``).
 WORKER_METRICS = ("load_failed_blocks", "loads_without_hold", "save_errors", "saves_abandoned")
@@ -250,14 +253,18 @@ class WorkerSide:
             return {"flushed": ok}
         raise ValueError(f"unknown control channel request {op!r}")
 
-    def _probe(self, spec: ProbeSpec) -> tuple[int, list[list[Any]]]:
-        """One probe on a probe thread: hold what the tiers have of the prompt."""
+    def _probe(self, spec: ProbeSpec) -> Found:
+        """One probe on a probe thread: hold what the tiers have of the prompt. A consumer's
+        receipt is asked for first: found, every chunk its producer wrote is there already."""
         rt = self._runtime()
         self._await_related_saves(spec.tokens, spec.scope)
         t0 = time.perf_counter()
+        settled = spec.receipt is not None and has_receipt(
+            rt.engine.storage, rt.engine.keys, spec.receipt, spec.scope
+        )
         hit = rt.holds.lookup(spec.req_id, spec.hold_id, spec.tokens, spec.scope)
         self.metrics.observe("lookup_seconds", time.perf_counter() - t0)
-        return hit, rt.holds.sources(spec.req_id)
+        return hit, rt.holds.sources(spec.req_id), settled
 
     def _await_related_saves(self, tokens: np.ndarray, scope: KeyScope) -> None:
         """Before a probe's lookup or an index-answered load: a save of the same prefix still
