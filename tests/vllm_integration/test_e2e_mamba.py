@@ -129,17 +129,25 @@ def test_a_prompt_without_a_state_at_its_prefix_does_not_hide_stored_chunks(
     assert s2["loaded_tokens"] - s1["loaded_tokens"] == mamba_reference["hit"]
 
 
-def test_verification_compares_the_attention_pages(
+def test_verification_compares_the_attention_pages_and_the_state(
     run_engine, mamba_model_dir, mamba_reference
 ) -> None:
-    """``verify_fraction`` 1.0: A's hit is recomputed instead of loaded and the attention pages
-    vLLM computed are compared with the stored chunks (state entries are not compared): a right
-    cache raises no alarm and the answer is the cold one; A's chunks zeroed are caught."""
-    kvtier = {**HOST, "verify_fraction": 1.0}
-    steps = [gen(A), FLUSH, RESET, gen(A), FLUSH, STATS, {"op": "corrupt", "prompt": A}, RESET,
-             gen(A), FLUSH, STATS]  # fmt: skip
+    """``verify_fraction`` 1.0: A's hit is recomputed instead of loaded; the attention pages
+    vLLM computed are compared with the stored chunks, and the Gated DeltaNet state vLLM offered
+    at the hit's end (a step of 544 tokens ends there) with the stored state entry. A right
+    cache raises no alarm and the answer is the cold one; A's state entries zeroed (its chunks
+    right) are caught as one wrong state; then A's chunks zeroed are caught. (No quarantine,
+    so each phase is a hit again.)"""
+    kvtier = {**HOST, "verify_fraction": 1.0, "verify_quarantine_s": 0}
+    again = [RESET, gen(A), FLUSH, STATS]
+    steps = [gen(A), FLUSH, *again, {"op": "corrupt", "prompt": A, "states": True}, *again,
+             {"op": "corrupt", "prompt": A}, *again]  # fmt: skip
     out = run_engine({"model": str(mamba_model_dir), "kvtier": kvtier, "steps": steps, **MODE})
-    cold, checked, right, wrong = out[0], out[3], out[5], out[10]
-    assert cold == checked == mamba_reference["cold"]
-    assert right["verify_chunks"] >= 3 and right["verify_mismatches"] == 0, right
-    assert wrong["verify_mismatches"] >= 1, wrong
+    cold, right, state_wrong, chunks_wrong = out[0], out[5], out[10], out[15]
+    assert cold == out[3] == out[8] == out[13] == mamba_reference["cold"]
+    assert right["verify_chunks"] >= 3 and right["verify_states"] == 1, right
+    assert right["verify_mismatches"] == 0, right
+    assert out[6] >= 1  # state entries zeroed
+    assert state_wrong["verify_mismatches"] == 1, "the state at the hit's end, nothing else"
+    assert state_wrong["verify_chunks"] >= 2 * right["verify_chunks"]
+    assert chunks_wrong["verify_mismatches"] >= 2, chunks_wrong

@@ -193,9 +193,9 @@ class CacheEngine:
         """Look ``tokens`` up and keep the hit prefix's objects in host memory (see ``Hold``)."""
         self._check_open()
         prompt = self.spans.prompt(tokens, scope)
-        hits, state = self.spans.hits(prompt), None
+        hits, state, state_source = self.spans.hits(prompt), None, ""
         if self.states is not None:
-            hits, state = self.states.cut(prompt, hits)
+            hits, state, state_source = self.states.cut(prompt, hits)
         try:
             sources = self.chunk_sources([s.key for s in hits])
             spans, objs = self._fetch_prefix(hits)
@@ -211,6 +211,7 @@ class CacheEngine:
             sources=sources[: len(spans)],
             pins=self._alias_pins(prompt, spans),
             state=state,
+            state_source=state_source if state is not None else "",
         )
         self.stats.add(lookups=1, lookup_hit_tokens=hold.num_tokens)
         self._tier_hits.count(spans, hold.sources)

@@ -75,6 +75,7 @@ class Hold:
         sources: list[str] | None = None,
         pins: list[MemoryObj] | None = None,
         state: tuple[int, MemoryObj] | None = None,
+        state_source: str = "",
     ) -> None:
         self.spans = spans
         self.objs = objs
@@ -82,8 +83,10 @@ class Hold:
         # Other entries kept in host memory while held (the held chunks' alias entries: a chunk
         # that survives eviction because it is held keeps its aliases too); never loaded.
         self.pins: list[MemoryObj] = list(pins) if pins is not None else []
-        # A state layout's state entry at the hit's end (``kvtier.core.states``): (end, object).
+        # A state layout's state entry at the hit's end (``kvtier.core.states``): (end, object),
+        # and the tier it was read from.
         self.state = state
+        self.state_source = state_source
         # The tier each held chunk was found in (``CacheEngine.chunk_sources``), for metrics.
         self.sources: list[str] = list(sources) if sources is not None else []
         self._lock = threading.Lock()

@@ -31,6 +31,7 @@ from kvtier.core.mover import PageMover, Transfer
 from kvtier.core.platform import Marker, Platform
 from kvtier.core.prompt import PromptHashes
 from kvtier.core.slots import written
+from kvtier.core.sources import chunk_sources
 from kvtier.core.storage import StorageManager
 from kvtier.core.store_writer import release_all
 
@@ -73,16 +74,16 @@ class StateEntries:
 
     def cut(
         self, prompt: PromptHashes, hits: list[ChunkSpan], *, fetch: bool = True
-    ) -> tuple[list[ChunkSpan], tuple[int, MemoryObj] | None]:
+    ) -> tuple[list[ChunkSpan], tuple[int, MemoryObj] | None, str]:
         """``hits`` (a run from token 0) cut to the longest full-chunk prefix ``P`` before the
         prompt's last token (the engine computes at least one token to continue from it) that
-        has a state entry, and that entry (``(P, object)``, the caller's to release);
-        ``([], None)`` when there is none. ``fetch`` False asks the tiers for presence only (a
-        lookup's estimate: no state is read, None in its place)."""
+        has a state entry, that entry (``(P, object)``, the caller's to release) and the tier
+        it was read from; ``([], None, "")`` when there is none. ``fetch`` False asks the tiers
+        for presence only (a lookup's estimate: no state is read, None in its place)."""
         c, limit = self.chunk_size, len(prompt.arr) - 1
         ends = [s.end for s in hits if s.num_tokens == c and s.end % c == 0 and s.end <= limit]
         if not ends:
-            return [], None
+            return [], None, ""
         keys = [self.key(prompt, e) for e in ends]
         present = self.storage.contains(keys)
         for i in reversed(range(len(ends))):
@@ -90,11 +91,12 @@ class StateEntries:
                 continue
             cut = [s for s in hits if s.end <= ends[i]]
             if not fetch:
-                return cut, None
+                return cut, None, ""
+            (source,) = chunk_sources(self.storage, [keys[i]])
             obj = self._get(keys[i])
             if obj is not None:
-                return cut, (ends[i], obj)
-        return [], None
+                return cut, (ends[i], obj), source
+        return [], None, ""
 
     @staticmethod
     def settle(

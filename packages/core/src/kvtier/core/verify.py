@@ -30,9 +30,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvtier.core.compare import page_errors, state_error, state_parts
 from kvtier.core.errors import KVTierError
 from kvtier.core.handles import ChunkSpan, Hold
-from kvtier.core.keys import ChunkKey
+from kvtier.core.keys import ChunkKey, Scope, TokenIds
 from kvtier.core.layout import KVLayout
 from kvtier.core.memory import MemoryObj, MemoryObjMeta
 from kvtier.core.mover import PageMover, Transfer
@@ -71,19 +72,6 @@ def verify_dtype(layout: KVLayout) -> torch.dtype | None:
     return dtype if layout.content_bytes in (0, dense) else None
 
 
-def page_errors(fresh: torch.Tensor, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[blocks, layers]`` errors of two chunks' pages (``[blocks, layers, page_bytes]`` uint8,
-    same shape): ``mean |stored - fresh| / mean |fresh|`` per page; a page of NaNs or infinities
-    (bytes that are not KV) is an infinite error, two all-zero pages none."""
-    blocks, layers, _ = fresh.shape
-    f = fresh.contiguous().view(dtype).to(torch.float32).reshape(blocks, layers, -1)
-    s = stored.contiguous().view(dtype).to(torch.float32).reshape(blocks, layers, -1)
-    diff = (s - f).abs().mean(-1)
-    scale = f.abs().mean(-1)
-    err = torch.where(diff == 0, torch.zeros_like(diff), diff / scale.clamp_min(1e-30))
-    return torch.nan_to_num(err, nan=float("inf"))
-
-
 @dataclass(frozen=True)
 class _Picked:
     """A held chunk to check: its span, object, source tier and the cache block of each of its
@@ -104,8 +92,9 @@ class ChunkCheck:
     tier: str
     error: float
     layer: int
-    block: int
+    block: int  # a state entry's: its state group
     tolerance: float
+    state: bool = False  # a recurrent-state entry (``check_state``), not a chunk
 
     @property
     def ok(self) -> bool:
@@ -124,6 +113,7 @@ class Verifier:
         self.quarantine_s = quarantine_s
         self._lock = threading.Lock()
         self.chunks = 0  # chunks found right
+        self.states = 0  # state entries found right (``check_state``)
         self.mismatches: dict[str, int] = {}  # by tier
         self.worst_ok = 0.0  # the largest error of a chunk found right
         self.least_bad = float("inf")  # the smallest error of a chunk found wrong
@@ -175,6 +165,43 @@ class Verifier:
         self._act(checks)
         return checks
 
+    def check_state(
+        self,
+        tokens: TokenIds,
+        scope: Scope,
+        hold: Hold,
+        blocks: Sequence[int],
+        *,
+        ready: Marker = None,
+    ) -> ChunkCheck | None:
+        """Compare the state entry ``hold`` was cut to (``hold.state``) with the state the
+        engine recomputed at the same boundary, in ``blocks`` (one cache block per state group,
+        as vLLM offered it); a wrong entry is removed and its tier quarantined. None when there
+        is nothing to compare: no held state, a state kind that does not name its tensors, or
+        no host memory for the copy."""
+        engine = self.engine
+        parts = [state_parts(kind) for kind in engine.layout.states]
+        if hold.state is None or engine.states is None or None in parts:
+            return None
+        boundary, held = hold.state
+        fresh = engine.storage.allocate(held.meta)
+        if fresh is None:
+            logger.warning("kvtier: host memory full, a state entry not verified")
+            return None
+        try:
+            engine.platform.wait_marker(ready)
+            self._mover().store([Transfer(fresh, torch.tensor(list(blocks), dtype=torch.long))])
+            worst = state_error(fresh.tensor, held.tensor, [p for p in parts if p is not None])
+        finally:
+            fresh.release()
+        key = engine.states.key(engine.spans.prompt(tokens, scope), boundary)
+        tier = hold.state_source or "unknown"
+        check = ChunkCheck(
+            key, tier, worst.error, worst.layer, worst.group, self.tolerance, state=True
+        )
+        self._act([check])
+        return check
+
     def _copies(self, picked: list[_Picked], ready: Marker) -> list[MemoryObj]:
         """The recomputed pages of each picked span, in new host objects (fewer when host
         memory runs out: the rest is not checked)."""
@@ -216,7 +243,8 @@ class Verifier:
         bad = [c for c in checks if not c.ok]
         with self._lock:
             good = [c.error for c in checks if c.ok]
-            self.chunks += len(good)
+            self.states += sum(c.ok and c.state for c in checks)
+            self.chunks += len(good) - sum(c.ok and c.state for c in checks)
             self.worst_ok = max([self.worst_ok, *good])
             for c in bad:
                 self.mismatches[c.tier] = self.mismatches.get(c.tier, 0) + 1
@@ -229,12 +257,15 @@ class Verifier:
             storage.quarantine(tier, self.quarantine_s)
         for c in bad:
             logger.error(
-                "kvtier: verification: chunk %s from tier %s is not the KV vLLM recomputed "
-                "(layer %d, block %d of the chunk: error %.3g, tolerance %.3g); removed from "
-                "every tier, %s quarantined for %.0f s",
+                "kvtier: verification: %s %s from tier %s is not the %s vLLM recomputed "
+                "(layer %d, %s %d: error %.3g, tolerance %.3g); removed from every tier, %s "
+                "quarantined for %.0f s",
+                "state entry" if c.state else "chunk",
                 c.key.to_string(),
                 c.tier,
+                "state" if c.state else "KV",
                 c.layer,
+                "state group" if c.state else "block of the chunk",
                 c.block,
                 c.error,
                 c.tolerance,

@@ -109,6 +109,9 @@ class VerifySpec:
     hold_id: int | None = None
     start: int = 0  # tokens before it (whole blocks) were not computed by this request
     groups: list[list[int]] | None = None  # as LoadSpec's
+    # A Mamba hybrid's recomputed state at the end of ``tokens``, where vLLM offered it this
+    # step: ``(boundary, block of each Mamba group)``, compared with the held state entry.
+    states: list[tuple[int, list[int]]] = field(default_factory=list)
 
 
 @dataclass

@@ -305,6 +305,8 @@ class SchedulerSide:
         check = self.verify.due(rid, state, computed + scheduled, self._step)
         if check is not None:
             self.hybrid.attach(check, state.groups)
+            end = len(check.tokens)  # a Mamba hybrid's state there, if vLLM offered it
+            check.states = [s for s in self.hybrid.states(rid, self.chunk_size, end) if s[0] == end]
             meta.verifies.append(check)
         if state.external:
             end = computed

@@ -1,6 +1,7 @@
 """The worker's part of verification by recompute (``kvtier.core.verify``): on the saver thread,
 after the forward pass that computed a sampled request's prefix, compare that KV with the chunks
-its lookup held, then release the hold.
+its lookup held (and, for a Mamba hybrid, the recomputed state at the hit's end with the held
+state entry, where vLLM offered that state in the same step), then release the hold.
 
 The hold from the request's lookup is used when it is still there: it names the tier each chunk
 was read from, which is the tier a wrong chunk puts in quarantine. A lookup answered by the
@@ -54,6 +55,7 @@ class WorkerVerify:
         least_bad = v.least_bad if v.least_bad != float("inf") else -1e-6
         return {
             "verify_chunks": v.chunks,
+            "verify_states": v.states,
             "verify_mismatches": sum(v.mismatches.values()),
             "verify_worst_ok_ppm": round(v.worst_ok * 1e6),
             "verify_least_bad_ppm": round(least_bad * 1e6),
@@ -74,6 +76,12 @@ class WorkerVerify:
         )
         with hold:
             checks = self.verifier.check(spec.tokens, slots, hold, ready=ready)
+            for boundary, blocks in spec.states:  # a Mamba hybrid's state at the hit's end
+                if hold.state is not None and hold.state[0] == boundary:
+                    state = self.verifier.check_state(
+                        spec.tokens, spec.scope, hold, blocks, ready=ready
+                    )
+                    checks += [state] if state is not None else []
         bad = {c.tier for c in checks if not c.ok}
         if bad:
             self._quarantined([(t, self.verifier.quarantine_s) for t in sorted(bad)])
