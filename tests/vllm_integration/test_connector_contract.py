@@ -209,3 +209,26 @@ def test_kvtier_needs_no_kv_delivery_in_any_role(role: str) -> None:
         assert KVConnectorBase_V1.requires_kv_delivery.fget(connector) == (role != "kv_consumer")
     finally:
         connector.shutdown()
+
+
+def test_sleep_mode_is_refused_by_name_with_its_reason(caplog) -> None:
+    """vLLM 0.33 asks ``supports_sleep_mode`` before it accepts ``--enable-sleep-mode`` (its
+    default is True) and then calls ``unregister_kv_caches`` / ``restore_kv_caches`` around
+    sleep: kvtier answers False, saying why, and the two hooks raise rather than do nothing
+    while its threads could read released memory. (0.32 has neither; the question is kvtier's
+    own classmethod here, asked as vLLM 0.33's ``VllmConfig`` and ``MultiConnector`` ask it.)"""
+    import logging
+
+    ktc = KVTransferConfig(**KVTIER)
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        assert KVTierConnector.supports_sleep_mode(ktc) is False
+    assert "sleep mode" in caplog.text and "unregister_kv_caches" in caplog.text
+    register()
+    config = vllm_config({**KVTIER, "engine_id": "contract-sleep"}, None)
+    connector = KVTierConnector(config, KVConnectorRole.SCHEDULER, None)  # type: ignore[arg-type]
+    try:
+        for hook in (connector.unregister_kv_caches, connector.restore_kv_caches):
+            with pytest.raises(NotImplementedError, match="sleep mode"):
+                hook()
+    finally:
+        connector.shutdown()

@@ -47,6 +47,7 @@ from kvtier.vllm_integration import logs
 from kvtier.vllm_integration.groups import cache_groups, check_hybrid, hybrid_chunk_size
 from kvtier.vllm_integration.identity import refuse_context_parallel
 from kvtier.vllm_integration.layout import pages_verifiable
+from kvtier.vllm_integration.logs import SLEEP_MODE_REASON
 from kvtier.vllm_integration.messages import KVTierMetadata
 from kvtier.vllm_integration.plugin import offloading_size_conflict
 from kvtier.vllm_integration.scheduler.side import SchedulerSide
@@ -150,6 +151,22 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """Layer-wise loads and saves run Python between layers: never inside a full graph."""
         return bool(load_config(overrides=dict(extra_config or {})).use_layerwise)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        """False, with the reason logged: vLLM (0.33 on; 0.32 never asks) then refuses to start
+        with ``--enable-sleep-mode`` and this connector, by name. Sleep releases the KV memory
+        kvtier's saver, loader, probes and lazy copies read from other threads; draining and
+        stopping them before the memory goes and registering the new views on wake
+        (``unregister_kv_caches`` / ``restore_kv_caches``) is not built."""
+        logs.sleep_mode_refused()
+        return False
+
+    def unregister_kv_caches(self) -> None:
+        raise NotImplementedError(SLEEP_MODE_REASON)
+
+    def restore_kv_caches(self) -> None:
+        raise NotImplementedError(SLEEP_MODE_REASON)
 
     # -- scheduler side ---------------------------------------------------------------------------
     @property

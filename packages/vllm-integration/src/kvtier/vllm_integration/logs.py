@@ -79,3 +79,16 @@ def verify(req_id: str, computed: int, hit: int) -> None:
         computed,
         hit,
     )
+
+
+SLEEP_MODE_REASON = (
+    "kvtier does not support vLLM's sleep mode: sleep releases the KV cache memory that "
+    "kvtier's saver, loader and probe threads read, and draining them before it goes and "
+    "registering the new views on wake (unregister_kv_caches / restore_kv_caches) is not "
+    "built; serve without --enable-sleep-mode, or without kvtier"
+)
+
+
+def sleep_mode_refused() -> None:
+    """vLLM asked whether kvtier supports sleep mode (it refuses to start with both)."""
+    logger.warning("kvtier: %s", SLEEP_MODE_REASON)
