@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from sched_harness import BLOCK, Harness, request
 from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
@@ -232,3 +234,8 @@ def test_sleep_mode_is_refused_by_name_with_its_reason(caplog) -> None:
                 hook()
     finally:
         connector.shutdown()
+    # vLLM 0.32 never asks: an engine configured with sleep mode is refused at the start.
+    asleep = vllm_config({**KVTIER, "engine_id": "contract-asleep"}, None)
+    asleep.model_config = SimpleNamespace(enable_sleep_mode=True)  # type: ignore[assignment]
+    with pytest.raises(ConfigError, match="enable_sleep_mode"):
+        KVTierConnector(asleep, KVConnectorRole.SCHEDULER, None)  # type: ignore[arg-type]

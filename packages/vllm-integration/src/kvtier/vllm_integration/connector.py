@@ -90,6 +90,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             size = vllm_config.cache_config.kv_offloading_size
             raise ConfigError("kv_offloading_size", size, conflict)
         refuse_context_parallel(vllm_config.parallel_config)
+        if getattr(vllm_config.model_config, "enable_sleep_mode", False):
+            # vLLM 0.32 does not ask supports_sleep_mode: refused here, by the same reason.
+            raise ConfigError("enable_sleep_mode", True, SLEEP_MODE_REASON)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.config: KVTierConfig = load_config(overrides=extra)
         logs.configure(self.config.log_level)
