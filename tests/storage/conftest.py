@@ -10,7 +10,7 @@ import pytest
 from storage_helpers import ARENA_BYTES, LAYOUT, NAMESPACE, config
 
 from kvtier.core.memory import HostArena
-from kvtier.storage.manager import TieredStorageManager, create_storage_manager
+from kvtier.storage.manager import TieredStorageManager, tiered_storage_manager
 
 
 @pytest.fixture
@@ -20,7 +20,7 @@ def make_manager(tmp_path) -> Iterator[Callable[..., TieredStorageManager]]:
 
     def make(arena_bytes: int = ARENA_BYTES, **kw: Any) -> TieredStorageManager:
         arena = HostArena.create(arena_bytes)
-        m = create_storage_manager(
+        m = tiered_storage_manager(
             config=config(tmp_path, **kw), arena=arena, layout=LAYOUT, namespace=NAMESPACE
         )
         made.append((m, arena))

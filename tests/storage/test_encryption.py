@@ -27,7 +27,7 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.keys import KeyFactory
 from kvtier.core.memory import HostArena
 from kvtier.storage import codec
-from kvtier.storage.manager import create_storage_manager
+from kvtier.storage.manager import tiered_storage_manager
 from kvtier.storage.sealing import Sealer
 
 KEY_A = "11" * 32
@@ -155,7 +155,7 @@ def test_a_tier_that_cannot_seal_is_a_config_error(tmp_path, monkeypatch):
     cfg = config(tmp_path, tiers=["local_cpu", "plain_tier"], encryption_key=KEY_A)
     arena = HostArena.create(1 << 20)
     with pytest.raises(ConfigError, match="'plain_tier' tier cannot seal"):
-        create_storage_manager(config=cfg, arena=arena, layout=LAYOUT, namespace=NAMESPACE)
+        tiered_storage_manager(config=cfg, arena=arena, layout=LAYOUT, namespace=NAMESPACE)
 
 
 @pytest.mark.parametrize("tokens", [256, 200, 3])

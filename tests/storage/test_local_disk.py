@@ -87,12 +87,12 @@ def test_a_second_process_sees_what_the_first_wrote(make_manager, tmp_path):
     disk_root = disk_of(m).root
     code = f"""
 from kvtier.core.memory import HostArena
-from kvtier.storage.manager import create_storage_manager
+from kvtier.storage.manager import tiered_storage_manager
 from storage_helpers import LAYOUT, NAMESPACE, check_obj, config, key
 from pathlib import Path
 cfg = config(Path({str(tmp_path)!r}), local_disk_path={str(disk_root)!r})
 arena = HostArena.create(1 << 22)
-m = create_storage_manager(config=cfg, arena=arena, layout=LAYOUT, namespace=NAMESPACE)
+m = tiered_storage_manager(config=cfg, arena=arena, layout=LAYOUT, namespace=NAMESPACE)
 assert m.prefix_hits([key(i) for i in range(4)]) == 3
 for i, obj in enumerate(m.batched_get([key(i) for i in range(3)])):
     check_obj(obj, i)
@@ -140,10 +140,10 @@ import resource, signal
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 from pathlib import Path
 from kvtier.core.memory import HostArena
-from kvtier.storage.manager import create_storage_manager
+from kvtier.storage.manager import tiered_storage_manager
 from storage_helpers import LAYOUT, NAMESPACE, config, key, put_chunk
 arena = HostArena.create(1 << 22)
-m = create_storage_manager(config=config(Path({str(tmp_path)!r})), arena=arena, layout=LAYOUT,
+m = tiered_storage_manager(config=config(Path({str(tmp_path)!r})), arena=arena, layout=LAYOUT,
                            namespace=NAMESPACE)
 resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
 put_chunk(m, 0)

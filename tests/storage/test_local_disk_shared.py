@@ -22,7 +22,7 @@ from storage_helpers import (
 
 from kvtier.core.memory import HostArena
 from kvtier.storage.backends.local_disk import SUFFIX
-from kvtier.storage.manager import TieredStorageManager, create_storage_manager
+from kvtier.storage.manager import TieredStorageManager, tiered_storage_manager
 
 GiB = 1 << 30
 
@@ -34,7 +34,7 @@ class Processes:
         self.root = root
         self.arenas = [HostArena.create(1 << 22) for _ in range(n)]
         self.managers: list[TieredStorageManager] = [
-            create_storage_manager(
+            tiered_storage_manager(
                 config=config(
                     root,
                     local_disk_size_gb=budget / GiB,

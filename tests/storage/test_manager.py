@@ -12,7 +12,7 @@ from storage_helpers import ARENA_BYTES, LAYOUT, NAMESPACE, check_obj, config, k
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.memory import HostArena
-from kvtier.core.storage import create_storage_manager as core_create
+from kvtier.core.storage import storage_manager_for as core_create
 from kvtier.storage.backends.base import BackendContext
 from kvtier.storage.backends.local_cpu import LocalCPUBackend
 from kvtier.storage.backends.local_disk import LocalDiskBackend
@@ -262,11 +262,11 @@ sys.modules["redis"] = None  # as if redis-py were not installed
 import kvtier.storage
 from kvtier.core.config import load_config
 from kvtier.core.memory import HostArena
-from kvtier.core.storage import create_storage_manager
+from kvtier.core.storage import storage_manager_for
 from storage_helpers import LAYOUT, NAMESPACE, key
 cfg = load_config(overrides={{"tiers": ["local_cpu", "redis"], "redis_url": "redis://127.0.0.1:1",
                   "local_disk_path": {str(tmp_path)!r}, "redis_connect_timeout_s": 0.5}}, env={{}})
-m = create_storage_manager(cfg, HostArena.create(1 << 20), LAYOUT, NAMESPACE)
+m = storage_manager_for(cfg, HostArena.create(1 << 20), LAYOUT, NAMESPACE)
 assert m.get(key(0)) is None  # nothing listens there: a miss
 m.close()
 from kvtier.storage.inventory import RedisInventory

@@ -298,11 +298,11 @@ def test_a_second_process_sees_what_the_first_wrote(make_manager, redis_clean, t
     code = f"""
 from pathlib import Path
 from kvtier.core.memory import HostArena
-from kvtier.storage.manager import create_storage_manager
+from kvtier.storage.manager import tiered_storage_manager
 from storage_helpers import LAYOUT, NAMESPACE, check_obj, config, key
 cfg = config(Path({str(tmp_path / "p2")!r}), tiers=["local_cpu", "redis"], redis_url={redis_clean.url!r})
 arena = HostArena.create(1 << 22)
-m = create_storage_manager(config=cfg, arena=arena, layout=LAYOUT, namespace=NAMESPACE)
+m = tiered_storage_manager(config=cfg, arena=arena, layout=LAYOUT, namespace=NAMESPACE)
 assert m.prefix_hits([key(i) for i in range(3)]) == 2
 for i, obj in enumerate(m.batched_get([key(0), key(1)])):
     check_obj(obj, i)

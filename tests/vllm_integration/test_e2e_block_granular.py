@@ -115,7 +115,7 @@ def test_the_index_promises_what_the_engine_finds(stored_len, diverge, tails, sa
     from kvtier.core.platforms.cpu import CPUPlatform
     from kvtier.vllm_integration.messages import RankReport
     from kvtier.vllm_integration.scheduler.index import PresenceIndex
-    from kvtier.vllm_integration.scheduler.prompts import PromptHashes
+    from kvtier.vllm_integration.scheduler.prompts import IndexedPrompt
 
     layout = KVLayout(1, 1, 4, "float32", U_BLOCK, "LBHNC")
     config = load_config(env={}, overrides={"chunk_size": U_CHUNK, "save_unfull_chunk": tails})
@@ -132,7 +132,7 @@ def test_the_index_promises_what_the_engine_finds(stored_len, diverge, tails, sa
     namespace = (keys.model, keys.layout_fp, keys.world_size, keys.rank)
     index.apply(RankReport(0, namespace, True, 1 << 16, added))
     other = stored[:diverge] + [7] * U_CHUNK
-    hashes = PromptHashes(np.asarray(other), scope, U_CHUNK, U_BLOCK, tails=tails)
+    hashes = IndexedPrompt(np.asarray(other), scope, U_CHUNK, U_BLOCK, tails=tails)
     found = engine.lookup(other, scope)
     assert hashes.indexed_hit(index) == found
     # everything is gone: the probe finds nothing, and the index stops promising anything

@@ -1,5 +1,5 @@
 """When a finished request's blocks go back to vLLM (``frees.py``; the saver's side of it,
-``Saver.copied_through``, is tested in ``test_saver.py``).
+``Saver.copied_through``, is tested in ``test_save_thread.py``).
 
 The hazard: vLLM hands a freed block to another request at once. If kvtier's copy of the old
 request's KV is still reading that block, the chunk is stored with the new request's KV under

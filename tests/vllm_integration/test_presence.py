@@ -20,7 +20,7 @@ from kvtier.core.keys import KeyFactory, KeyScope, prefix_hashes
 from kvtier.core.platforms.cpu import CPUPlatform
 from kvtier.vllm_integration.messages import KVTierWorkerMeta, RankReport
 from kvtier.vllm_integration.scheduler.index import PresenceIndex
-from kvtier.vllm_integration.scheduler.prompts import PromptHashes
+from kvtier.vllm_integration.scheduler.prompts import IndexedPrompt
 
 DOC = list(range(1000, 1000 + 3 * CHUNK + BLOCK))  # 3 chunks and a tail block
 LAYOUT = KVLayout(
@@ -48,7 +48,7 @@ def test_chunk_hashes_computed_on_demand_are_those_of_the_whole_prompt(n, order)
     tokens = np.arange(5, 5 + n, dtype=np.int64)
     scope = KeyScope("s", None, None)
     want = prefix_hashes(tokens, CHUNK, scope)
-    lazy = PromptHashes(tokens, scope, CHUNK, BLOCK, tails=False).full
+    lazy = IndexedPrompt(tokens, scope, CHUNK, BLOCK, tails=False).full
     assert len(lazy) == len(want)
     for i in order:
         if -len(want) <= i < len(want):
@@ -71,7 +71,7 @@ def test_prompt_hashes_are_the_engines_keys(n, salt, index) -> None:
     )
     tokens = list(range(7, 7 + n))
     scope = KeyScope(salt, None, None)
-    hashes = PromptHashes(torch.tensor(tokens).numpy(), scope, CHUNK, BLOCK, tails=True)
+    hashes = IndexedPrompt(torch.tensor(tokens).numpy(), scope, CHUNK, BLOCK, tails=True)
     full = engine.full_spans(tokens, scope)
     assert [bytes.fromhex(s.key.chunk_hash) for s in full] == list(hashes.full)
     index = min(index, len(full))

@@ -51,7 +51,7 @@ from kvtier.core.slots import checked_slots, written
 from kvtier.core.sources import TierHits, chunk_sources
 from kvtier.core.spans import SpanPlanner
 from kvtier.core.states import StateEntries
-from kvtier.core.storage import StorageManager, create_storage_manager
+from kvtier.core.storage import StorageManager, storage_manager_for
 from kvtier.core.store_writer import AliasPlan, StorePlan, StoreWriter, release_all
 
 GiB = 1 << 30
@@ -93,7 +93,7 @@ class CacheEngine:
                     f"host memory of {nbytes} bytes cannot be allocated here: {e}",
                 ) from None
             namespace = self.keys.key(b"").namespace()
-            storage = create_storage_manager(config, arena, layout, namespace)
+            storage = storage_manager_for(config, arena, layout, namespace)
         self.storage = storage
         self.spans = SpanPlanner(
             self.keys,

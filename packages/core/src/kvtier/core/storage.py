@@ -1,7 +1,7 @@
 """The interface the CacheEngine stores through, and a host-memory-only implementation.
 
 The tiered implementation (host memory, disk, Redis, ...) lives in kvtier-storage and is found
-through the ``kvtier.storage`` entry-point group (name ``manager``); ``create_storage_manager``
+through the ``kvtier.storage`` entry-point group (name ``manager``); ``storage_manager_for``
 falls back to ``HostMemoryStorageManager`` when kvtier-storage is not installed and only the
 ``local_cpu`` tier is configured.
 
@@ -179,7 +179,7 @@ class HostMemoryStorageManager(StorageManager):
         self._index.close()
 
 
-def create_storage_manager(
+def storage_manager_for(
     config: KVTierConfig, arena: HostArena, layout: KVLayout, namespace: str
 ) -> StorageManager:
     """The tiered manager from kvtier-storage if installed, else host memory only."""
@@ -193,6 +193,7 @@ def create_storage_manager(
         raise ConfigError(
             "tiers",
             config.tiers,
-            f"tier(s) {', '.join(extra)} need kvtier-storage: install kvtier[redis] or kvtier",
+            f"tier(s) {', '.join(extra)} need kvtier-storage: pip install kvtier-storage "
+            "(or kvtier, which includes it)",
         )
     return HostMemoryStorageManager(arena)

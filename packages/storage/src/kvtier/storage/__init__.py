@@ -7,7 +7,7 @@ The redis backend and the CLI's Redis inventory speak RESP with kvtier's own cli
 
 from kvtier.storage.__about__ import __version__
 from kvtier.storage.backends.base import BackendContext, StorageBackend
-from kvtier.storage.manager import TieredStorageManager, create_storage_manager
+from kvtier.storage.manager import TieredStorageManager, tiered_storage_manager
 from kvtier.storage.stats import StorageStats
 
 __all__ = [
@@ -16,5 +16,5 @@ __all__ = [
     "StorageStats",
     "TieredStorageManager",
     "__version__",
-    "create_storage_manager",
+    "tiered_storage_manager",
 ]

@@ -67,8 +67,8 @@ __all__ = [
     "FlushReport",
     "TieredStorageManager",
     "build_tiers",
-    "create_storage_manager",
     "load_backend_class",
+    "tiered_storage_manager",
 ]
 
 
@@ -363,7 +363,7 @@ class TieredStorageManager(StorageManager):
             )
 
 
-def create_storage_manager(
+def tiered_storage_manager(
     *, config: KVTierConfig, arena: HostArena, layout: KVLayout, namespace: str
 ) -> TieredStorageManager:
     """The manager for ``config.tiers`` (entry point ``kvtier.storage:manager``)."""

@@ -214,7 +214,7 @@ def page_layout(
     return Registered(layout, caches, {n: i for i, n in enumerate(names)}, num_blocks)
 
 
-def register(
+def read_registration(
     vllm_config: VllmConfig,
     kv_cache_config: KVCacheConfig,
     kv_caches: Mapping[str, torch.Tensor],

@@ -29,7 +29,7 @@ from kvtier.core.keys import KeyScope
 from kvtier.vllm_integration.identity import keyable
 from kvtier.vllm_integration.messages import ProbeAnswer, ProbeSpec, hold_ttl_s
 from kvtier.vllm_integration.scheduler.index import PresenceIndex
-from kvtier.vllm_integration.scheduler.prompts import Probe, PromptHashes
+from kvtier.vllm_integration.scheduler.prompts import IndexedPrompt, Probe
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -87,7 +87,7 @@ class RequestState:
     external: int = 0  # tokens to load in the request's next scheduled step
     hold_id: int | None = None  # the worker's hold those tokens are loaded from
     probe: Probe | None = None  # the lookup in flight or answered, not yet used by a load
-    hashes: PromptHashes | None = None
+    hashes: IndexedPrompt | None = None
     indexed: tuple[int, int] = (-1, 0)  # (index version, tokens it said) at the last lookup
     computed_at_lookup: int = 0  # tokens vLLM already had (its prefix cache) at the lookup
     load_async: bool = False  # what the last lookup answered
@@ -147,9 +147,9 @@ class Lookups:
         # (rank 0's hold: ``[[start, end, tier], ...]``), for ``sources``.
         self.spans: dict[str, tuple[int, list[list[Any]]]] = {}
 
-    def hashes(self, state: RequestState, chunk_size: int, block_size: int) -> PromptHashes:
+    def hashes(self, state: RequestState, chunk_size: int, block_size: int) -> IndexedPrompt:
         if state.hashes is None:
-            state.hashes = PromptHashes(
+            state.hashes = IndexedPrompt(
                 state.prompt, state.scope, chunk_size, block_size, self.config.save_unfull_chunk
             )
         return state.hashes
@@ -160,7 +160,7 @@ class Lookups:
         self.releases, self.probes = [], []
         return out
 
-    def _indexed_hit(self, state: RequestState, hashes: PromptHashes, most: int) -> int:
+    def _indexed_hit(self, state: RequestState, hashes: IndexedPrompt, most: int) -> int:
         """Whole blocks, at most ``most`` tokens, the index says every rank stores."""
         version, hit = state.indexed
         if version != self.index.version:  # a waiting request is asked every step: hash once
@@ -169,7 +169,9 @@ class Lookups:
         hit = min(hit, most)
         return hit - hit % hashes.block_size
 
-    def _may_hit(self, state: RequestState, hashes: PromptHashes, computed: int, most: int) -> bool:
+    def _may_hit(
+        self, state: RequestState, hashes: IndexedPrompt, computed: int, most: int
+    ) -> bool:
         """Whether a probe may find more than vLLM has: the index says so, or a tier it cannot
         list (or a worker that has not reported yet) might. With host memory as the only tier,
         an index still waiting for a worker's first report is an empty one: nothing was stored
@@ -205,7 +207,7 @@ class Lookups:
     def probe(
         self,
         state: RequestState,
-        hashes: PromptHashes,
+        hashes: IndexedPrompt,
         computed: int,
         most: int,
         receipt: bytes | None = None,
@@ -253,7 +255,7 @@ class Lookups:
         return probe
 
     def answer(
-        self, state: RequestState | None, hashes: PromptHashes | None, rank: int, ans: ProbeAnswer
+        self, state: RequestState | None, hashes: IndexedPrompt | None, rank: int, ans: ProbeAnswer
     ) -> None:
         """A rank's answer to a probe (ignored if the request is gone or was probed again)."""
         probe = state.probe if state is not None else None
@@ -276,7 +278,7 @@ class Lookups:
         n = len(request.prompt_token_ids or ())
         return hit_sources(hit, spans, n, block_size, num_external_tokens)
 
-    def shortfall(self, hashes: PromptHashes | None, rank: int, found: int) -> None:
+    def shortfall(self, hashes: IndexedPrompt | None, rank: int, found: int) -> None:
         """A probe or a load answered by the index found only the prompt's first ``found``
         tokens on ``rank``: what the index promised after them is gone there."""
         if hashes is not None:

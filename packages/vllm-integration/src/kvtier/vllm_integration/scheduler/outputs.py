@@ -17,7 +17,7 @@ from kvtier.vllm_integration.scheduler.generation import WeightsGeneration
 from kvtier.vllm_integration.scheduler.index import PresenceIndex
 from kvtier.vllm_integration.scheduler.lazy import LazyOffload
 from kvtier.vllm_integration.scheduler.lookups import Lookups, RequestState
-from kvtier.vllm_integration.scheduler.prompts import PromptHashes
+from kvtier.vllm_integration.scheduler.prompts import IndexedPrompt
 from kvtier.vllm_integration.scheduler.verify import VerifySampling
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ class StepOutputs:
     events: EventLog
     verify: VerifySampling
     lazy: LazyOffload | None
-    hashes: Callable[[RequestState], PromptHashes]
+    hashes: Callable[[RequestState], IndexedPrompt]
     chunk_size: int
     weights: WeightsGeneration
 

@@ -9,7 +9,7 @@ into host memory now, like a prefetch), then reports the hit with its next step'
 every rank has answered, vLLM's next call gets the hit (the minimum over ranks), and the load
 reads exactly the held chunks. A probe not answered within ``lookup_timeout_s`` is a miss.
 
-``PromptHashes`` holds a request's chunk hashes (``kvtier.core.prompt``: the engine's own, full
+``IndexedPrompt`` holds a request's chunk hashes (``kvtier.core.prompt``: the engine's own, full
 chunks, then block-sized tail spans, and the alias keys those tail hashes name:
 ``kvtier.core.aliases``), computed once per request and only as far as they are needed, so the
 index predicts the hit a probe finds.
@@ -67,7 +67,7 @@ class Probe:
         return len(set(self.answers.values())) <= 1
 
 
-class PromptHashes(prompt.PromptHashes):
+class IndexedPrompt(prompt.PromptHashes):
     """One prompt's hashes (``kvtier.core.prompt``, the ones ``CacheEngine`` keys chunks with)
     and what the scheduler asks its index about them."""
 
@@ -156,7 +156,7 @@ class Sightings:
         self.capacity = capacity
         self._counts: OrderedDict[bytes, int] = OrderedDict()
 
-    def see(self, hashes: PromptHashes) -> None:
+    def see(self, hashes: IndexedPrompt) -> None:
         """One request with this prompt arrived."""
         if self.threshold <= 1:
             return
@@ -166,7 +166,7 @@ class Sightings:
         while len(self._counts) > self.capacity:
             self._counts.popitem(last=False)
 
-    def storable(self, hashes: PromptHashes) -> int:
+    def storable(self, hashes: IndexedPrompt) -> int:
         """Tokens of the prompt whose chunks were seen often enough (a prefix: a chunk's every
         sighting is also one of the chunks before it)."""
         if self.threshold <= 1:

@@ -17,7 +17,7 @@ from kvtier.vllm_integration.messages import SaveSpec
 from kvtier.vllm_integration.scheduler.events import EventLog
 from kvtier.vllm_integration.scheduler.index import PresenceIndex
 from kvtier.vllm_integration.scheduler.lookups import RequestState
-from kvtier.vllm_integration.scheduler.prompts import PromptHashes, Sightings
+from kvtier.vllm_integration.scheduler.prompts import IndexedPrompt, Sightings
 
 
 class SavePlanner:
@@ -28,7 +28,7 @@ class SavePlanner:
         config: KVTierConfig,
         block_size: int,
         sightings: Sightings,
-        hashes: Callable[[RequestState], PromptHashes],
+        hashes: Callable[[RequestState], IndexedPrompt],
         index: PresenceIndex | None = None,
         events: EventLog | None = None,
     ) -> None:

@@ -58,7 +58,7 @@ from kvtier.vllm_integration.scheduler.lookups import (
     warn_load_failure_policy,
 )
 from kvtier.vllm_integration.scheduler.outputs import StepOutputs
-from kvtier.vllm_integration.scheduler.prompts import PromptHashes, Sightings
+from kvtier.vllm_integration.scheduler.prompts import IndexedPrompt, Sightings
 from kvtier.vllm_integration.scheduler.save_plan import SavePlanner
 from kvtier.vllm_integration.scheduler.steps import track_blocks
 from kvtier.vllm_integration.scheduler.verify import VerifySampling
@@ -195,7 +195,7 @@ class SchedulerSide:
                 self.sightings.see(self._hashes(state))
         return state
 
-    def _hashes(self, state: RequestState) -> PromptHashes:
+    def _hashes(self, state: RequestState) -> IndexedPrompt:
         return self.lookups.hashes(state, self.chunk_size, self.block_size)
 
     def get_num_new_matched_tokens(

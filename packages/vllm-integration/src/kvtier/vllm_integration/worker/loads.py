@@ -2,7 +2,7 @@
 
 Synchronous loads run before the forward pass (``run``), or layer by layer with
 ``use_layerwise`` (``wait_for_layer``); loads marked ``load_async`` go to the loader thread
-(``worker/loader.py``) with a device marker of the forward pass and come back through
+(``worker/load_thread.py``) with a device marker of the forward pass and come back through
 ``take_finished``. A load that fills fewer tokens than asked reports the blocks it left
 unfilled (``take_failed``, vLLM's ``get_block_ids_with_load_errors``): with
 ``kv_load_failure_policy="recompute"`` vLLM recomputes them, with "fail" the request fails.
@@ -30,7 +30,7 @@ from kvtier.vllm_integration.groups import NULL_BLOCK
 from kvtier.vllm_integration.messages import LoadSpec, spec_slots
 from kvtier.vllm_integration.stats import StatsTracker
 from kvtier.vllm_integration.worker.holds import HoldTable
-from kvtier.vllm_integration.worker.loader import Loader
+from kvtier.vllm_integration.worker.load_thread import Loader
 
 logger = logging.getLogger("kvtier")
 
@@ -207,7 +207,7 @@ class WorkerLoads:
     def take_finished(self, wait_s: float = 0.0) -> set[str]:
         """Requests whose asynchronous loads finished (their failed blocks join ``take_failed``),
         after waiting up to ``wait_s`` for those submitted since the last call
-        (``worker/loader.py``)."""
+        (``worker/load_thread.py``)."""
         done, failed = self._loader.take_finished(wait_s)
         specs = [self._async.pop(rid, None) for rid in done]
         if not self._by_request:

@@ -1,6 +1,6 @@
 """The worker's saves: copies of computed chunks off the device, and the sampled checks.
 
-Saves are asynchronous (``worker/saver.py``): ``submit`` (in ``wait_for_save``) hands the step's
+Saves are asynchronous (``worker/save_thread.py``): ``submit`` (in ``wait_for_save``) hands the step's
 saves to the saver thread with a device marker of the forward pass. The scheduler side keeps the
 blocks of every request that had a save until the worker reports, through ``get_finished``
 (``finished``), that the request's saves are done. Before vLLM reuses the blocks of a preempted
@@ -34,7 +34,7 @@ from kvtier.vllm_integration.messages import (
     spec_slots,
 )
 from kvtier.vllm_integration.stats import StatsTracker
-from kvtier.vllm_integration.worker.saver import Saver
+from kvtier.vllm_integration.worker.save_thread import Saver
 from kvtier.vllm_integration.worker.verify import WorkerVerify
 
 logger = logging.getLogger("kvtier")

@@ -48,7 +48,7 @@ from kvtier.core.thread_cpu import PROCESS_THREADS
 from kvtier.vllm_integration.channel import ControlServer, socket_path
 from kvtier.vllm_integration.handover import producer_config
 from kvtier.vllm_integration.identity import engine_rank, engine_weights, model_identity
-from kvtier.vllm_integration.layout import register
+from kvtier.vllm_integration.layout import read_registration
 from kvtier.vllm_integration.messages import (
     KVTierMetadata,
     KVTierWorkerMeta,
@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvtier")
 
-# How long get_finished waits for this step's asynchronous loads (``worker/loader.py``): a
+# How long get_finished waits for this step's asynchronous loads (``worker/load_thread.py``): a
 # host-memory load is done within it and its request is scheduled a step sooner.
 LOAD_REPORT_WAIT_S = 0.005
 WORKER_COUNTERS = (
@@ -159,7 +159,7 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         vc = self._vllm_config
-        reg = register(vc, self._kv_cache_config, kv_caches)
+        reg = read_registration(vc, self._kv_cache_config, kv_caches)
         layout, caches = reg.layout, reg.caches
         if layout.block_size != self.block_size:
             raise LayoutError(

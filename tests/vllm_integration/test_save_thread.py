@@ -20,7 +20,7 @@ from kvtier.core import CacheEngine, HostArena, HostMemoryStorageManager, KVLayo
 from kvtier.core.keys import KeyScope
 from kvtier.core.platforms.cpu import CPUPlatform
 from kvtier.vllm_integration.messages import SaveSpec
-from kvtier.vllm_integration.worker.saver import Saver
+from kvtier.vllm_integration.worker.save_thread import Saver
 
 BLOCK, CHUNK = 16, 64
 PROMPT = np.arange(1000, 1000 + 2 * CHUNK, dtype=np.int64)

@@ -19,7 +19,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (install kvtier[vllm])
 
 from kvtier.core.keys import KeyScope
 from kvtier.vllm_integration.messages import LoadSpec
-from kvtier.vllm_integration.worker.loader import Loader
+from kvtier.vllm_integration.worker.load_thread import Loader
 
 
 def spec(rid: str) -> LoadSpec:
