@@ -1,4 +1,4 @@
-"""``kvtier.bench.pd_proxy`` between two HTTP upstreams standing in for the prefill and decode
+"""``kvtier.vllm_integration.pd_proxy`` between two HTTP upstreams standing in for the prefill and decode
 instances: the prefill instance is asked for one token without streaming, its
 ``kv_transfer_params`` go on to the decode instance with the original request, and the decode
 instance's answer (streamed or not) comes back as it is. (The instances themselves, and kvtier's
@@ -15,7 +15,7 @@ aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
 from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 
-from kvtier.bench.pd_proxy import build_app, decode_body, prefill_body  # noqa: E402
+from kvtier.vllm_integration.pd_proxy import build_app, decode_body, prefill_body  # noqa: E402
 
 PARAMS = {"kvtier": {"stored_tokens": 64}}
 

@@ -2,7 +2,7 @@
 
 The pair: a prefill ``vllm serve`` (kvtier, ``kv_role: kv_producer``) and a decode ``vllm serve``
 (kvtier, ``kv_consumer``) on host memory + a private ``redis-server``, each bound to its own CPU
-core, behind ``kvtier.bench.pd_proxy`` (vLLM's disaggregated-serving proxy pattern: the prefill
+core, behind ``kvtier.vllm_integration.pd_proxy`` (vLLM's disaggregated-serving proxy pattern: the prefill
 instance computes the prompt and announces what it stored, the decode instance loads it and
 generates). The reference: one ``vllm serve`` with vLLM's own prefix cache on both cores. Both
 are driven by vLLM's own client (``vllm bench serve``, the ``prefix_repetition`` dataset, the
@@ -130,7 +130,7 @@ def run_pair(cfg: ServeConfig, w: Workload, args: argparse.Namespace, logs: Path
                 [
                     sys.executable,
                     "-m",
-                    "kvtier.bench.pd_proxy",
+                    "kvtier.vllm_integration.pd_proxy",
                     "--prefill",
                     prefill.url,
                     "--decode",
