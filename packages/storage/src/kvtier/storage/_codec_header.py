@@ -186,7 +186,7 @@ def decode_header(
     """Check the header at the start of ``buf`` against what the reader asked for.
 
     ``buf`` must hold at least the whole header (``prefix_lengths(...)[0]`` bytes). The payload
-    itself is not looked at: call ``verify`` once it has been read. With ``sealer`` (encryption
+    itself is not looked at: call ``codec.check_checksums`` once it has been read. With ``sealer`` (encryption
     on) only sealed values are accepted, without it only plain ones: a plain value planted in an
     encrypted tier, or a sealed one read without the key, is a ``PayloadError``.
     """

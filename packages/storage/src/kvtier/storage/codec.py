@@ -79,6 +79,7 @@ __all__ = [
     "Header",
     "PayloadError",
     "PlacedChecksum",
+    "check_checksums",
     "check_trailer",
     "decode",
     "decode_header",
@@ -92,7 +93,6 @@ __all__ = [
     "trailer",
     "unseal",
     "unseal_in_place",
-    "verify",
 ]
 
 
@@ -161,7 +161,9 @@ def check_trailer(crc: int, trailer_bytes: bytes | memoryview) -> None:
         raise PayloadError("corrupt: checksum mismatch")
 
 
-def verify(header: Header, payload: memoryview | bytes, trailer_bytes: bytes | memoryview) -> None:
+def check_checksums(
+    header: Header, payload: memoryview | bytes, trailer_bytes: bytes | memoryview
+) -> None:
     """Raise ``PayloadError`` unless ``payload`` is exactly the bytes ``header`` was written for."""
     n = memoryview(payload).nbytes
     if n != header.payload_len:
@@ -187,7 +189,7 @@ def decode(
     header, payload, tail = split(
         blob, key=key, layout=layout, max_tokens=max_tokens, sealer=sealer
     )
-    verify(header, payload, tail)
+    check_checksums(header, payload, tail)
     if header.sealed:
         assert sealer is not None  # decode_header refuses a sealed value without one
         return header, memoryview(unseal(header, payload, key, sealer))
@@ -213,7 +215,7 @@ def decode_into_object(
     )
     if header.sealed:
         assert sealer is not None  # decode_header refuses a sealed value without one
-        verify(header, payload, tail)
+        check_checksums(header, payload, tail)
         payload = memoryview(unseal(header, payload, key, sealer))
         obj = allocate(header.meta)
         if obj is not None:
@@ -249,7 +251,7 @@ def split(
     sealer: Sealer | None = None,
 ) -> tuple[Header, memoryview, memoryview]:
     """Check a whole stored value's header and length; return ``(header, payload, trailer)``
-    views. The checksum is *not* checked: pass them to ``verify`` (and a sealed payload to
+    views. The checksum is *not* checked: pass them to ``check_checksums`` (and a sealed payload to
     ``unseal``)."""
     header = decode_header(blob, key=key, layout=layout, max_tokens=max_tokens, sealer=sealer)
     view = memoryview(blob)

@@ -71,7 +71,7 @@ def finished(req_id: str, what: str) -> None:
     logger.debug("kvtier: request %s: finished: %s", req_id, what, stacklevel=2)
 
 
-def verify(req_id: str, computed: int, hit: int) -> None:
+def verify_sampled(req_id: str, computed: int, hit: int) -> None:
     logger.debug(
         "kvtier: request %s: sampled for verification: vLLM computes tokens %d-%d itself "
         "(kvtier holds them), then they are compared with the stored chunks",

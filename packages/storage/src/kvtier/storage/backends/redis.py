@@ -266,7 +266,7 @@ class RedisBackend(StorageBackend):
             dl = dl.extended(sum(r.head.payload_len for r in reads) / self.bytes_per_s)
             read_segments(self.nodes, reads, heads, groups, dl)
             for r in reads:
-                r.verify(keys[r.index], self.ctx.sealer)
+                r.check(keys[r.index], self.ctx.sealer)
                 if r.failed is None:
                     out[r.index] = r.obj
                 else:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 class ChunkRead:
     """One chunk of a ``batched_get``: ``segment_view(s)`` is where segment ``s`` lands;
-    ``landed(s, problem)`` is called once per segment (from the thread that read it); ``verify``
+    ``landed(s, problem)`` is called once per segment (from the thread that read it); ``check``
     checks the whole chunk once every segment has landed (or failed). ``failed`` says why it is a
     miss."""
 
@@ -102,7 +102,7 @@ class ChunkRead:
             if self.failed is None:
                 self.failed = problem
 
-    def verify(self, key: ChunkKey, sealer: Sealer | None) -> None:
+    def check(self, key: ChunkKey, sealer: Sealer | None) -> None:
         """Check the checksum and (sealed) decrypt in place and check the tag; call once every
         segment has landed or failed. Sets ``failed`` on a mismatch (the object then holds
         garbage: release it)."""

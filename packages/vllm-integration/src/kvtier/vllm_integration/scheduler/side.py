@@ -248,7 +248,7 @@ class SchedulerSide:
         hold_id = None if probe.indexed else probe.hold_id
         if self.verify.sample(state, num_computed_tokens, hit, hold_id):
             state.probe = None  # its hold now belongs to the check
-            logs.verify(request.request_id, num_computed_tokens, hit)
+            logs.verify_sampled(request.request_id, num_computed_tokens, hit)
             return 0, False
         self.lookups.record(request.request_id, hit, probe.sources)
         new = max(0, hit - num_computed_tokens)
