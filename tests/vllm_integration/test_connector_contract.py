@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 from sched_harness import BLOCK, Harness, request
-from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
@@ -30,7 +30,9 @@ EXAMPLE = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
 
 
 def vllm_config(ktc: dict, size: float | None) -> VllmConfig:
+    # The device named: a vLLM build for another device (tests-vllm-next's) infers none here.
     return VllmConfig(
+        device_config=DeviceConfig(device="cpu"),
         cache_config=CacheConfig(kv_offloading_size=size),
         kv_transfer_config=KVTransferConfig(**ktc),
     )
@@ -239,3 +241,26 @@ def test_sleep_mode_is_refused_by_name_with_its_reason(caplog) -> None:
     asleep.model_config = SimpleNamespace(enable_sleep_mode=True)  # type: ignore[assignment]
     with pytest.raises(ConfigError, match="enable_sleep_mode"):
         KVTierConnector(asleep, KVConnectorRole.SCHEDULER, None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
+def test_the_connector_is_built_for_both_roles_over_vllms_cache_config(role) -> None:
+    """Both halves built as vLLM builds them (its ``VllmConfig``, its ``KVCacheConfig``), then
+    shut down: what ``tests-vllm-next`` checks of a newer vLLM's constructor and config API
+    (a worker's views and model come with ``register_kv_caches``, in an engine)."""
+    from fixtures.kv_views import vllm_kv_cache_config
+    from kvtier.core.layout import KVLayout
+
+    register()
+    config = vllm_config({**KVTIER, "engine_id": f"contract-{role.name}"}, None)
+    config.cache_config.block_size = 16
+    kv_cache_config = vllm_kv_cache_config(KVLayout(2, 2, 16, "bfloat16", 16), 8)
+    connector = KVTierConnector(config, role, kv_cache_config)
+    try:
+        assert connector.block_size == 16
+        if role == KVConnectorRole.SCHEDULER:
+            assert connector.scheduler_side.loads_enabled
+        else:
+            assert connector._worker is not None and connector._worker.engine is None
+    finally:
+        connector.shutdown()
