@@ -2,8 +2,8 @@
 
 The pair: a prefill ``vllm serve`` (kvtier, ``kv_role: kv_producer``) and a decode ``vllm serve``
 (kvtier, ``kv_consumer``) on host memory + a private ``redis-server``, each bound to its own CPU
-core, behind ``kvtier.vllm_integration.pd_proxy`` (vLLM's disaggregated-serving proxy pattern: the prefill
-instance computes the prompt and announces what it stored, the decode instance loads it and
+core, behind ``kvtier.vllm_integration.pd_proxy`` (vLLM's disaggregated-serving proxy pattern:
+the prefill instance computes the prompt and announces what it stored, the decode instance loads it and
 generates). The reference: one ``vllm serve`` with vLLM's own prefix cache on both cores. Both
 are driven by vLLM's own client (``vllm bench serve``, the ``prefix_repetition`` dataset, the
 same seed) at each ``--concurrency``; the table has TTFT, ITL and throughput, their ratios to the

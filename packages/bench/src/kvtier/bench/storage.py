@@ -1,4 +1,4 @@
-"""Storage-tier benchmark: ``kvtier bench storage`` (or ``python benchmarks/storage.py``).
+"""Storage-tier benchmark: ``kvtier bench storage``.
 
 For each tier (``local_cpu``, ``local_disk``, ``redis``), each chunk shape (an 8B-shaped model:
 32 layers, 8 kv heads, head 128, bf16, 256 tokens = 32 MiB per chunk; a small model: 16 layers,

@@ -7,7 +7,8 @@ then goes to the decode instance (``kv_consumer``) with those parameters, and th
 instance's response (streamed or not) is passed back as it comes. The decode instance waits,
 bounded, for the announced chunks to be readable, so it loads them instead of computing them.
 
-    python -m kvtier.vllm_integration.pd_proxy --prefill URL --decode URL [--port N]
+    kvtier-pd-proxy --prefill URL --decode URL [--port N]
+    python -m kvtier.vllm_integration.pd_proxy ...   (the same)
 
 ``GET /health`` answers once both instances do.
 """
