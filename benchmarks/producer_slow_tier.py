@@ -25,8 +25,8 @@ import torch
 from kvtier.core import CacheEngine, HostArena, KVLayout, load_config
 from kvtier.core.platforms.cpu import CPUPlatform
 from kvtier.storage.backends.base import BackendContext
+from kvtier.storage.backends.disk.local_disk import LocalDiskBackend
 from kvtier.storage.backends.local_cpu import LocalCPUBackend
-from kvtier.storage.backends.local_disk import LocalDiskBackend
 from kvtier.storage.manager import TieredStorageManager
 from kvtier.storage.stats import StorageStats
 

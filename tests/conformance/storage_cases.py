@@ -158,7 +158,7 @@ class Medium:
 
 class DiskMedium(Medium):
     def __init__(self, root: Path) -> None:
-        from kvtier.storage.backends.local_disk import SUFFIX
+        from kvtier.storage.backends.disk.local_disk import SUFFIX
 
         self.root, self.suffix = root, SUFFIX
 

@@ -11,8 +11,8 @@ from storage_helpers import ARENA_BYTES, LAYOUT, NAMESPACE, config, key, put_chu
 
 from kvtier.core.memory import HostArena
 from kvtier.storage.backends.base import BackendContext
+from kvtier.storage.backends.disk.local_disk import LocalDiskBackend
 from kvtier.storage.backends.local_cpu import LocalCPUBackend
-from kvtier.storage.backends.local_disk import LocalDiskBackend
 from kvtier.storage.manager import TieredStorageManager
 from kvtier.storage.stats import StorageStats
 

@@ -129,7 +129,7 @@ def test_planted_symlink_at_a_temporary_name_is_not_written_through(
     the very name the writer opens: the write must fail there, not land in the victim."""
     from types import SimpleNamespace
 
-    from kvtier.storage.backends import _disk_io
+    from kvtier.storage.backends.disk import fileio as _disk_io
 
     m = make_manager(local_disk_o_direct=o_direct)
     disk = disk_of(m)

@@ -10,7 +10,7 @@ import os
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.storage.backends._disk_index import DiskIndex
+from kvtier.storage.backends.disk.index import DiskIndex
 
 NAMES = [f"f{i}" for i in range(6)]
 

@@ -166,7 +166,7 @@ def test_sealed_files_of_many_segments_read_back(tmp_path, tokens):
 
     from kvtier.core.layout import KVLayout
     from kvtier.core.memory import MemoryObjMeta
-    from kvtier.storage.backends._disk_io import read_chunk
+    from kvtier.storage.backends.disk.fileio import read_chunk
 
     layout = KVLayout(
         num_layers=2,

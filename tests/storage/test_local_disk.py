@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from storage_helpers import check_obj, chunk_value, key, meta, put_chunk
 
-from kvtier.storage.backends.local_disk import SUFFIX, TMP_SUFFIX
+from kvtier.storage.backends.disk.local_disk import SUFFIX, TMP_SUFFIX
 
 GiB = 1 << 30
 
@@ -197,7 +197,7 @@ def test_o_direct_round_trip_restart_and_corruption(make_manager, tokens):
 
 def test_a_file_that_cannot_be_deleted_is_not_called_a_directory(tmp_path, monkeypatch) -> None:
     """remove_entry used to answer "a non-empty directory" for any file unlink refused."""
-    from kvtier.storage.backends import _disk_io
+    from kvtier.storage.backends.disk import fileio as _disk_io
 
     victim = tmp_path / "chunk.kv"
     victim.write_bytes(b"x")

@@ -21,7 +21,7 @@ from storage_helpers import (
 )
 
 from kvtier.core.memory import HostArena
-from kvtier.storage.backends.local_disk import SUFFIX
+from kvtier.storage.backends.disk.local_disk import SUFFIX
 from kvtier.storage.manager import TieredStorageManager, tiered_storage_manager
 
 GiB = 1 << 30

@@ -14,8 +14,8 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.memory import HostArena
 from kvtier.core.storage import storage_manager_for as core_create
 from kvtier.storage.backends.base import BackendContext
+from kvtier.storage.backends.disk.local_disk import LocalDiskBackend
 from kvtier.storage.backends.local_cpu import LocalCPUBackend
-from kvtier.storage.backends.local_disk import LocalDiskBackend
 from kvtier.storage.manager import TieredStorageManager
 from kvtier.storage.stats import StorageStats
 

@@ -13,8 +13,8 @@ from storage_helpers import KEYS, key, put_chunk
 from test_acknowledged import build
 
 from kvtier.core.receipts import has_receipt, receipt_id, write_receipt
+from kvtier.storage.backends.disk.local_disk import LocalDiskBackend
 from kvtier.storage.backends.local_cpu import LocalCPUBackend
-from kvtier.storage.backends.local_disk import LocalDiskBackend
 
 
 class SlowChunksTier(LocalDiskBackend):

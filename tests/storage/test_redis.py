@@ -378,7 +378,7 @@ def test_close_during_a_hung_read_is_bounded_and_leaks_nothing(make_manager, red
 
 def test_a_parsed_url_never_shows_its_password():
     from kvtier.core.errors import ConfigError
-    from kvtier.storage.backends.redis_url import parse_url
+    from kvtier.storage.backends.redis.url import parse_url
 
     for url, password in (
         ("redis://kv:s3cret@127.0.0.1:6379/0", None),

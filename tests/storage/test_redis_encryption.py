@@ -29,8 +29,8 @@ from fixtures.redis_client import RedisClient
 from kvtier.core.memory import HostArena
 from kvtier.storage import codec
 from kvtier.storage.backends.base import BackendContext
-from kvtier.storage.backends.redis import RedisBackend
-from kvtier.storage.backends.redis_format import TAIL
+from kvtier.storage.backends.redis.backend import RedisBackend
+from kvtier.storage.backends.redis.format import TAIL
 from kvtier.storage.sealing import Sealer
 from kvtier.storage.stats import StorageStats
 
@@ -249,6 +249,7 @@ def _backend(url: str, segment_bytes: int, arena: HostArena, tmp_path: Path) -> 
 @example(tokens=16, segment_bytes=1030, where=0.999, bit=0, damage=False)  # the tag across two
 @example(tokens=16, segment_bytes=1030, where=0.999, bit=0, damage=True)  # segments, the last one
 @example(tokens=16, segment_bytes=1024, where=0.999, bit=7, damage=True)  # the tag alone
+@example(tokens=2, segment_bytes=1024, where=0.4609375, bit=0, damage=True)  # the segment size
 def test_sealed_chunks_read_back_exactly_or_miss(
     redis_clean, tmp_path, tokens, segment_bytes, where, bit, damage
 ):

@@ -20,8 +20,8 @@ from fixtures.redis_server import RedisCluster, RedisServer
 from kvtier.core.errors import ConfigError
 from kvtier.core.memory import HostArena
 from kvtier.storage.backends.base import BackendContext
-from kvtier.storage.backends.redis import RedisBackend
-from kvtier.storage.backends.redis_cluster import key_slot
+from kvtier.storage.backends.redis.backend import RedisBackend
+from kvtier.storage.backends.redis.cluster import key_slot
 
 pytestmark = pytest.mark.redis
 

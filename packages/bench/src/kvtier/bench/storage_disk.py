@@ -57,7 +57,7 @@ class _DiskRounds:
     round (untimed) and returns its timed part, as ``Bench.compare`` expects."""
 
     def __init__(self, b: Bench, shape: Shape, disk_dir: Path, sealed: bool) -> None:
-        from kvtier.storage.backends.local_disk import LocalDiskBackend
+        from kvtier.storage.backends.disk.local_disk import LocalDiskBackend
 
         self.repeat, self.batch = b.repeat, shape.batch
         self.arena, self.objs = filled_objects(shape)

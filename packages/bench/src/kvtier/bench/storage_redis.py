@@ -29,7 +29,7 @@ from typing import Any
 from kvtier.bench.storage_common import Bench, Shape, filled_objects, make_backend
 from kvtier.bench.storage_redis_servers import PrivateRedis, redis_benchmark, start_servers
 from kvtier.core.keys import KeyFactory
-from kvtier.storage.backends.redis import RedisBackend
+from kvtier.storage.backends.redis.backend import RedisBackend
 
 TARGET = 0.8  # of redis-benchmark
 READ_GBPS_TARGET = 2.0  # 8B-shaped reads: what beats recomputing the prefill on a GPU

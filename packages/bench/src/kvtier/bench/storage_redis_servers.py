@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.storage.backends.redis_resp import Connection, Deadline, Endpoint, command
+from kvtier.storage.backends.redis.resp import Connection, Deadline, Endpoint, command
 
 
 def _free_port() -> int:

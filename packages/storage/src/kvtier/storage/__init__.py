@@ -1,7 +1,7 @@
 """kvtier-storage: the tiered StorageManager and its backends (host memory, local disk, Redis).
 
 The redis backend and the CLI's Redis inventory speak RESP with kvtier's own client
-(``backends/redis_resp.py``): no Redis client library is needed. ``encryption_key`` needs the
+(``backends/redis/resp.py``): no Redis client library is needed. ``encryption_key`` needs the
 ``encryption`` extra (``MissingExtraError`` names it when it is missing).
 """
 

@@ -27,11 +27,11 @@ from typing import Any
 
 from kvtier.core.keys import ALIAS_PREFIX, ChunkKey
 from kvtier.storage import codec
-from kvtier.storage.backends._disk_io import open_regular, remove_entry
-from kvtier.storage.backends.local_disk import SUFFIX
-from kvtier.storage.backends.redis_cluster import SlotMap, key_slot
-from kvtier.storage.backends.redis_resp import Connection, Deadline, command
-from kvtier.storage.backends.redis_url import Endpoint, parse_url
+from kvtier.storage.backends.disk.fileio import open_regular, remove_entry
+from kvtier.storage.backends.disk.local_disk import SUFFIX
+from kvtier.storage.backends.redis.cluster import SlotMap, key_slot
+from kvtier.storage.backends.redis.resp import Connection, Deadline, command
+from kvtier.storage.backends.redis.url import Endpoint, parse_url
 
 # A header is a few hundred bytes: one read of this many covers it; a longer one is read again.
 _HEAD_GUESS = 4096
@@ -151,7 +151,7 @@ class RedisInventory:
     """The keys under ``prefix`` on a Redis/Valkey server, or on every master of a cluster:
     ``SCAN`` on each, then ``GETRANGE`` of each value's header, ``STRLEN`` and ``OBJECT
     IDLETIME``, pipelined on the same connection. It speaks RESP through the tier's own client
-    (``backends.redis_resp``); connections open at first use, one per server, and every round
+    (``backends.redis.resp``); connections open at first use, one per server, and every round
     trip has ``timeout_s``."""
 
     def __init__(

@@ -1,4 +1,4 @@
-"""The per-connection jobs of the Redis tier's writes and reads (run by ``redis_nodes.Nodes``).
+"""The per-connection jobs of the Redis tier's writes and reads (run by ``nodes.Nodes``).
 
 A write job SETs each chunk's segments, then its head, on one connection; a read job GETs
 segments straight into the host objects that will hold them. Neither sends a whole lane at once
@@ -6,11 +6,11 @@ segments straight into the host objects that will hold them. Neither sends a who
 cache; measured slower: docs/storage-redis.md): reads keep ``IN_FLIGHT`` segments asked for per
 connection, writes ``WRITE_WINDOW`` bytes of values unacknowledged.
 
-Data path (``redis_resp``): segments are read with ``recv_into`` straight into the arena object
+Data path (``redis.resp``): segments are read with ``recv_into`` straight into the arena object
 that will hold the chunk and written with ``sendmsg`` from it (no intermediate copy); a batch's
 segments are pipelined over ``connections`` connections per server (default 2), and in a
 cluster every shard is served in parallel. Each segment is hashed for the chunk's checksum by
-the thread that moves it: as it lands (reads, ``redis_chunk``), right before it is sent (writes).
+the thread that moves it: as it lands (reads, ``redis.chunk``), right before it is sent (writes).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvtier.storage import codec
-from kvtier.storage.backends.redis_chunk import ChunkRead
-from kvtier.storage.backends.redis_format import encode_head, segment_keys
-from kvtier.storage.backends.redis_resp import (
+from kvtier.storage.backends.redis.chunk import ChunkRead
+from kvtier.storage.backends.redis.format import encode_head, segment_keys
+from kvtier.storage.backends.redis.resp import (
     Connection,
     Deadline,
     RespError,

@@ -3,7 +3,8 @@
 Layout: a chunk is stored as a *head* and *segments*, all under one hash tag (so in a cluster a
 chunk lives on one shard, and a stopped shard loses only its own chunks)::
 
-    <prefix>{<chunk key string>}        head: codec header, trailer, segment size (u32), b"KVRS"
+    <prefix>{<chunk key string>}        head: codec header, trailer, segment size (u32),
+                                        its CRC-32 (u32), b"KVR2"
     <prefix>{<chunk key string>}:<i>    segment i: payload bytes [i * size, (i + 1) * size)
 
 The payload travels as segments of ``segment_bytes`` (``backend_options.redis``, default 1 MiB)
@@ -14,9 +15,9 @@ whole chunk, or a miss. The key string carries the engine's namespace (model, la
 fingerprint, world size, rank, salt), so engines of different models or layouts share a server
 without meeting.
 
-Data path: ``redis_jobs`` (segments read straight into the arena object, written from it,
+Data path: ``redis.jobs`` (segments read straight into the arena object, written from it,
 pipelined over ``connections`` connections per server, every cluster shard in parallel), dealt
-over servers and connections by ``redis_dispatch``.
+over servers and connections by ``redis.dispatch``.
 
 A read accepts a chunk only if the head passes every ``codec`` check (key, layout, dtype, shape,
 length), every segment has exactly its length, and the checksum over header and payload
@@ -29,14 +30,14 @@ asks whether every segment exists, so a lookup does not count a chunk a read can
 Encryption at rest (``encryption_key``, ``sealing``): the stored payload is the chunk's
 AES-256-GCM ciphertext and tag (``codec.seal``: the head's codec header, which names the key and
 carries the nonce, is the authenticated data), segmented and checksummed like a plain payload.
-A read lands the ciphertext in the arena object (``redis_chunk``), checks the checksum, then
+A read lands the ciphertext in the arena object (``redis.chunk``), checks the checksum, then
 decrypts in place and checks the tag. A head that is plain, or sealed under another key (its key
 check), and a payload whose tag fails are misses, counted (``redis.corrupt`` and
 ``redis.sealed_rejected``) and deleted, as is a sealed head read without a key.
 Engines with different keys must not share a ``key_prefix``: each deletes what the other wrote.
 
 URLs: ``redis://``, ``rediss://`` (TLS) and ``unix://``; ``redis_username``/``redis_password``
-override the URL's credentials; ``redis_cluster`` routes by hash slot (``CLUSTER SLOTS``).
+override the URL's credentials; ``redis.cluster`` routes by hash slot (``CLUSTER SLOTS``).
 
 Time: every call has one deadline, ``redis_timeout_s`` plus the bytes it moves at
 ``min_throughput_mb_s`` (default 50 MB/s). A read or a lookup is two round trips (heads, then
@@ -65,23 +66,23 @@ from kvtier.storage import codec
 from kvtier.storage._log import warn_throttled
 from kvtier.storage._views import ArenaBytes
 from kvtier.storage.backends.base import BackendContext, StorageBackend
-from kvtier.storage.backends.redis_chunk import ChunkRead
-from kvtier.storage.backends.redis_dispatch import by_node, lanes_of, pipelined, read_segments
-from kvtier.storage.backends.redis_format import (
+from kvtier.storage.backends.redis.chunk import ChunkRead
+from kvtier.storage.backends.redis.dispatch import by_node, lanes_of, pipelined, read_segments
+from kvtier.storage.backends.redis.format import (
     head_key,
     options,
     parse_head,
     segment_count,
     segment_keys,
 )
-from kvtier.storage.backends.redis_jobs import UNREACHABLE, put_job
-from kvtier.storage.backends.redis_nodes import Job, Nodes
-from kvtier.storage.backends.redis_resp import (
+from kvtier.storage.backends.redis.jobs import UNREACHABLE, put_job
+from kvtier.storage.backends.redis.nodes import Job, Nodes
+from kvtier.storage.backends.redis.resp import (
     Deadline,
     RespError,
     command,
 )
-from kvtier.storage.backends.redis_url import parse_url
+from kvtier.storage.backends.redis.url import parse_url
 from kvtier.storage.sealing import TAG_BYTES
 
 if TYPE_CHECKING:

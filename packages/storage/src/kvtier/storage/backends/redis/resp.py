@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from kvtier.storage.backends.redis_url import Endpoint
+from kvtier.storage.backends.redis.url import Endpoint
 
 _CRLF = b"\r\n"
 _READ_CHUNK = 64 << 10

@@ -1,6 +1,6 @@
-"""How the Redis tier spreads a batch over its servers (``redis_nodes.Nodes``): keys grouped by
+"""How the Redis tier spreads a batch over its servers (``nodes.Nodes``): keys grouped by
 the server that holds them, each server's share dealt over its connections, one small command
-per key pipelined per server, and a batch's segment reads run as read jobs (``redis_jobs``)."""
+per key pipelined per server, and a batch's segment reads run as read jobs (``redis.jobs``)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvtier.storage.backends.redis_chunk import ChunkRead
-from kvtier.storage.backends.redis_format import segment_keys
-from kvtier.storage.backends.redis_jobs import UNREACHABLE, get_job
-from kvtier.storage.backends.redis_nodes import Job, Nodes
-from kvtier.storage.backends.redis_resp import Connection, Deadline, RespError
+from kvtier.storage.backends.redis.chunk import ChunkRead
+from kvtier.storage.backends.redis.format import segment_keys
+from kvtier.storage.backends.redis.jobs import UNREACHABLE, get_job
+from kvtier.storage.backends.redis.nodes import Job, Nodes
+from kvtier.storage.backends.redis.resp import Connection, Deadline, RespError
 
 
 def by_node(nodes: Nodes, heads: Sequence[bytes], deadline: Deadline) -> dict[str, list[int]]:

@@ -1,6 +1,6 @@
 """Where the Redis tier's servers are: ``Endpoint`` (TCP host and port or a unix socket, TLS,
 credentials, database) and ``parse_url`` for ``redis://``, ``rediss://`` and ``unix://`` URLs.
-A bad URL is a ``ConfigError`` naming ``redis_url``, its password masked."""
+A bad URL is a ``ConfigError`` naming ``redis.url``, its password masked."""
 
 from __future__ import annotations
 

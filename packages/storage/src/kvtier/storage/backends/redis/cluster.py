@@ -7,7 +7,7 @@ puts a chunk's head and segments under one hash tag, so a chunk lives on one sha
 
 from __future__ import annotations
 
-from kvtier.storage.backends.redis_resp import Connection, Deadline, Endpoint, RespError
+from kvtier.storage.backends.redis.resp import Connection, Deadline, Endpoint, RespError
 
 SLOTS = 16384
 

@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING
 
 from kvtier.storage import codec
 from kvtier.storage._log import warn_throttled
-from kvtier.storage.backends._disk_files import write_chunk_file
+from kvtier.storage.backends.disk.files import write_chunk_file
 
 if TYPE_CHECKING:
     from kvtier.core.keys import ChunkKey
     from kvtier.core.memory import MemoryObj
-    from kvtier.storage.backends._disk_direct import DirectIO
-    from kvtier.storage.backends._disk_index import DiskIndex
     from kvtier.storage.backends.base import BackendContext
+    from kvtier.storage.backends.disk.direct import DirectIO
+    from kvtier.storage.backends.disk.index import DiskIndex
 
 # After ENOSPC the budget is capped at what the tier held then, for this long.
 FS_FULL_CAP_S = 60.0

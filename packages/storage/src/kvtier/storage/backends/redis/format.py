@@ -1,9 +1,10 @@
-"""How the Redis tier lays a chunk out in keys, and its options (see ``backends.redis``)."""
+"""How the Redis tier lays a chunk out in keys, and its options (see ``backends.redis.backend``)."""
 
 from __future__ import annotations
 
 import math
 import struct
+import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -15,8 +16,10 @@ if TYPE_CHECKING:
     from kvtier.core.layout import KVLayout
     from kvtier.storage.sealing import Sealer
 
-TAIL = struct.Struct("<I4s")  # after the codec trailer: the segment size, the magic
-MAGIC = b"KVRS"
+# After the codec trailer: the segment size, a CRC-32 of it (the codec's checksum covers the
+# header and payload only: a flipped bit here is a miss like any other), the magic.
+TAIL = struct.Struct("<II4s")
+MAGIC = b"KVR2"
 MIN_SEGMENT, MAX_SEGMENT = 1 << 10, 512 << 20
 MIN_HEAD = codec.PREFIX.size + codec.TRAILER.size + TAIL.size
 DEFAULTS: dict[str, Any] = {
@@ -44,8 +47,16 @@ def segment_count(payload_len: int, segment_bytes: int) -> int:
 
 def encode_head(header: bytes, checksum: int, segment_bytes: int) -> bytes:
     """A head: the codec header (so a reader of the value's first bytes sees a codec header),
-    the checksum trailer, then the segment size and the magic."""
-    return header + codec.TRAILER.pack(checksum) + TAIL.pack(segment_bytes, MAGIC)
+    the checksum trailer, then the segment size, its CRC and the magic."""
+    return (
+        header
+        + codec.TRAILER.pack(checksum)
+        + TAIL.pack(segment_bytes, _seg_check(segment_bytes), MAGIC)
+    )
+
+
+def _seg_check(segment_bytes: int) -> int:
+    return zlib.crc32(struct.pack("<I", segment_bytes))
 
 
 def parse_head(
@@ -56,9 +67,11 @@ def parse_head(
     without: a plain head)."""
     if not isinstance(blob, bytes) or len(blob) < MIN_HEAD:
         raise codec.PayloadError("foreign: not a kvtier head")
-    seg, magic = TAIL.unpack_from(blob, len(blob) - TAIL.size)
-    if magic != MAGIC or not MIN_SEGMENT <= seg <= MAX_SEGMENT:
+    seg, check, magic = TAIL.unpack_from(blob, len(blob) - TAIL.size)
+    if magic != MAGIC:
         raise codec.PayloadError("foreign: not a kvtier head")
+    if check != _seg_check(seg) or not MIN_SEGMENT <= seg <= MAX_SEGMENT:
+        raise codec.PayloadError("corrupt: the head's segment size")
     header_len, _ = codec.prefix_lengths(blob)
     if len(blob) != header_len + codec.TRAILER.size + TAIL.size:
         raise codec.PayloadError(f"truncated: head of {len(blob)} bytes")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from kvtier.storage import codec
 from kvtier.storage._log import warn_throttled
-from kvtier.storage.backends._disk_direct import DirectIO
-from kvtier.storage.backends._disk_io import create_temp, kind_of, remove_entry, write_all
+from kvtier.storage.backends.disk.direct import DirectIO
+from kvtier.storage.backends.disk.fileio import create_temp, kind_of, remove_entry, write_all
 
 SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"

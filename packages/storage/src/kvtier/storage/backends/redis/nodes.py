@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
-from kvtier.storage.backends.redis_cluster import SlotMap, key_slot
-from kvtier.storage.backends.redis_resp import Connection, Deadline, Endpoint, Pool, ProtocolError
+from kvtier.storage.backends.redis.cluster import SlotMap, key_slot
+from kvtier.storage.backends.redis.resp import Connection, Deadline, Endpoint, Pool, ProtocolError
 
 logger = logging.getLogger("kvtier.storage")
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from kvtier.core.errors import ConfigError
 from kvtier.storage import codec
-from kvtier.storage.backends._disk_io import PAGE, create_temp, remove_entry, round_up, write_all
+from kvtier.storage.backends.disk.fileio import PAGE, create_temp, remove_entry, round_up, write_all
 
 if TYPE_CHECKING:
     from kvtier.core.keys import ChunkKey

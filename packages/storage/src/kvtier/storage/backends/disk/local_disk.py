@@ -24,9 +24,9 @@ is a miss, deleted. A file this process wrote or fully read is trusted while its
 mtime stay the same. Payload bit rot is found by the checksum on the read (a miss, counted).
 
 A batch read runs on up to four threads, each reading whole chunks and hashing every segment as
-it lands (``_disk_readers``).
+it lands (``disk.readers``).
 
-Every open refuses symlinks and never blocks (``_disk_io.open_regular``): a FIFO, directory,
+Every open refuses symlinks and never blocks (``disk.fileio.open_regular``): a FIFO, directory,
 device or socket at a chunk path is a miss for that key, removed (a non-empty directory is
 bypassed), counted as ``local_disk.corrupt``. Every read is bounded by the file's size, which is
 checked against the largest chunk before anything is read. Every read is checked (key, layout,
@@ -36,10 +36,10 @@ Full disks: a chunk larger than the budget skips the store with a warning
 (``local_disk.store_skipped``). A file system that fills up below the budget (ENOSPC) makes the
 tier evict its least recently used files to make room and retry once; for a minute after, the
 tier's budget is capped at what it held when the file system filled, so later stores evict first
-instead of failing. The store path (budget, eviction, the retry) is ``_disk_writer``.
+instead of failing. The store path (budget, eviction, the retry) is ``disk.writer``.
 
 ``local_disk_o_direct`` reads and writes files with O_DIRECT, bypassing the page cache (a large
-KV working set then does not push the engine's other files out of it); see ``_disk_direct``. A
+KV working set then does not push the engine's other files out of it); see ``disk.direct``. A
 file system without O_DIRECT support is a config error at start.
 """
 
@@ -57,17 +57,9 @@ from kvtier.core.errors import ConfigError
 from kvtier.storage import codec
 from kvtier.storage._log import warn_throttled
 from kvtier.storage._views import ArenaBytes
-from kvtier.storage.backends._disk_direct import DirectIO
-from kvtier.storage.backends._disk_files import (
-    NAMESPACE_FILE,
-    SUFFIX,
-    TMP_SUFFIX,
-    namespace_dir,
-    scan_chunks,
-    write_marker,
-)
-from kvtier.storage.backends._disk_index import DiskIndex, ScanPacer
-from kvtier.storage.backends._disk_io import (
+from kvtier.storage.backends.base import BackendContext, StorageBackend, refuse_options
+from kvtier.storage.backends.disk.direct import DirectIO
+from kvtier.storage.backends.disk.fileio import (
     NotRegular,
     kind_of,
     make_private_dirs,
@@ -76,9 +68,17 @@ from kvtier.storage.backends._disk_io import (
     read_header,
     remove_entry,
 )
-from kvtier.storage.backends._disk_readers import BatchReaders
-from kvtier.storage.backends._disk_writer import FS_FULL_CAP_S, DiskWriter
-from kvtier.storage.backends.base import BackendContext, StorageBackend, refuse_options
+from kvtier.storage.backends.disk.files import (
+    NAMESPACE_FILE,
+    SUFFIX,
+    TMP_SUFFIX,
+    namespace_dir,
+    scan_chunks,
+    write_marker,
+)
+from kvtier.storage.backends.disk.index import DiskIndex, ScanPacer
+from kvtier.storage.backends.disk.readers import BatchReaders
+from kvtier.storage.backends.disk.writer import FS_FULL_CAP_S, DiskWriter
 
 if TYPE_CHECKING:
     from kvtier.core.keys import ChunkKey

@@ -20,7 +20,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from kvtier.storage import codec
-from kvtier.storage.backends.redis_format import segment_count
+from kvtier.storage.backends.redis.format import segment_count
 
 if TYPE_CHECKING:
     from kvtier.core.keys import ChunkKey
