@@ -108,7 +108,12 @@ def test_demo_answers_equal_vllms_prefix_cache(demo_cache, tmp_path) -> None:
     assert row["hit_tokens_restart"] > 512
     assert row["hit_tokens_warm"] % 32 == row["hit_tokens_restart"] % 32 == 0
     assert row["hit_tokens_warm"] == row["hit_tokens_prefix_cache_warm"]
-    assert report["summary"]["ttft_warm_s"] > 0
+    summary = report["summary"]
+    assert summary["ttft_warm_s"] > 0
+    assert summary["warm_over_prefix_cache"] == pytest.approx(
+        summary["ttft_warm_s"] / summary["ttft_prefix_cache_warm_s"]
+    )
+    assert "kvtier warm / vLLM's prefix cache warm" in words
     # Hits by tier, as vLLM's metrics (what /metrics serves) report them: the warm question
     # from host memory, the restarted engine's from disk.
     tiers = report["hit_tokens_by_tier"]
