@@ -178,7 +178,7 @@ def tests_cpu(session: nox.Session) -> None:
 @nox.session(name="tests-quick", python=PYTHON)
 def tests_quick(session: nox.Session) -> None:
     """The contributor's loop: the CPU suite without the tests that start a real vLLM engine
-    (``-m "not vllm"``: about 2,450 tests in 2 minutes on 2 cores). Not a substitute for
+    (``-m "not vllm"``; its count and time are in docs/testing.md). Not a substitute for
     ``tests-cpu`` before a change lands."""
     _ensure_redis_server(session)
     _install(session, tuple(MEMBERS), vllm=True, extra=(*TEST_DEPS, *TOOL_DEPS, "triton"))
@@ -204,8 +204,8 @@ VLLM_NEXT_TESTS = (
 @nox.session(name="tests-vllm-next", python=PYTHON)
 def tests_vllm_next(session: nox.Session) -> None:
     """kvtier against a newer vLLM (``KVTIER_VLLM_NEXT_SPEC``, default ``vllm==0.33.0``): the
-    engine-free vLLM tests. Not in CI (a CUDA torch and vLLM are about 4 GB to fetch); run it
-    when a vLLM is released (docs/testing.md)."""
+    engine-free vLLM tests. Not in CI (it fetches a CUDA torch and vLLM); run it when a vLLM is
+    released (docs/testing.md says how, and what it took)."""
     _ensure_redis_server(session)
     session.install(VLLM_NEXT)
     session.install(*[f"-e{MEMBERS[m]}" for m in MEMBERS], *TEST_DEPS, *TOOL_DEPS)

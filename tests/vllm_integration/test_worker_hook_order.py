@@ -1,5 +1,6 @@
 """The worker half's hooks called in the order of each vLLM model runner, on real kvtier parts
-over CPU tensors (the runtime ``register_kv_caches`` would build, built here directly).
+over CPU tensors (``WorkerSide.start``: the runtime ``register_kv_caches`` builds once it has
+read vLLM's views and weights, which need a model runner).
 
 - V1 (vLLM 0.32's runners): ``start_load_kv``, per layer ``wait_for_layer_load`` and
   ``save_kv_layer``, ``wait_for_save``, then ``get_finished``, ``get_block_ids_with_load_errors``
@@ -27,14 +28,7 @@ from kvtier.core import CacheEngine, HostArena, HostMemoryStorageManager, KVLayo
 from kvtier.core.keys import KeyScope
 from kvtier.core.platforms.cpu import CPUPlatform
 from kvtier.vllm_integration.messages import KVTierMetadata, LoadSpec, SaveSpec
-from kvtier.vllm_integration.stats import StatsTracker
-from kvtier.vllm_integration.worker.feed import PresenceFeed
-from kvtier.vllm_integration.worker.holds import HoldTable
-from kvtier.vllm_integration.worker.loads import WorkerLoads
-from kvtier.vllm_integration.worker.prober import Prober
-from kvtier.vllm_integration.worker.saves import WorkerSaves
-from kvtier.vllm_integration.worker.side import Runtime, WorkerSide
-from kvtier.vllm_integration.worker.verify import WorkerVerify
+from kvtier.vllm_integration.worker.side import WorkerSide
 
 BLOCK, CHUNK, BLOCKS = 16, 32, 32
 LAYOUT = KVLayout(3, 2, 16, "bfloat16", BLOCK)
@@ -62,38 +56,7 @@ def worker(layerwise: bool) -> WorkerSide:
         block_size=BLOCK,
         engine_id="hook-order",
     )
-    layer_of = {name: i for i, name in enumerate(LAYERS)}
-    holds = HoldTable(engine, 30.0)
-    feed = PresenceFeed(0, engine)
-    metrics = StatsTracker()
-    verify = WorkerVerify(engine, holds, block_size=BLOCK, quarantined=feed.quarantined)
-    side._rt = Runtime(
-        engine=engine,
-        rank=0,
-        layer_of=layer_of,
-        holds=holds,
-        saves=WorkerSaves(
-            config,
-            engine,
-            verify,
-            block_size=BLOCK,
-            layer_of=layer_of,
-            count=side.counters.add,
-            metrics=metrics,
-        ),
-        loads=WorkerLoads(
-            config,
-            engine,
-            holds,
-            block_size=BLOCK,
-            layer_of=layer_of,
-            count=side.counters.add,
-            metrics=metrics,
-        ),
-        feed=feed,
-        prober=Prober(side._probe, feed.answer),
-        server=SimpleNamespace(close=lambda: None),  # type: ignore[arg-type]
-    )
+    side.start(engine, {name: i for i, name in enumerate(LAYERS)}, rank=0, tier_events=False)
     # The prompt's first chunk is stored (from blocks 0-1), its second is not.
     engine.store(PROMPT[:CHUNK], torch.arange(CHUNK))
     return side
@@ -117,7 +80,10 @@ def step(side: WorkerSide, meta: KVTierMetadata, order: str) -> tuple[set[int], 
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
 @pytest.mark.parametrize("order", ["v1", "mrv2"])
-def test_a_short_load_is_reported_in_its_own_step_in_either_order(order, layerwise) -> None:
+def test_a_short_load_is_reported_in_its_own_step_in_either_order(
+    order, layerwise, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setenv("KVTIER_RUNTIME_DIR", str(tmp_path))  # the worker's control socket
     side = worker(layerwise)
     try:
         scope = KeyScope()

@@ -242,10 +242,10 @@ class Verifier:
     def _act(self, checks: list[ChunkCheck]) -> None:
         bad = [c for c in checks if not c.ok]
         with self._lock:
-            good = [c.error for c in checks if c.ok]
-            self.states += sum(c.ok and c.state for c in checks)
-            self.chunks += len(good) - sum(c.ok and c.state for c in checks)
-            self.worst_ok = max([self.worst_ok, *good])
+            good = [c for c in checks if c.ok]
+            self.states += sum(c.state for c in good)
+            self.chunks += sum(not c.state for c in good)
+            self.worst_ok = max([self.worst_ok, *(c.error for c in good)])
             for c in bad:
                 self.mismatches[c.tier] = self.mismatches.get(c.tier, 0) + 1
                 self.least_bad = min(self.least_bad, c.error)

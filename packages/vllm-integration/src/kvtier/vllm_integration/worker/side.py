@@ -24,7 +24,8 @@ Saves, lazy saves and the sampled checks of verification run on the saver thread
 (``worker/saves.py``); the scheduler keeps a request's blocks until they are done.
 
 A step whose metadata carries a new weights generation (``reset_cache`` on the scheduler)
-first drops the host-memory tier: its chunks were computed with the old weights.
+first drops the host-memory tier: its chunks were computed with the old weights
+(``worker/generation.py``).
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ from kvtier.vllm_integration.messages import (
     hold_ttl_s,
 )
 from kvtier.vllm_integration.stats import Counters, KVTierStats, StatsTracker, StepTimer
-from kvtier.vllm_integration.weights import model_digest, served_weights
+from kvtier.vllm_integration.weights import served_weights
 from kvtier.vllm_integration.worker.feed import PresenceFeed
+from kvtier.vllm_integration.worker.generation import WorkerWeights
 from kvtier.vllm_integration.worker.holds import HoldTable
 from kvtier.vllm_integration.worker.loads import WorkerLoads
 from kvtier.vllm_integration.worker.prober import Found, Prober
@@ -132,12 +134,9 @@ class WorkerSide:
         self._vllm_config = vllm_config
         self._engine_id = engine_id
         self._rt: Runtime | None = None  # built by register_kv_caches
-        self._generation: str | None = None
-        self._weights_epoch = 0  # the last reset whose weights this worker digested
-        self._model: torch.nn.Module | None = None  # what it digests (``weights.py``)
-        self._live_at_start = ""  # the digest of the live parameters at start
         self.counters = Counters(WORKER_COUNTERS)
         self._count = self.counters.add
+        self.weights = WorkerWeights(self._count)  # resets (worker/generation.py)
         self.metrics = StatsTracker()
         self.timer = StepTimer(self.metrics, "worker")  # kvtier's time in each step (connector.py)
 
@@ -170,7 +169,7 @@ class WorkerSide:
         _, worker = engine_rank(vc, use_mla=False)
         key_world, key_rank = engine_rank(vc, layout.use_mla)
         model, weights, live = served_weights(vc)
-        self._model, self._live_at_start = model, live
+        self.weights.started(model, live)
         weights = engine_weights(vc, weights)
         platform = get_platform(
             self.config.platform or caches[0].device.type,
@@ -187,15 +186,32 @@ class WorkerSide:
             platform=platform,
         )
         engine.register_kv_caches(caches, reg.num_blocks)
-        holds = HoldTable(engine, hold_ttl_s(self.config))
         kv_events = vc.kv_events_config
-        feed = PresenceFeed(
-            worker, engine, tier_events=bool(kv_events and kv_events.enable_kv_cache_events)
+        self.start(
+            engine,
+            reg.layer_of,
+            rank=worker,
+            tier_events=bool(kv_events and kv_events.enable_kv_cache_events),
         )
+        logger.info(
+            "kvtier: %s (fingerprint %s), tiers %s, control channel %s",
+            layout.describe(),
+            layout.fingerprint(),
+            self.config.tiers,
+            self._runtime().server.path,
+        )
+
+    def start(
+        self, engine: CacheEngine, layer_of: dict[str, int], *, rank: int, tier_events: bool
+    ) -> None:
+        """Build the runtime over ``engine`` (its KV views registered), worker ``rank``'s, with
+        vLLM's layer names (``register_kv_caches``, once the views and the weights are read)."""
+        holds = HoldTable(engine, hold_ttl_s(self.config))
+        feed = PresenceFeed(rank, engine, tier_events=tier_events)
         self._rt = Runtime(
             engine=engine,
-            rank=worker,
-            layer_of=reg.layer_of,
+            rank=rank,
+            layer_of=layer_of,
             holds=holds,
             saves=WorkerSaves(
                 self.config,
@@ -204,7 +220,7 @@ class WorkerSide:
                     engine, holds, block_size=self.block_size, quarantined=feed.quarantined
                 ),
                 block_size=self.block_size,
-                layer_of=reg.layer_of,
+                layer_of=layer_of,
                 count=self._count,
                 metrics=self.metrics,
             ),
@@ -213,7 +229,7 @@ class WorkerSide:
                 engine,
                 holds,
                 block_size=self.block_size,
-                layer_of=reg.layer_of,
+                layer_of=layer_of,
                 count=self._count,
                 metrics=self.metrics,
                 before_indexed=self._before_indexed,
@@ -221,14 +237,7 @@ class WorkerSide:
             ),
             feed=feed,
             prober=Prober(self._probe, feed.answer),
-            server=ControlServer(socket_path(self._engine_id, worker), self._serve),
-        )
-        logger.info(
-            "kvtier: %s (fingerprint %s), tiers %s, control channel %s",
-            layout.describe(),
-            layout.fingerprint(),
-            self.config.tiers,
-            self._rt.server.path,
+            server=ControlServer(socket_path(self._engine_id, rank), self._serve),
         )
 
     def _runtime(self) -> Runtime:
@@ -297,42 +306,13 @@ class WorkerSide:
         reports = report.reports if report is not None else {}
         return LazyWorkerMeta(reports, {rt.rank: sorted(done)} if done else {})
 
-    def _digest_weights(self, rt: Runtime, meta: KVTierMetadata) -> None:
-        """A ``reset_cache`` since the last step: report the live weights' digest (the
-        scheduler decides the generation from every rank's, ``scheduler/generation.py``)."""
-        if meta.weights_epoch == self._weights_epoch or self._model is None:
-            return
-        self._weights_epoch = meta.weights_epoch
-        t0 = time.perf_counter()
-        digest = model_digest(self._model)
-        rt.feed.weights(meta.weights_epoch, digest, digest != self._live_at_start)
-        logger.info(
-            "kvtier: live weights digested for cache reset %d in %.3f s",
-            meta.weights_epoch,
-            time.perf_counter() - t0,
-        )
-
-    def _new_generation(self, rt: Runtime, meta: KVTierMetadata) -> None:
-        """Drop host-memory chunks of older weights when the scheduler starts a generation."""
-        if meta.generation == self._generation:
-            return
-        self._generation = meta.generation
-        rt.holds.close()
-        dropped = rt.engine.storage.drop_host()
-        self._count(generation_resets=1)
-        logger.info(
-            "kvtier: new weights generation %s: %d host-memory chunk(s) dropped",
-            meta.generation,
-            dropped,
-        )
-
     # -- loads (worker/loads.py) --------------------------------------------------------------
     def start_load_kv(self, meta: KVTierMetadata) -> None:
         rt = self._rt
         if rt is None:
             return
-        self._digest_weights(rt, meta)
-        self._new_generation(rt, meta)
+        self.weights.digest(rt.feed, meta)
+        self.weights.follow(rt.engine, rt.holds, meta)
         for rid, hold_id in meta.releases:
             rt.holds.release(rid, hold_id)
         rt.holds.expire()
