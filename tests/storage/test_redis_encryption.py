@@ -221,6 +221,8 @@ def _backend(url: str, segment_bytes: int, arena: HostArena, tmp_path: Path) -> 
         tiers=["local_cpu", "redis"],
         redis_url=url,
         encryption_key=KEY_A,
+        # An untouched chunk must read back: a loaded machine's slow call is not a miss here.
+        redis_timeout_s=10.0,
         backend_options={"redis": {"segment_bytes": segment_bytes, "retry_interval_s": 0.2}},
     )
     return RedisBackend(

@@ -33,24 +33,38 @@ class Clock:
         return self.now
 
 
+def act_as(
+    h: Harness,
+    *,
+    loads: bool,
+    saves: bool,
+    waits: ConsumerWait | None = None,
+    receipts: Receipts | None = None,
+) -> None:
+    """Give the harness's scheduler half another role over the same tiers."""
+    life = h.sched.requests
+    life.loads_enabled, life.saves_enabled = loads, saves
+    life.p.waits = h.sched.waits = waits
+    life.p.receipts = h.sched.receipts = receipts
+
+
 def consumer(**overrides) -> tuple[Harness, Clock]:
     h = Harness.create(**overrides)
-    h.sched.loads_enabled, h.sched.saves_enabled = True, False
     clock = Clock()
-    h.sched.waits = ConsumerWait(h.sched.config, clock)
+    act_as(h, loads=True, saves=False, waits=ConsumerWait(h.sched.config, clock))
     return h, clock
 
 
 def test_a_producer_announces_what_it_stored() -> None:
     h = Harness.create()
     try:
-        h.sched.loads_enabled = False  # a producer
+        act_as(h, loads=False, saves=True)  # a producer
         req = request(PROMPT)
         h.store(req)
         _, params = h.sched.finished(req, [])
         assert announced(params) == len(PROMPT) - len(PROMPT) % BLOCK
         both = request(PROMPT)
-        h.sched.loads_enabled = True  # kv_both announces nothing
+        act_as(h, loads=True, saves=True)  # kv_both announces nothing
         h.store(both)
         assert h.sched.finished(both, [])[1] is None
     finally:
@@ -63,15 +77,14 @@ def test_a_producer_without_unfull_chunks_announces_only_whole_chunks() -> None:
     stored. The consumer then loads exactly what was announced, without waiting."""
     h = Harness.create(save_unfull_chunk=False)
     try:
-        h.sched.loads_enabled = False  # a producer
+        act_as(h, loads=False, saves=True)  # a producer
         prompt = list(range(100, 100 + 3 * CHUNK + BLOCK + 5))  # a whole block past 3 chunks
         req = request(prompt)
         h.store(req)
         _, params = h.sched.finished(req, [])
         assert announced(params) == 3 * CHUNK
-        h.sched.loads_enabled, h.sched.saves_enabled = True, False  # now its consumer
         clock = Clock()
-        h.sched.waits = ConsumerWait(h.sched.config, clock)
+        act_as(h, loads=True, saves=False, waits=ConsumerWait(h.sched.config, clock))
         follow = request(prompt)
         follow.kv_transfer_params = params
         assert h.hit(follow) == 3 * CHUNK
@@ -82,17 +95,14 @@ def test_a_producer_without_unfull_chunks_announces_only_whole_chunks() -> None:
 
 def producer(**overrides) -> Harness:
     h = Harness.create(**overrides)
-    h.sched.loads_enabled = False
-    h.sched.receipts = Receipts("prefill-engine")
+    act_as(h, loads=False, saves=True, receipts=Receipts("prefill-engine"))
     return h
 
 
 def as_consumer(h: Harness) -> Clock:
     """The same tiers, now read by a consumer's scheduler half (the default 10 s wait)."""
-    h.sched.loads_enabled, h.sched.saves_enabled = True, False
-    h.sched.receipts = None
     clock = Clock()
-    h.sched.waits = ConsumerWait(h.sched.config, clock)
+    act_as(h, loads=True, saves=False, waits=ConsumerWait(h.sched.config, clock))
     return clock
 
 

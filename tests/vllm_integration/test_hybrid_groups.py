@@ -180,10 +180,7 @@ def test_an_offered_state_block_reused_or_written_before_its_copy_drains_the_wor
     hybrid.bind(manager)  # type: ignore[arg-type]
     step4 = KVTierMetadata(step=4)
     hybrid.take_offers(_offers({}))
-    from kvtier.vllm_integration.scheduler.lookups import RequestState
-
-    state = RequestState(SimpleNamespace(), None, np.zeros(4, dtype=np.int64), None)  # type: ignore[arg-type]
-    hybrid.refresh("r", state)  # its running state is block 7
+    hybrid.refresh("r")  # its running state is block 7
     hybrid.fence(step4, _output(), copied_through=2)
     assert step4.drain_saves and hybrid.drains == 2
 
@@ -331,9 +328,9 @@ def test_a_short_probe_answer_forgets_chunks_only_without_states(stateful) -> No
     forgotten: list = []
     index = SimpleNamespace(forget=lambda rank, hashes, scope: forgotten.extend(hashes))
     lookups = Lookups(load_config(env={}), index, 1, stateful=stateful)  # type: ignore[arg-type]
-    state = SimpleNamespace(probe=Probe(7, 0.0))
     hashes = SimpleNamespace(missing_after=lambda hit: [b"next"], scope=None)
-    lookups.answer(state, hashes, 0, ProbeAnswer("r", 7, 0))  # type: ignore[arg-type]
+    state = SimpleNamespace(probe=Probe(7, 0.0), hashes=hashes)
+    lookups.answer(state, 0, ProbeAnswer("r", 7, 0))  # type: ignore[arg-type]
     assert state.probe.answers == {0: 0}
     assert forgotten == ([] if stateful else [b"next"])
 

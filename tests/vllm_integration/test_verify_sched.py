@@ -49,7 +49,7 @@ def test_a_sampled_request_is_told_no_hit_and_checked_once_computed(h) -> None:
     assert h.ranks[0].holds.stats()["holds"] == 0, "the hold went with the check"
     assert h.sched.get_kv_connector_stats().data["counters"]["verify_requests"] == {"": 1}
     # Once checked, the request is never sampled again and a new request may be
-    assert h.sched.verify.sample(h.sched._state(req), 0, HIT, None) is False
+    assert h.sched.verify.sample(h.sched.requests.track(req), 0, HIT, None) is None
 
 
 def test_changed_kv_is_caught_and_the_index_is_not_trusted_meanwhile(h) -> None:
@@ -111,7 +111,7 @@ def test_who_is_never_sampled(overrides) -> None:
 @pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
 def test_producers_and_consumers_never_sample(h, role) -> None:
     sampling = VerifySampling(h.sched.config, role, BLOCK)
-    assert not sampling.sample(h.sched._state(request(PROMPT)), 0, HIT, None)
+    assert sampling.sample(h.sched.requests.track(request(PROMPT)), 0, HIT, None) is None
 
 
 def test_a_fraction_samples_about_that_share() -> None:

@@ -6,7 +6,7 @@ place). So, for a hybrid model:
 
 - each step, the live block ids of every group are read from vLLM's cache manager
   (``refresh``) and sent with each load, save and check (``attach``); a save starts at the first
-  chunk whose window blocks are all live (``RequestState.live_from``);
+  chunk whose window blocks are all live (``TrackedRequest.live_from``);
 - a window block a save or check may still be reading on a worker can be freed and handed to
   another request; when a step reuses one (newly allocated, or filled by an asynchronous load)
   before every worker has reported that save copied (``RankReport.saves_copied``), the step's
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.vllm_integration.groups import NULL_BLOCK, CacheGroups
 from kvtier.vllm_integration.messages import KVTierMetadata, LoadSpec, SaveSpec, VerifySpec
-from kvtier.vllm_integration.scheduler.lookups import RequestState
+from kvtier.vllm_integration.scheduler.state import TrackedRequest
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -58,22 +58,20 @@ class HybridBlocks:
     def bind(self, manager: KVCacheManager) -> None:
         self._manager = manager
 
-    def refresh(self, rid: str, state: RequestState) -> None:
-        """Read the request's live block ids of every group (before its specs are made)."""
-        if not self.groups.tracked:
-            return
+    def refresh(self, rid: str) -> tuple[list[list[int]], int]:
+        """The request's live block ids of every group (read before its specs are made), and
+        the first token from which every window group still has its blocks."""
         if self._manager is None:
             raise RuntimeError(
                 "a model with sliding-window layers needs vLLM's cache manager "
                 "(bind_kv_cache_manager)"
             )
         ids = [list(g) for g in self._manager.get_block_ids(rid)]
-        state.groups = ids
-        state.live_from = self.groups.live_from(ids) * self.block_size
         for g in self.groups.mambas:  # its running state: the last block of the group
             live = [b for b in ids[g] if b != NULL_BLOCK]
             if live:
                 self._running.add(live[-1])
+        return ids, self.groups.live_from(ids) * self.block_size
 
     def take_offers(self, output: SchedulerOutput) -> None:
         """The step's boundary-state offers: for each request, ``(boundary, block of each
@@ -103,21 +101,21 @@ class HybridBlocks:
         ]
 
     def with_states(
-        self, rid: str, state: RequestState, spec: SaveSpec | None, chunk: int, step: int
-    ) -> SaveSpec | None:
+        self, rid: str, req: TrackedRequest, spec: SaveSpec | None, chunk: int
+    ) -> tuple[SaveSpec | None, bool]:
         """``spec`` (the request's save this step, or None) carrying the states vLLM offered
         for it this step (``states``), within what the save stores; a save of the states
-        alone when its chunks are stored already."""
-        limit = min(len(spec.tokens) if spec is not None else len(state.prompt), len(state.prompt))
+        alone when its chunks are stored already (then True)."""
+        limit = min(len(spec.tokens) if spec is not None else len(req.prompt), len(req.prompt))
         states = self.states(rid, chunk, limit)
-        if not states or not state.cacheable:
-            return spec
+        if not states or not req.cacheable:
+            return spec, False
+        alone = spec is None
         if spec is None:
             end = states[-1][0]
-            spec = SaveSpec(rid, state.prompt[:end], [], end, state.scope)
-            state.last_save_step = step  # its blocks are held until the save is done
+            spec = SaveSpec(rid, req.prompt[:end], [], end, req.scope)
         spec.states = states
-        return spec
+        return spec, alone
 
     def attach(
         self, spec: LoadSpec | SaveSpec | VerifySpec, groups: Sequence[Sequence[int]] | None

@@ -1,4 +1,5 @@
-"""The scheduler side's lookups: per-request state, and the probe state machine.
+"""The scheduler side's lookups: which probes to send, and their answers (a policy: it writes
+no request state; ``scheduler/request.py`` asks it).
 
 A waiting request is first checked against the index of stored chunks (``scheduler/index.py``); if
 it may hit beyond what vLLM already has, a *probe* (``scheduler/prompts.py``) goes to the workers
@@ -18,21 +19,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
-from kvtier.core.keys import KeyScope
-from kvtier.vllm_integration.identity import keyable
 from kvtier.vllm_integration.messages import ProbeAnswer, ProbeSpec, hold_ttl_s
 from kvtier.vllm_integration.scheduler.index import PresenceIndex
 from kvtier.vllm_integration.scheduler.prompts import IndexedPrompt, Probe
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
+
+    from kvtier.vllm_integration.scheduler.state import TrackedRequest
 
 logger = logging.getLogger("kvtier")
 
@@ -63,56 +61,6 @@ def warn_load_failure_policy(policy: str, config: KVTierConfig) -> None:
             policy,
             hold_ttl_s(config),
         )
-
-
-@dataclass
-class PendingVerify:
-    """A request sampled for verification (``scheduler/verify.py``): checked once vLLM has
-    computed tokens ``[start, end)`` itself."""
-
-    start: int  # tokens vLLM had already (its prefix cache): not recomputed, not compared
-    end: int  # the hit the lookup found
-    hold_id: int | None  # the workers' hold of the hit (None: the index answered)
-
-
-@dataclass
-class RequestState:
-    """What the scheduler side tracks for one live request."""
-
-    request: Request
-    adapter: str | None
-    prompt: np.ndarray  # identity tokens of the prompt
-    generation: str | None  # the generation its KV is computed under
-    block_ids: list[int] = field(default_factory=list)
-    external: int = 0  # tokens to load in the request's next scheduled step
-    hold_id: int | None = None  # the worker's hold those tokens are loaded from
-    probe: Probe | None = None  # the lookup in flight or answered, not yet used by a load
-    hashes: IndexedPrompt | None = None
-    indexed: tuple[int, int] = (-1, 0)  # (index version, tokens it said) at the last lookup
-    computed_at_lookup: int = 0  # tokens vLLM already had (its prefix cache) at the lookup
-    load_async: bool = False  # what the last lookup answered
-    saved_upto: int = 0  # tokens handed to the worker for saving
-    prompt_saved: bool = False
-    last_save_step: int = -1  # the step whose metadata carried its last save (-1: none)
-    # A load of it failed (vLLM recomputes the blocks): never offered again, so a chunk that
-    # cannot be loaded is not retried step after step.
-    load_failed: bool = False
-    verify: PendingVerify | None = None  # sampled for verification, its check not sent yet
-    verify_step: int = -1  # the step whose metadata carried its check (-1: none)
-    # A hybrid model's live block ids of every KV cache group this step, and the first token
-    # from which every window group still has its blocks (``scheduler/hybrid.py``).
-    groups: list[list[int]] | None = None
-    live_from: int = 0
-
-    @property
-    def cacheable(self) -> bool:
-        """Whether it may be looked up and saved (``identity.keyable``, with the adapter
-        identity taken when it arrived)."""
-        return keyable(self.request, self.adapter)
-
-    @property
-    def scope(self) -> KeyScope:
-        return KeyScope(self.request.cache_salt, self.adapter, self.generation)
 
 
 class Lookups:
@@ -147,31 +95,18 @@ class Lookups:
         # (rank 0's hold: ``[[start, end, tier], ...]``), for ``sources``.
         self.spans: dict[str, tuple[int, list[list[Any]]]] = {}
 
-    def hashes(self, state: RequestState, chunk_size: int, block_size: int) -> IndexedPrompt:
-        if state.hashes is None:
-            state.hashes = IndexedPrompt(
-                state.prompt, state.scope, chunk_size, block_size, self.config.save_unfull_chunk
-            )
-        return state.hashes
-
     def take(self) -> tuple[list[tuple[str, int]], list[ProbeSpec]]:
         """The releases and probes for the step being built."""
         out = (self.releases, self.probes)
         self.releases, self.probes = [], []
         return out
 
-    def _indexed_hit(self, state: RequestState, hashes: IndexedPrompt, most: int) -> int:
+    def _indexed_hit(self, req: TrackedRequest, most: int) -> int:
         """Whole blocks, at most ``most`` tokens, the index says every rank stores."""
-        version, hit = state.indexed
-        if version != self.index.version:  # a waiting request is asked every step: hash once
-            hit = hashes.indexed_hit(self.index)
-            state.indexed = (self.index.version, hit)
-        hit = min(hit, most)
-        return hit - hit % hashes.block_size
+        hit = min(req.indexed_hit(self.index), most)
+        return hit - hit % req.hashes.block_size
 
-    def _may_hit(
-        self, state: RequestState, hashes: IndexedPrompt, computed: int, most: int
-    ) -> bool:
+    def _may_hit(self, req: TrackedRequest, computed: int, most: int) -> bool:
         """Whether a probe may find more than vLLM has: the index says so, or a tier it cannot
         list (or a worker that has not reported yet) might. With host memory as the only tier,
         an index still waiting for a worker's first report is an empty one: nothing was stored
@@ -181,85 +116,74 @@ class Lookups:
             return list(self.config.tiers) != ["local_cpu"]
         if not self.index.complete:
             return True
-        return self._indexed_hit(state, hashes, most) > computed
+        return self._indexed_hit(req, most) > computed
 
     def record(self, req_id: str, hit: int, sources: list[list[Any]]) -> None:
         """The hit vLLM was given for ``req_id`` and where it was found (for ``sources``)."""
         self.spans[req_id] = (hit, sources)
 
-    def finished(self, rid: str, state: RequestState | None) -> None:
-        """Request ``rid`` is done: forget its lookup and release any hold it still has on the
-        workers (its probe's, or the one kept for its load)."""
+    def forget(self, rid: str) -> None:
+        """Request ``rid`` is done: forget its lookup."""
         self.spans.pop(rid, None)
-        if state is None:
-            return
-        self.release(state)
-        if state.hold_id is not None:
-            self.releases.append((rid, state.hold_id))
 
-    def release(self, state: RequestState) -> None:
-        """Let the worker drop the request's probe hold (it will not be loaded)."""
-        if state.probe is not None:
-            if not state.probe.indexed:
-                self.releases.append((state.request.request_id, state.probe.hold_id))
-            state.probe = None
+    def release(self, rid: str, probe: Probe | None) -> None:
+        """Let the workers drop ``probe``'s hold (it will not be loaded)."""
+        if probe is not None and not probe.indexed:
+            self.releases.append((rid, probe.hold_id))
 
-    def probe(
+    def look(
         self,
-        state: RequestState,
-        hashes: IndexedPrompt,
+        req: TrackedRequest,
         computed: int,
         most: int,
         receipt: bytes | None = None,
-    ) -> Probe | None:
-        """The request's answered probe; None while there is none yet (one is sent if the
-        request may hit) or it is in flight. ``receipt``: a consumer request's, from its
-        producer's announcement (the workers ask for it before the chunks)."""
+    ) -> tuple[Probe | None, Probe | None]:
+        """``(the probe the request holds now, the answered one)``: the answer is None while
+        there is none yet (one is sent if the request may hit) or it is in flight; a miss the
+        index rules out is answered without a probe held. ``receipt``: a consumer request's,
+        from its producer's announcement (the workers ask for it before the chunks)."""
         now = time.monotonic()
-        probe = state.probe
+        probe = req.probe
         if probe is None and self.mode == "index" and self.index.complete and self._index_trusted():
-            hit = self._indexed_hit(state, hashes, most)
+            hit = self._indexed_hit(req, most)
             if hit > computed:
                 self.indexed += 1
                 answers = dict.fromkeys(range(self.num_workers), hit)
-                sources = hashes.indexed_sources(self.index, hit)
-                state.probe = Probe(-1, now, answers, sources, indexed=True)
-                return state.probe
+                sources = req.hashes.indexed_sources(self.index, hit)
+                probe = Probe(-1, now, answers, sources, indexed=True)
+                return probe, probe
         if probe is not None and now - probe.sent_at > hold_ttl_s(self.config) / 2:
-            self.release(state)  # its hold is about to expire: look again
+            self.release(req.rid, probe)  # its hold is about to expire: look again
             probe = None
         if probe is None:
-            if not self._may_hit(state, hashes, computed, most):
-                return Probe(-1, now, expired=True)  # a miss, nothing held
-            rid = state.request.request_id
-            probe = state.probe = Probe(self._next_hold_id, now)
+            if not self._may_hit(req, computed, most):
+                return None, Probe(-1, now, expired=True)  # a miss, nothing held
+            probe = Probe(self._next_hold_id, now)
             self._next_hold_id += 1
-            self.probes.append(ProbeSpec(rid, probe.hold_id, state.prompt, state.scope, receipt))
+            self.probes.append(ProbeSpec(req.rid, probe.hold_id, req.prompt, req.scope, receipt))
             self.sent += 1
-            logger.debug("kvtier: request %s: probe %d goes to the workers", rid, probe.hold_id)
-            return None
+            logger.debug("kvtier: request %s: probe %d goes to the workers", req.rid, probe.hold_id)
+            return probe, None
         if probe.answered(self.num_workers):
-            return probe
+            return probe, probe
         if now - probe.sent_at < self.config.lookup_timeout_s:
-            return None
+            return probe, None
         self.failures += 1
         logger.warning(
             "kvtier: %d of %d worker(s) did not answer the lookup of request %s in "
             "%.1f s (lookup_timeout_s); treating it as a miss",
             self.num_workers - len(probe.answers),
             self.num_workers,
-            state.request.request_id,
+            req.rid,
             self.config.lookup_timeout_s,
         )
         probe.expired = True
-        return probe
+        return probe, probe
 
-    def answer(
-        self, state: RequestState | None, hashes: IndexedPrompt | None, rank: int, ans: ProbeAnswer
-    ) -> None:
+    def answer(self, req: TrackedRequest | None, rank: int, ans: ProbeAnswer) -> None:
         """A rank's answer to a probe (ignored if the request is gone or was probed again)."""
-        probe = state.probe if state is not None else None
-        if probe is None or probe.hold_id != ans.hold_id or probe.expired or hashes is None:
+        probe = req.probe if req is not None else None
+        if req is None or probe is None or probe.hold_id != ans.hold_id or probe.expired:
             return  # a request gone or probed again since: its hold was released
         probe.answers[rank] = ans.hit
         if ans.settled:
@@ -267,7 +191,7 @@ class Lookups:
         if rank == 0:
             probe.sources = ans.sources
         if not self.stateful:
-            self.shortfall(hashes, rank, ans.hit)
+            self.shortfall(req.hashes, rank, ans.hit)
 
     def sources(
         self, request: Request, num_external_tokens: int, block_size: int

@@ -6,7 +6,6 @@ answers, shortfalls of index-answered loads, quarantines, lazy copies done)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,8 +15,7 @@ from kvtier.vllm_integration.scheduler.frees import BlockFrees
 from kvtier.vllm_integration.scheduler.generation import WeightsGeneration
 from kvtier.vllm_integration.scheduler.index import PresenceIndex
 from kvtier.vllm_integration.scheduler.lazy import LazyOffload
-from kvtier.vllm_integration.scheduler.lookups import Lookups, RequestState
-from kvtier.vllm_integration.scheduler.prompts import IndexedPrompt
+from kvtier.vllm_integration.scheduler.request import RequestLifecycle
 from kvtier.vllm_integration.scheduler.verify import VerifySampling
 
 if TYPE_CHECKING:
@@ -30,20 +28,24 @@ logger = logging.getLogger("kvtier")
 class StepOutputs:
     """Applies a step's output to the scheduler side's parts (see the module docstring)."""
 
-    requests: dict[str, RequestState]
+    requests: RequestLifecycle
     index: PresenceIndex
-    lookups: Lookups
     frees: BlockFrees
     events: EventLog
     verify: VerifySampling
     lazy: LazyOffload | None
-    hashes: Callable[[RequestState], IndexedPrompt]
-    chunk_size: int
     weights: WeightsGeneration
 
     def apply(self, output: KVConnectorOutput) -> None:
         self.frees.sent(set(output.finished_sending or ()))
-        self._load_failures(output.invalid_block_ids, output.failed_recving)
+        blocks, failed = output.invalid_block_ids, output.failed_recving
+        if blocks or failed:
+            for rid in self.requests.load_failures(blocks or set(), failed or set()):
+                logger.warning(
+                    "kvtier: loading request %s failed; it is recomputed and not offered a "
+                    "kvtier hit again",
+                    rid,
+                )
         meta = output.kv_connector_worker_meta
         if isinstance(meta, KVTierWorkerMeta):
             for report in meta.reports.values():
@@ -51,23 +53,6 @@ class StepOutputs:
         if isinstance(meta, LazyWorkerMeta) and self.lazy is not None:
             for rank, lazy_ids in meta.saved.items():
                 self.lazy.copied(rank, lazy_ids)
-
-    def _load_failures(self, blocks: set[int], requests: set[str]) -> None:
-        """Requests whose load failed (a block in ``blocks``, or named in ``requests``): vLLM
-        recomputes them; kvtier stops offering them a hit."""
-        if not blocks and not requests:
-            return
-        for rid, state in self.requests.items():
-            if state.load_failed:
-                continue
-            if rid in requests or not blocks.isdisjoint(state.block_ids):
-                state.load_failed = True
-                self.lookups.release(state)
-                logger.warning(
-                    "kvtier: loading request %s failed; it is recomputed and not offered a "
-                    "kvtier hit again",
-                    rid,
-                )
 
     def _report(self, report: RankReport) -> None:
         self.index.apply(report)
@@ -83,12 +68,6 @@ class StepOutputs:
                 self.events.stored(tier, stored)
                 self.events.removed(tier, dropped)
         for ans in report.answers:
-            state = self.requests.get(ans.req_id)
-            hashes = self.hashes(state) if state is not None else None
-            self.lookups.answer(state, hashes, report.rank, ans)
+            self.requests.answer(report.rank, ans)
         for rid, found in report.short:
-            state = self.requests.get(rid)
-            self.lookups.shortfall(self.hashes(state) if state else None, report.rank, found)
-            if state is not None:
-                # vLLM recomputes what the load missed: save those chunks again
-                state.saved_upto = min(state.saved_upto, found // self.chunk_size * self.chunk_size)
+            self.requests.short(report.rank, rid, found)

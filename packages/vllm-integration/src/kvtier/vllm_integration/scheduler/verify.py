@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from kvtier.core.config import KVTierConfig
 from kvtier.vllm_integration.messages import VerifySpec
-from kvtier.vllm_integration.scheduler.lookups import PendingVerify, RequestState
+from kvtier.vllm_integration.scheduler.state import PendingVerify, TrackedRequest
 
 logger = logging.getLogger("kvtier")
 
@@ -52,33 +52,32 @@ class VerifySampling:
         self.tokens = 0  # hit tokens the sampled requests computed instead of loading
         self._quarantine_ends = 0.0
 
-    def sample(self, state: RequestState, computed: int, hit: int, hold_id: int | None) -> bool:
-        """Whether the lookup that found ``hit`` tokens (vLLM had ``computed``) is verified
-        instead of loaded; if so the request keeps ``hold_id`` for its check."""
+    def sample(
+        self, req: TrackedRequest, computed: int, hit: int, hold_id: int | None
+    ) -> PendingVerify | None:
+        """The check of the lookup that found ``hit`` tokens (vLLM had ``computed``) if it is
+        verified instead of loaded (the request keeps ``hold_id`` for it); else None."""
         new = hit - computed
-        if self.fraction <= 0 or new <= 0 or new > self.max_tokens or state.verify_step >= 0:
-            return False
+        if self.fraction <= 0 or new <= 0 or new > self.max_tokens or req.verify_step >= 0:
+            return None
         if self._rng.random() >= self.fraction:
-            return False
-        state.verify = PendingVerify(computed, hit, hold_id)
+            return None
         self.requests += 1
         self.tokens += new
-        return True
+        return PendingVerify(computed, hit, hold_id)
 
-    def due(self, rid: str, state: RequestState, end: int, step: int) -> VerifySpec | None:
-        """The check to send with step ``step``, after whose forward pass the request has KV
-        for tokens ``[0, end)``; None before its hit is computed."""
-        pending = state.verify
+    def due(self, req: TrackedRequest, end: int) -> VerifySpec | None:
+        """The check to send with a step after whose forward pass the request has KV for
+        tokens ``[0, end)``; None before its hit is computed."""
+        pending = req.verify
         if pending is None or end < pending.end:
             return None
-        state.verify = None
-        state.verify_step = step
         n_blocks = -(-pending.end // self.block_size)
         return VerifySpec(
-            rid,
-            state.prompt[: pending.end],
-            list(state.block_ids[:n_blocks]),
-            state.scope,
+            req.rid,
+            req.prompt[: pending.end],
+            list(req.block_ids[:n_blocks]),
+            req.scope,
             pending.hold_id,
             -(-pending.start // self.block_size) * self.block_size,  # whole blocks computed
         )

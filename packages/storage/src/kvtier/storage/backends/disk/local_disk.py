@@ -133,18 +133,7 @@ class LocalDiskBackend(StorageBackend):
         )
         self._removal_listeners: list[Callable[[list[str]], None]] = []
         self._rescans = ScanPacer(cfg.local_disk_rescan_s)
-        self._writer = DiskWriter(
-            ctx,
-            name=self.name,
-            directory=self.dir,
-            direct=self._direct,
-            index=self._index,
-            budget=self.budget,
-            file_name=self.file_name,
-            check=self._check,
-            evict=self._evict,
-            view_of=self._bytes.of,
-        )
+        self._writer = DiskWriter(ctx, self, self._index, self._direct)
         self._rebuild_index()
 
     # -- index ---------------------------------------------------------------------------------
@@ -166,7 +155,7 @@ class LocalDiskBackend(StorageBackend):
                 len(self._index),
                 self._index.used,
             )
-        self._evict(self._index.evict_to_budget())
+        self.evict_files(self._index.evict_to_budget())
 
     def _rescan_if_due(self) -> None:
         """Count what other processes wrote to (and deleted from) the directory, then evict to
@@ -181,7 +170,7 @@ class LocalDiskBackend(StorageBackend):
                 warn_throttled("disk-scan", "kvtier disk tier: cannot scan %s: %s", self.dir, e)
                 return
             self._index.sync(found, since)
-            self._evict(self._index.evict_to_budget())
+            self.evict_files(self._index.evict_to_budget())
         finally:
             self._rescans.end()
 
@@ -201,6 +190,9 @@ class LocalDiskBackend(StorageBackend):
 
     def path_of(self, key: ChunkKey) -> Path:
         return self.dir / self.file_name(key)
+
+    def bytes_of(self, obj: MemoryObj) -> memoryview:
+        return self._bytes.of(obj)
 
     def _unlink(self, name: str) -> None:
         try:
@@ -224,7 +216,7 @@ class LocalDiskBackend(StorageBackend):
             for listener in self._removal_listeners:
                 listener(digests)
 
-    def _evict(self, victims: list[str]) -> None:
+    def evict_files(self, victims: list[str]) -> None:
         for name in victims:
             self._unlink(name)
         self.ctx.stats.add(f"{self.name}.evicted", len(victims))
@@ -246,7 +238,7 @@ class LocalDiskBackend(StorageBackend):
         warn_throttled("disk-read", "kvtier disk tier: cannot read %s: %s", path, err)
         self.ctx.stats.add(f"{self.name}.errors")
 
-    def _check(self, key: ChunkKey, name: str) -> bool:
+    def has_chunk_file(self, key: ChunkKey, name: str) -> bool:
         """Whether a read of ``key`` can deliver: a regular file whose header is ``key``'s."""
         path = self.dir / name
         try:
@@ -293,7 +285,7 @@ class LocalDiskBackend(StorageBackend):
 
     # -- interface -----------------------------------------------------------------------------
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        return [self._check(k, self.file_name(k)) for k in keys]
+        return [self.has_chunk_file(k, self.file_name(k)) for k in keys]
 
     def batched_put(self, items: Sequence[tuple[ChunkKey, MemoryObj]]) -> None:
         self._rescan_if_due()

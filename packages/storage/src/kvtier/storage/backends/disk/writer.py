@@ -8,9 +8,8 @@ from __future__ import annotations
 import errno
 import functools
 import os
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvtier.storage import codec
 from kvtier.storage._log import warn_throttled
@@ -27,44 +26,49 @@ if TYPE_CHECKING:
 FS_FULL_CAP_S = 60.0
 
 
-class DiskWriter:
-    """Writes one chunk file at a time for the tier named ``name``, under ``budget`` bytes.
+class ChunkFiles(Protocol):
+    """What a writer asks of the disk tier that owns it."""
 
-    ``check`` says whether a chunk's file is already there and good (the tier's lookup),
-    ``evict`` deletes the files the index gives up, ``view_of`` is the bytes of a host object.
-    """
+    name: str
+    dir: Path
+    budget: int
+
+    def file_name(self, key: ChunkKey) -> str: ...
+
+    def has_chunk_file(self, key: ChunkKey, name: str) -> bool:
+        """Whether the chunk's file is there and good (the tier's lookup)."""
+        ...
+
+    def evict_files(self, names: list[str]) -> None:
+        """Delete files the index gave up."""
+        ...
+
+    def bytes_of(self, obj: MemoryObj) -> memoryview:
+        """The bytes of a host memory object."""
+        ...
+
+
+class DiskWriter:
+    """Writes one chunk file at a time for the tier that owns it (``ChunkFiles``), under its
+    budget."""
 
     def __init__(
-        self,
-        ctx: BackendContext,
-        *,
-        name: str,
-        directory: Path,
-        direct: DirectIO | None,
-        index: DiskIndex,
-        budget: int,
-        file_name: Callable[[ChunkKey], str],
-        check: Callable[[ChunkKey, str], bool],
-        evict: Callable[[list[str]], None],
-        view_of: Callable[[MemoryObj], memoryview],
+        self, ctx: BackendContext, tier: ChunkFiles, index: DiskIndex, direct: DirectIO | None
     ) -> None:
         self.ctx = ctx
-        self.name = name
-        self.dir = directory
+        self.tier = tier
+        self.name = tier.name
+        self.dir = tier.dir
         self._direct = direct
         self._index = index
-        self.budget = budget
-        self.file_name = file_name
-        self._check = check
-        self._evict = evict
-        self._view_of = view_of
+        self.budget = tier.budget
 
     def put(self, key: ChunkKey, obj: MemoryObj) -> bool:
         """Store one chunk; whether it is on disk now (False: skipped, counted)."""
-        name = self.file_name(key)
-        if self._check(key, name):
+        name = self.tier.file_name(key)
+        if self.tier.has_chunk_file(key, name):
             return True
-        payload = self._view_of(obj)
+        payload = self.tier.bytes_of(obj)
         if self.ctx.sealer is not None:
             header, sealed = codec.seal(key, obj.meta, self.ctx.layout, payload, self.ctx.sealer)
             payload = memoryview(sealed)
@@ -82,7 +86,7 @@ class DiskWriter:
             )
             return False
         reserved, victims = self._index.reserve(size)
-        self._evict(victims)
+        self.tier.evict_files(victims)
         if not reserved:
             self.ctx.stats.add(f"{self.name}.store_skipped")
             warn_throttled(
@@ -130,7 +134,7 @@ class DiskWriter:
         """The file system is full below the budget: cap the budget at what the tier holds now
         and evict until ``size`` more bytes fit; whether any room was made."""
         cap, victims = self._index.cap_at_used()
-        self._evict(victims)
+        self.tier.evict_files(victims)
         if victims:
             warn_throttled(
                 "disk-enospc",
