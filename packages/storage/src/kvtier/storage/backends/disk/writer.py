@@ -29,7 +29,9 @@ FS_FULL_CAP_S = 60.0
 class ChunkFiles(Protocol):
     """What a writer asks of the disk tier that owns it."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
+
     dir: Path
     budget: int
 
