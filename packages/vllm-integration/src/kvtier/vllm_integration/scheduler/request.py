@@ -221,14 +221,18 @@ class RequestLifecycle:
 
     # 3. Each scheduled step; 4. preemption.
 
-    def blocks(self, preempted: list[str], updates: list[BlockUpdate]) -> None:
-        """A step's preemptions and every touched request's block ids (``scheduler/steps.py``)."""
+    def step_scheduled(
+        self, meta: KVTierMetadata, preempted: list[str], updates: list[BlockUpdate]
+    ) -> None:
+        """A step's preemptions, then each scheduled request's blocks (``scheduler/steps.py``)
+        and what it sends with the step's metadata (``schedule``)."""
         for rid in preempted:
             req = self._reqs.get(rid)
             if req is not None:
                 req.preempted()
                 if self.p.receipts is not None:
                     self.p.receipts.preempted(rid)
+        hybrid = self.p.hybrid if self.p.hybrid.groups.tracked else None
         for u in updates:
             req = self._reqs.get(u.rid)
             if req is None:
@@ -237,18 +241,19 @@ class RequestLifecycle:
                 req.scheduled_first(u.block_ids, u.computed)
             elif u.resumed:
                 req.resumed(u.block_ids)
-            else:
+            elif u.block_ids:
                 req.blocks_added(u.block_ids)
-            if self.p.hybrid.groups.tracked:
-                req.groups_seen(*self.p.hybrid.refresh(u.rid))
+            if hybrid is not None:
+                req.groups_seen(*hybrid.refresh(u.rid))
+            self.schedule(meta, req, u.computed, u.scheduled)
 
-    def schedule(self, meta: KVTierMetadata, rid: str, computed: int, scheduled: int) -> None:
-        """What request ``rid``, scheduled for tokens ``[computed, computed + scheduled)`` in
-        this step, sends with the step's metadata."""
-        req = self._reqs.get(rid)
-        if req is None:
-            return
+    def schedule(
+        self, meta: KVTierMetadata, req: TrackedRequest, computed: int, scheduled: int
+    ) -> None:
+        """What ``req``, scheduled for tokens ``[computed, computed + scheduled)`` in this step,
+        sends with the step's metadata."""
         p = self.p
+        rid = req.rid
         check = p.verify.due(req, computed + scheduled)
         if check is not None:
             req.check_sent(self.step)

@@ -199,9 +199,7 @@ class SchedulerSide:
         )
         self.hybrid.take_offers(scheduler_output)
         updates = block_updates(scheduler_output, self.hybrid.groups.primary)
-        requests.blocks(list(scheduler_output.preempted_req_ids or ()), updates)
-        for u in updates:
-            requests.schedule(meta, u.rid, u.computed, u.scheduled)
+        requests.step_scheduled(meta, list(scheduler_output.preempted_req_ids or ()), updates)
         if self.lazy is not None:
             for spec, req in self.lazy.due():
                 if req.generation == self.generation:

@@ -9,15 +9,13 @@ hybrid model's live ids of every group are read from vLLM's cache manager
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
 
 
-@dataclass(frozen=True)
-class BlockUpdate:
+class BlockUpdate(NamedTuple):
     """One scheduled request's blocks in a step."""
 
     rid: str
