@@ -1,4 +1,4 @@
-"""What alias entries (block-granular hits inside stored chunks, ``kvtier.core.aliases``) cost.
+"""What alias entries (block-granular hits inside stored chunks, ``kvtier.core.keys.aliases``) cost.
 
 For two KV shapes (the vLLM CPU test model, and an 8B-class model) and two tier sets (host
 memory only; host memory + disk, flushed), stores the same prompts with aliases on and off in
@@ -22,7 +22,7 @@ import torch
 
 from kvtier.core import CacheEngine, KVLayout, load_config
 from kvtier.core.layout import PagedLayout
-from kvtier.core.platforms.cpu import CPUPlatform
+from kvtier.core.platform.cpu import CPUPlatform
 
 SHAPES = {
     # name: (layout, chunk, chunks per prompt, prompts)

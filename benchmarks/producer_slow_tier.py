@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kvtier.core import CacheEngine, HostArena, KVLayout, load_config
-from kvtier.core.platforms.cpu import CPUPlatform
+from kvtier.core.platform.cpu import CPUPlatform
 from kvtier.storage.backends.base import BackendContext
 from kvtier.storage.backends.disk.local_disk import LocalDiskBackend
 from kvtier.storage.backends.local_cpu import LocalCPUBackend

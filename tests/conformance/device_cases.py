@@ -4,7 +4,7 @@ Every platform's mover is built the public way (``Platform.create_mover``) over 
 exactly as vLLM 0.32's ``allocate_kv_cache`` places them (``fixtures.kv_views.replica_views``,
 checked against vLLM's own in ``test_vllm_views.py``). The oracle defines a page's bytes as the
 bytes of one manager block of one layer *in address order*, found by mapping the logical view's
-elements to storage addresses: it never uses ``kvtier.core.pages``.
+elements to storage addresses: it never uses ``kvtier.core.platform.pages``.
 
 ``KVTIER_TEST_DEVICE`` picks the cache device: ``cpu`` (CI; the CUDA mover's Triton kernels run
 under ``TRITON_INTERPRET=1``) or ``cuda`` (a GPU: every subject runs on CUDA tensors, the XPU
@@ -24,8 +24,8 @@ import torch
 from fixtures.kv_views import replica_views
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena, MemoryObj, MemoryObjMeta
-from kvtier.core.mover import Transfer
 from kvtier.core.platform import Platform
+from kvtier.core.platform.mover import Transfer
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def make_layout(case: Case, dtype: str = "bfloat16", cache_dtype: str = "auto") 
 def make_platform(subject: Subject, device: torch.device) -> Platform:
     """The subject's platform, or a skip saying why it cannot run on ``device``."""
     if subject.platform == "cpu":
-        from kvtier.core.platforms.cpu import CPUPlatform
+        from kvtier.core.platform.cpu import CPUPlatform
 
         return CPUPlatform()
     if subject.platform == "xpu":

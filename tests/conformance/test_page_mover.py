@@ -1,4 +1,4 @@
-"""One conformance suite for every platform's page mover (``kvtier.core.mover``'s contract): the
+"""One conformance suite for every platform's page mover (``kvtier.core.platform.mover``'s contract): the
 CPU reference, the XPU mover (on CPU tensors here; on a GPU through torch.cuda) and the CUDA
 mover (Triton interpreter here; ``KVTIER_TEST_DEVICE=cuda`` on a GPU), over views placed as
 vLLM 0.32 places them, for every layout vLLM can resolve, MHA and MLA, with kernel block
@@ -40,8 +40,8 @@ from fixtures.threads import run_concurrently
 from kvtier.core.errors import LayoutError
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena
-from kvtier.core.mover import PageMover, Transfer
 from kvtier.core.platform import Platform
+from kvtier.core.platform.mover import PageMover, Transfer
 
 ALL = pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 MODES = pytest.mark.parametrize("mode", ["whole", "layerwise", "per_layer"])

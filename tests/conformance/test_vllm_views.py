@@ -17,8 +17,8 @@ from device_cases import CASE_IDS, CASES, Case, make_layout
 from fixtures.kv_views import layer_names, replica_views, vllm_views
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena, MemoryObjMeta
-from kvtier.core.mover import Transfer
-from kvtier.core.platforms.cpu import CPUPlatform
+from kvtier.core.platform.cpu import CPUPlatform
+from kvtier.core.platform.mover import Transfer
 
 pytest.importorskip("vllm", reason="needs vLLM")
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from kvtier.core import CacheEngine, KVLayout, load_config
-from kvtier.core.arena_growth import ArenaGrowth
 from kvtier.core.errors import OutOfHostMemory
 from kvtier.core.memory import HostArena, MemoryObjMeta
-from kvtier.core.platforms.cpu import CPUPlatform
+from kvtier.core.memory.arena_growth import ArenaGrowth
+from kvtier.core.platform.cpu import CPUPlatform
 
 MiB = 1 << 20
 SEGMENT = 4 * MiB

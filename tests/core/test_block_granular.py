@@ -1,4 +1,4 @@
-"""Block-granular hits inside stored full chunks (aliases, ``kvtier.core.aliases``): a prompt
+"""Block-granular hits inside stored full chunks (aliases, ``kvtier.core.keys.aliases``): a prompt
 hits every whole block it shares with a stored prompt, wherever inside a chunk they diverge, and
 loads exactly the stored prompt's KV for those blocks; an alias that is dangling, corrupt or
 not the one asked for is a miss, never wrong KV."""
@@ -20,8 +20,8 @@ from test_engine import (
 )
 
 from kvtier.core import CacheEngine, PagedLayout
-from kvtier.core.aliases import ALIAS_NBYTES, Alias, decode_alias, encode_alias
 from kvtier.core.keys import token_bytes
+from kvtier.core.keys.aliases import ALIAS_NBYTES, Alias, decode_alias, encode_alias
 
 LAYOUT = make_layout(PagedLayout.LBHNC)
 SLOTS = NUM_BLOCKS * BLOCK

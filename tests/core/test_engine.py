@@ -23,7 +23,7 @@ from kvtier.core import (
 )
 from kvtier.core.keys import ChunkKey
 from kvtier.core.memory import MemoryObj
-from kvtier.core.platforms.cpu import CPUPlatform
+from kvtier.core.platform.cpu import CPUPlatform
 
 BLOCK = 16
 CHUNK = 64

@@ -21,7 +21,7 @@ from kvtier.core import (
     PagedLayout,
     load_config,
 )
-from kvtier.core.platforms.cpu import CPUPlatform
+from kvtier.core.platform.cpu import CPUPlatform
 
 BLOCK = 16
 CHUNK = 64

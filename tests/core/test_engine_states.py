@@ -1,6 +1,6 @@
 """A Mamba hybrid's engine (``KVLayout.states``) through ``CacheEngine`` on the CPU platform:
 chunks hold the attention pages, state entries one block of each state group
-(``kvtier.core.states``). A hit ends at the longest full-chunk prefix, before the prompt's last
+(``kvtier.core.engine.states``). A hit ends at the longest full-chunk prefix, before the prompt's last
 token, whose chunks and state are both stored; a load fills the state's blocks with exactly
 the bytes stored from the offered blocks, or loads nothing at all."""
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from fixtures.kv_views import replica_views
 from kvtier.core import CacheEngine, HostArena, HostMemoryStorageManager, KVLayout, load_config
 from kvtier.core.keys import KeyFactory
-from kvtier.core.platforms.cpu import CPUPlatform
+from kvtier.core.platform.cpu import CPUPlatform
 from kvtier.storage.codec import PayloadError, decode, encode
 
 BLOCK = 16

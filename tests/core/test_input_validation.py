@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvtier.core import CacheEngine, HostArena, HostMemoryStorageManager, KVLayout, load_config
 from kvtier.core.keys import prefix_hashes, token_bytes
-from kvtier.core.platforms.cpu import CPUPlatform
+from kvtier.core.platform.cpu import CPUPlatform
 
 BLOCK, CHUNK, NUM_BLOCKS = 16, 32, 8
 LAYOUT = KVLayout(

@@ -11,7 +11,7 @@ import torch
 from fixtures.kv_views import replica_views
 from kvtier.core.errors import LayoutError
 from kvtier.core.layout import KVLayout, PagedLayout
-from kvtier.core.pages import block_runs, page_runs
+from kvtier.core.platform.pages import block_runs, page_runs
 
 
 def layout(**kw: object) -> KVLayout:

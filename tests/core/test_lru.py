@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvtier.core.keys import ChunkKey
-from kvtier.core.lru import HostObjectLRU
 from kvtier.core.memory import HostArena, MemoryObjMeta
+from kvtier.core.memory.lru import HostObjectLRU
 
 META = MemoryObjMeta((256,), torch.uint8, 1)  # one arena alignment unit
 KEYS = st.integers(0, 5)

@@ -17,7 +17,7 @@ from kvtier.core.platform import (
     get_platform,
     resolve_platform_class,
 )
-from kvtier.core.platforms.cpu import CPUPlatform
+from kvtier.core.platform.cpu import CPUPlatform
 
 
 def _with_plugins(monkeypatch: pytest.MonkeyPatch, **probes: str) -> None:
@@ -37,7 +37,7 @@ def _with_plugins(monkeypatch: pytest.MonkeyPatch, **probes: str) -> None:
 
 
 def test_cpu_is_always_there() -> None:
-    assert discover_platforms()["cpu"] == "kvtier.core.platforms.cpu:CPUPlatform"
+    assert discover_platforms()["cpu"] == "kvtier.core.platform.cpu:CPUPlatform"
     assert isinstance(get_platform("cpu"), CPUPlatform)
 
 

@@ -14,9 +14,9 @@ from test_engine import BLOCK, CHUNK, make_engine, make_layout, random_caches, r
 
 from kvtier.core import PagedLayout
 from kvtier.core import keys as keys_module
-from kvtier.core import prompt as prompt_module
 from kvtier.core.keys import KeyScope, prefix_hashes, salt_seed, tail_hashes, token_bytes
-from kvtier.core.prompt import PromptHashes
+from kvtier.core.keys import prompt as prompt_module
+from kvtier.core.keys.prompt import PromptHashes
 
 scopes = st.one_of(
     st.none(),

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kvtier.core.thread_cpu import ThreadCPU
+from kvtier.core.engine.thread_cpu import ThreadCPU
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

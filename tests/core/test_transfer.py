@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena, MemoryObjMeta
-from kvtier.core.mover import Transfer
+from kvtier.core.platform.mover import Transfer
 
 LAYOUT = KVLayout(2, 2, 16, "bfloat16", 16, PagedLayout.LBHNC)
 

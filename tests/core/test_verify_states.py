@@ -1,5 +1,5 @@
 """A Mamba hybrid's state entries checked by recompute (``Verifier.check_state``,
-``kvtier.core.compare``): the held entry against the state the engine recomputed at the same
+``kvtier.core.verify.compare``): the held entry against the state the engine recomputed at the same
 boundary, each tensor of the page read as its own element type. A recompute's rounding passes;
 another prompt's state, or zeros, is caught, removed and its tier quarantined."""
 
@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from fixtures.kv_views import replica_views
 from kvtier.core import CacheEngine, HostArena, HostMemoryStorageManager, KVLayout, load_config
-from kvtier.core.compare import state_parts
-from kvtier.core.platforms.cpu import CPUPlatform
+from kvtier.core.platform.cpu import CPUPlatform
 from kvtier.core.verify import Verifier
+from kvtier.core.verify.compare import state_parts
 
 BLOCK = 16
 CHUNK = 32

@@ -17,7 +17,7 @@ import torch
 from fixtures.kv_views import replica_views
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena, MemoryObj, MemoryObjMeta
-from kvtier.core.mover import PageMover, TorchPageMover, Transfer
+from kvtier.core.platform.mover import PageMover, TorchPageMover, Transfer
 
 ON_GPU = os.environ.get("KVTIER_TEST_DEVICE", "cpu") == "cuda"
 # (layers, heads, head, block, blocks): the interpreter runs every program in numpy.

@@ -21,8 +21,8 @@ from conftest import BLOCKS, ON_GPU, make_layout, make_views
 from kvtier.core.errors import PlatformError
 from kvtier.core.layout import PagedLayout
 from kvtier.core.memory import HostArena, MemoryObj
-from kvtier.core.pages import page_view
 from kvtier.core.platform import discover_platforms, resolve_platform_class
+from kvtier.core.platform.pages import page_view
 from kvtier.cuda.detect import PLATFORM_PATH, detect
 from kvtier.cuda.memory import PAGE, HostRegistrations, pieces, row_pieces
 
@@ -67,7 +67,7 @@ def test_detect_respects_an_empty_cuda_visible_devices(monkeypatch):
 
 
 def test_cuda_outranks_the_cpu_and_xpu_platforms_and_names_its_device():
-    from kvtier.core.platforms.cpu import CPUPlatform
+    from kvtier.core.platform.cpu import CPUPlatform
     from kvtier.cuda.platform import CUDAPlatform
 
     assert CUDAPlatform.priority > CPUPlatform.priority

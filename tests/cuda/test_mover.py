@@ -19,7 +19,7 @@ from conftest import (
 )
 from fixtures.kv_views import replica_views
 from kvtier.core.layout import KVLayout, PagedLayout
-from kvtier.core.mover import TorchPageMover
+from kvtier.core.platform.mover import TorchPageMover
 from kvtier.cuda import mover as mover_module
 from kvtier.cuda.mover import CUDAPageMover
 from kvtier.cuda.platform import CUDAPlatform

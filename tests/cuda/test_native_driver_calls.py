@@ -16,7 +16,7 @@ import torch
 
 from conftest import BLOCKS, chunk_objects, make_layout
 from kvtier.core.memory import HostArena
-from kvtier.core.mover import Transfer
+from kvtier.core.platform.mover import Transfer
 from kvtier.cuda import native
 
 LAYOUT = make_layout()

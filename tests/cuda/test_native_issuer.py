@@ -29,7 +29,7 @@ from conftest import (
 from kvtier.core.errors import LayoutError
 from kvtier.core.layout import PagedLayout
 from kvtier.core.memory import HostArena
-from kvtier.core.mover import Transfer
+from kvtier.core.platform.mover import Transfer
 from kvtier.cuda import native
 from kvtier.cuda.lane import Lane
 from kvtier.cuda.plan import plan_transfers

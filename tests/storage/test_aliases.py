@@ -1,4 +1,4 @@
-"""Aliases (``kvtier.core.aliases``) through every tier's ordinary put/get path: a prompt that
+"""Aliases (``kvtier.core.keys.aliases``) through every tier's ordinary put/get path: a prompt that
 diverges inside a stored full chunk hits every whole block it shares from disk after a restart,
 from Redis in another engine, sealed or not; a corrupt, foreign or dangling alias is a miss,
 never wrong KV; aliases ride in their chunk's write-queue slot."""
@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from fixtures.tiered_engine import BLOCK, CHUNK, LAYOUT, caches, per_slot, tiered_engine
 from kvtier.core import CacheEngine
-from kvtier.core.aliases import alias_meta
 from kvtier.core.keys import ChunkKey
+from kvtier.core.keys.aliases import alias_meta
 from kvtier.core.memory import MemoryObjMeta
 from kvtier.storage import codec
 

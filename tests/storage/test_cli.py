@@ -14,7 +14,7 @@ import torch
 from kvtier.core import CacheEngine, KVLayout, load_config
 from kvtier.core.cli import main as kvtier
 from kvtier.core.keys import model_id, salt_id
-from kvtier.core.platforms.cpu import CPUPlatform
+from kvtier.core.platform.cpu import CPUPlatform
 
 BLOCK, CHUNK, NUM_BLOCKS = 16, 32, 64
 LAYOUT = KVLayout(
@@ -32,7 +32,7 @@ PROMPTS = {  # salt -> tokens (3 full chunks + a 1-block tail each: 4 chunk entr
     None: list(range(9000, 9000 + 3 * CHUNK + BLOCK)),
 }
 PER_PROMPT = 4
-ALIASES = 3  # one alias entry per full chunk (its first block: kvtier.core.aliases)
+ALIASES = 3  # one alias entry per full chunk (its first block: kvtier.core.keys.aliases)
 ENTRIES = PER_PROMPT + ALIASES
 
 

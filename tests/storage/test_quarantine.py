@@ -123,7 +123,7 @@ def test_a_quarantine_of_no_time_blocks_nothing(make_manager, seconds):
 def test_a_quarantined_tier_is_never_named_as_a_chunks_source(make_manager):
     """The source label decides which tier a wrong chunk quarantines: a chunk read from disk
     while host memory is quarantined must be blamed on the disk."""
-    from kvtier.core.sources import chunk_sources
+    from kvtier.core.engine.sources import chunk_sources
 
     m = make_manager()
     put_chunk(m, 9)

@@ -1,4 +1,4 @@
-"""Hand-over receipts (``kvtier.core.receipts``): a record that reaches each lower tier only after
+"""Hand-over receipts (``kvtier.core.keys.receipts``): a record that reaches each lower tier only after
 every chunk put before it landed there or was dropped, so a consumer that finds it finds every
 chunk its producer wrote."""
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from storage_helpers import KEYS, key, put_chunk
 from test_acknowledged import build
 
-from kvtier.core.receipts import has_receipt, receipt_id, write_receipt
+from kvtier.core.keys.receipts import has_receipt, receipt_id, write_receipt
 from kvtier.storage.backends.disk.local_disk import LocalDiskBackend
 from kvtier.storage.backends.local_cpu import LocalCPUBackend
 

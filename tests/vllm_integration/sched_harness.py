@@ -29,8 +29,8 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from kvtier.core import CacheEngine, HostArena, HostMemoryStorageManager, KVLayout, load_config
-from kvtier.core.platforms.cpu import CPUPlatform
-from kvtier.core.receipts import has_receipt, write_receipt
+from kvtier.core.keys.receipts import has_receipt, write_receipt
+from kvtier.core.platform.cpu import CPUPlatform
 from kvtier.vllm_integration.messages import (
     KVTierMetadata,
     KVTierWorkerMeta,

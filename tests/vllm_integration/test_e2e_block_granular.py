@@ -1,6 +1,6 @@
 """Block-granular hits through real vLLM on CPU (issue 20): prompts that share a document with a
 stored prompt and diverge inside one of its chunks hit every whole block they share, through
-the stored chunk's aliases (``kvtier.core.aliases``), from host memory, from disk after a
+the stored chunk's aliases (``kvtier.core.keys.aliases``), from host memory, from disk after a
 restart, and through Redis from another engine. Outputs equal vLLM's own prefix cache (no
 kvtier, the same mode) hitting the same blocks of the same prompts, tokens and logprobs exactly
 (``prompts.py`` explains why a full recompute is not the reference).
@@ -112,7 +112,7 @@ def test_the_index_promises_what_the_engine_finds(stored_len, diverge, tails, sa
     (all gone), ``missing_after`` makes the index stop promising chunks, tails and aliases."""
     from kvtier.core import CacheEngine, HostArena, HostMemoryStorageManager, KVLayout, load_config
     from kvtier.core.keys import KeyScope
-    from kvtier.core.platforms.cpu import CPUPlatform
+    from kvtier.core.platform.cpu import CPUPlatform
     from kvtier.vllm_integration.messages import RankReport
     from kvtier.vllm_integration.scheduler.index import PresenceIndex
     from kvtier.vllm_integration.scheduler.prompts import IndexedPrompt

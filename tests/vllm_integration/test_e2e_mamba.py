@@ -6,7 +6,7 @@ vLLM raises the block size so one block holds a layer's state, and kvtier's defa
 follows it: 544 with the runner's 32 where vLLM keeps the SSM state in fp32 (its accelerated
 GDN kernels, AVX-512), 288 where it keeps it in bf16 (AVX2); the tests read it from vLLM.
 Chunks hold the attention pages; the states vLLM offers at chunk boundaries are stored as state
-entries (``kvtier.core.states``); a hit ends where both exist. The reference is vLLM's own
+entries (``kvtier.core.engine.states``); a hit ends where both exist. The reference is vLLM's own
 prefix cache on the same requests in the same run shape: its Mamba prefix cache also needs a
 state at the hit's end, and with prefill steps of at most 544 tokens (block-aligned) and
 ``prefix_cache_retention_interval=None`` it keeps one at every block, so it hits what kvtier

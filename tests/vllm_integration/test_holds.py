@@ -22,7 +22,7 @@ from kvtier.core import (
     load_config,
 )
 from kvtier.core.memory import MemoryObjMeta
-from kvtier.core.platforms.cpu import CPUPlatform
+from kvtier.core.platform.cpu import CPUPlatform
 from kvtier.vllm_integration.worker.holds import HoldTable
 
 BLOCK, CHUNK, NUM_BLOCKS = 16, 64, 16

@@ -30,7 +30,7 @@ from vllm.v1.request import Request
 from kvtier.core import CacheEngine, load_config
 from kvtier.core.keys import KeyScope, salt_id
 from kvtier.core.layout import PagedLayout
-from kvtier.core.platforms.cpu import CPUPlatform
+from kvtier.core.platform.cpu import CPUPlatform
 from kvtier.vllm_integration.connector import KVTierConnector
 from kvtier.vllm_integration.identity import adapter_identity, identity_tokens
 from kvtier.vllm_integration.layout import CacheSpec, page_layout

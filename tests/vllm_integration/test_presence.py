@@ -17,7 +17,7 @@ from sched_harness import BLOCK, CHUNK, Harness, request
 
 from kvtier.core import CacheEngine, HostArena, HostMemoryStorageManager, KVLayout, load_config
 from kvtier.core.keys import KeyFactory, KeyScope, prefix_hashes
-from kvtier.core.platforms.cpu import CPUPlatform
+from kvtier.core.platform.cpu import CPUPlatform
 from kvtier.vllm_integration.messages import KVTierWorkerMeta, RankReport
 from kvtier.vllm_integration.scheduler.index import PresenceIndex
 from kvtier.vllm_integration.scheduler.prompts import IndexedPrompt

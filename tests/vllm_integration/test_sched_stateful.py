@@ -44,6 +44,7 @@ from vllm.v1.request import Request
 
 from kvtier.vllm_integration.messages import KVTierMetadata, LoadSpec, slot_mapping
 from kvtier.vllm_integration.stats import StatsTracker
+from kvtier.vllm_integration.worker.feed import PresenceFeed
 from kvtier.vllm_integration.worker.loads import WorkerLoads
 
 HEADS, HEAD = 2, 8  # the harness's layout
@@ -157,6 +158,22 @@ class Live:
         return list(self.req.prompt_token_ids or ())
 
 
+class Reports:
+    """A worker's ``LoadReports``: index-answered loads' shortfalls go to the rank's feed."""
+
+    def __init__(self, feed: PresenceFeed) -> None:
+        self.feed = feed
+
+    def count(self, **counters: int) -> None:
+        pass
+
+    def before_indexed_load(self, spec: LoadSpec) -> None:
+        pass
+
+    def load_short(self, req_id: str, found: int) -> None:
+        self.feed.shortfall(req_id, found)
+
+
 class Machine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -196,9 +213,8 @@ class Machine(RuleBasedStateMachine):
                     rank.holds,
                     block_size=BLOCK,
                     layer_of={},
-                    count=lambda **kw: None,
                     metrics=StatsTracker(),
-                    shortfall=rank.feed.shortfall,
+                    reports=Reports(rank.feed),
                 )
             )
 

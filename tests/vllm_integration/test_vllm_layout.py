@@ -16,7 +16,7 @@ from fixtures.kv_views import layer_names, vllm_kv_cache_config, vllm_views
 from kvtier.core import CacheEngine, load_config
 from kvtier.core.errors import LayoutError
 from kvtier.core.layout import KVLayout, PagedLayout
-from kvtier.core.platforms.cpu import CPUPlatform
+from kvtier.core.platform.cpu import CPUPlatform
 from kvtier.vllm_integration.layout import CacheSpec, group_spec, layer_index, page_layout
 
 BLOCKS = 9

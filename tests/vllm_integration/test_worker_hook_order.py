@@ -26,7 +26,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (install kvtier[vllm])
 
 from kvtier.core import CacheEngine, HostArena, HostMemoryStorageManager, KVLayout, load_config
 from kvtier.core.keys import KeyScope
-from kvtier.core.platforms.cpu import CPUPlatform
+from kvtier.core.platform.cpu import CPUPlatform
 from kvtier.vllm_integration.messages import KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.vllm_integration.worker.side import WorkerSide
 

@@ -9,7 +9,7 @@ from xpu_helpers import GEOMETRIES, NUM_BLOCKS, make_caches, xpu_available
 
 from kvtier.core import CacheEngine, HostArena, HostMemoryStorageManager, PlatformError, load_config
 from kvtier.core.platform import discover_platforms, get_platform, resolve_platform_class
-from kvtier.core.platforms.cpu import CPUPlatform
+from kvtier.core.platform.cpu import CPUPlatform
 from kvtier.xpu import XPUPageMover, XPUPlatform, detect
 
 needs_xpu = pytest.mark.skipif(not xpu_available(), reason="needs an Intel XPU (torch.xpu)")

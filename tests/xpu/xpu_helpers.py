@@ -1,5 +1,5 @@
 """Helpers of the XPU tests: KV views placed as vLLM 0.32 places them, host objects, and page
-reads by a route independent of ``kvtier.core.pages``."""
+reads by a route independent of ``kvtier.core.platform.pages``."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def pages_of(
     cache: torch.Tensor, geometry: Geometry, raw: torch.Tensor | None = None
 ) -> list[torch.Tensor]:
     """Every manager block of one layer's view as bytes in address order, on the host: each
-    block's elements mapped to storage addresses (never through ``kvtier.core.pages``). ``raw``:
+    block's elements mapped to storage addresses (never through ``kvtier.core.platform.pages``). ``raw``:
     a copy of the view's storage to read instead of the storage itself."""
     data = (storage_bytes(cache) if raw is None else raw).cpu()
     item, s = cache.element_size(), geometry.split

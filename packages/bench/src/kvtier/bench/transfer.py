@@ -52,7 +52,7 @@ from kvtier.bench.transfer_cases import (
 )
 from kvtier.core.layout import PagedLayout
 from kvtier.core.memory import HostArena
-from kvtier.core.mover import TorchPageMover
+from kvtier.core.platform.mover import TorchPageMover
 
 LAYOUTS = [p.value for p in PagedLayout]
 

@@ -16,7 +16,7 @@ import torch
 
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena, MemoryObj, MemoryObjMeta
-from kvtier.core.mover import PageMover, TorchPageMover, Transfer
+from kvtier.core.platform.mover import PageMover, TorchPageMover, Transfer
 
 CHUNK = 256
 BLOCK = 16

@@ -182,7 +182,7 @@ class Engine:
 
 def zero_stored_states(tokens: list[int], salt: str | None = None) -> int:
     """In a vLLM process that runs kvtier's worker side for a Mamba hybrid: put zeros under
-    every state entry kvtier stores for ``tokens`` (``kvtier.core.states``), so a later hit
+    every state entry kvtier stores for ``tokens`` (``kvtier.core.engine.states``), so a later hit
     loads a wrong recurrent state. Returns the entries overwritten."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 

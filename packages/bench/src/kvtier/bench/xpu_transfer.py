@@ -24,7 +24,7 @@ import torch
 
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena, MemoryObjMeta
-from kvtier.core.mover import Transfer
+from kvtier.core.platform.mover import Transfer
 from kvtier.xpu.mover import XPUPageMover
 
 SHAPES = {

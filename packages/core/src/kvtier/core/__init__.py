@@ -16,12 +16,12 @@ from kvtier.core.errors import (
     OutOfHostMemory,
     PlatformError,
 )
-from kvtier.core.handles import ChunkSpan, Hold, RetrieveJob
 from kvtier.core.keys import ChunkKey, KeyFactory, KeyScope, prefix_hashes
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena, MemoryObj, MemoryObjMeta
-from kvtier.core.mover import PageMover, TorchPageMover, Transfer
+from kvtier.core.memory.handles import ChunkSpan, Hold, RetrieveJob
 from kvtier.core.platform import Platform, get_platform
+from kvtier.core.platform.mover import PageMover, TorchPageMover, Transfer
 from kvtier.core.storage import HostMemoryStorageManager, StorageManager
 
 __all__ = [

@@ -3,7 +3,7 @@ it."""
 
 from __future__ import annotations
 
-from kvtier.core.masking import shown
+from kvtier.core.config.masking import shown
 
 
 class KVTierError(Exception):

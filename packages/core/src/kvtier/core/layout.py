@@ -9,7 +9,7 @@ writer is a miss, never a load.
 
 The engine's per-layer KV tensors are vLLM's logical views ``[num_blocks, H, N, C]`` (RFC #42082:
 blocks, head slots, tokens of a block, content per head and token), laid out in memory by one of
-vLLM's ``KVCacheLayout`` stride orders (``PagedLayout`` here). ``kvtier.core.pages`` derives how a
+vLLM's ``KVCacheLayout`` stride orders (``PagedLayout`` here). ``kvtier.core.platform.pages`` derives how a
 page sits in such a view from the view's strides, never from its shape.
 
 A chunk of ``n`` tokens lives in host memory as ``[n // block_size, num_layers, page_bytes]``
@@ -110,7 +110,7 @@ class KVLayout:
       share the geometry above, and a chunk holds every group's pages (module docstring).
     - ``states``: for a hybrid model with Mamba / linear-attention groups, each such group's
       kind (its state's shapes and dtypes). Their blocks hold one recurrent state each, in the
-      same tensors; a chunk holds none of them, a state entry (``kvtier.core.states``) holds
+      same tensors; a chunk holds none of them, a state entry (``kvtier.core.engine.states``) holds
       one block of each: ``state_shape``.
     """
 

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
-from kvtier.core.lru import HostObjectLRU
 from kvtier.core.memory import HostArena, MemoryObj, MemoryObjMeta
+from kvtier.core.memory.lru import HostObjectLRU
 from kvtier.core.platform import load_object, plugin_entry_points
 from kvtier.core.quarantine import Quarantine
 
@@ -63,7 +63,7 @@ class StorageManager(ABC):
     def put_with_aliases(
         self, key: ChunkKey, obj: MemoryObj, aliases: Sequence[tuple[ChunkKey, MemoryObj]]
     ) -> None:
-        """``put`` a chunk and its alias entries (``kvtier.core.aliases``): small ordinary
+        """``put`` a chunk and its alias entries (``kvtier.core.keys.aliases``): small ordinary
         entries, kept wherever the chunk is. A tiered manager writes them to the lower tiers
         together with the chunk, as one queued write."""
         self.put(key, obj)
@@ -71,7 +71,7 @@ class StorageManager(ABC):
             self.put(alias_key, alias_obj)
 
     def put_last(self, key: ChunkKey, obj: MemoryObj) -> None:
-        """``put`` a small record (a hand-over receipt, ``kvtier.core.receipts``) that reaches
+        """``put`` a small record (a hand-over receipt, ``kvtier.core.keys.receipts``) that reaches
         each lower tier only after every chunk put before it has landed there or was dropped. A
         manager without lower tiers puts it at once."""
         self.put(key, obj)

@@ -3,7 +3,7 @@ launch: importing ``kvtier.cuda`` never imports triton.
 
 ``page_copy_kernel`` moves whole pages between the paged cache and a staging buffer laid out as
 the host objects (``[entries, LAYERS, page]``: ``entries`` staged blocks, ``LAYERS`` pages each,
-all of a block's layers or one). A page is ``RUNS`` runs of ``RUN`` words (``kvtier.core.pages``);
+all of a block's layers or one). A page is ``RUNS`` runs of ``RUN`` words (``kvtier.core.platform.pages``);
 program ``(p, t)`` copies tile ``t`` of staged page ``p``. Page ``(entry, layer)`` of block
 ``ids[first_entry + entry]`` starts ``layer_offsets[layer] + block * BLOCK_STRIDE`` words from ``cache`` (a
 layer's offset may point into another allocation: addresses are flat), and its run ``r`` is

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kvtier.core.pages import PageRuns, page_runs
+from kvtier.core.platform.pages import PageRuns, page_runs
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 # Bytes one program copies: enough loads in flight to keep memory busy, few enough registers.
@@ -68,7 +68,7 @@ class Geometry:
 
     @classmethod
     def of(cls, caches: Sequence[torch.Tensor], runs: PageRuns) -> Geometry:
-        """The geometry of ``caches`` (checked by ``kvtier.core.pages.check_pages``: one run
+        """The geometry of ``caches`` (checked by ``kvtier.core.platform.pages.check_pages``: one run
         grid for every layer; ``runs`` is layer 0's)."""
         starts = [c.untyped_storage().data_ptr() for c in caches]
         pages = [

@@ -1,7 +1,7 @@
 """Page-locking host memory for CUDA copies, range by range (``cudaHostRegister``).
 
 The CUDA platform pins its host arena in the background, one segment after another
-(``kvtier.core.arena_growth``), so the arena is many registrations, not one. Two rules of the
+(``kvtier.core.memory.arena_growth``), so the arena is many registrations, not one. Two rules of the
 driver shape this module:
 
 - A page belongs to one registration: registering a range whose first or last page is already

@@ -45,7 +45,7 @@ import torch
 
 from kvtier.core.errors import LayoutError
 from kvtier.core.layout import KVLayout
-from kvtier.core.mover import PageMover, Transfer
+from kvtier.core.platform.mover import PageMover, Transfer
 from kvtier.cuda import native
 from kvtier.cuda.kernels import COPY_BLOCK, Geometry, Kernels
 from kvtier.cuda.lane import Lane, current_raw_stream

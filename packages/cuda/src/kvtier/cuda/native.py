@@ -39,7 +39,7 @@ import torch
 
 from kvtier.core.config import default_cache_dir
 from kvtier.core.layout import KVLayout
-from kvtier.core.mover import Transfer
+from kvtier.core.platform.mover import Transfer
 from kvtier.cuda.plan import object_mismatch
 
 logger = logging.getLogger("kvtier")

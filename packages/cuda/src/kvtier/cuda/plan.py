@@ -13,7 +13,7 @@ import torch
 from kvtier.core.errors import LayoutError
 from kvtier.core.layout import KVLayout
 from kvtier.core.memory import MemoryObjMeta
-from kvtier.core.mover import Transfer
+from kvtier.core.platform.mover import Transfer
 from kvtier.cuda.lane import Lane
 
 

@@ -2,7 +2,7 @@
 
 Its host arena is one ordinary allocation, page-locked segment by segment on a background thread
 (``cudaHostRegister``, ``kvtier.cuda.memory``): usable at once, its capacity growing as segments
-are pinned (``kvtier.core.arena_growth``). Not ``torch.empty(pin_memory=True)``: torch's pinned
+are pinned (``kvtier.core.memory.arena_growth``). Not ``torch.empty(pin_memory=True)``: torch's pinned
 allocator rounds a request up to a power of two (a 40 GiB arena would pin 64 GiB) and pins it
 all before returning.
 """
@@ -17,9 +17,9 @@ import torch
 
 from kvtier.core.layout import KVLayout
 from kvtier.core.memory import HostArena
-from kvtier.core.mover import check_options
-from kvtier.core.pages import manager_blocks
 from kvtier.core.platform import Platform
+from kvtier.core.platform.mover import check_options
+from kvtier.core.platform.pages import manager_blocks
 from kvtier.cuda.memory import (
     REGISTRATIONS,
     default_prefault_threads,

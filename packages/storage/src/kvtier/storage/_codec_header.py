@@ -37,7 +37,7 @@ SEALED = 0x1
 # The largest alias payload a reader accepts (a record is a few dozen bytes).
 MAX_ALIAS_PAYLOAD = 4096
 ALIAS_KIND = "alias"
-# A recurrent-state entry (``kvtier.core.states``): one block of each state group.
+# A recurrent-state entry (``kvtier.core.engine.states``): one block of each state group.
 STATE_KIND = "state"
 
 

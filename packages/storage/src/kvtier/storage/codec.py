@@ -24,7 +24,7 @@ could also write well-formed wrong KV).
 
 Two payload kinds exist, told apart by the key asked for: a chunk key (``ChunkKey.is_alias``
 false) only ever decodes to KV (the layout's chunk shape and dtype); an alias key only to an
-alias record (``kvtier.core.aliases``: ``"kind": "alias"``, a short uint8 vector), so neither can
+alias record (``kvtier.core.keys.aliases``: ``"kind": "alias"``, a short uint8 vector), so neither can
 be served as the other.
 
 The header (its bytes, writing it, checking it) lives in ``_codec_header``; this module builds

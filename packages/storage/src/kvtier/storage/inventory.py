@@ -325,7 +325,7 @@ def select(
 
 def summarize(entries: Iterable[Entry]) -> list[dict[str, Any]]:
     """One row per (model, salt id): chunks (distinct chunk keys), aliases (distinct alias keys,
-    ``kvtier.core.aliases``), entries, bytes, oldest and newest age; unreadable entries in a row
+    ``kvtier.core.keys.aliases``), entries, bytes, oldest and newest age; unreadable entries in a row
     of their own (model and salt None)."""
     groups: dict[tuple[str | None, str | None], dict[str, Any]] = {}
     for e in entries:

@@ -6,14 +6,14 @@ background threads, through a bounded queue, and ``flush`` reports what did not 
   producer's, whose chunks another instance waits for) it is queued past the limit instead, up
   to as many again, and dropped (counted the same) if no writer has taken it when its wait is
   over: the caller (the worker's saver thread, which gates block frees and save reports) never
-  waits on a lower tier. A chunk's alias entries (``kvtier.core.aliases``)
+  waits on a lower tier. A chunk's alias entries (``kvtier.core.keys.aliases``)
   ride in its queue slot and are written with it; counters count chunks, not aliases.
 - Each writer thread takes up to ``_WRITE_BATCH`` queued chunks and hands them to every lower
   tier in order; a tier that raises is counted (``<tier>.errors``, ``<tier>.write_failed``) and
   the others still get the batch.
 - ``submit_last`` queues an entry written only after every entry submitted before it is done
   (written to every lower tier, or dropped): a kv_producer's hand-over receipt
-  (``kvtier.core.receipts``), which tells a consumer that nothing more is coming. It is always
+  (``kvtier.core.keys.receipts``), which tells a consumer that nothing more is coming. It is always
   admitted (a small record, one per request) and not counted as a chunk.
 - ``flush`` waits for the queue to drain and compares the loss counters (``_LOSS_SUFFIXES``,
   ``_LOSS_NAMES``) with their values at the previous flush.

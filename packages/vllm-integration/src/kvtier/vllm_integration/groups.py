@@ -14,7 +14,7 @@ geometry (block size, heads, head size, element type) with the same number of la
 one of them full attention. A Mamba / linear-attention hybrid (Qwen3-Next's Gated DeltaNet)
 served with vLLM's ``mamba_cache_mode="align"`` (prefix caching on) has Mamba groups beside
 one full-attention group: chunks hold the attention group's pages, the Mamba groups' states
-are state entries (``kvtier.core.states``, ``scheduler/hybrid.py``). Anything else is a
+are state entries (``kvtier.core.engine.states``, ``scheduler/hybrid.py``). Anything else is a
 ``LayoutError`` naming the groups.
 
 vLLM frees a window group's blocks that fall out of the window while the request runs, and

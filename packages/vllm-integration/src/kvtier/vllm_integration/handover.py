@@ -9,7 +9,7 @@ instead of being dropped (``write_queue_wait_s``; the wait is the chunk's, in th
 the saver thread's). The announcement is made when the request finishes, before its saves are
 done, and a store can still be skipped after it (host memory full of chunks still being
 written, a write whose wait ran out, a failed tier): so after the request's last save each rank
-writes a receipt (``kvtier.core.receipts``) that reaches the shared tiers after every chunk put
+writes a receipt (``kvtier.core.keys.receipts``) that reaches the shared tiers after every chunk put
 before it.
 
 A ``kv_consumer`` (decode instance) loads and never saves. A request that arrives with a
@@ -30,7 +30,7 @@ from typing import Any
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
-from kvtier.core.receipts import receipt_id
+from kvtier.core.keys.receipts import receipt_id
 from kvtier.vllm_integration.messages import ReceiptSpec
 
 logger = logging.getLogger("kvtier")

@@ -13,10 +13,10 @@ resolved ``KVCacheLayout``. What kvtier needs comes from vLLM's own objects:
 - the interior writer: the layers' attention backend and, for vLLM CPU, the ISA its builder
   selected (``amx``, ``vec``, ``vec16``, ... pack K differently), found as vLLM finds it.
 
-The page positions themselves come from the views' strides (``kvtier.core.pages``). A hybrid
+The page positions themselves come from the views' strides (``kvtier.core.platform.pages``). A hybrid
 model's groups (``groups.py``) share those views: kvtier moves the primary group's and keys the
 chunk rows by group; a Mamba group's states sit in the same pages and are named by
-``KVLayout.states`` (state entries, ``kvtier.core.states``). What kvtier cannot move (groups of another kind or geometry, a spec without
+``KVLayout.states`` (state entries, ``kvtier.core.engine.states``). What kvtier cannot move (groups of another kind or geometry, a spec without
 per-layer views) is a ``LayoutError`` naming it and what is supported.
 """
 

@@ -43,7 +43,7 @@ class ProbeSpec:
     hold_id: int
     tokens: np.ndarray
     scope: KeyScope
-    # A consumer's request: the receipt its producer announced (``kvtier.core.receipts``),
+    # A consumer's request: the receipt its producer announced (``kvtier.core.keys.receipts``),
     # asked for before the chunks.
     receipt: bytes | None = None
 
@@ -89,7 +89,7 @@ class SaveSpec:
 @dataclass
 class ReceiptSpec:
     """A producer's request ``req_id`` has had its last save: write its hand-over receipt
-    (``kvtier.core.receipts``), after those saves."""
+    (``kvtier.core.keys.receipts``), after those saves."""
 
     req_id: str
     receipt: bytes

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.core.layout import KVLayout
-from kvtier.core.mover import Picked, TorchPageMover, Transfer
+from kvtier.core.platform.mover import Picked, TorchPageMover, Transfer
 from kvtier.xpu.streams import Stream, StreamAPI
 
 # Device staging a store or load may use at once; past it a batch moves in groups of chunks.

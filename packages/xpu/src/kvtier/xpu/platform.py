@@ -11,8 +11,8 @@ from collections.abc import Sequence
 import torch
 
 from kvtier.core.layout import KVLayout
-from kvtier.core.mover import check_options
 from kvtier.core.platform import Platform
+from kvtier.core.platform.mover import check_options
 from kvtier.xpu.mover import DEFAULT_MAX_STAGING_BYTES, XPUPageMover
 
 
@@ -44,7 +44,7 @@ class XPUPlatform(Platform):
         allocate it per call) and ``max_staging_bytes`` (int >= 0, default 256 MiB: a whole
         store or load stages at most this much at once, moving a larger batch in groups of
         chunks). Anything else is a ``TypeError``, as on every platform
-        (``kvtier.core.mover.check_options``)."""
+        (``kvtier.core.platform.mover.check_options``)."""
         opts = check_options(self.name, options, {"max_staging_bytes": int})
         staging = opts.get("staging_buffer", True)
         cap = opts.get("max_staging_bytes", DEFAULT_MAX_STAGING_BYTES)

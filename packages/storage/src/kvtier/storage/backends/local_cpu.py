@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from kvtier.core.lru import HostObjectLRU
+from kvtier.core.memory.lru import HostObjectLRU
 from kvtier.storage.backends.base import BackendContext, StorageBackend, refuse_options
 
 if TYPE_CHECKING:

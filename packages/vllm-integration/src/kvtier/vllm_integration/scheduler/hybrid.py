@@ -21,7 +21,7 @@ request in one block of each Mamba group, and vLLM says which block holds the st
 boundary only in the step whose forward pass writes it (``boundary_state_offloads``; it
 relocates state blocks later). So its states are saved from those offers (``take_offers``,
 ``states``: a save spec carries them, the worker stores them as state entries,
-``kvtier.core.states``), and fenced as window blocks are: a step that hands an offered block
+``kvtier.core.engine.states``), and fenced as window blocks are: a step that hands an offered block
 to another request, or writes a request's running state in a block still being read, drains
 the saves first. A load names the block of each Mamba group vLLM gave for the state at its end
 (``LoadSpec.states``).

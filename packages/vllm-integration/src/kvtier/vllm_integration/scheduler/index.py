@@ -8,7 +8,7 @@ connector metadata (``build_connector_worker_meta`` -> ``update_connector_output
   can compute that rank's chunk keys from token ids alone;
 - what its local tiers held at start (host memory and disk: a restarted engine hits its disk),
   and then the key of every chunk a save commits, and of the chunk's alias entries
-  (``kvtier.core.aliases``: an alias lets a prompt hit the first blocks of a stored chunk);
+  (``kvtier.core.keys.aliases``: an alias lets a prompt hit the first blocks of a stored chunk);
 - whether every tier can list its chunks (``complete``): a tier other engines also write
   (Redis) cannot, and then any prompt may hit there;
 - the answers to the scheduler's probes (``scheduler/prompts.py``);

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
@@ -63,6 +62,13 @@ def warn_load_failure_policy(policy: str, config: KVTierConfig) -> None:
         )
 
 
+class IndexTrust(Protocol):
+    """Whether the index's answers may be served without a probe now."""
+
+    @property
+    def index_trusted(self) -> bool: ...
+
+
 class Lookups:
     """Probes: which to send, which are answered, which holds to release."""
 
@@ -72,16 +78,16 @@ class Lookups:
         index: PresenceIndex,
         num_workers: int,
         mode: str = "probe",
-        index_trusted: Callable[[], bool] = lambda: True,
+        trust: IndexTrust | None = None,
         stateful: bool = False,
     ) -> None:
-        """``index_trusted()``: False while the index's answers must be confirmed by probes
-        (a tier is quarantined: ``scheduler/verify.py``). ``stateful``: a Mamba hybrid's, whose
+        """``trust``: says when the index's answers must be confirmed by probes (a tier is
+        quarantined: ``scheduler/verify.py``); None: always trusted. ``stateful``: a Mamba hybrid's, whose
         probes answer where a state entry ends the hit: a shorter answer than the index's says
         nothing of the chunks after it (they are not forgotten)."""
         self.stateful = stateful
         self.config = config
-        self._index_trusted = index_trusted
+        self._trust = trust
         self.index = index
         self.num_workers = num_workers
         self.mode = mode  # lookup_mode()
@@ -94,6 +100,10 @@ class Lookups:
         # A request's last lookup: its hit (the minimum over ranks) and where each chunk was found
         # (rank 0's hold: ``[[start, end, tier], ...]``), for ``sources``.
         self.spans: dict[str, tuple[int, list[list[Any]]]] = {}
+
+    @property
+    def _trusted(self) -> bool:
+        return self._trust is None or self._trust.index_trusted
 
     def take(self) -> tuple[list[tuple[str, int]], list[ProbeSpec]]:
         """The releases and probes for the step being built."""
@@ -144,7 +154,7 @@ class Lookups:
         from its producer's announcement (the workers ask for it before the chunks)."""
         now = time.monotonic()
         probe = req.probe
-        if probe is None and self.mode == "index" and self.index.complete and self._index_trusted():
+        if probe is None and self.mode == "index" and self.index.complete and self._trusted:
             hit = self._indexed_hit(req, most)
             if hit > computed:
                 self.indexed += 1

@@ -9,9 +9,9 @@ into host memory now, like a prefetch), then reports the hit with its next step'
 every rank has answered, vLLM's next call gets the hit (the minimum over ranks), and the load
 reads exactly the held chunks. A probe not answered within ``lookup_timeout_s`` is a miss.
 
-``IndexedPrompt`` holds a request's chunk hashes (``kvtier.core.prompt``: the engine's own, full
+``IndexedPrompt`` holds a request's chunk hashes (``kvtier.core.keys.prompt``: the engine's own, full
 chunks, then block-sized tail spans, and the alias keys those tail hashes name:
-``kvtier.core.aliases``), computed once per request and only as far as they are needed, so the
+``kvtier.core.keys.aliases``), computed once per request and only as far as they are needed, so the
 index predicts the hit a probe finds.
 """
 
@@ -24,8 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.core import prompt
-from kvtier.core.keys import KeyScope
+from kvtier.core.keys import KeyScope, prompt
 from kvtier.vllm_integration.messages import AliasHash
 from kvtier.vllm_integration.scheduler.index import PresenceIndex
 
@@ -57,7 +56,7 @@ class Probe:
     @property
     def settled(self) -> bool:
         """Whether every rank found the request's hand-over receipt before its chunks: what
-        they found is all its producer wrote (``kvtier.core.receipts``)."""
+        they found is all its producer wrote (``kvtier.core.keys.receipts``)."""
         return not self.expired and bool(self.answers) and self.receipts >= set(self.answers)
 
     @property
@@ -68,7 +67,7 @@ class Probe:
 
 
 class IndexedPrompt(prompt.PromptHashes):
-    """One prompt's hashes (``kvtier.core.prompt``, the ones ``CacheEngine`` keys chunks with)
+    """One prompt's hashes (``kvtier.core.keys.prompt``, the ones ``CacheEngine`` keys chunks with)
     and what the scheduler asks its index about them."""
 
     def __init__(

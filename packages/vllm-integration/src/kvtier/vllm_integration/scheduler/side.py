@@ -89,7 +89,7 @@ class SchedulerSide:
             num_workers,
             # A Mamba hybrid's hit needs a state entry the index does not track: probed.
             "probe" if self.hybrid.groups.mambas else lookup_mode(config, load_failure_policy),
-            index_trusted=lambda: self.verify.index_trusted,
+            trust=self.verify,
             stateful=bool(self.hybrid.groups.mambas),
         )
         self.events = EventLog(

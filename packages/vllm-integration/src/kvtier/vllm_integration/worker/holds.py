@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 
 from kvtier.core.engine import CacheEngine
-from kvtier.core.handles import Hold
 from kvtier.core.keys import Scope
+from kvtier.core.memory.handles import Hold
 
 logger = logging.getLogger("kvtier")
 

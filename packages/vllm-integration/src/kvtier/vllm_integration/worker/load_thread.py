@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtier.core.handles import Hold
+from kvtier.core.memory.handles import Hold
 from kvtier.core.platform import Marker
 from kvtier.vllm_integration.messages import LoadSpec
 

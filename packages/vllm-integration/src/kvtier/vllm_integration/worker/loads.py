@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.engine import CacheEngine
-from kvtier.core.handles import Hold, RetrieveJob
+from kvtier.core.engine.slots import written
+from kvtier.core.memory.handles import Hold, RetrieveJob
 from kvtier.core.platform import Marker
-from kvtier.core.slots import written
 from kvtier.vllm_integration.groups import NULL_BLOCK
 from kvtier.vllm_integration.messages import LoadSpec, spec_slots
 from kvtier.vllm_integration.stats import StatsTracker
@@ -33,6 +33,22 @@ from kvtier.vllm_integration.worker.holds import HoldTable
 from kvtier.vllm_integration.worker.load_thread import Loader
 
 logger = logging.getLogger("kvtier")
+
+
+class LoadReports(Protocol):
+    """What a worker's loads tell the rest of the worker (``WorkerSide``)."""
+
+    def count(self, **counters: int) -> None:
+        """Add to the worker's counters."""
+        ...
+
+    def before_indexed_load(self, spec: LoadSpec) -> None:
+        """A load the scheduler's index answered is about to look the tiers up (loader thread)."""
+        ...
+
+    def load_short(self, req_id: str, found: int) -> None:
+        """Such a load found only the prompt's first ``found`` tokens."""
+        ...
 
 
 class WorkerLoads:
@@ -46,20 +62,16 @@ class WorkerLoads:
         *,
         block_size: int,
         layer_of: dict[str, int],
-        count: Callable[..., None],
         metrics: StatsTracker,
-        before_indexed: Callable[[LoadSpec], None] = lambda spec: None,
-        shortfall: Callable[[str, int], None] = lambda req_id, found: None,
+        reports: LoadReports,
     ) -> None:
         self.config = config
         self.engine = engine
         self.holds = holds
         self.block_size = block_size
         self._layer_of = layer_of
-        self._count = count
         self._metrics = metrics
-        self._before_indexed = before_indexed
-        self._shortfall = shortfall
+        self._reports = reports
         self._jobs: list[RetrieveJob] = []
         self._failed: set[int] = set()
         # A hybrid model's failed loads go to vLLM as requests (``failed_recving``): vLLM
@@ -87,7 +99,7 @@ class WorkerLoads:
         requested = int(asked.sum())
         want = mask[spec.start : spec.end] | ~asked
         loaded = int((want & asked).sum())
-        self._count(load_requests=1, load_tokens_requested=requested, loaded_tokens=loaded)
+        self._reports.count(load_requests=1, load_tokens_requested=requested, loaded_tokens=loaded)
         logger.debug(
             "kvtier: request %s: loaded %d of tokens %d-%d",
             spec.req_id,
@@ -99,7 +111,7 @@ class WorkerLoads:
             return set()
         missing = (~want).nonzero().squeeze(1) + spec.start
         if spec.hold_id is None:
-            self._shortfall(spec.req_id, int(missing[0]))
+            self._reports.load_short(spec.req_id, int(missing[0]))
         blocks = {spec.block_ids[int(i) // self.block_size] for i in missing}
         logger.warning(
             "kvtier: request %s: %d of %d tokens could not be loaded; %d block(s) "
@@ -110,7 +122,7 @@ class WorkerLoads:
             requested,
             len(blocks),
         )
-        self._count(load_failed_blocks=len(blocks))
+        self._reports.count(load_failed_blocks=len(blocks))
         return blocks
 
     def _slots(self, spec: LoadSpec) -> torch.Tensor:
@@ -129,7 +141,7 @@ class WorkerLoads:
         """One whole load on the loader thread (the caller releases the hold)."""
         own = None
         if spec.hold_id is None:  # answered by the index: look up (and count) here
-            self._before_indexed(spec)
+            self._reports.before_indexed_load(spec)
             hold = own = self.engine.hold(spec.tokens, spec.scope)
         slots = self._slots(spec)
         try:
@@ -155,10 +167,10 @@ class WorkerLoads:
             slots = self._slots(spec)
             hold = self.holds.take(spec.req_id, spec.hold_id)
             if spec.hold_id is None:
-                self._count(indexed_loads=1)  # answered by the scheduler's index: no hold
+                self._reports.count(indexed_loads=1)  # answered by the scheduler's index: no hold
             elif hold is None:
                 # Expired before its load: read the tiers (may come up short).
-                self._count(loads_without_hold=1)
+                self._reports.count(loads_without_hold=1)
             if spec.load_async:
                 self._async[spec.req_id] = spec
                 self._loader.submit(spec, hold, marker)

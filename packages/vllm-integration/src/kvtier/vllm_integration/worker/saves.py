@@ -9,7 +9,7 @@ captured in ``save_kv_layer`` right after attention wrote it, so the saves are c
 step ends. Lazy saves (``scheduler/lazy.py``: blocks of finished requests the scheduler touched)
 go to the same saver; each one's copy is reported done (``lazy_copied``). Verifications
 (``worker/verify.py``) run on the saver too, before the step's saves, and keep their blocks the
-same way. A producer's hand-over receipts (``kvtier.core.receipts``) run on it after the step's
+same way. A producer's hand-over receipts (``kvtier.core.keys.receipts``) run on it after the step's
 saves: the receipt is put after every chunk of its request.
 """
 
@@ -24,8 +24,8 @@ import torch
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.engine import CacheEngine
+from kvtier.core.keys.receipts import write_receipt
 from kvtier.core.platform import Marker
-from kvtier.core.receipts import write_receipt
 from kvtier.vllm_integration.messages import (
     KVTierMetadata,
     ReceiptSpec,
@@ -88,7 +88,7 @@ class WorkerSaves:
         n = self.engine.store(
             spec.tokens, self._slots(spec), scope=spec.scope, ready=ready, keep=keep
         )
-        for boundary, blocks in spec.states:  # a Mamba hybrid's states (kvtier.core.states)
+        for boundary, blocks in spec.states:  # a Mamba hybrid's states (kvtier.core.engine.states)
             self.engine.store_state(
                 spec.tokens, boundary, blocks, scope=spec.scope, ready=ready, keep=keep
             )

@@ -40,12 +40,12 @@ import torch
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.engine import CacheEngine
+from kvtier.core.engine.thread_cpu import PROCESS_THREADS
 from kvtier.core.errors import LayoutError
 from kvtier.core.keys import KeyScope
+from kvtier.core.keys.receipts import has_receipt
 from kvtier.core.metrics import engine_values
 from kvtier.core.platform import get_platform
-from kvtier.core.receipts import has_receipt
-from kvtier.core.thread_cpu import PROCESS_THREADS
 from kvtier.vllm_integration.channel import ControlServer, socket_path
 from kvtier.vllm_integration.handover import producer_config
 from kvtier.vllm_integration.identity import engine_rank, engine_weights, model_identity
@@ -89,7 +89,7 @@ WORKER_COUNTERS = (
     "save_errors",
     "saves_abandoned",
     "generation_resets",
-    "receipts_written",  # a producer's hand-over receipts (kvtier.core.receipts)
+    "receipts_written",  # a producer's hand-over receipts (kvtier.core.keys.receipts)
     "receipts_unwritten",  # no host memory even for the receipt: its consumer waits it out
 )
 # The counters that are also metrics (``kvtier.core.metrics.METRICS``).
@@ -230,10 +230,8 @@ class WorkerSide:
                 holds,
                 block_size=self.block_size,
                 layer_of=layer_of,
-                count=self._count,
                 metrics=self.metrics,
-                before_indexed=self._before_indexed,
-                shortfall=feed.shortfall,
+                reports=self,
             ),
             feed=feed,
             prober=Prober(self._probe, feed.answer),
@@ -283,9 +281,17 @@ class WorkerSide:
         ):
             logger.warning("kvtier: lookup answered before a save of the same prefix finished")
 
-    def _before_indexed(self, spec: LoadSpec) -> None:
+    # What the loads report (``worker/loads.py``'s ``LoadReports``).
+
+    def count(self, **counters: int) -> None:
+        self.counters.add(**counters)
+
+    def before_indexed_load(self, spec: LoadSpec) -> None:
         """A load answered by the scheduler's index, on the loader thread."""
         self._await_related_saves(spec.tokens, spec.scope)
+
+    def load_short(self, req_id: str, found: int) -> None:
+        self._runtime().feed.shortfall(req_id, found)
 
     @property
     def loads_in_flight(self) -> int:

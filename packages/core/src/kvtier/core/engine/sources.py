@@ -6,8 +6,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from kvtier.core.handles import ChunkSpan
 from kvtier.core.keys import ChunkKey
+from kvtier.core.memory.handles import ChunkSpan
 from kvtier.core.storage import StorageManager
 
 

@@ -5,7 +5,7 @@
 A lookup takes the contiguous run of full-chunk hits; at the first full-chunk miss it walks the
 prompt's tail keys there (one per whole block, up to one block short of a chunk). Each block is
 found either as a stored tail entry (``save_unfull_chunk``) or through an alias
-(``kvtier.core.aliases``) of a stored full chunk whose first blocks the prompt shares; the
+(``kvtier.core.keys.aliases``) of a stored full chunk whose first blocks the prompt shares; the
 longer of the run of tail entries and the longest alias whose chunk is stored wins (an alias
 hit is one span over the aliased chunk, loaded as a prefix of that chunk's object).
 """
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier.core.aliases import Alias, decode_alias
-from kvtier.core.handles import ChunkSpan
 from kvtier.core.keys import ChunkKey, KeyFactory, Scope, TokenIds
-from kvtier.core.prompt import PromptHashes
+from kvtier.core.keys.aliases import Alias, decode_alias
+from kvtier.core.keys.prompt import PromptHashes
+from kvtier.core.memory.handles import ChunkSpan
 from kvtier.core.storage import StorageManager
 
 

@@ -27,7 +27,7 @@ from kvtier.core.errors import PlatformError
 if TYPE_CHECKING:
     from kvtier.core.layout import KVLayout
     from kvtier.core.memory import HostArena
-    from kvtier.core.mover import PageMover
+    from kvtier.core.platform.mover import PageMover
 
 logger = logging.getLogger("kvtier")
 
@@ -59,9 +59,9 @@ class Platform(ABC):
         return False
 
     #: Whether ``pin_host_range`` can page-lock part of an existing buffer: then the arena is
-    #: pinned in the background, segment by segment (``kvtier.core.arena_growth``).
+    #: pinned in the background, segment by segment (``kvtier.core.memory.arena_growth``).
     pins_ranges: ClassVar[bool] = False
-    #: Bytes page-locked per background step (``kvtier.core.arena_growth.SEGMENT_BYTES``).
+    #: Bytes page-locked per background step (``kvtier.core.memory.arena_growth.SEGMENT_BYTES``).
     pin_segment_bytes: ClassVar[int] = 256 << 20
 
     def create_arena(self, nbytes: int, *, pin_memory: bool = True) -> HostArena:
@@ -72,7 +72,7 @@ class Platform(ABC):
         pin = pin_memory and self.has_pinned_memory
         if not (pin and self.pins_ranges):
             return HostArena.create(nbytes, pin_memory=pin)
-        from kvtier.core.arena_growth import ArenaGrowth
+        from kvtier.core.memory.arena_growth import ArenaGrowth
 
         buffer = torch.empty(nbytes, dtype=torch.uint8)
         arena = HostArena(buffer, ready_bytes=0)
@@ -103,7 +103,7 @@ class Platform(ABC):
         num_blocks: int | None = None,
         **options: object,
     ) -> PageMover:
-        """A page mover over the engine's per-layer KV views (``kvtier.core.mover``);
+        """A page mover over the engine's per-layer KV views (``kvtier.core.platform.mover``);
         ``num_blocks``: manager blocks in each view (default: as the views' shape says)."""
 
     def synchronize(self) -> None:

@@ -46,7 +46,7 @@ class EngineStats:
     retrieve_misses: int = 0
     store_abandoned_chunks: int = 0
     aliases_skipped: int = 0
-    stored_states: int = 0  # recurrent-state entries stored (``kvtier.core.states``)
+    stored_states: int = 0  # recurrent-state entries stored (``kvtier.core.engine.states``)
     state_misses: int = 0  # loads whose state entry was gone: nothing loaded
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -83,7 +83,7 @@ class Hold:
         # Other entries kept in host memory while held (the held chunks' alias entries: a chunk
         # that survives eviction because it is held keeps its aliases too); never loaded.
         self.pins: list[MemoryObj] = list(pins) if pins is not None else []
-        # A state layout's state entry at the hit's end (``kvtier.core.states``): (end, object),
+        # A state layout's state entry at the hit's end (``kvtier.core.engine.states``): (end, object),
         # and the tier it was read from.
         self.state = state
         self.state_source = state_source

@@ -7,12 +7,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvtier.core.engine.slots import span_rows, written
 from kvtier.core.errors import KVTierError
-from kvtier.core.handles import ChunkSpan, Hold
+from kvtier.core.keys.prompt import PromptHashes
 from kvtier.core.memory import MemoryObj
-from kvtier.core.mover import Transfer
-from kvtier.core.prompt import PromptHashes
-from kvtier.core.slots import span_rows, written
+from kvtier.core.memory.handles import ChunkSpan, Hold
+from kvtier.core.platform.mover import Transfer
 
 
 def held_objects(

@@ -23,17 +23,17 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvtier.core.handles import ChunkSpan, EngineStats
+from kvtier.core.engine.slots import written
+from kvtier.core.engine.sources import chunk_sources
+from kvtier.core.engine.store_writer import release_all
 from kvtier.core.keys import ChunkKey, KeyFactory
+from kvtier.core.keys.prompt import PromptHashes
 from kvtier.core.layout import KVLayout
 from kvtier.core.memory import MemoryObj, MemoryObjMeta
-from kvtier.core.mover import PageMover, Transfer
+from kvtier.core.memory.handles import ChunkSpan, EngineStats
 from kvtier.core.platform import Marker, Platform
-from kvtier.core.prompt import PromptHashes
-from kvtier.core.slots import written
-from kvtier.core.sources import chunk_sources
+from kvtier.core.platform.mover import PageMover, Transfer
 from kvtier.core.storage import StorageManager
-from kvtier.core.store_writer import release_all
 
 
 class StateEntries:

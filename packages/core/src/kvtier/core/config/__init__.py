@@ -6,8 +6,8 @@ Every field is declared once below with its type, default and meaning; the confi
 Unknown keys and bad values raise ``ConfigError`` naming the field and the value (secrets
 masked: the Redis password, and the password inside a Redis URL, never appear in an error or in
 ``repr``).
-Each value is turned into its field's type by ``kvtier.core.config_coerce`` and the whole config
-is checked by ``kvtier.core.config_checks``.
+Each value is turned into its field's type by ``kvtier.core.config.coerce`` and the whole config
+is checked by ``kvtier.core.config.checks``.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Any, get_origin, get_type_hints
 
 import yaml
 
-from kvtier.core.config_checks import both_host_budgets, parse_key, read_key_file, validated
-from kvtier.core.config_coerce import coerce
+from kvtier.core.config.checks import both_host_budgets, parse_key, read_key_file, validated
+from kvtier.core.config.coerce import coerce
+from kvtier.core.config.masking import mask_url, shown
 from kvtier.core.errors import ConfigError
-from kvtier.core.masking import mask_url, shown
 
 __all__ = [
     "ENV_CONFIG_FILE",

@@ -30,7 +30,7 @@ DIGEST_SIZE = 16
 # or tail key can be one (theirs is bare hex), so a tier, the codec and ``kvtier ls`` can tell
 # an alias entry from KV by its key alone.
 ALIAS_PREFIX = "alias-"
-# A recurrent-state entry's chunk-hash field (``kvtier.core.states``): this prefix, then the hex
+# A recurrent-state entry's chunk-hash field (``kvtier.core.engine.states``): this prefix, then the hex
 # hash of the prefix the state ends.
 STATE_PREFIX = "state-"
 
@@ -192,12 +192,12 @@ class ChunkKey:
 
     @property
     def is_alias(self) -> bool:
-        """Whether this key names an alias entry (``kvtier.core.aliases``), not KV."""
+        """Whether this key names an alias entry (``kvtier.core.keys.aliases``), not KV."""
         return self.chunk_hash.startswith(ALIAS_PREFIX)
 
     @property
     def is_state(self) -> bool:
-        """Whether this key names a recurrent-state entry (``kvtier.core.states``), not KV."""
+        """Whether this key names a recurrent-state entry (``kvtier.core.engine.states``), not KV."""
         return self.chunk_hash.startswith(STATE_PREFIX)
 
     def namespace(self) -> str:

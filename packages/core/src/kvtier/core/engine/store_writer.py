@@ -13,15 +13,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvtier.core.aliases import Alias, alias_objects
-from kvtier.core.handles import ChunkSpan, EngineStats
+from kvtier.core.engine.slots import complete, span_rows
 from kvtier.core.keys import ChunkKey
+from kvtier.core.keys.aliases import Alias, alias_objects
+from kvtier.core.keys.prompt import PromptHashes
+from kvtier.core.keys.spans import SpanPlanner
 from kvtier.core.layout import KVLayout
 from kvtier.core.memory import MemoryObj, MemoryObjMeta
-from kvtier.core.mover import Transfer
-from kvtier.core.prompt import PromptHashes
-from kvtier.core.slots import complete, span_rows
-from kvtier.core.spans import SpanPlanner
+from kvtier.core.memory.handles import ChunkSpan, EngineStats
+from kvtier.core.platform.mover import Transfer
 from kvtier.core.storage import StorageManager
 from kvtier.core.warn import warn_throttled
 

@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any, get_type_hints
 
+from kvtier.core.config.masking import MASK
 from kvtier.core.errors import ConfigError
-from kvtier.core.masking import MASK
 
 if TYPE_CHECKING:
     from kvtier.core.config import KVTierConfig

@@ -9,7 +9,7 @@ request, put with ``StorageManager.put_last``, so that it reaches each lower tie
 every chunk put before it landed there or was dropped. A consumer that finds the receipt, and
 then looks at the chunks, finds all that is coming: it stops waiting (``handover.py``).
 
-A receipt is stored as an alias entry (``kvtier.core.aliases``: a small record kept, sealed,
+A receipt is stored as an alias entry (``kvtier.core.keys.aliases``: a small record kept, sealed,
 checksummed, evicted and namespaced like a chunk by every tier, with no code of its own) whose
 target is the zero hash. Its own hash is a digest of the engine and request ids under a
 personalization of its own, so no prompt's tail hash is ever one; only its presence is asked.
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import hashlib
 
-from kvtier.core.aliases import Alias, encode_alias
 from kvtier.core.keys import KeyFactory, Scope
+from kvtier.core.keys.aliases import Alias, encode_alias
 from kvtier.core.storage import StorageManager
 
 _PERSON = b"kvtier-receipt"

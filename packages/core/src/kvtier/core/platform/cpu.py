@@ -7,13 +7,13 @@ from collections.abc import Sequence
 import torch
 
 from kvtier.core.layout import KVLayout
-from kvtier.core.mover import TorchPageMover, check_options
 from kvtier.core.platform import Platform
+from kvtier.core.platform.mover import TorchPageMover, check_options
 
 
 def detect() -> str | None:
     """Always available."""
-    return "kvtier.core.platforms.cpu:CPUPlatform"
+    return "kvtier.core.platform.cpu:CPUPlatform"
 
 
 class CPUPlatform(Platform):
@@ -30,7 +30,7 @@ class CPUPlatform(Platform):
         **options: object,
     ) -> TorchPageMover:
         """The reference ``TorchPageMover``. Options: only the common ones
-        (``kvtier.core.mover.COMMON_OPTIONS``); ``staging_buffer`` changes nothing here, the
+        (``kvtier.core.platform.mover.COMMON_OPTIONS``); ``staging_buffer`` changes nothing here, the
         cache being host memory. Anything else is a ``TypeError``."""
         check_options(self.name, options)
         return TorchPageMover(kv_caches, layout, num_blocks)

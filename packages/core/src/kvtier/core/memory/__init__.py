@@ -45,7 +45,7 @@ class HostArena:
 
     Growth: an arena may start with only its first ``ready_bytes`` usable (``capacity``) and
     grow to ``target_bytes`` as a background thread pins it segment by segment
-    (``kvtier.core.arena_growth``): objects are only ever carved from ready bytes, so a transfer
+    (``kvtier.core.memory.arena_growth``): objects are only ever carved from ready bytes, so a transfer
     never touches memory still being page-locked, and nothing waits for the whole arena.
     """
 

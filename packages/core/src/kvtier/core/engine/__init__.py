@@ -1,18 +1,18 @@
 """CacheEngine: the engine-facing API (lookup, store, retrieve) over a StorageManager.
 
-Chunking (``kvtier.core.spans``): a prompt is cut into full chunks of ``chunk_size`` tokens;
+Chunking (``kvtier.core.keys.spans``): a prompt is cut into full chunks of ``chunk_size`` tokens;
 with ``save_unfull_chunk`` the tail after the last full chunk is also stored, one block per span,
 each chained onto the previous key; every full chunk stored also gets alias entries for its
-leading blocks (``kvtier.core.aliases``). A lookup takes the run of full-chunk hits and then,
+leading blocks (``kvtier.core.keys.aliases``). A lookup takes the run of full-chunk hits and then,
 at the first full-chunk miss, every whole block there that a stored tail or alias holds: a
 prompt hits every whole block it shares with a stored one, wherever they diverge.
 
-Hashing: each call hashes its prompt once (``kvtier.core.prompt.PromptHashes``, made by the
+Hashing: each call hashes its prompt once (``kvtier.core.keys.prompt.PromptHashes``, made by the
 span planner) and hands those hashes to the spans, the hold check, the load plan and the store
 writer.
 
-Storing: ``kvtier.core.store_writer`` plans which spans a store copies and commits them (with
-their alias entries) once the copy is done; ``kvtier.core.load_plan`` builds a retrieve's
+Storing: ``kvtier.core.engine.store_writer`` plans which spans a store copies and commits them (with
+their alias entries) once the copy is done; ``kvtier.core.engine.load_plan`` builds a retrieve's
 transfers.
 
 Holds: ``hold(tokens)`` looks a prompt up *and* keeps its hit objects in host memory (fetching
@@ -25,8 +25,8 @@ adapter identity, weights generation); see ``kvtier.core.keys``.
 Slot mappings: ``slot_mapping[i]`` is token ``i``'s slot in the paged cache, ``-1`` when the
 engine does not hold it (store: the chunk cannot be saved) or does not want it (retrieve: the
 engine already has it, or it is past what the engine asked for). kvtier moves whole pages
-(``kvtier.core.mover``), so a chunk's slots map whole blocks: each block's tokens are all -1 or
-all in one cache block, in order (``kvtier.core.slots.span_blocks``). A hybrid engine
+(``kvtier.core.platform.mover``), so a chunk's slots map whole blocks: each block's tokens are all -1 or
+all in one cache block, in order (``kvtier.core.engine.slots.span_blocks``). A hybrid engine
 (``KVLayout.groups``) takes one row of slots per KV cache group (``[groups, n]``): a chunk is
 stored only where every group has its slots, and a load fills the slots any group has.
 """
@@ -38,21 +38,21 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from kvtier.core.config import KVTierConfig
+from kvtier.core.engine.load_plan import held_objects, load_transfers
+from kvtier.core.engine.slots import checked_slots, written
+from kvtier.core.engine.sources import TierHits, chunk_sources
+from kvtier.core.engine.states import StateEntries
+from kvtier.core.engine.store_writer import AliasPlan, StorePlan, StoreWriter, release_all
 from kvtier.core.errors import ClosedError, ConfigError, KVTierError
-from kvtier.core.handles import ChunkSpan, EngineStats, Hold, RetrieveJob
 from kvtier.core.keys import ChunkKey, KeyFactory, Scope, TokenIds
+from kvtier.core.keys.prompt import PromptHashes
+from kvtier.core.keys.spans import SpanPlanner
 from kvtier.core.layout import KVLayout
-from kvtier.core.load_plan import held_objects, load_transfers
 from kvtier.core.memory import MemoryObj
-from kvtier.core.mover import PageMover, Transfer
+from kvtier.core.memory.handles import ChunkSpan, EngineStats, Hold, RetrieveJob
 from kvtier.core.platform import Marker, Platform, get_platform
-from kvtier.core.prompt import PromptHashes
-from kvtier.core.slots import checked_slots, written
-from kvtier.core.sources import TierHits, chunk_sources
-from kvtier.core.spans import SpanPlanner
-from kvtier.core.states import StateEntries
+from kvtier.core.platform.mover import PageMover, Transfer
 from kvtier.core.storage import StorageManager, storage_manager_for
-from kvtier.core.store_writer import AliasPlan, StorePlan, StoreWriter, release_all
 
 GiB = 1 << 30
 
@@ -151,8 +151,8 @@ class CacheEngine:
 
     def hit_spans(self, tokens: TokenIds, scope: Scope = None) -> list[ChunkSpan]:
         """The contiguous run of stored spans covering a prefix of ``tokens`` (full chunks, then
-        tail blocks or an alias into a stored chunk: ``kvtier.core.spans``); with state groups,
-        cut to the longest one ending at a stored state (``kvtier.core.states``)."""
+        tail blocks or an alias into a stored chunk: ``kvtier.core.keys.spans``); with state groups,
+        cut to the longest one ending at a stored state (``kvtier.core.engine.states``)."""
         prompt = self.spans.prompt(tokens, scope)
         hits = self.spans.hits(prompt)
         return self.states.cut(prompt, hits, fetch=False)[0] if self.states else hits
@@ -224,7 +224,7 @@ class CacheEngine:
         return [o for o in self.storage.host_get(keys) if o is not None] if keys else []
 
     def chunk_sources(self, keys: Sequence[ChunkKey]) -> list[str]:
-        """The tier name holding each of ``keys`` (``kvtier.core.sources.chunk_sources``)."""
+        """The tier name holding each of ``keys`` (``kvtier.core.engine.sources.chunk_sources``)."""
         return chunk_sources(self.storage, keys)
 
     def hit_tokens_by_tier(self) -> dict[str, int]:
@@ -395,7 +395,7 @@ class CacheEngine:
         keep: Callable[[], bool] | None = None,
     ) -> bool:
         """Store the recurrent state after the first ``boundary`` tokens (a full-chunk boundary)
-        from ``blocks``, one cache block per state group (``kvtier.core.states``); whether a
+        from ``blocks``, one cache block per state group (``kvtier.core.engine.states``); whether a
         new entry was stored. ``ready``, ``keep``: as for ``store``."""
         self._check_open()
         if self.states is None:

@@ -3,7 +3,7 @@
 A page (one layer's one block) is read as the cache's element type and its error is
 ``mean |stored - fresh| / mean |fresh|`` (``page_errors``).
 
-A recurrent-state entry (``kvtier.core.states``) is compared the same way, part by part
+A recurrent-state entry (``kvtier.core.engine.states``) is compared the same way, part by part
 (``state_error``). A Mamba / linear-attention layer keeps its states packed one after another
 from the first byte of its block's page, each of its own shape and element type (vLLM's
 ``MambaBase.bind_kv_cache``: e.g. a convolution state in the model's dtype, then an SSM state in

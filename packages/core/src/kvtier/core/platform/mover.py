@@ -4,7 +4,7 @@ The contract (every platform's mover keeps it; ``tests/conformance/test_page_mov
 same checks against every platform, on views built by vLLM's own allocator):
 
 - A mover is built over the engine's per-layer KV views (``[kernel_blocks, H, N, C]``, strides
-  per vLLM's layout; ``kvtier.core.pages``) and a ``KVLayout``. It finds each page (one layer's
+  per vLLM's layout; ``kvtier.core.platform.pages``) and a ``KVLayout``. It finds each page (one layer's
   one manager block) from the views' strides and copies pages as opaque bytes: it never reads
   a page's interior.
 - A ``Transfer`` pairs a memory object (``[blocks, layers, page_bytes]`` uint8, see
@@ -59,7 +59,7 @@ import torch
 from kvtier.core.errors import LayoutError
 from kvtier.core.layout import KVLayout
 from kvtier.core.memory import MemoryObj
-from kvtier.core.pages import PageRuns, block_runs, check_pages, manager_blocks, page_view
+from kvtier.core.platform.pages import PageRuns, block_runs, check_pages, manager_blocks, page_view
 
 #: Options every platform's ``create_mover`` accepts, with their types (see the module doc).
 COMMON_OPTIONS: Mapping[str, type] = {"staging_buffer": bool}

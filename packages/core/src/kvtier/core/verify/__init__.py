@@ -30,15 +30,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.core.compare import page_errors, state_error, state_parts
+from kvtier.core.engine.slots import checked_slots, span_rows
+from kvtier.core.engine.store_writer import release_all
 from kvtier.core.errors import KVTierError
-from kvtier.core.handles import ChunkSpan, Hold
 from kvtier.core.keys import ChunkKey, Scope, TokenIds
 from kvtier.core.layout import KVLayout
 from kvtier.core.memory import MemoryObj, MemoryObjMeta
-from kvtier.core.mover import PageMover, Transfer
-from kvtier.core.slots import checked_slots, span_rows
-from kvtier.core.store_writer import release_all
+from kvtier.core.memory.handles import ChunkSpan, Hold
+from kvtier.core.platform.mover import PageMover, Transfer
+from kvtier.core.verify.compare import page_errors, state_error, state_parts
 
 if TYPE_CHECKING:
     from kvtier.core.engine import CacheEngine

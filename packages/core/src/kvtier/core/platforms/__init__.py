@@ -1,1 +1,0 @@
-"""Platforms shipped with kvtier-core (the CPU reference platform)."""
