@@ -1,4 +1,4 @@
-"""A request's life on the scheduler side (``scheduler/request.py``, ``scheduler/state.py``):
+"""A request's life on the scheduler side (``scheduler/request.py``, ``scheduler/request_state.py``):
 every change of phase the code lists is one the connector makes, stepped through the harness
 with real worker parts; nothing else writes a request's state; docs/architecture.md lists the
 same transitions; and a step's block ids are read as vLLM sends them."""
@@ -17,8 +17,8 @@ from sched_harness import BLOCK, CHUNK, Harness, empty_output, request
 from vllm.v1.core.sched.output import NewRequestData
 from vllm.v1.outputs import KVConnectorOutput
 
-from kvtier.vllm_integration.scheduler import state as state_module
-from kvtier.vllm_integration.scheduler.state import TRANSITIONS, Phase, TrackedRequest
+from kvtier.vllm_integration.scheduler import request_state as state_module
+from kvtier.vllm_integration.scheduler.request_state import TRANSITIONS, Phase, TrackedRequest
 from kvtier.vllm_integration.scheduler.steps import BlockUpdate, block_updates
 
 pytestmark = [pytest.mark.vllm]
@@ -178,7 +178,7 @@ def test_every_listed_transition_is_made_and_only_state_py_writes_a_request(monk
 
 
 def test_a_change_not_listed_is_refused() -> None:
-    from kvtier.vllm_integration.scheduler.state import LifecycleError
+    from kvtier.vllm_integration.scheduler.request_state import LifecycleError
 
     h = Harness.create()
     try:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.vllm_integration.groups import NULL_BLOCK, CacheGroups
 from kvtier.vllm_integration.messages import KVTierMetadata, LoadSpec, SaveSpec, VerifySpec
-from kvtier.vllm_integration.scheduler.state import TrackedRequest
+from kvtier.vllm_integration.scheduler.request_state import TrackedRequest
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager

@@ -29,7 +29,7 @@ from kvtier.vllm_integration.scheduler.prompts import IndexedPrompt, Probe
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-    from kvtier.vllm_integration.scheduler.state import TrackedRequest
+    from kvtier.vllm_integration.scheduler.request_state import TrackedRequest
 
 logger = logging.getLogger("kvtier")
 

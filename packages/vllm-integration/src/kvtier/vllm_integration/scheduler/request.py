@@ -18,7 +18,7 @@ what each asks of the policies.
    (``scheduler/frees.py``), or its save is remembered for lazy offload (``scheduler/lazy.py``);
    a producer announces what it stored.
 
-The phases and the changes between them are ``scheduler/state.py``'s, the only writer of a
+The phases and the changes between them are ``scheduler/request_state.py``'s, the only writer of a
 request's state; docs/architecture.md draws them.
 """
 
@@ -46,8 +46,8 @@ from kvtier.vllm_integration.scheduler.hybrid import HybridBlocks
 from kvtier.vllm_integration.scheduler.lazy import LazyOffload
 from kvtier.vllm_integration.scheduler.lookups import Lookups
 from kvtier.vllm_integration.scheduler.prompts import Sightings
+from kvtier.vllm_integration.scheduler.request_state import Hashing, Phase, TrackedRequest
 from kvtier.vllm_integration.scheduler.save_plan import SavePlanner
-from kvtier.vllm_integration.scheduler.state import Hashing, Phase, TrackedRequest
 from kvtier.vllm_integration.scheduler.steps import BlockUpdate
 from kvtier.vllm_integration.scheduler.verify import VerifySampling
 

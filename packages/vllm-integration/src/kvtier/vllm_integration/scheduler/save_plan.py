@@ -15,7 +15,7 @@ from kvtier.vllm_integration.messages import SaveSpec
 from kvtier.vllm_integration.scheduler.events import EventLog
 from kvtier.vllm_integration.scheduler.index import PresenceIndex
 from kvtier.vllm_integration.scheduler.prompts import Sightings
-from kvtier.vllm_integration.scheduler.state import SaveProgress, TrackedRequest
+from kvtier.vllm_integration.scheduler.request_state import SaveProgress, TrackedRequest
 
 
 class SavePlanner:

@@ -5,7 +5,7 @@ the scheduler side's parts and turns vLLM's hooks into a request's events: a req
 top-down (lookup, allocation, each scheduled step, preemption, finish), is
 ``scheduler/request.py``, which asks one policy per decision (``scheduler/lookups.py``: the
 index of stored chunks and probes of the workers; ``save_plan.py``, ``verify.py``, ``hybrid.py``,
-``lazy.py``, ``handover.py``), and whose state has one writer (``scheduler/state.py``). What each
+``lazy.py``, ``handover.py``), and whose state has one writer (``scheduler/request_state.py``). What each
 step's output reports goes to ``scheduler/outputs.py``. The whole path, step by step:
 ``docs/serving.md``.
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from kvtier.core.config import KVTierConfig
 from kvtier.vllm_integration.messages import VerifySpec
-from kvtier.vllm_integration.scheduler.state import PendingVerify, TrackedRequest
+from kvtier.vllm_integration.scheduler.request_state import PendingVerify, TrackedRequest
 
 logger = logging.getLogger("kvtier")
 
