@@ -16,6 +16,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 pytest_plugins = [
     "fixtures.common",
     "fixtures.redis_server",
+    "fixtures.node_dir",
     "fixtures.vllm_model",
     "fixtures.lora_adapter",
 ]

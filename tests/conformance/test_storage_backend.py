@@ -50,7 +50,7 @@ from kvtier.storage.stats import StorageStats
 from kvtier.storage.tiers import BACKEND_GROUP, load_backend_class
 
 # redis_sealed: the redis tier with encryption_key set (payloads sealed with AES-256-GCM)
-TIERS = ["local_cpu", "local_disk", "redis", "redis_sealed", "dict_tier"]
+TIERS = ["local_cpu", "local_disk", "node", "redis", "redis_sealed", "dict_tier"]
 KEY = "5a" * 32
 _media_ids = itertools.count(1)
 
@@ -152,6 +152,10 @@ def tier(request: pytest.FixtureRequest, tmp_path: Path, plugin_registered: None
     medium_id = 0
     if name == "local_disk":
         medium = DiskMedium(tmp_path / "disk")
+    elif name == "node":
+        node = request.getfixturevalue("node_dir")
+        kw.update(node_path=str(node))
+        medium = DiskMedium(node)
     elif name == "redis":
         server = request.getfixturevalue("redis_clean")
         # 1 KiB segments: each 2 KiB chunk is stored as several values
@@ -357,13 +361,16 @@ def test_a_budget_evicts_the_least_recently_used_entries_no_reader_holds(tier: T
         assert_chunk(held[0], 1)
         release(held)
         assert evict() and tier.contains(1) == [False]
-    elif tier.name == "local_disk":
+    elif tier.name in ("local_disk", "node"):
         medium = lower_only(tier)
         file_bytes = len(medium.read(stored_names(medium, tier, 99)[0]))
-        small = tier.build(
-            local_disk_size_gb=3.5 * file_bytes / (1 << 30),
-            local_disk_path=str(Path(tier.config.local_disk_path).parent / "small"),
-        )
+        budget = 3.5 * file_bytes / (1 << 30)
+        if tier.name == "node":
+            path = Path(tier.config.node_path).parent / "small"
+            small = tier.build(node_size_gb=budget, node_path=str(path))
+        else:
+            path = Path(tier.config.local_disk_path).parent / "small"
+            small = tier.build(local_disk_size_gb=budget, local_disk_path=str(path))
         for i in range(3):
             tier.put(i, backend=small)
         release(tier.get(0, backend=small))  # 0 is now the most recent

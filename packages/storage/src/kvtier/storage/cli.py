@@ -1,6 +1,7 @@
 """``kvtier ls``, ``kvtier stats`` and ``kvtier clear``: look into and clear a disk-tier directory
-(``--disk PATH``) or a Redis key prefix (``--redis URL [--prefix P]``), of a stopped or running
-deployment. Without ``--disk``/``--redis`` the tiers of the kvtier config (``--config FILE``,
+(``--disk PATH``), the node tier's (``--node PATH``: the same files, in shared memory) or a Redis
+key prefix (``--redis URL [--prefix P]``), of a stopped or running deployment. Without
+``--disk``/``--node``/``--redis`` the tiers of the kvtier config (``--config FILE``,
 ``KVTIER_*`` variables) are used. ``--salt TEXT`` (the cache salt requests carry) or
 ``--salt-id ID`` (as ``stats`` shows it; ``-`` for unsalted chunks) and ``--model NAME`` narrow
 every command to those chunks. The Redis user name and password come from the config
@@ -25,6 +26,7 @@ _DEFAULT_PREFIX = "kvtier:"
 def _parser(command: str, about: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"kvtier {command}", description=about)
     p.add_argument("--disk", metavar="PATH", help="a disk-tier directory (local_disk_path)")
+    p.add_argument("--node", metavar="PATH", help="a node-tier directory (node_path)")
     p.add_argument(
         "--redis", metavar="URL", help="a Redis/Valkey URL (redis://, rediss://, unix://)"
     )
@@ -46,15 +48,20 @@ def _parser(command: str, about: str) -> argparse.ArgumentParser:
 def _sources(args: argparse.Namespace) -> list[tuple[str, Any]]:
     """``[(label, inventory)]`` for the tiers named on the command line, else in the config."""
     cfg: KVTierConfig = load_config(args.config)
-    disk, url = args.disk, args.redis
-    if disk is None and url is None:
+    disk, node, url = args.disk, args.node, args.redis
+    if disk is None and node is None and url is None:
         disk = str(cfg.disk_path()) if "local_disk" in cfg.tiers else None
+        node = str(cfg.node_dir()) if "node" in cfg.tiers else None
         url = cfg.redis_url if "redis" in cfg.tiers else None
-        if disk is None and url is None:
+        if disk is None and node is None and url is None:
             raise ConfigError(
-                "tiers", cfg.tiers, "has neither local_disk nor redis: pass --disk or --redis"
+                "tiers",
+                cfg.tiers,
+                "has none of local_disk, node, redis: pass --disk, --node or --redis",
             )
     out: list[tuple[str, Any]] = []
+    if node is not None:
+        out.append((f"node {node}", DiskInventory(node)))
     if disk is not None:
         out.append((f"disk {disk}", DiskInventory(disk)))
     if url is not None:

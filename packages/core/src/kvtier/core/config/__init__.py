@@ -42,7 +42,7 @@ __all__ = [
 
 ENV_PREFIX = "KVTIER_"
 ENV_CONFIG_FILE = "KVTIER_CONFIG_FILE"
-KNOWN_TIERS_DOC = "local_cpu, local_disk, redis (or any name registered in kvtier.backends)"
+KNOWN_TIERS_DOC = "local_cpu, node, local_disk, redis (or any name registered in kvtier.backends)"
 
 
 def default_cache_dir() -> str:
@@ -102,6 +102,21 @@ class KVTierConfig:
         default=10.0,
     )
     local_disk_o_direct: bool = _doc("Read and write disk-tier files with O_DIRECT.", default=False)
+    node_path: str = _doc(
+        "Node tier directory, on a memory file system (tmpfs, hugetlbfs); every kvtier process "
+        "of this user on the host that names it shares it (default: /dev/shm/kvtier-<uid>).",
+        default="",
+    )
+    node_size_gb: float = _doc(
+        "Node tier budget (GiB) of the whole host: every process, model and rank using node_path "
+        "shares it, the least recently used chunks evicted first.",
+        default=4.0,
+    )
+    node_rescan_s: float = _doc(
+        "How often (s, at most) a process rescans the node tier before writing, to count what "
+        "the others wrote and evict across them; 0 = before every write.",
+        default=1.0,
+    )
     redis_url: str | None = _doc(
         "Redis/Valkey URL: redis://host:port/db, rediss:// (TLS), unix:///path.sock.", default=None
     )
@@ -249,6 +264,9 @@ class KVTierConfig:
 
     def disk_path(self) -> Path:
         return Path(self.local_disk_path or os.path.join(default_cache_dir(), "disk")).expanduser()
+
+    def node_dir(self) -> Path:
+        return Path(self.node_path or f"/dev/shm/kvtier-{os.getuid()}").expanduser()
 
     def replace(self, **changes: Any) -> KVTierConfig:
         return validated(dataclasses.replace(self, **changes))

@@ -33,6 +33,7 @@ _POSITIVE_INT = (
 _POSITIVE_FLOAT = (
     "local_cpu_size_gb",
     "local_disk_size_gb",
+    "node_size_gb",
     "redis_connect_timeout_s",
     "redis_timeout_s",
     "lookup_timeout_s",
@@ -152,8 +153,8 @@ def check_host_budget(cfg: KVTierConfig) -> None:
         raise both_host_budgets(total)
 
 
-def validated(cfg: KVTierConfig) -> KVTierConfig:
-    """``cfg`` itself once every check passes; else the ``ConfigError`` of the first failure."""
+def check_numbers(cfg: KVTierConfig) -> None:
+    """Finite floats; counts, sizes and timeouts that must be positive; rescan intervals."""
     hints = get_type_hints(type(cfg))
     for f in fields(cfg):
         value = getattr(cfg, f.name)
@@ -165,10 +166,14 @@ def validated(cfg: KVTierConfig) -> KVTierConfig:
     for name in _POSITIVE_FLOAT:
         if getattr(cfg, name) <= 0:
             raise ConfigError(name, getattr(cfg, name), "must be positive")
-    if cfg.local_disk_rescan_s < 0:
-        raise ConfigError(
-            "local_disk_rescan_s", cfg.local_disk_rescan_s, "must be >= 0 (0 = before every write)"
-        )
+    for name in ("local_disk_rescan_s", "node_rescan_s"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(name, getattr(cfg, name), "must be >= 0 (0 = before every write)")
+
+
+def validated(cfg: KVTierConfig) -> KVTierConfig:
+    """``cfg`` itself once every check passes; else the ``ConfigError`` of the first failure."""
+    check_numbers(cfg)
     check_verify(cfg)
     check_host_budget(cfg)
     if cfg.redis_ttl_s < 0:

@@ -54,6 +54,11 @@ class DiskIndex:
         with self._lock:
             return iter(list(self._sizes))
 
+    def sizes(self) -> list[tuple[str, int]]:
+        """``(name, bytes)`` of every indexed file, least recently used first (a snapshot)."""
+        with self._lock:
+            return list(self._sizes.items())
+
     def load(self, files: list[tuple[str, int]]) -> None:
         """Index ``(name, bytes)`` found on disk (oldest first), not yet checked."""
         with self._lock:

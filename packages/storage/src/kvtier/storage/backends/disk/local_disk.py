@@ -50,6 +50,7 @@ import logging
 import os
 import stat
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -81,6 +82,7 @@ from kvtier.storage.backends.disk.readers import BatchReaders
 from kvtier.storage.backends.disk.writer import FS_FULL_CAP_S, DiskWriter
 
 if TYPE_CHECKING:
+    from kvtier.core.config import KVTierConfig
     from kvtier.core.keys import ChunkKey
     from kvtier.core.memory import MemoryObj, MemoryObjMeta
 
@@ -92,19 +94,41 @@ __all__ = ["NAMESPACE_FILE", "SUFFIX", "TMP_SUFFIX", "LocalDiskBackend", "namesp
 GiB = 1 << 30
 
 
+@dataclass(frozen=True)
+class DiskSettings:
+    """Where a tier of chunk files keeps them and how much it may keep."""
+
+    path_field: str  # the config key of its directory (named in errors)
+    root: Path
+    budget: int  # bytes
+    rescan_s: float
+    o_direct: bool
+
+
 class LocalDiskBackend(StorageBackend):
     """One file per chunk under a byte budget. See the module docstring."""
 
     name = "local_disk"
     seals_payloads = True
 
+    @classmethod
+    def settings(cls, cfg: KVTierConfig) -> DiskSettings:
+        return DiskSettings(
+            "local_disk_path",
+            cfg.disk_path(),
+            int(cfg.local_disk_size_gb * GiB),
+            cfg.local_disk_rescan_s,
+            cfg.local_disk_o_direct,
+        )
+
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
         cfg = ctx.config
-        refuse_options(ctx, "local_disk", "see the config keys local_disk_*")
-        self.budget = int(cfg.local_disk_size_gb * GiB)
+        refuse_options(ctx, self.name, f"see the config keys {self.name}_*")
+        settings = self.settings(cfg)
+        self.budget = settings.budget
         self.max_tokens = cfg.chunk_size
-        self.root = cfg.disk_path()
+        self.root = settings.root
         self.dir = namespace_dir(self.root, ctx.namespace)
         self._dir_slash = f"{self.dir}{os.sep}"  # reads open by string: a Path join costs more
         try:
@@ -113,8 +137,8 @@ class LocalDiskBackend(StorageBackend):
                 raise NotADirectoryError(f"{self.dir} is not a directory")
             write_marker(self.dir, ctx.namespace)
         except OSError as e:
-            raise ConfigError("local_disk_path", str(self.root), f"cannot be used: {e}") from None
-        self.o_direct = cfg.local_disk_o_direct
+            raise ConfigError(settings.path_field, str(self.root), f"cannot be used: {e}") from None
+        self.o_direct = settings.o_direct
         self._direct = DirectIO(self.dir) if self.o_direct else None
         # The largest file a chunk of this layout can make: nothing larger is read.
         self.max_file = (
@@ -132,7 +156,7 @@ class LocalDiskBackend(StorageBackend):
             else functools.partial(read_chunk, view_of=self._bytes.of)
         )
         self._removal_listeners: list[Callable[[list[str]], None]] = []
-        self._rescans = ScanPacer(cfg.local_disk_rescan_s)
+        self._rescans = ScanPacer(settings.rescan_s)
         self._writer = DiskWriter(ctx, self, self._index, self._direct)
         self._rebuild_index()
 
@@ -170,9 +194,14 @@ class LocalDiskBackend(StorageBackend):
                 warn_throttled("disk-scan", "kvtier disk tier: cannot scan %s: %s", self.dir, e)
                 return
             self._index.sync(found, since)
+            self._rescanned()
             self.evict_files(self._index.evict_to_budget())
         finally:
             self._rescans.end()
+
+    def _rescanned(self) -> None:
+        """After a rescan, before evicting to the budget (the node tier shares one budget
+        between every namespace of its directory)."""
 
     @property
     def used_bytes(self) -> int:
@@ -353,7 +382,11 @@ class LocalDiskBackend(StorageBackend):
             self.ctx.stats.add(f"{self.name}.no_host_memory")
             return None
         self._index.record(name, st)
+        self._read_hit(name)
         return obj
+
+    def _read_hit(self, name: str) -> None:
+        """A chunk file was read whole (the node tier marks it recently used)."""
 
     def _reject(self, name: str, err: codec.PayloadError) -> None:
         self.ctx.stats.add(f"{self.name}.corrupt")

@@ -1,0 +1,177 @@
+"""What a node-tier hit costs next to a same-process host-memory hit (issue 55).
+
+For each chunk size: chunks stored in the node tier (``/dev/shm``, another process's files as far
+as the reader knows: a fresh backend reads them), then loaded into a paged-cache-like tensor
+(``copy_`` into a preallocated destination, the CPU platform's load). Two loads of the same bytes:
+
+- ``host``: the chunk already in this process's host memory (a ``local_cpu`` hit): one copy;
+- ``node``: read from the node tier into host memory, then the same copy.
+
+Reference in the same run: ``host``. Reported: bytes per second of each, and node / host.
+
+    python benchmarks/node_tier.py [--sizes-mib 2,8,32] [--chunks 16] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from kvtier.core.config import load_config
+from kvtier.core.keys import KeyFactory
+from kvtier.core.layout import KVLayout
+from kvtier.core.memory import HostArena, MemoryObjMeta
+from kvtier.storage.backends.base import BackendContext
+from kvtier.storage.stats import StorageStats
+from kvtier.storage.tiers import load_backend_class
+
+MiB = 1 << 20
+
+
+def layout_for(mib: int) -> tuple[KVLayout, int]:
+    """A layout whose 256-token chunk is ``mib`` MiB, and that chunk size."""
+    heads = max(1, mib * MiB // (256 * 2 * 128 * 2 * 8))
+    layout = KVLayout(
+        num_layers=8,
+        num_kv_heads=heads,
+        head_size=128,
+        dtype="bfloat16",
+        block_size=16,
+        paged_layout="LBHNC",
+    )
+    return layout, 256
+
+
+def measure(mib: int, chunks: int, repeat: int, root: Path) -> dict:
+    layout, tokens = layout_for(mib)
+    meta = MemoryObjMeta(layout.chunk_shape(tokens), layout.chunk_dtype, tokens)
+    arena = HostArena.create((chunks + 2) * meta.nbytes + (64 << 20))
+    cfg = load_config(
+        overrides={
+            "tiers": ["local_cpu", "node"],
+            "node_path": str(root),
+            "node_size_gb": 2 * chunks * meta.nbytes / (1 << 30) + 1,
+            "chunk_size": tokens,
+        },
+        env={},
+    )
+    keys = KeyFactory("bench", layout.fingerprint())
+
+    def backend():  # type: ignore[no-untyped-def]
+        ctx = BackendContext(
+            config=cfg,
+            layout=layout,
+            namespace=keys.key(b"").namespace(),
+            arena=arena,
+            stats=StorageStats(),
+            options={},
+        )
+        return load_backend_class("node", cfg.plugins)(ctx)
+
+    writer = backend()
+    ks = [keys.key(i.to_bytes(16, "little")) for i in range(chunks)]
+    host = []
+    for k in ks:
+        obj = arena.allocate(meta)
+        assert obj is not None
+        obj.tensor.view(torch.uint8).random_(0, 255)
+        writer.batched_put([(k, obj)])
+        host.append(obj)  # the same chunks, held in this process's host memory
+    writer.close()
+    dest = torch.empty((chunks, *meta.shape), dtype=meta.dtype)
+    reader = backend()
+    host_s, node_s = [], []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for i, obj in enumerate(host):
+            dest[i].copy_(obj.tensor)
+        host_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        got = reader.batched_get(ks, arena.allocate)
+        for i, obj in enumerate(got):
+            assert obj is not None, "a node-tier chunk missed"
+            dest[i].copy_(obj.tensor)
+            obj.release()
+        node_s.append(time.perf_counter() - t0)
+    reader.close()
+    for obj in host:
+        obj.release()
+    total = chunks * meta.nbytes
+    host_bps = total / statistics.median(host_s)
+    node_bps = total / statistics.median(node_s)
+    return {
+        "chunk_mib": round(meta.nbytes / MiB, 2),
+        "chunks": chunks,
+        "host_gbps": host_bps / 1e9,
+        "node_gbps": node_bps / 1e9,
+        "node_over_host": node_bps / host_bps,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes-mib", default="2,8,32")
+    p.add_argument("--chunks", type=int, default=16)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = p.parse_args()
+    root = Path("/dev/shm") / f"kvtier-bench-{os.getuid()}-{uuid.uuid4().hex[:8]}"
+    rows = []
+    try:
+        for mib in [int(s) for s in args.sizes_mib.split(",")]:
+            rows.append(measure(mib, args.chunks, args.repeat, root))
+            r = rows[-1]
+            print(
+                f"{r['chunk_mib']:8.2f} MiB  host {r['host_gbps']:6.2f} GB/s  "
+                f"node {r['node_gbps']:6.2f} GB/s  node/host {r['node_over_host']:.2f}",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {
+        "benchmark": "node_tier",
+        "machine": {
+            "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+        },
+        "reference": "a same-process host-memory hit of the same chunks (one copy_)",
+        "results": rows,
+    }
+    (out / "node-tier.json").write_text(json.dumps(result, indent=1) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no chart")
+        return 0
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["host_gbps"] for r in rows], 0.4, label="host-memory hit")
+    ax.bar([i + 0.2 for i in x], [r["node_gbps"] for r in rows], 0.4, label="node-tier hit")
+    ax.set_xticks(list(x), [f"{r['chunk_mib']:.0f} MiB" for r in rows])
+    ax.set_ylabel("load GB/s")
+    ax.set_title("Loading a chunk into the KV cache (CPU)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "node-tier.png", dpi=110)
+    print(f"wrote {out / 'node-tier.json'} and {out / 'node-tier.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

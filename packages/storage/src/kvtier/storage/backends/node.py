@@ -1,0 +1,175 @@
+"""The node tier: host memory every kvtier process of one host shares, and which outlives them.
+
+Several vLLM instances on one host (data-parallel replicas, a prefill and a decode instance,
+servers of several models) each have their own ``local_cpu`` tier: a hot prefix is held once per
+process, a neighbour's prefix is reached only through the disk, and a restart empties the
+memory. The node tier is one cache for all of them, in memory, that survives any of them.
+
+Mechanism: the disk tier's chunk files (``disk.local_disk``: one sealed file per chunk, header,
+payload and checksummed trailer) in a directory on a memory file system (``node_path``, by
+default ``/dev/shm/kvtier-<uid>``, a tmpfs), with the OS doing the sharing: its pages are the
+memory, every process reads the same files, a file appears only whole (written to a temporary
+name, then renamed), so a writer killed mid-write leaves nothing anyone reads as a chunk (its
+temporary file is removed later), and the files stay until ``kvtier clear``, eviction or a
+reboot. Nothing new to trust: the disk tier's checks (key, layout, length, checksum, sealing)
+run on every read.
+
+One budget for the node (``node_size_gb``): every process, model and rank under ``node_path``
+shares it. Each process rescans the whole directory before writing, at most every
+``node_rescan_s``, and evicts the least recently used files of every namespace (a read marks a
+file used: its modification time) until the node has room for one more chunk; between rescans
+its own writes evict its own least recently used files within what the others leave. Another namespace's file
+deleted under its process is a miss there, as a file another process deleted is in the disk tier.
+
+The directory must be private: created ``0700``, and refused (a ``ConfigError`` naming
+``node_path``) when it is a symlink, another user's, open to group or others, or not on a
+memory file system (``/proc/self/mountinfo``).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from kvtier.core.config import KVTierConfig
+from kvtier.core.errors import ConfigError
+from kvtier.storage._log import warn_throttled
+from kvtier.storage.backends.base import BackendContext
+from kvtier.storage.backends.disk.fileio import DIR_MODE, remove_entry
+from kvtier.storage.backends.disk.files import scan_chunks
+from kvtier.storage.backends.disk.local_disk import DiskSettings, GiB, LocalDiskBackend
+
+# File systems whose files are memory: what the node tier may live on.
+MEMORY_FILE_SYSTEMS = ("tmpfs", "hugetlbfs", "ramfs")
+
+
+def file_system_of(path: Path, mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """The type of the file system ``path`` is on (the longest mount point above it, the last
+    mounted on top); None where the mount table cannot be read."""
+    try:
+        lines = Path(mountinfo).read_text().splitlines()
+    except OSError:
+        return None
+    target = os.path.realpath(path)
+    best, fs = -1, None
+    for line in lines:
+        fields = line.split()
+        try:
+            mount_point = fields[4].replace("\\040", " ")
+            fs_type = fields[fields.index("-") + 1]
+        except (IndexError, ValueError):
+            continue
+        inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+        if inside and len(mount_point) >= best:
+            best, fs = len(mount_point), fs_type
+    return fs
+
+
+def private_node_dir(path: Path) -> Path:
+    """``path``, created ``0700`` if missing and checked: a directory of this user's, closed to
+    others, on a memory file system; else a ``ConfigError`` naming ``node_path``."""
+    try:
+        path.mkdir(mode=DIR_MODE, parents=True)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise ConfigError("node_path", str(path), f"cannot be created: {e}") from None
+    st = os.lstat(path)
+    problem = None
+    if not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory (a symlink or a file is there)"
+    elif st.st_uid != os.getuid():
+        problem = f"belongs to user id {st.st_uid}, not to this user ({os.getuid()})"
+    elif st.st_mode & 0o077:
+        problem = f"has mode {stat.S_IMODE(st.st_mode):o}: group or others may use it (needs 700)"
+    else:
+        fs = file_system_of(path)
+        if fs not in MEMORY_FILE_SYSTEMS:
+            problem = (
+                f"is on {fs or 'a file system the mount table does not show'}, not a memory "
+                f"file system ({', '.join(MEMORY_FILE_SYSTEMS)}): the node tier keeps its "
+                f"chunks in memory (use the local_disk tier for a disk)"
+            )
+    if problem:
+        raise ConfigError(
+            "node_path",
+            str(path),
+            f"{problem}; another user may have planted it, or it is the wrong directory",
+        )
+    return path
+
+
+class NodeBackend(LocalDiskBackend):
+    """The node tier (see the module docstring): the disk tier's files in shared memory, under
+    one budget for the host."""
+
+    name = "node"
+
+    @classmethod
+    def settings(cls, cfg: KVTierConfig) -> DiskSettings:
+        root = private_node_dir(cfg.node_dir())
+        return DiskSettings(
+            "node_path", root, int(cfg.node_size_gb * GiB), cfg.node_rescan_s, False
+        )
+
+    def __init__(self, ctx: BackendContext) -> None:
+        self.node_budget = int(ctx.config.node_size_gb * GiB)
+        self.others_bytes = 0  # what the other namespaces held at the last rescan
+        self._own_mtimes: dict[str, float] = {}
+        super().__init__(ctx)
+        self._share_node()
+
+    def _scan(self) -> list[tuple[str, int]]:
+        found, bad = scan_chunks(self.dir)
+        for name, kind in bad:
+            self._bad_entry(name, kind)
+        found.sort()
+        self._own_mtimes = {name: mtime for mtime, name, _ in found}
+        return [(name, size) for _, name, size in found]
+
+    def _rescanned(self) -> None:
+        self._share_node()
+
+    def _share_node(self) -> None:
+        """Evict the node's least recently used files, of any namespace, until it fits its
+        budget; then this namespace may use what the others leave."""
+        others: list[tuple[float, Path, int]] = []
+        try:
+            with os.scandir(self.root) as it:
+                dirs = [Path(e.path) for e in it if e.is_dir(follow_symlinks=False)]
+            for d in dirs:
+                if d == self.dir:
+                    continue
+                found, _ = scan_chunks(d)
+                others.extend((mtime, d / name, size) for mtime, name, size in found)
+        except OSError as e:
+            warn_throttled("node-scan", "kvtier node tier: cannot scan %s: %s", self.root, e)
+            return
+        own = [
+            (self._own_mtimes.get(name, float("inf")), self.dir / name, size)
+            for name, size in self._index.sizes()
+        ]
+        total = sum(size for _, _, size in others) + sum(size for _, _, size in own)
+        # Room for the write that follows, taken from the node's least recently used.
+        target = max(0, self.node_budget - self.max_file)
+        evicted: list[str] = []
+        if total > target:
+            for _, path, size in sorted([*others, *own], key=lambda e: e[0]):
+                if total <= target:
+                    break
+                if path.parent == self.dir:
+                    self._index.forget(path.name)
+                    evicted.append(path.name)
+                else:
+                    remove_entry(path)
+                total -= size
+        self.evict_files(evicted)
+        self.others_bytes = total - self._index.used
+        self._index.budget = max(0, self.node_budget - self.others_bytes)
+
+    def _read_hit(self, name: str) -> None:
+        try:
+            os.utime(self._dir_slash + name)  # recently used, for every process's eviction
+        except OSError:
+            pass
