@@ -55,7 +55,7 @@ def layout_for(mib: int) -> tuple[KVLayout, int]:
 def measure(mib: int, chunks: int, repeat: int, root: Path) -> dict:
     layout, tokens = layout_for(mib)
     meta = MemoryObjMeta(layout.chunk_shape(tokens), layout.chunk_dtype, tokens)
-    arena = HostArena.create((chunks + 2) * meta.nbytes + (64 << 20))
+    arena = HostArena.create((2 * chunks + 2) * meta.nbytes + (64 << 20))
     cfg = load_config(
         overrides={
             "tiers": ["local_cpu", "node"],
