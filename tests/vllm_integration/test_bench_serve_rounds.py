@@ -103,3 +103,29 @@ def test_kvtier_is_compared_with_lmcache_within_each_round() -> None:
     assert "ttft_mean_vs_lmcache" not in rows["lmcache"]
     beats = next(t for t in targets(list(rows.values())) if "beats lmcache" in t["target"])
     assert beats["met"] is False
+
+
+def test_every_mode_is_also_a_ratio_to_the_all_in_memory_limit() -> None:
+    """vLLM's prefix cache with KV memory for the whole working set is the limit of any
+    offloading: kvtier's req/s over it, within each round, is a target at c=4."""
+    from kvtier.bench.serve_launcher import ServeConfig, server_args
+
+    runs = []
+    for k, (limit, kv) in enumerate([(10.0, 9.5), (12.0, 10.0), (11.0, 10.5)]):
+        runs += [
+            _row("prefix_cache_all", k, limit, 1.0, "A", 4),
+            _row("kvtier_eager", k, kv, 1.0, "A", 4),
+        ]
+    rows = {r["mode"]: r for r in combine(runs)}
+    kv = rows["kvtier_eager"]
+    # Within each round: 0.95, 0.83, 0.95 (not the ratio of the medians, 10 / 11)
+    assert kv["req_per_s_vs_prefix_cache_all"] == pytest.approx(0.95)
+    assert kv["req_per_s_vs_prefix_cache_all_range"] == pytest.approx([10 / 12, 10.5 / 11])
+    limit = next(t for t in targets(list(rows.values())) if "prefix_cache_all" in t["target"])
+    assert limit["met"] is True
+    cfg = ServeConfig(
+        "m", kv_cache_bytes=16 << 20, max_model_len=2048, all_in_memory_bytes=64 << 20
+    )
+    for mode, want in (("prefix_cache", 16 << 20), ("prefix_cache_all", 64 << 20)):
+        args = server_args(mode, cfg)
+        assert args[args.index("--kv-cache-memory-bytes") + 1] == str(want)

@@ -8,6 +8,8 @@ any error), kills the whole process group (the front end and its EngineCore proc
 
 - ``none``: vLLM without prefix caching (``--no-enable-prefix-caching``);
 - ``prefix_cache``: vLLM's own prefix cache (its default);
+- ``prefix_cache_all``: the same with KV memory for the whole working set
+  (``ServeConfig.all_in_memory_bytes``): every repeat a free hit, the limit of any offloading;
 - ``kvtier_eager``: vLLM's prefix cache + ``KVTierConnector`` (kv_both) on the given tiers;
 - ``kvtier_lazy``: the same with ``offload: lazy`` (chunks copied only as vLLM nears evicting
   them);
@@ -63,7 +65,7 @@ __all__ = [
     "wait_http",
 ]
 
-MODES = ("none", "prefix_cache", "kvtier_eager", "kvtier_lazy", "lmcache")
+MODES = ("none", "prefix_cache", "prefix_cache_all", "kvtier_eager", "kvtier_lazy", "lmcache")
 
 
 @dataclass
@@ -76,6 +78,7 @@ class ServeConfig:
     block_size: int = 32
     max_num_seqs: int = 16
     seed: int = 0
+    all_in_memory_bytes: int = 0  # the working set's KV (the prefix_cache_all mode's cache)
 
 
 def server_args(
@@ -98,7 +101,11 @@ def server_args(
         "--block-size",
         str(cfg.block_size),
         "--kv-cache-memory-bytes",
-        str(cfg.kv_cache_bytes),
+        str(
+            max(cfg.kv_cache_bytes, cfg.all_in_memory_bytes)
+            if mode == "prefix_cache_all"
+            else cfg.kv_cache_bytes
+        ),
         "--max-model-len",
         str(cfg.max_model_len),
         "--max-num-seqs",

@@ -117,7 +117,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--modes",
-        default="none,prefix_cache,kvtier_eager,kvtier_lazy,lmcache",
+        default="none,prefix_cache,prefix_cache_all,kvtier_eager,kvtier_lazy,lmcache",
         help=f"comma-separated subset of {MODES}",
     )
     p.add_argument("--workloads", default="A,B", help="A, B or both")
@@ -252,6 +252,13 @@ def serve_config(model: str, w: Workload, per_token: int, max_conc: int) -> Serv
             f"kvtier bench serve: a request ({longest} tokens) does not fit in "
             f"workload {w.name}'s vLLM KV cache ({tokens} tokens): raise its size"
         )
+    # Every prefix and every running request's own tokens at once, with vLLM's headroom.
+    working_set = (w.num_prefixes * w.prefix_len + max_conc * longest) * per_token
+    all_bytes = -(-int(working_set * 1.1) // (1 << 20)) << 20
     return ServeConfig(
-        model=model, kv_cache_bytes=w.kv_cache_bytes, max_model_len=max_len, max_num_seqs=max_conc
+        model=model,
+        kv_cache_bytes=w.kv_cache_bytes,
+        max_model_len=max_len,
+        max_num_seqs=max_conc,
+        all_in_memory_bytes=all_bytes,
     )

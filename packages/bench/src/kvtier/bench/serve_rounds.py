@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any, TypeGuard
 
-from kvtier.bench.serve_report import KVTIER_MODES, REFERENCE, add_ratios
+from kvtier.bench.serve_report import KVTIER_MODES, LIMIT, REFERENCE, add_ratios
 
 
 def schedule(modes: Sequence[str], rounds: int) -> list[tuple[int, str]]:
@@ -28,13 +28,14 @@ def schedule(modes: Sequence[str], rounds: int) -> list[tuple[int, str]]:
 
 def combine(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per workload x mode x concurrency from ``runs`` (rows with a ``round``): each
-    number is the median over the rounds; each ``*_vs_prefix_cache`` ratio (and a kvtier mode's
-    ``*_vs_lmcache``) is the median of the ratios within each round, with ``<ratio>_range`` (its
+    number is the median over the rounds; each ``*_vs_prefix_cache`` and ``*_vs_prefix_cache_all``
+    ratio (and a kvtier mode's ``*_vs_lmcache``) is the median of the ratios within each round, with ``<ratio>_range`` (its
     lowest and highest) beside it; ``rounds`` is how many rounds the row has. Adds the per-round
     ratios to ``runs``."""
     for k in sorted({r["round"] for r in runs}):
         rows = [r for r in runs if r["round"] == k]
         add_ratios(rows)
+        add_ratios(rows, LIMIT)
         add_ratios(rows, "lmcache", KVTIER_MODES)
     groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     for r in runs:
@@ -45,7 +46,8 @@ def combine(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         merged.pop("round", None)
         merged.update(workload=workload, mode=mode, concurrency=c, rounds=len(rows))
         if mode != REFERENCE:
-            for key in [k for k in merged if k.endswith((f"_vs_{REFERENCE}", "_vs_lmcache"))]:
+            ends = (f"_vs_{REFERENCE}", f"_vs_{LIMIT}", "_vs_lmcache")
+            for key in [k for k in merged if k.endswith(ends)]:
                 values = [r[key] for r in rows if r.get(key) is not None]
                 merged[f"{key}_range"] = [min(values), max(values)] if values else None
         out.append(merged)
