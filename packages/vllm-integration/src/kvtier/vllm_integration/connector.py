@@ -68,7 +68,11 @@ if TYPE_CHECKING:
 
 
 # kvtier tier name -> vLLM's hit source (other tiers, e.g. Redis: EXTERNAL_UNSPECIFIED).
-HIT_SOURCES = {"local_cpu": CacheHitSource.HOST, "local_disk": CacheHitSource.DISK}
+HIT_SOURCES = {
+    "local_cpu": CacheHitSource.HOST,
+    "node": CacheHitSource.HOST,  # shared memory of the host
+    "local_disk": CacheHitSource.DISK,
+}
 
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
