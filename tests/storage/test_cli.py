@@ -160,6 +160,26 @@ def test_disk_stats_ls_and_clear_one_salt_on_a_running_deployment(tmp_path, caps
     assert not list((tmp_path / "disk").rglob("*.kvc"))
 
 
+def test_node_tier_by_flag_and_by_config(tmp_path, capsys, node_dir, monkeypatch):
+    """The node tier's directory is read like a disk tier's: by ``--node``, or from the config
+    when it names the ``node`` tier."""
+    e = engine(tmp_path, tiers=["local_cpu", "node"], node_path=str(node_dir))
+    try:
+        fill(e)
+        files = list(node_dir.rglob("*.kvc"))
+        rc, result = run(capsys, "stats", "--node", str(node_dir), "--json")
+        assert rc == 0
+        check_stats(result, sum(p.stat().st_size for p in files))
+        monkeypatch.setenv("KVTIER_TIERS", "local_cpu,node")
+        monkeypatch.setenv("KVTIER_NODE_PATH", str(node_dir))
+        rc, result = run(capsys, "clear", "--salt", "tenant-a", "--json")
+        assert rc == 0 and result[0]["removed"] == ENTRIES
+        assert lower_hits(e, "tenant-a") == 0
+        assert lower_hits(e, "tenant-b") == PER_PROMPT
+    finally:
+        e.close()
+
+
 def test_disk_lists_unreadable_entries_and_refuses_a_missing_directory(tmp_path, capsys):
     e = engine(tmp_path)
     try:

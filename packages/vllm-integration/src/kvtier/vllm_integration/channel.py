@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import socket
-import stat
 import struct
 import tempfile
 import threading
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.core.errors import ConfigError
+from kvtier.core.private_dir import private_dir
 
 logger = logging.getLogger("kvtier")
 
@@ -58,22 +58,12 @@ def runtime_dir() -> Path:
     base = Path(os.environ.get("KVTIER_RUNTIME_DIR") or xdg or tempfile.gettempdir())
     d = base / f"kvtier-{os.getuid()}"
     try:
-        d.mkdir(mode=0o700, parents=False)
-    except FileExistsError:
-        pass
+        problem = private_dir(d)
     except OSError as e:
         raise UnsafeRuntimeDir(
             f"kvtier cannot create its control socket directory {d}: {e}; set "
             f"KVTIER_RUNTIME_DIR to a directory of yours"
         ) from None
-    st = os.lstat(d)
-    problem = None
-    if not stat.S_ISDIR(st.st_mode):
-        problem = "is not a directory (a symlink or a file is there)"
-    elif st.st_uid != os.getuid():
-        problem = f"belongs to user id {st.st_uid}, not to this user ({os.getuid()})"
-    elif st.st_mode & 0o077:
-        problem = f"has mode {stat.S_IMODE(st.st_mode):o}: group or others may use it (needs 700)"
     if problem:
         raise UnsafeRuntimeDir(
             f"kvtier refuses the control socket directory {d}: it {problem}. Another local user "

@@ -29,14 +29,14 @@ memory file system (``/proc/self/mountinfo``).
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
+from kvtier.core.private_dir import private_dir
 from kvtier.storage._log import warn_throttled
 from kvtier.storage.backends.base import BackendContext
-from kvtier.storage.backends.disk.fileio import DIR_MODE, remove_entry
+from kvtier.storage.backends.disk.fileio import remove_entry
 from kvtier.storage.backends.disk.files import scan_chunks
 from kvtier.storage.backends.disk.local_disk import DiskSettings, GiB, LocalDiskBackend
 
@@ -70,20 +70,10 @@ def private_node_dir(path: Path) -> Path:
     """``path``, created ``0700`` if missing and checked: a directory of this user's, closed to
     others, on a memory file system; else a ``ConfigError`` naming ``node_path``."""
     try:
-        path.mkdir(mode=DIR_MODE, parents=True)
-    except FileExistsError:
-        pass
+        problem = private_dir(path, parents=True)
     except OSError as e:
         raise ConfigError("node_path", str(path), f"cannot be created: {e}") from None
-    st = os.lstat(path)
-    problem = None
-    if not stat.S_ISDIR(st.st_mode):
-        problem = "is not a directory (a symlink or a file is there)"
-    elif st.st_uid != os.getuid():
-        problem = f"belongs to user id {st.st_uid}, not to this user ({os.getuid()})"
-    elif st.st_mode & 0o077:
-        problem = f"has mode {stat.S_IMODE(st.st_mode):o}: group or others may use it (needs 700)"
-    else:
+    if problem is None:
         fs = file_system_of(path)
         if fs not in MEMORY_FILE_SYSTEMS:
             problem = (
