@@ -146,3 +146,26 @@ def test_the_file_system_is_the_last_mount_of_the_longest_mount_point(tmp_path) 
     assert file_system_of(Path("/dev/shmx"), str(table)) == "overlay"
     assert file_system_of(Path("/data dir/x"), str(table)) == "tmpfs"
     assert file_system_of(Path("/x"), str(tmp_path / "missing")) is None
+
+
+def test_the_node_s_usage_is_every_namespace_s(node_dir: Path) -> None:
+    from types import SimpleNamespace
+
+    from kvtier.core.metrics import storage_values
+
+    arena = HostArena.create(16 * meta().nbytes)
+    for model, first in (("model-a", 0), ("model-b", 10)):
+        b = node_backend(node_dir, model, arena)
+        for i in range(first, first + 3):
+            put(b, arena, model_keys(model), i)
+        b.close()
+    files = chunk_files(node_dir)
+    c = node_backend(node_dir, "model-c", arena)
+    try:
+        assert c.node_usage == (sum(f.stat().st_size for f in files), 6)
+        out: dict = {}
+        storage_values(SimpleNamespace(tiers=[c]), out)
+        assert out["node_used_bytes"] == {"": c.node_usage[0]} and out["node_chunks"] == {"": 6}
+        assert out["tier_used_bytes"] == {"node": 0}  # model-c's own
+    finally:
+        c.close()

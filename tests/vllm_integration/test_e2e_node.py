@@ -24,3 +24,4 @@ def test_a_new_engine_hits_the_node_tier(run_engine, reference, hit_reference, n
     m = second[2]
     assert value(m, "vllm:kvtier_lookup_hit_tokens", tier="node") == FULL_HIT
     assert value(m, "vllm:prompt_tokens_cached_by_source", source="host") == FULL_HIT
+    assert value(m, "vllm:kvtier_node_used_bytes") > 0

@@ -100,6 +100,14 @@ METRICS: dict[str, MetricDef] = {
     ),
     "host_arena_target_bytes": MetricDef(GAUGE, "Configured size of the host-memory arena."),
     "tier_used_bytes": MetricDef(GAUGE, "Bytes a tier indexes (host memory, disk).", tiered=True),
+    "node_used_bytes": MetricDef(
+        GAUGE,
+        "Bytes in the node tier of the whole host (every process, model and rank sharing its "
+        "directory), at this process's last rescan.",
+    ),
+    "node_chunks": MetricDef(
+        GAUGE, "Chunk files in the node tier of the whole host, at this process's last rescan."
+    ),
     # vLLM connector (worker side)
     "load_failed_blocks": MetricDef(
         COUNTER, "Blocks a load could not fill (reported to vLLM as load errors)."
@@ -206,6 +214,9 @@ def storage_values(storage: Any, out: Values) -> None:
         used = getattr(tier, "used_bytes", None)
         if isinstance(used, int):
             out.setdefault("tier_used_bytes", {})[str(tier.name)] = used
+        node = getattr(tier, "node_usage", None)
+        if node is not None:
+            out["node_used_bytes"], out["node_chunks"] = {"": node[0]}, {"": node[1]}
 
 
 def engine_values(engine: CacheEngine) -> Values:

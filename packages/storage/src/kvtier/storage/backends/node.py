@@ -106,6 +106,7 @@ class NodeBackend(LocalDiskBackend):
     def __init__(self, ctx: BackendContext) -> None:
         self.node_budget = int(ctx.config.node_size_gb * GiB)
         self.others_bytes = 0  # what the other namespaces held at the last rescan
+        self.others_chunks = 0
         self._own_mtimes: dict[str, float] = {}
         super().__init__(ctx)
         self._share_node()
@@ -144,6 +145,7 @@ class NodeBackend(LocalDiskBackend):
         # Room for the write that follows, taken from the node's least recently used.
         target = max(0, self.node_budget - self.max_file)
         evicted: list[str] = []
+        deleted: list[Path] = []
         if total > target:
             for _, path, size in sorted([*others, *own], key=lambda e: e[0]):
                 if total <= target:
@@ -153,10 +155,18 @@ class NodeBackend(LocalDiskBackend):
                     evicted.append(path.name)
                 else:
                     remove_entry(path)
+                    deleted.append(path)
                 total -= size
         self.evict_files(evicted)
+        gone = set(deleted)
+        self.others_chunks = sum(1 for _, path, _ in others if path not in gone)
         self.others_bytes = total - self._index.used
         self._index.budget = max(0, self.node_budget - self.others_bytes)
+
+    @property
+    def node_usage(self) -> tuple[int, int]:
+        """``(bytes, chunk files)`` of the whole node tier, at this process's last rescan."""
+        return self.others_bytes + self._index.used, self.others_chunks + len(self._index)
 
     def _read_hit(self, name: str) -> None:
         try:
