@@ -23,6 +23,7 @@ from kvtier.core.config import load_config
 from kvtier.core.keys import KeyFactory
 from kvtier.core.memory import HostArena
 from kvtier.storage.backends.base import BackendContext, StorageBackend
+from kvtier.storage.sealing import Sealer
 from kvtier.storage.stats import StorageStats
 from kvtier.storage.tiers import load_backend_class
 
@@ -41,6 +42,7 @@ def node_backend(node: Path, model: str, arena: HostArena, **cfg: Any) -> Storag
         arena=arena,
         stats=StorageStats(),
         options={},
+        sealer=Sealer(key) if (key := config.encryption_key_bytes()) is not None else None,
     )
     return load_backend_class("node", config.plugins)(ctx)
 

@@ -120,7 +120,7 @@ def test_a_directory_not_private_or_not_memory_is_refused(node_dir: Path, tmp_pa
     link.symlink_to(open_dir)
     with pytest.raises(ConfigError, match=r"node_path.*not a directory"):
         node_backend(link, "m", arena)
-    if file_system_of(tmp_path) in ("tmpfs", "ramfs", "hugetlbfs"):
+    if file_system_of(tmp_path) in ("tmpfs", "ramfs"):
         pytest.skip("the test's temporary directory is in memory here")
     with pytest.raises(ConfigError, match=r"node_path.*not a memory file system"):
         node_backend(tmp_path / "on-disk", "m", arena)
@@ -169,3 +169,29 @@ def test_the_node_s_usage_is_every_namespace_s(node_dir: Path) -> None:
         assert out["tier_used_bytes"] == {"node": 0}  # model-c's own
     finally:
         c.close()
+
+
+def test_a_directory_under_one_anyone_may_change_is_refused(node_dir: Path) -> None:
+    open_parent = node_dir.parent / "shared"
+    open_parent.mkdir(parents=True)
+    open_parent.chmod(0o777)  # no sticky bit: anyone could rename the node directory away
+    with pytest.raises(ConfigError, match=r"node_path.*every user may write"):
+        node_backend(open_parent / "node", "m", HostArena.create(4 * meta().nbytes))
+    created = node_dir.parent / "new" / "deeper" / "node"
+    node_backend(created, "m", HostArena.create(4 * meta().nbytes)).close()
+    assert (created.parent.stat().st_mode & 0o777) == 0o700, "missing parents are created 0700"
+
+
+def test_another_deployments_sealed_chunk_is_a_miss_not_deleted(node_dir: Path) -> None:
+    arena = HostArena.create(8 * meta().nbytes)
+    keyed = node_backend(node_dir, "m", arena, encryption_key="5a" * 32)
+    plain = node_backend(node_dir, "m", arena)
+    try:
+        put(keyed, arena, model_keys("m"), 3)
+        (name,) = chunk_files(node_dir)
+        assert read(plain, arena, model_keys("m"), range(3, 4)) == {"hits": [], "wrong": []}
+        assert name.exists(), "the other deployment's chunk is still there"
+        assert read(keyed, arena, model_keys("m"), range(3, 4)) == {"hits": [3], "wrong": []}
+    finally:
+        keyed.close()
+        plain.close()

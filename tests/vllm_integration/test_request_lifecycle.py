@@ -109,6 +109,10 @@ def probe_mode_paths(h: Harness) -> None:
     idle = request(PROMPT)
     h.sched.requests.track(idle)
     finish(h, idle)  # new -> finished
+    unused = request(PROMPT)
+    assert ask(h, unused) is None
+    h.sched.update_state_after_alloc(unused, blocks(), 0)  # looking up -> running (vLLM read
+    finish(h, unused)  # no cache for it: prompt logprobs)
 
     # A producer (loads off) is never asked: preempted -> running
     h.sched.requests.loads_enabled = False
@@ -254,5 +258,43 @@ def test_a_preempted_request_saves_again_and_a_check_starts_after_vllms_hit() ->
         meta = h.sched.build_connector_meta(out)
         assert tracked.block_ids == [11, 12, 13, 14]
         assert [len(s.tokens) for s in meta.saves] == [len(PROMPT)]
+    finally:
+        h.close()
+
+
+def test_a_request_preempted_outside_schedule_and_admitted_again_is_looked_up_again() -> None:
+    """vLLM's ``reset_prefix_cache(reset_running_requests=True)`` preempts running requests
+    outside ``schedule()``; the next ``schedule()`` admits them again (lookup, allocation) before
+    its output reports the preemption. The lookup finds a running request: its KV is gone."""
+    h = Harness.create()
+    try:
+        h.store(request(PROMPT))
+        r = request(PROMPT)
+        h.prefill(r)  # running, its prompt handed to a save
+        tracked = h.sched.requests.get(r.request_id)
+        assert tracked is not None and tracked.phase is Phase.RUNNING and tracked.prompt_saved
+        assert ask(h, r) is None  # looked up again: a probe, no LifecycleError
+        assert tracked.phase is Phase.LOOKING_UP and not tracked.prompt_saved
+        h.step()
+        assert ask(h, r) == HIT
+        h.sched.update_state_after_alloc(r, blocks(), HIT)
+        preempt(h, r)  # the step that reports the preemption: already handled
+        assert tracked.phase is Phase.LOADING
+        finish(h, r)
+    finally:
+        h.close()
+
+
+def test_a_request_that_reads_no_cache_is_never_probed() -> None:
+    from vllm import SamplingParams
+
+    h = Harness.create()
+    try:
+        h.store(request(PROMPT))
+        r = request(PROMPT)
+        r.sampling_params = SamplingParams(max_tokens=4, prompt_logprobs=1)
+        r.skip_reading_prefix_cache = True  # vLLM sets it from prompt_logprobs
+        assert ask(h, r) == 0
+        assert h.sched.lookups.sent == 0
     finally:
         h.close()

@@ -103,7 +103,7 @@ class KVTierConfig:
     )
     local_disk_o_direct: bool = _doc("Read and write disk-tier files with O_DIRECT.", default=False)
     node_path: str = _doc(
-        "Node tier directory, on a memory file system (tmpfs, hugetlbfs); every kvtier process "
+        "Node tier directory, on a memory file system (tmpfs, ramfs); every kvtier process "
         "of this user on the host that names it shares it (default: /dev/shm/kvtier-<uid>).",
         default="",
     )

@@ -34,6 +34,7 @@ from pathlib import Path
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.private_dir import private_dir
+from kvtier.storage import codec
 from kvtier.storage._log import warn_throttled
 from kvtier.storage.backends.base import BackendContext
 from kvtier.storage.backends.disk.fileio import remove_entry
@@ -41,7 +42,7 @@ from kvtier.storage.backends.disk.files import scan_chunks
 from kvtier.storage.backends.disk.local_disk import DiskSettings, GiB, LocalDiskBackend
 
 # File systems whose files are memory: what the node tier may live on.
-MEMORY_FILE_SYSTEMS = ("tmpfs", "hugetlbfs", "ramfs")
+MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs")  # (hugetlbfs refuses write(): nothing could be stored)
 
 
 def file_system_of(path: Path, mountinfo: str = "/proc/self/mountinfo") -> str | None:
@@ -151,16 +152,25 @@ class NodeBackend(LocalDiskBackend):
                 if total <= target:
                     break
                 if path.parent == self.dir:
+                    if self._index.reading(path.name):
+                        continue  # this process reads it now: the next rescan may take it
                     self._index.forget(path.name)
                     evicted.append(path.name)
                 else:
-                    remove_entry(path)
+                    try:
+                        remove_entry(path)
+                    except OSError as e:
+                        warn_throttled(
+                            "node-evict", "kvtier node tier: cannot delete %s: %s", path, e
+                        )
+                        continue
                     deleted.append(path)
                 total -= size
         self.evict_files(evicted)
         gone = set(deleted)
-        self.others_chunks = sum(1 for _, path, _ in others if path not in gone)
-        self.others_bytes = total - self._index.used
+        kept = [size for _, path, size in others if path not in gone]
+        self.others_chunks = len(kept)
+        self.others_bytes = sum(kept)
         self._index.budget = max(0, self.node_budget - self.others_bytes)
 
     @property
@@ -168,8 +178,23 @@ class NodeBackend(LocalDiskBackend):
         """``(bytes, chunk files)`` of the whole node tier, at this process's last rescan."""
         return self.others_bytes + self._index.used, self.others_chunks + len(self._index)
 
-    def _read_hit(self, name: str) -> None:
+    def _read_hit(self, fd: int, st: os.stat_result) -> os.stat_result:
         try:
-            os.utime(self._dir_slash + name)  # recently used, for every process's eviction
+            os.utime(fd)  # recently used, for every process's eviction
+            return os.fstat(fd)
         except OSError:
-            pass
+            return st
+
+    def digests(self) -> list[str] | None:
+        """None: other processes write the node tier while this one runs, so the scheduler's
+        index cannot know its contents; lookups probe it (as Redis)."""
+        return None
+
+    def _reject(self, name: str, err: codec.PayloadError) -> None:
+        if err.reason.startswith(("sealed", "unsealed")):
+            # Another deployment's chunk, sealed under another key (or none): not damaged, and
+            # not this process's to delete. A miss here.
+            self.ctx.stats.add(f"{self.name}.sealed_rejected")
+            self._index.forget(name)
+            return
+        super()._reject(name, err)

@@ -96,6 +96,7 @@ class RequestLifecycle:
         self.step = 0  # serial number of the step whose metadata is being built
         self.counts = {"lookups": 0, "hit_tokens": 0, "uncacheable": 0}
         self.transitions: Counter[tuple[Phase, Phase]] = Counter()  # every change of phase seen
+        self._preempted_early: set[str] = set()  # preempted before the step that reports it
 
     def get(self, rid: str) -> TrackedRequest | None:
         return self._reqs.get(rid)
@@ -129,8 +130,17 @@ class RequestLifecycle:
     def lookup(self, request: Request, computed: int) -> tuple[int | None, bool]:
         """vLLM's ``get_num_new_matched_tokens``: tokens to load beyond the ``computed`` ones
         vLLM has, and whether they load while the request waits; ``None``: not yet."""
+        known = self._reqs.get(request.request_id)
+        if known is not None and known.phase is Phase.RUNNING:
+            # Preempted outside ``schedule()`` (vLLM's reset_prefix_cache with running requests
+            # reset) and admitted again before the step reports it: its KV is gone (vLLM looks up
+            # only requests with nothing computed).
+            self._preempt(known)
+            self._preempted_early.add(request.request_id)
         if not request.prompt_token_ids or not self.loads_enabled:
             return 0, False  # a producer never looks up
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False  # prompt logprobs and some pooling tasks: vLLM reads no cache
         new, load_async = self._look(request, computed)
         req = self._reqs.get(request.request_id)
         if new == 0 and req is not None:
@@ -228,10 +238,10 @@ class RequestLifecycle:
         and what it sends with the step's metadata (``schedule``)."""
         for rid in preempted:
             req = self._reqs.get(rid)
-            if req is not None:
-                req.preempted()
-                if self.p.receipts is not None:
-                    self.p.receipts.preempted(rid)
+            if rid in self._preempted_early:
+                self._preempted_early.discard(rid)  # handled when it was looked up again
+            elif req is not None:
+                self._preempt(req)
         hybrid = self.p.hybrid if self.p.hybrid.groups.tracked else None
         for u in updates:
             req = self._reqs.get(u.rid)
@@ -246,6 +256,11 @@ class RequestLifecycle:
             if hybrid is not None:
                 req.groups_seen(*hybrid.refresh(u.rid))
             self.schedule(meta, req, u.computed, u.scheduled)
+
+    def _preempt(self, req: TrackedRequest) -> None:
+        req.preempted()
+        if self.p.receipts is not None:
+            self.p.receipts.preempted(req.rid)
 
     def schedule(
         self, meta: KVTierMetadata, req: TrackedRequest, computed: int, scheduled: int
@@ -323,6 +338,7 @@ class RequestLifecycle:
         rid = request.request_id
         req = self._reqs.pop(rid, None)
         p.lookups.forget(rid)
+        self._preempted_early.discard(rid)
         if req is None:
             return False
         req.finished()

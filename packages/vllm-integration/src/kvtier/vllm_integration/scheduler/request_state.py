@@ -50,6 +50,7 @@ TRANSITIONS: dict[tuple[Phase, Phase], str] = {
     (P.NEW, P.RUNNING): "allocated, never asked",
     (P.LOOKING_UP, P.ANSWERED): "lookup: a hit or a miss",
     (P.LOOKING_UP, P.SAMPLED): "lookup: sampled for verification",
+    (P.LOOKING_UP, P.RUNNING): "allocated, the lookup not used (vLLM read no cache)",
     (P.ANSWERED, P.LOOKING_UP): "lookup: probed again",
     (P.ANSWERED, P.SAMPLED): "lookup: sampled for verification",
     (P.ANSWERED, P.LOADING): "allocated with external tokens",

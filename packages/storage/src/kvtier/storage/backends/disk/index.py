@@ -116,6 +116,11 @@ class DiskIndex:
             self._sizes.move_to_end(name)
             return True
 
+    def reading(self, name: str) -> bool:
+        """Whether a read of ``name`` is in progress in this process."""
+        with self._lock:
+            return bool(self._reading.get(name))
+
     def begin_read(self, name: str) -> None:
         with self._lock:
             self._reading[name] = self._reading.get(name, 0) + 1

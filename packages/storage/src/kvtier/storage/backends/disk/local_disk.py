@@ -210,7 +210,7 @@ class LocalDiskBackend(StorageBackend):
     def __len__(self) -> int:
         return len(self._index)
 
-    def digests(self) -> list[str]:
+    def digests(self) -> list[str] | None:
         return [name[: -len(SUFFIX)] for name in self._index]
 
     @staticmethod
@@ -381,12 +381,13 @@ class LocalDiskBackend(StorageBackend):
         if obj is None:
             self.ctx.stats.add(f"{self.name}.no_host_memory")
             return None
-        self._index.record(name, st)
-        self._read_hit(name)
+        self._index.record(name, self._read_hit(fd, st))
         return obj
 
-    def _read_hit(self, name: str) -> None:
-        """A chunk file was read whole (the node tier marks it recently used)."""
+    def _read_hit(self, fd: int, st: os.stat_result) -> os.stat_result:
+        """A chunk file was read whole: its identity to trust from now on (the node tier marks
+        it recently used, which changes its modification time)."""
+        return st
 
     def _reject(self, name: str, err: codec.PayloadError) -> None:
         self.ctx.stats.add(f"{self.name}.corrupt")
