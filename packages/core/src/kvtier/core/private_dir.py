@@ -13,6 +13,20 @@ import stat
 from pathlib import Path
 
 
+def make_private_dirs(path: Path) -> None:
+    """Create ``path`` and any missing parents with mode ``0700`` (existing ones are kept)."""
+    missing = []
+    p = path
+    while not os.path.lexists(p) and p.parent != p:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+
+
 def private_dir(path: Path, *, parents: bool = False) -> str | None:
     """Create ``path`` (mode ``0700``; missing parents too with ``parents``) if it is missing,
     then what makes it unsafe ("is not a directory ...", "belongs to user id ...", "has mode
@@ -20,14 +34,11 @@ def private_dir(path: Path, *, parents: bool = False) -> str | None:
     cannot use, under directories only root or this user can change. Raises ``OSError`` when
     it cannot be created."""
     path = Path(os.path.abspath(path))
-    missing = []
-    p = path
-    while not os.path.lexists(p) and p.parent != p and (parents or p == path):
-        missing.append(p)
-        p = p.parent
-    for d in reversed(missing):
+    if parents:
+        make_private_dirs(path)
+    else:
         try:
-            d.mkdir(mode=0o700)
+            path.mkdir(mode=0o700)
         except FileExistsError:
             pass
     st = os.lstat(path)

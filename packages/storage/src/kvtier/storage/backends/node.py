@@ -113,10 +113,7 @@ class NodeBackend(LocalDiskBackend):
         self._share_node()
 
     def _scan(self) -> list[tuple[str, int]]:
-        found, bad = scan_chunks(self.dir)
-        for name, kind in bad:
-            self._bad_entry(name, kind)
-        found.sort()
+        found = self._scan_files()
         self._own_mtimes = {name: mtime for mtime, name, _ in found}
         return [(name, size) for _, name, size in found]
 

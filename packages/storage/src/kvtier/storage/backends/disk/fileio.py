@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 
 PAGE = 4096
 FILE_MODE = 0o600
-DIR_MODE = 0o700
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
@@ -117,22 +116,6 @@ def remove_entry(path: Path) -> bool:
             return True
         except OSError:
             return False
-
-
-def make_private_dirs(path: Path) -> None:
-    """Create ``path`` and any missing parents with mode ``0700`` (existing ones are kept)."""
-    missing = []
-    p = path
-    while not p.exists():
-        missing.append(p)
-        if p.parent == p:
-            break
-        p = p.parent
-    for d in reversed(missing):
-        try:
-            d.mkdir(mode=DIR_MODE)
-        except FileExistsError:
-            pass
 
 
 def write_all(fd: int, parts: Sequence[memoryview | bytes]) -> None:

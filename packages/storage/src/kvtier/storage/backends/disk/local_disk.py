@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtier.core.errors import ConfigError
+from kvtier.core.private_dir import make_private_dirs
 from kvtier.storage import codec
 from kvtier.storage._log import warn_throttled
 from kvtier.storage._views import ArenaBytes
@@ -63,7 +64,6 @@ from kvtier.storage.backends.disk.direct import DirectIO
 from kvtier.storage.backends.disk.fileio import (
     NotRegular,
     kind_of,
-    make_private_dirs,
     open_regular,
     read_chunk,
     read_header,
@@ -161,14 +161,18 @@ class LocalDiskBackend(StorageBackend):
         self._rebuild_index()
 
     # -- index ---------------------------------------------------------------------------------
-    def _scan(self) -> list[tuple[str, int]]:
-        """The directory's chunk files as ``(name, bytes)``, oldest first; entries at chunk
-        names that are not regular files are removed."""
+    def _scan_files(self) -> list[tuple[float, str, int]]:
+        """The directory's chunk files as ``(mtime, name, bytes)``, oldest first; entries at
+        chunk names that are not regular files are removed."""
         found, bad = scan_chunks(self.dir)
         for name, kind in bad:
             self._bad_entry(name, kind)
         found.sort()
-        return [(name, size) for _, name, size in found]
+        return found
+
+    def _scan(self) -> list[tuple[str, int]]:
+        """The directory's chunk files as ``(name, bytes)``, oldest first."""
+        return [(name, size) for _, name, size in self._scan_files()]
 
     def _rebuild_index(self) -> None:
         self._index.load(self._scan())
