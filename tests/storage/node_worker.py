@@ -3,6 +3,7 @@
     node_worker.py NODE_DIR MODEL write FIRST COUNT    store chunks FIRST.. of MODEL
     node_worker.py NODE_DIR MODEL read FIRST COUNT     print JSON {"hits": [...], "wrong": [...]}
     node_worker.py NODE_DIR MODEL hang FIRST           store chunk FIRST, stopping mid-write
+    node_worker.py NODE_DIR MODEL scribble FIRST       read chunk FIRST, then write into it
 
 ``hang`` writes half of the chunk file's bytes, prints ``writing`` and waits to be killed.
 """
@@ -95,6 +96,12 @@ def main(argv: list[str]) -> int:
 
         os.writev = half  # type: ignore[assignment]
         put(backend, arena, keys, first)
+    elif what == "scribble":  # a bug writing into a hit: the process faults, nothing changes
+        (obj,) = backend.batched_get([keys.key(first.to_bytes(16, "little"))], arena.allocate)
+        assert obj is not None, "chunk to scribble on missed"
+        print("read", flush=True)
+        obj.tensor.view(torch.uint8).fill_(0)
+        print("wrote", flush=True)
     backend.close()
     return 0
 

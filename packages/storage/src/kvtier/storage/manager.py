@@ -14,7 +14,8 @@ Contract (on top of ``kvtier.core.storage``):
   building the tiers from the config, ``kvtier.storage.tiers``.
 - ``get``/``batched_get``/``get_non_blocking``/``prefetch`` search tiers in order. A hit in a
   lower tier is written back into the host tier on every one of these paths (counted as
-  ``writeback.chunks``); host hits are not written back.
+  ``writeback.chunks``); host hits are not written back, nor are hits that are host memory
+  already (the node tier's shared mappings: ``MemoryObj.borrowed``).
 - ``prefetch`` only brings in a contiguous prefix of hits: at the first chunk no tier has, it
   stops, and nothing past it is used or written back.
 - ``contains`` asks each tier only for the keys the tiers above it missed; ``prefix_hits`` asks
@@ -230,10 +231,14 @@ class TieredStorageManager(StorageManager):
         )
 
     def _write_back(self, tier: StorageBackend, items: list[tuple[ChunkKey, MemoryObj]]) -> None:
+        """Count ``tier``'s hits and keep them in the host tier; hits that are host memory
+        already (borrowed objects: the node tier's shared mappings) are not copied into it."""
         if items:
-            self.host.batched_put(items)
             self.stats.add_entries(tier.name, "hits", (key for key, _ in items))
-            self.stats.add("writeback.chunks", len(items))
+            back = [(key, obj) for key, obj in items if obj.arena is not None]
+            if back:
+                self.host.batched_put(back)
+                self.stats.add("writeback.chunks", len(back))
 
     def batched_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
         self._check_open()

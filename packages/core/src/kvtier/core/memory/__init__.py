@@ -5,6 +5,10 @@ released exactly once (``release()`` or leaving a ``with`` block); ``share()`` m
 handle on the same bytes for another holder (a tier that indexes it, a reader that borrows it).
 The bytes go back to the arena when the last handle is released. Releasing a handle twice, or
 sharing a released one, raises ``DoubleReleaseError``: a bug is loud, never a silent double free.
+
+``MemoryObj.borrowed`` makes a handle on bytes outside the arena that another owner keeps (the node
+tier's read-only mappings of shared memory): the same contract, with ``arena`` None; the bytes
+stay valid while any handle (or any tensor taken from one) is alive.
 """
 
 from __future__ import annotations
@@ -232,21 +236,63 @@ class _Allocation:
             self.arena._free(self.offset, self.nbytes)
 
 
+_NOTHING = torch.empty(0, dtype=torch.uint8)
+
+
+class _Borrowed:
+    """Bytes outside the arena (``MemoryObj.borrowed``): counted like an allocation, freed by
+    their owner when the last tensor over them goes."""
+
+    __slots__ = ("arena", "handles", "lock", "nbytes")
+
+    def __init__(self, nbytes: int) -> None:
+        self.arena = None
+        self.nbytes = nbytes
+        self.handles = 1
+        self.lock = threading.Lock()
+
+    def drop(self) -> None:
+        with self.lock:
+            self.handles -= 1
+
+
 class MemoryObj:
     """A handle on one chunk of KV in host memory. Release it exactly once.
 
-    ``tensor`` is a view of the arena shaped ``meta.shape`` with ``meta.dtype``; it is valid until
-    this handle is released.
+    ``tensor`` is a view of the arena shaped ``meta.shape`` with ``meta.dtype`` (or of borrowed
+    bytes, ``borrowed``); it is valid until this handle is released.
     """
 
     __slots__ = ("_address", "_alloc", "_released", "_tensor", "meta")
 
     def __init__(self, alloc: _Allocation, meta: MemoryObjMeta) -> None:
-        self._alloc = alloc
+        self._alloc: _Allocation | _Borrowed = alloc
         self.meta = meta
         self._released = False
         self._tensor = alloc.arena.tensor_at(alloc.offset, meta)
         self._address = self._tensor.data_ptr()
+
+    @classmethod
+    def borrowed(cls, tensor: torch.Tensor, meta: MemoryObjMeta) -> MemoryObj:
+        """A handle on ``tensor``'s bytes, which are not the arena's (a read-only mapping of
+        shared memory): ``tensor`` must be a contiguous host tensor of ``meta``'s shape and
+        dtype; its owner keeps the bytes alive while the tensor is referenced. ``arena`` is
+        None: nothing returns to an arena on release, and a tier that keeps arena objects
+        (the host tier) does not take it."""
+        if tuple(tensor.shape) != meta.shape or tensor.dtype != meta.dtype:
+            raise ValueError(
+                f"a borrowed tensor {tuple(tensor.shape)} {tensor.dtype} does not match "
+                f"{meta.shape} {meta.dtype}"
+            )
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError("a borrowed tensor must be a contiguous host tensor")
+        obj = cls.__new__(cls)
+        obj._alloc = _Borrowed(meta.nbytes)
+        obj.meta = meta
+        obj._released = False
+        obj._tensor = tensor
+        obj._address = tensor.data_ptr()
+        return obj
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -267,9 +313,9 @@ class MemoryObj:
         return self._released
 
     @property
-    def arena(self) -> HostArena:
-        """The arena whose buffer holds the bytes: objects of one arena that sit back to back
-        can be moved as one contiguous range."""
+    def arena(self) -> HostArena | None:
+        """The arena whose buffer holds the bytes (objects of one arena that sit back to back
+        can be moved as one contiguous range); None for ``borrowed`` bytes."""
         return self._alloc.arena
 
     @property
@@ -308,6 +354,8 @@ class MemoryObj:
             if self._released:
                 raise DoubleReleaseError("memory object handle released twice")
             self._released = True
+        if self._alloc.arena is None:
+            self._tensor = _NOTHING  # borrowed bytes are freed when the last tensor goes
         self._alloc.drop()
 
     def __enter__(self) -> MemoryObj:

@@ -21,6 +21,12 @@ file used: its modification time) until the node has room for one more chunk; be
 its own writes evict its own least recently used files within what the others leave. Another namespace's file
 deleted under its process is a miss there, as a file another process deleted is in the disk tier.
 
+Reads are in place where the platform copies from any host memory (an unpinned arena: the CPU
+platform): a chunk file is mapped and checked once per process and handed out without a copy
+(``node_maps``), so a hit costs one copy from the shared pages into the KV cache. Sealed chunks,
+and platforms whose copies need pinned memory (CUDA, XPU), read into the host arena as the disk
+tier does.
+
 The directory must be private: created ``0700``, and refused (a ``ConfigError`` naming
 ``node_path``) when it is a symlink, another user's, open to group or others, or not on a
 memory file system (``/proc/self/mountinfo``).
@@ -29,17 +35,30 @@ memory file system (``/proc/self/mountinfo``).
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+
+import torch
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
+from kvtier.core.keys import ChunkKey
+from kvtier.core.memory import MemoryObj, MemoryObjMeta
 from kvtier.core.private_dir import private_dir
 from kvtier.storage import codec
 from kvtier.storage._log import warn_throttled
 from kvtier.storage.backends.base import BackendContext
-from kvtier.storage.backends.disk.fileio import remove_entry
+from kvtier.storage.backends.disk.fileio import read_header, remove_entry
 from kvtier.storage.backends.disk.files import scan_chunks
 from kvtier.storage.backends.disk.local_disk import DiskSettings, GiB, LocalDiskBackend
+from kvtier.storage.backends.node_maps import MappedChunks, map_file
+from kvtier.storage.checksum import Checksum
+
+PAGE = 4096
+# A payload read in place must start at a multiple of this (the host arena's alignment, which
+# the movers' views assume); files written before payloads were page-aligned read into the arena.
+IN_PLACE_ALIGN = 256
 
 # File systems whose files are memory: what the node tier may live on.
 MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs")  # (hugetlbfs refuses write(): nothing could be stored)
@@ -96,6 +115,8 @@ class NodeBackend(LocalDiskBackend):
     one budget for the host."""
 
     name = "node"
+    # Payloads start on a page: a mapping hands them out in place, aligned for every view.
+    payload_align = PAGE
 
     @classmethod
     def settings(cls, cfg: KVTierConfig) -> DiskSettings:
@@ -109,6 +130,15 @@ class NodeBackend(LocalDiskBackend):
         self.others_bytes = 0  # what the other namespaces held at the last rescan
         self.others_chunks = 0
         self._own_mtimes: dict[str, float] = {}
+        # A read marks its file used (its mtime) unless it was marked this recently: eviction
+        # orders files at rescans, every node_rescan_s, so finer marks change nothing.
+        self._touch_s = min(1.0, ctx.config.node_rescan_s / 2)
+        # In place where the platform copies from any host memory (see the module docstring).
+        self._maps = (
+            None
+            if ctx.arena.is_pinned
+            else MappedChunks(self.node_budget, ctx.config.node_rescan_s)
+        )
         super().__init__(ctx)
         self._share_node()
 
@@ -175,7 +205,96 @@ class NodeBackend(LocalDiskBackend):
         """``(bytes, chunk files)`` of the whole node tier, at this process's last rescan."""
         return self.others_bytes + self._index.used, self.others_chunks + len(self._index)
 
+    # -- reads in place ------------------------------------------------------------------------
+    def batched_get(
+        self,
+        keys: Sequence[ChunkKey],
+        allocate: Callable[[MemoryObjMeta], MemoryObj | None],
+    ) -> list[MemoryObj | None]:
+        if self._maps is None:
+            return super().batched_get(keys, allocate)
+        self._maps.prune_if_due(lambda name: os.stat(self._dir_slash + name))
+        # Chunks already mapped cost an open and an fstat: read here, as handing them to the
+        # reader threads costs more. The others are mapped and checked on the reader threads.
+        names = [self.file_name(k) for k in keys]
+        out: list[MemoryObj | None] = [None] * len(keys)
+        rest = []
+        for i, name in enumerate(names):
+            if name in self._maps:
+                out[i] = self._get_one(keys[i], allocate)
+            else:
+                rest.append(i)
+        if rest:
+            got = self._readers.map(lambda j: self._get_one(keys[rest[j]], allocate), len(rest))
+            for i, obj in zip(rest, got, strict=True):
+                out[i] = obj
+        return out
+
+    def _read(
+        self,
+        fd: int,
+        st: os.stat_result,
+        key: ChunkKey,
+        name: str,
+        allocate: Callable[[MemoryObjMeta], MemoryObj | None],
+    ) -> MemoryObj | None:
+        if self._maps is None:
+            return super()._read(fd, st, key, name, allocate)
+        mapped = self._maps.get(name, st)
+        if mapped is None:
+            try:
+                checked = self._map_checked(fd, st, key)
+            except codec.PayloadError as e:
+                self._reject(name, e)
+                return None
+            if checked is None:  # sealed (decrypted into host memory) or not aligned
+                return super()._read(fd, st, key, name, allocate)
+            mapped = self._maps.put(name, st, *checked)
+        self._index.record(name, self._read_hit(fd, st))
+        return MemoryObj.borrowed(mapped.payload, mapped.meta)
+
+    def _map_checked(
+        self, fd: int, st: os.stat_result, key: ChunkKey
+    ) -> tuple[torch.Tensor, MemoryObjMeta] | None:
+        """The open chunk file mapped, its header and checksum checked over the mapping: the
+        payload as the chunk's tensor. None for a sealed file or an unaligned payload (read
+        into the arena instead). Raises ``PayloadError``."""
+        if st.st_size > self.max_file:
+            raise codec.PayloadError(
+                f"corrupt: file of {st.st_size} bytes is larger than any chunk"
+            )
+        header = read_header(
+            fd,
+            st.st_size,
+            key=key,
+            layout=self.ctx.layout,
+            max_tokens=self.max_tokens,
+            sealer=self.ctx.sealer,
+        )
+        if header.sealed or header.header_len % IN_PLACE_ALIGN:
+            return None
+        whole = map_file(fd, st.st_size)
+        end = header.header_len + header.payload_len
+        payload = whole[header.header_len : end]
+        cs = Checksum(header.crc_of_header)
+        cs.add_now(memoryview(payload.numpy()))  # type: ignore[arg-type]
+        codec.check_trailer(cs.value(), whole[end:].numpy().tobytes())
+        meta = header.meta
+        return payload.view(meta.dtype).view(meta.shape), meta
+
+    def _dropped(self, names: list[str]) -> None:
+        if self._maps is not None:
+            self._maps.drop(names)
+        super()._dropped(names)
+
+    def close(self) -> None:
+        if self._maps is not None:
+            self._maps.clear()
+        super().close()
+
     def _read_hit(self, fd: int, st: os.stat_result) -> os.stat_result:
+        if time.time() - st.st_mtime < self._touch_s:
+            return st  # marked used recently enough for the next rescan's order
         try:
             os.utime(fd)  # recently used, for every process's eviction
             return os.fstat(fd)

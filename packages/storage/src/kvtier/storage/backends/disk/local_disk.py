@@ -110,6 +110,7 @@ class LocalDiskBackend(StorageBackend):
 
     name = "local_disk"
     seals_payloads = True
+    payload_align = 0  # files are read into the arena: a payload may start anywhere
 
     @classmethod
     def settings(cls, cfg: KVTierConfig) -> DiskSettings:

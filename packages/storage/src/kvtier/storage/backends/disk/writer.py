@@ -34,6 +34,7 @@ class ChunkFiles(Protocol):
 
     dir: Path
     budget: int
+    payload_align: int  # a payload starts at a multiple of this in its file (0: anywhere)
 
     def file_name(self, key: ChunkKey) -> str: ...
 
@@ -72,10 +73,19 @@ class DiskWriter:
             return True
         payload = self.tier.bytes_of(obj)
         if self.ctx.sealer is not None:
-            header, sealed = codec.seal(key, obj.meta, self.ctx.layout, payload, self.ctx.sealer)
+            header, sealed = codec.seal(
+                key,
+                obj.meta,
+                self.ctx.layout,
+                payload,
+                self.ctx.sealer,
+                align=self.tier.payload_align,
+            )
             payload = memoryview(sealed)
         else:
-            header = codec.encode_header(key, obj.meta, self.ctx.layout)
+            header = codec.encode_header(
+                key, obj.meta, self.ctx.layout, align=self.tier.payload_align
+            )
         size = len(header) + payload.nbytes + codec.TRAILER.size
         if size > self.budget:
             self.ctx.stats.add(f"{self.name}.store_skipped")
