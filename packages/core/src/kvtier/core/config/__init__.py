@@ -102,6 +102,12 @@ class KVTierConfig:
         default=10.0,
     )
     local_disk_o_direct: bool = _doc("Read and write disk-tier files with O_DIRECT.", default=False)
+    local_disk_shared: bool = _doc(
+        "Other running engines write local_disk_path too (a directory shared by instances): "
+        "lookups probe the disk tier for what they wrote since this engine started, instead of "
+        "answering from this engine's index of it.",
+        default=False,
+    )
     node_path: str = _doc(
         "Node tier directory, on a memory file system (tmpfs, ramfs); every kvtier process "
         "of this user on the host that names it shares it (default: /dev/shm/kvtier-<uid>).",

@@ -9,7 +9,10 @@ Files are ``0600`` and the directories this tier creates ``0700``: KV is user da
 
 Restart and sharing: the index is rebuilt from the directory when the tier starts (oldest
 modification first, for LRU order), and a key this process has not indexed is looked up on disk,
-so a second process using the same directory sees what the first wrote. Processes sharing a
+so a second process using the same directory sees what the first wrote. A vLLM engine answers
+lookups from its index of the tier, which holds what was there at its start and what it wrote;
+with ``local_disk_shared`` (instances running at once on one directory) it probes instead, so
+it sees what the others write while it runs. Processes sharing a
 directory share its budget: before a batch of writes, at most every ``local_disk_rescan_s``, the
 tier scans the directory, counts the files other processes wrote (as its most recently used) and
 forgets those they deleted, then evicts to the budget. Between scans the directory can hold up to
@@ -140,6 +143,7 @@ class LocalDiskBackend(StorageBackend):
         except OSError as e:
             raise ConfigError(settings.path_field, str(self.root), f"cannot be used: {e}") from None
         self.o_direct = settings.o_direct
+        self.shared = cfg.local_disk_shared
         self._direct = DirectIO(self.dir) if self.o_direct else None
         # The largest file a chunk of this layout can make: nothing larger is read.
         self.max_file = (
@@ -216,6 +220,11 @@ class LocalDiskBackend(StorageBackend):
         return len(self._index)
 
     def digests(self) -> list[str] | None:
+        """The chunks this tier indexes; None when other running engines write the directory
+        (``local_disk_shared``): what they write after this engine listed it is seen only by a
+        probe, so lookups probe (as for the node tier and Redis)."""
+        if self.shared:
+            return None
         return [name[: -len(SUFFIX)] for name in self._index]
 
     @staticmethod
