@@ -110,6 +110,8 @@ def test_stores_and_loads_run_and_evict_while_the_arena_grows() -> None:
     )
     engine = CacheEngine(config, layout, model="m", platform=Pinning())
     arena = engine.storage.arena  # type: ignore[attr-defined]
+    # Pinned from its first segment on: no tier hands the platform other, pageable memory
+    assert arena.for_pinned_copies and not arena.is_pinned
     wait_for(lambda: arena.capacity == 20 * 1024)
     caches = [torch.randn(layout.expected_cache_shape(64)).to(torch.bfloat16) for _ in range(2)]
     engine.register_kv_caches(caches)
@@ -163,4 +165,5 @@ def test_a_refused_segment_is_used_pageable_with_a_warning(caplog) -> None:  # t
 def test_a_platform_without_range_pinning_gives_a_ready_arena() -> None:
     arena = CPUPlatform().create_arena(MiB)
     assert arena.capacity == arena.target_bytes == MiB
+    assert not arena.for_pinned_copies
     arena.close()

@@ -75,6 +75,10 @@ class HostArena:
         self._closers: list[Callable[[], None]] = []
         self._typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer viewed as each dtype
         self._base = buffer.storage_offset()  # the buffer may be a slice of a larger tensor
+        # The platform copies from page-locked host memory: the arena is pinned, or being pinned
+        # in the background (``Platform.create_arena``). A tier that could hand out other host
+        # memory (the node tier's mappings) must not, then.
+        self.for_pinned_copies = bool(buffer.is_pinned())
 
     @classmethod
     def create(cls, nbytes: int, *, pin_memory: bool = False, alignment: int = 256) -> HostArena:
@@ -117,6 +121,7 @@ class HostArena:
 
     @property
     def is_pinned(self) -> bool:
+        """Whether the buffer is page-locked now (see also ``for_pinned_copies``)."""
         return bool(self.buffer.is_pinned())
 
     def _round(self, nbytes: int) -> int:

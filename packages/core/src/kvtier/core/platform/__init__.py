@@ -76,6 +76,7 @@ class Platform(ABC):
 
         buffer = torch.empty(nbytes, dtype=torch.uint8)
         arena = HostArena(buffer, ready_bytes=0)
+        arena.for_pinned_copies = True  # pinned segment by segment from now on
         base = buffer.data_ptr()
         ArenaGrowth(
             arena,

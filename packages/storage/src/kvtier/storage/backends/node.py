@@ -136,7 +136,7 @@ class NodeBackend(LocalDiskBackend):
         # In place where the platform copies from any host memory (see the module docstring).
         self._maps = (
             None
-            if ctx.arena.is_pinned
+            if ctx.arena.for_pinned_copies
             else MappedChunks(self.node_budget, ctx.config.node_rescan_s)
         )
         super().__init__(ctx)
