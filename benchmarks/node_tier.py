@@ -145,6 +145,72 @@ def measure(mib: int, chunks: int, repeat: int, root: Path) -> dict:
     }
 
 
+def measure_engine(chunks: int, repeat: int, root: Path) -> dict:
+    """Through ``CacheEngine``, as vLLM's worker calls it: ``hold`` (a probe's lookup: a node hit
+    is mapped and checked there) then ``retrieve`` (the load into a paged KV cache). Engine A
+    stored the prompt (its host tier holds it: the reference); engine B, started after, reads
+    it from the node tier: first with no mapping, then again."""
+    from kvtier.core.engine import CacheEngine
+    from kvtier.core.platform.cpu import CPUPlatform
+
+    layout = KVLayout(8, 8, 128, "bfloat16", 16, paged_layout="LBHNC")  # 8 MiB 256-token chunks
+    tokens = 256
+    n = chunks * tokens
+    cfg = load_config(
+        overrides={
+            "tiers": ["local_cpu", "node"],
+            "node_path": str(root),
+            "node_size_gb": 2 * chunks * 8 / 1024 + 1,
+            "local_cpu_size_gb": chunks * 8 / 1024 + 0.25,
+            "chunk_size": tokens,
+            "verify_fraction": 0.0,
+        },
+        env={},
+    )
+    prompt = torch.arange(10_000, 10_000 + n + 1)  # the last token is never stored
+
+    def engine() -> CacheEngine:
+        e = CacheEngine(cfg, layout, model="bench", platform=CPUPlatform())
+        shape = layout.expected_cache_shape(n // 16 + 1)
+        e.register_kv_caches([torch.zeros(shape, dtype=torch.bfloat16) for _ in range(8)])
+        return e
+
+    a = engine()
+    assert a.store(prompt.numpy(), torch.arange(n + 1)) == n
+    assert a.storage.flush(120.0), "the node tier did not take every chunk"
+
+    def load(e: CacheEngine) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        hold = e.hold(prompt.numpy())
+        t1 = time.perf_counter()
+        assert hold.num_tokens == n, f"a hit of {hold.num_tokens} of {n} tokens"
+        mask = e.retrieve(prompt.numpy(), torch.arange(n + 1), hold=hold)
+        t2 = time.perf_counter()
+        hold.release()
+        assert int(mask.sum()) == n
+        return t1 - t0, t2 - t1
+
+    host, first, again = [], [], []
+    for _ in range(repeat):
+        host.append(load(a))
+        b = engine()
+        first.append(load(b))
+        again.append(load(b))
+        b.close()
+    a.close()
+
+    def med(xs: list[tuple[float, float]], i: int) -> float:
+        return statistics.median(x[i] for x in xs)
+
+    out: dict = {"chunk_mib": 8.0, "chunks": chunks}
+    for name, xs in (("host", host), ("node_first", first), ("node_again", again)):
+        out[f"{name}_hold_ms"] = med(xs, 0) * 1e3
+        out[f"{name}_load_ms"] = med(xs, 1) * 1e3
+    for name in ("node_first", "node_again"):
+        out[f"{name}_load_over_host"] = out["host_load_ms"] / out[f"{name}_load_ms"]
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes-mib", default="2,8,32")
@@ -166,6 +232,17 @@ def main() -> int:
                 f"again {r['node_again_gbps']:6.2f} GB/s ({r['again_over_host']:.2f})",
                 flush=True,
             )
+        engine_row = measure_engine(args.chunks, args.repeat, root)
+        e = engine_row
+        print(
+            "through the engine (8 MiB chunks): hold / load ms: "
+            f"host {e['host_hold_ms']:.1f} / {e['host_load_ms']:.1f}, "
+            f"node first {e['node_first_hold_ms']:.1f} / {e['node_first_load_ms']:.1f} "
+            f"(load {e['node_first_load_over_host']:.2f} of host), "
+            f"again {e['node_again_hold_ms']:.1f} / {e['node_again_load_ms']:.1f} "
+            f"({e['node_again_load_over_host']:.2f})",
+            flush=True,
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     out = Path(args.out)
@@ -180,6 +257,7 @@ def main() -> int:
         "node_path_fs": f"{args.root}: {file_system_of(root)} ({mount_options(root)})",
         "reference": "a same-process host-memory hit of the same chunks (one copy_)",
         "results": rows,
+        "engine": engine_row,
     }
     name = f"node-tier{'-' + args.tag if args.tag else ''}"
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
