@@ -212,3 +212,27 @@ def test_objects_allocated_after_one_inside_inference_mode_can_be_written_outsid
     assert bool((second.tensor == 3.0).all())
     first.release()
     second.release()
+
+
+def test_a_borrowed_object_keeps_the_handle_contract_outside_the_arena() -> None:
+    from kvtier.core.memory import MemoryObj
+
+    meta = MemoryObjMeta((2, 4), torch.bfloat16, 4)
+    owner = torch.arange(8, dtype=torch.float32).to(torch.bfloat16).reshape(2, 4)
+    obj = MemoryObj.borrowed(owner, meta)
+    assert obj.arena is None and obj.holders == 1
+    assert obj.address == owner.data_ptr() and torch.equal(obj.tensor, owner)
+    twin = obj.share()
+    assert obj.holders == 2
+    obj.release()
+    assert torch.equal(twin.tensor, owner), "a shared handle outlives its twin's release"
+    with pytest.raises(DoubleReleaseError):
+        obj.release()
+    with pytest.raises(DoubleReleaseError):
+        _ = obj.tensor
+    twin.release()
+    assert twin.holders == 0
+    with pytest.raises(ValueError, match="does not match"):
+        MemoryObj.borrowed(owner, MemoryObjMeta((4, 2), torch.bfloat16, 4))
+    with pytest.raises(ValueError, match="contiguous"):
+        MemoryObj.borrowed(owner.t(), MemoryObjMeta((4, 2), torch.bfloat16, 4))

@@ -222,11 +222,13 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class _Allocation:
-    """The bytes behind one or more handles; returned to the arena when the last handle goes."""
+    """The bytes behind one or more handles; returned to the arena when the last handle goes.
+    Without an arena (``MemoryObj.borrowed``), another owner frees them when the last tensor
+    over them goes."""
 
     __slots__ = ("arena", "handles", "lock", "nbytes", "offset")
 
-    def __init__(self, arena: HostArena, offset: int, nbytes: int) -> None:
+    def __init__(self, arena: HostArena | None, offset: int, nbytes: int) -> None:
         self.arena = arena
         self.offset = offset
         self.nbytes = nbytes
@@ -237,28 +239,11 @@ class _Allocation:
         with self.lock:
             self.handles -= 1
             last = self.handles == 0
-        if last:
+        if last and self.arena is not None:
             self.arena._free(self.offset, self.nbytes)
 
 
 _NOTHING = torch.empty(0, dtype=torch.uint8)
-
-
-class _Borrowed:
-    """Bytes outside the arena (``MemoryObj.borrowed``): counted like an allocation, freed by
-    their owner when the last tensor over them goes."""
-
-    __slots__ = ("arena", "handles", "lock", "nbytes")
-
-    def __init__(self, nbytes: int) -> None:
-        self.arena = None
-        self.nbytes = nbytes
-        self.handles = 1
-        self.lock = threading.Lock()
-
-    def drop(self) -> None:
-        with self.lock:
-            self.handles -= 1
 
 
 class MemoryObj:
@@ -271,7 +256,8 @@ class MemoryObj:
     __slots__ = ("_address", "_alloc", "_released", "_tensor", "meta")
 
     def __init__(self, alloc: _Allocation, meta: MemoryObjMeta) -> None:
-        self._alloc: _Allocation | _Borrowed = alloc
+        assert alloc.arena is not None  # borrowed bytes are made by ``borrowed``
+        self._alloc = alloc
         self.meta = meta
         self._released = False
         self._tensor = alloc.arena.tensor_at(alloc.offset, meta)
@@ -292,7 +278,7 @@ class MemoryObj:
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise ValueError("a borrowed tensor must be a contiguous host tensor")
         obj = cls.__new__(cls)
-        obj._alloc = _Borrowed(meta.nbytes)
+        obj._alloc = _Allocation(None, 0, meta.nbytes)
         obj.meta = meta
         obj._released = False
         obj._tensor = tensor
