@@ -187,6 +187,27 @@ def test_a_file_whose_payload_is_not_aligned_is_read_into_the_arena(
         reader.close()
 
 
+def test_an_alias_entry_is_not_padded_to_a_page_and_reads_back(node_dir: Path) -> None:
+    from kvtier.core.keys.aliases import Alias, alias_objects
+
+    arena = HostArena.create(16 * meta().nbytes)
+    backend = node_backend(node_dir, "m", arena)
+    try:
+        alias_key = KEYS.alias_key(b"t" * 16)
+        [(k, obj)], _ = alias_objects([(alias_key, Alias(b"t" * 16, b"c" * 16, 8))], arena.allocate)
+        want = obj.tensor.clone()
+        backend.batched_put([(k, obj)])
+        obj.release()
+        put(backend, arena, KEYS, 1)
+        sizes = sorted(p.stat().st_size for p in chunk_files(node_dir))
+        assert sizes[0] < 4096 < sizes[1], "the alias's file is unpadded, the chunk's aligned"
+        (got,) = backend.batched_get([alias_key], arena.allocate)
+        assert got is not None and torch.equal(got.tensor, want)
+        got.release()
+    finally:
+        backend.close()
+
+
 def test_a_write_into_a_hit_faults_and_changes_no_chunk(node_dir: Path) -> None:
     finished(worker(node_dir, "m", "write", 6, 1))
     proc = worker(node_dir, "m", "scribble", 6)

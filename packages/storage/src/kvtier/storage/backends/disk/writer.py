@@ -72,6 +72,9 @@ class DiskWriter:
         if self.tier.has_chunk_file(key, name):
             return True
         payload = self.tier.bytes_of(obj)
+        # An alias entry (a few dozen bytes, one per block of a chunk) is never read in place:
+        # padding it to a page would double what it takes on a memory file system.
+        align = 0 if key.is_alias else self.tier.payload_align
         if self.ctx.sealer is not None:
             header, sealed = codec.seal(
                 key,
@@ -79,13 +82,11 @@ class DiskWriter:
                 self.ctx.layout,
                 payload,
                 self.ctx.sealer,
-                align=self.tier.payload_align,
+                align=align,
             )
             payload = memoryview(sealed)
         else:
-            header = codec.encode_header(
-                key, obj.meta, self.ctx.layout, align=self.tier.payload_align
-            )
+            header = codec.encode_header(key, obj.meta, self.ctx.layout, align=align)
         size = len(header) + payload.nbytes + codec.TRAILER.size
         if size > self.budget:
             self.ctx.stats.add(f"{self.name}.store_skipped")
