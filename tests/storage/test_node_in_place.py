@@ -7,6 +7,7 @@ sealed chunks, read into the host arena."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -218,6 +219,4 @@ def test_a_write_into_a_hit_faults_and_changes_no_chunk(node_dir: Path) -> None:
 
 
 def read_in_fresh_process(node: Path) -> dict:
-    import json
-
     return json.loads(finished(worker(node, "m", "read", 6, 1)))

@@ -49,13 +49,12 @@ from kvtier.core.private_dir import private_dir
 from kvtier.storage import codec
 from kvtier.storage._log import warn_throttled
 from kvtier.storage.backends.base import BackendContext
-from kvtier.storage.backends.disk.fileio import read_header, remove_entry
+from kvtier.storage.backends.disk.fileio import PAGE, read_header, remove_entry
 from kvtier.storage.backends.disk.files import scan_chunks
 from kvtier.storage.backends.disk.local_disk import DiskSettings, GiB, LocalDiskBackend
 from kvtier.storage.backends.node_maps import MappedChunks, map_file
 from kvtier.storage.checksum import Checksum
 
-PAGE = 4096
 # A payload read in place must start at a multiple of this (the host arena's alignment, which
 # the movers' views assume); files written before payloads were page-aligned read into the arena.
 IN_PLACE_ALIGN = 256
@@ -122,7 +121,7 @@ class NodeBackend(LocalDiskBackend):
     def settings(cls, cfg: KVTierConfig) -> DiskSettings:
         root = private_node_dir(cfg.node_dir())
         return DiskSettings(
-            "node_path", root, int(cfg.node_size_gb * GiB), cfg.node_rescan_s, False
+            "node_path", root, int(cfg.node_size_gb * GiB), cfg.node_rescan_s, False, True
         )
 
     def __init__(self, ctx: BackendContext) -> None:
@@ -259,10 +258,7 @@ class NodeBackend(LocalDiskBackend):
         """The open chunk file mapped, its header and checksum checked over the mapping: the
         payload as the chunk's tensor. None for a sealed file or an unaligned payload (read
         into the arena instead). Raises ``PayloadError``."""
-        if st.st_size > self.max_file:
-            raise codec.PayloadError(
-                f"corrupt: file of {st.st_size} bytes is larger than any chunk"
-            )
+        self._check_size(st)
         header = read_header(
             fd,
             st.st_size,
@@ -276,6 +272,8 @@ class NodeBackend(LocalDiskBackend):
         whole = map_file(fd, st.st_size)
         end = header.header_len + header.payload_len
         payload = whole[header.header_len : end]
+        # Hashed on this reader thread as it faults the pages in (``codec.check_checksums``
+        # hands segments to helper threads, which read them from memory a second time).
         cs = Checksum(header.crc_of_header)
         cs.add_now(memoryview(payload.numpy()))  # type: ignore[arg-type]
         codec.check_trailer(cs.value(), whole[end:].numpy().tobytes())
@@ -300,11 +298,6 @@ class NodeBackend(LocalDiskBackend):
             return os.fstat(fd)
         except OSError:
             return st
-
-    def digests(self) -> list[str] | None:
-        """None: other processes write the node tier while this one runs, so the scheduler's
-        index cannot know its contents; lookups probe it (as Redis)."""
-        return None
 
     def _reject(self, name: str, err: codec.PayloadError) -> None:
         if err.reason.startswith(("sealed", "unsealed")):

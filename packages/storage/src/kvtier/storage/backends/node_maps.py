@@ -104,15 +104,8 @@ class MappedChunks:
         self._lock = threading.Lock()
         self._pruned_at = time.monotonic()
 
-    def __len__(self) -> int:
-        return len(self._maps)
-
     def __contains__(self, name: str) -> bool:
         return name in self._maps
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
 
     def get(self, name: str, st: os.stat_result) -> Mapped | None:
         """The checked payload of ``name`` if the file just opened (``st``) is the one mapped."""

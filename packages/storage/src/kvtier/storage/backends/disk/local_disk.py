@@ -106,6 +106,8 @@ class DiskSettings:
     budget: int  # bytes
     rescan_s: float
     o_direct: bool
+    # Other running processes write the directory: lookups probe it (``digests()`` None).
+    shared: bool
 
 
 class LocalDiskBackend(StorageBackend):
@@ -123,6 +125,7 @@ class LocalDiskBackend(StorageBackend):
             int(cfg.local_disk_size_gb * GiB),
             cfg.local_disk_rescan_s,
             cfg.local_disk_o_direct,
+            cfg.local_disk_shared,
         )
 
     def __init__(self, ctx: BackendContext) -> None:
@@ -143,7 +146,7 @@ class LocalDiskBackend(StorageBackend):
         except OSError as e:
             raise ConfigError(settings.path_field, str(self.root), f"cannot be used: {e}") from None
         self.o_direct = settings.o_direct
-        self.shared = cfg.local_disk_shared
+        self.shared = settings.shared
         self._direct = DirectIO(self.dir) if self.o_direct else None
         # The largest file a chunk of this layout can make: nothing larger is read.
         self.max_file = (
@@ -220,9 +223,9 @@ class LocalDiskBackend(StorageBackend):
         return len(self._index)
 
     def digests(self) -> list[str] | None:
-        """The chunks this tier indexes; None when other running engines write the directory
-        (``local_disk_shared``): what they write after this engine listed it is seen only by a
-        probe, so lookups probe (as for the node tier and Redis)."""
+        """The chunks this tier indexes; None when other running processes write the directory
+        (``local_disk_shared``; the node tier always): what they write after this engine listed
+        it is seen only by a probe, so lookups probe (as for Redis)."""
         if self.shared:
             return None
         return [name[: -len(SUFFIX)] for name in self._index]
@@ -376,10 +379,7 @@ class LocalDiskBackend(StorageBackend):
         allocate: Callable[[MemoryObjMeta], MemoryObj | None],
     ) -> MemoryObj | None:
         try:
-            if st.st_size > self.max_file:
-                raise codec.PayloadError(
-                    f"corrupt: file of {st.st_size} bytes is larger than any chunk"
-                )
+            self._check_size(st)
             obj = self._read_chunk(
                 fd,
                 st.st_size,
@@ -397,6 +397,14 @@ class LocalDiskBackend(StorageBackend):
             return None
         self._index.record(name, self._read_hit(fd, st))
         return obj
+
+    def _check_size(self, st: os.stat_result) -> None:
+        """Raise ``PayloadError`` for a file larger than any chunk of this layout (before
+        anything of it is read)."""
+        if st.st_size > self.max_file:
+            raise codec.PayloadError(
+                f"corrupt: file of {st.st_size} bytes is larger than any chunk"
+            )
 
     def _read_hit(self, fd: int, st: os.stat_result) -> os.stat_result:
         """A chunk file was read whole: its identity to trust from now on (the node tier marks
