@@ -8,7 +8,7 @@ SITE=$(mktemp -d)
 python3 - "$SITE" <<'PY'
 import sys, tomllib, pathlib
 site = pathlib.Path(sys.argv[1])
-for pkg in ("core", "cuda", "bench"):
+for pkg in ("core", "cuda", "storage", "bench"):
     meta = tomllib.loads(pathlib.Path(f"packages/{pkg}/pyproject.toml").read_text())["project"]
     d = site / f"{meta['name'].replace('-', '_')}-0.0.0.dist-info"
     d.mkdir()
@@ -19,6 +19,6 @@ for pkg in ("core", "cuda", "bench"):
         lines += [f"{name} = {value}" for name, value in eps.items()]
     (d / "entry_points.txt").write_text("\n".join(lines) + "\n")
 PY
-export PYTHONPATH="$SITE:$PWD/packages/core/src:$PWD/packages/cuda/src:$PWD/packages/bench/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$SITE:$PWD/packages/core/src:$PWD/packages/cuda/src:$PWD/packages/storage/src:$PWD/packages/bench/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 exec python3 "$@"

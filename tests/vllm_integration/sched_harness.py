@@ -97,12 +97,14 @@ class Harness:
         max_num_batched_tokens: int = 2048,
         arena_chunks: int = 32,
         cache_blocks: int = CACHE_BLOCKS,
+        token_bytes: int = 0,
         **overrides,
     ) -> Harness:
         """``report_first``: the workers' first report (after vLLM's first step) has reached
         the scheduler already. ``pool_blocks``: bind a vLLM block pool of that many blocks.
         ``arena_chunks``: each rank's host memory, in chunks of the configured size;
-        ``cache_blocks``: blocks of each rank's fake paged cache."""
+        ``cache_blocks``: blocks of each rank's fake paged cache. ``token_bytes``: what the
+        scheduler is told one token's KV takes (0: unknown, so no hit loads synchronously)."""
         layout = KVLayout(
             num_layers=2,
             num_kv_heads=2,
@@ -158,6 +160,7 @@ class Harness:
             load_failure_policy="recompute",
             kv_events=kv_events,
             max_num_batched_tokens=max_num_batched_tokens,
+            token_bytes=token_bytes,
         )
         start = ["weights-0"] * world_size
         harness = cls(sched, ranks, start_live=start, live=list(start))
@@ -253,13 +256,20 @@ class Harness:
         raise AssertionError("the lookup was never answered")
 
     def prefill(
-        self, req: Request, blocks: list[int] | None = None, computed: int = 0
+        self,
+        req: Request,
+        blocks: list[int] | None = None,
+        computed: int = 0,
+        allocated: bool = False,
     ) -> KVTierMetadata:
-        """One scheduler step that computes the whole prompt (no load) into ``blocks`` (default
-        0, 1, ...), after the first ``computed`` tokens vLLM's prefix cache had; its metadata."""
+        """One scheduler step that computes the whole prompt into ``blocks`` (default 0, 1,
+        ...), after the first ``computed`` tokens vLLM's prefix cache had (no load), or that
+        ``update_state_after_alloc`` was told of already (``allocated``: a synchronous load of
+        the hit goes with the step); its metadata."""
         n = len(req.prompt_token_ids or ())
         blocks = blocks if blocks is not None else list(range(-(-n // BLOCK)))
-        self.sched.update_state_after_alloc(req, None, 0)  # type: ignore[arg-type]
+        if not allocated:
+            self.sched.update_state_after_alloc(req, None, 0)  # type: ignore[arg-type]
         req.num_computed_tokens = computed
         out = SchedulerOutput(
             scheduled_new_reqs=[NewRequestData.from_request(req, (blocks,))],

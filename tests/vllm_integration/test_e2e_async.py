@@ -12,7 +12,9 @@ from prompts import DOC, FLUSH, FULL_HIT, OTHER, STATS, gen
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-CONFIG = {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.25}
+# Every hit on the loader thread (a short hit in host memory would otherwise load before the
+# forward pass of its first step: test_e2e_index_lookup.py, test_sync_loads.py).
+CONFIG = {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.25, "sync_load_mb": 0.0}
 
 
 def test_another_request_keeps_decoding_while_a_hit_loads(run_engine, hit_reference) -> None:

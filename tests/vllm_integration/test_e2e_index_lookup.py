@@ -5,7 +5,8 @@ The hazard it brings: nothing holds a chunk between the answer and its load, so 
 in between makes the load come up short. vLLM must then recompute those blocks, and the output
 must still equal vLLM without kvtier (tokens and logprobs exactly: the whole prompt is
 recomputed). A hit equals vLLM's own prefix cache hitting the same blocks (``hit_reference``),
-tokens and logprobs exactly.
+tokens and logprobs exactly, whether it loads before the forward pass of its first step or on
+the loader thread.
 """
 
 from __future__ import annotations
@@ -18,9 +19,16 @@ pytestmark = [pytest.mark.vllm]
 CONFIG = {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.1}
 
 
+@pytest.mark.parametrize("sync_load_mb", [None, 0.0], ids=["before-forward", "loader-thread"])
 def test_index_answers_hit_and_a_chunk_evicted_before_its_load_is_recomputed(
-    run_engine, reference, hit_reference
+    run_engine, reference, hit_reference, sync_load_mb
 ) -> None:
+    """The hit loads before the forward pass of its first step (a hit in host memory, the
+    default) or on the loader thread (``sync_load_mb: 0``). Before the forward pass, the step
+    that finds the chunks evicted also saves the request: that save is dropped, and the
+    recompute saves the prompt again (without that, the next hits loaded the unfilled blocks
+    and answered otherwise)."""
+    config = CONFIG if sync_load_mb is None else {**CONFIG, "sync_load_mb": sync_load_mb}
     steps = [
         gen(DOC),
         STATS,  # cold
@@ -35,7 +43,7 @@ def test_index_answers_hit_and_a_chunk_evicted_before_its_load_is_recomputed(
         gen(SHARED),
         STATS,  # partial-prefix hit
     ]
-    out = run_engine({"kvtier": CONFIG, "load_failure_policy": "recompute", "steps": steps})
+    out = run_engine({"kvtier": config, "load_failure_policy": "recompute", "steps": steps})
     evict = out[4].pop("evict")
     cold, hit, evicted, again, last, shared = (out[i] for i in (0, 2, 4, 6, 8, 10))
     s_cold, s_hit, s_evicted, s_again, s_last, s_shared = (out[i] for i in (1, 3, 5, 7, 9, 11))
@@ -57,3 +65,4 @@ def test_index_answers_hit_and_a_chunk_evicted_before_its_load_is_recomputed(
     assert s_last["loaded_tokens"] - s_again["loaded_tokens"] == FULL_HIT
     assert s_shared["loaded_tokens"] > s_last["loaded_tokens"]
     assert s_shared["loads_without_hold"] == 0
+    assert s_shared["saves_dropped"] == (1 if sync_load_mb is None else 0)

@@ -44,7 +44,12 @@ from kvtier.core.config import KVTierConfig, load_config
 from kvtier.core.engine import CacheEngine
 from kvtier.core.errors import ConfigError
 from kvtier.vllm_integration import logs
-from kvtier.vllm_integration.groups import cache_groups, check_hybrid, hybrid_chunk_size
+from kvtier.vllm_integration.groups import (
+    cache_groups,
+    check_hybrid,
+    hybrid_chunk_size,
+    token_bytes,
+)
 from kvtier.vllm_integration.identity import refuse_context_parallel
 from kvtier.vllm_integration.layout import pages_verifiable
 from kvtier.vllm_integration.logs import SLEEP_MODE_REASON
@@ -138,6 +143,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 ),
                 groups=self.groups,
                 engine_id=engine_id,
+                token_bytes=token_bytes(kv_cache_config),
+                async_scheduling=bool(
+                    getattr(vllm_config.scheduler_config, "async_scheduling", False)
+                ),
             )
         else:
             self._worker = WorkerSide(

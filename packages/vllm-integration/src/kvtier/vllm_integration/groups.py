@@ -131,6 +131,19 @@ def _smallest_window(spec: Any) -> int:
     return min(int(s.sliding_window) for s in specs if type(s).__name__ == "SlidingWindowSpec")
 
 
+def token_bytes(kv_cache_config: KVCacheConfig | None) -> int:
+    """The KV bytes of one token on one rank, every layer of every group (0: unknown), from
+    vLLM's KV cache specs (a page is one layer's block on this rank)."""
+    total = 0.0
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+        spec = group.kv_cache_spec
+        page, block = getattr(spec, "page_size_bytes", 0), getattr(spec, "block_size", 0)
+        if not page or not block:
+            return 0
+        total += page * len(group.layer_names) / block
+    return int(total)
+
+
 def cache_groups(kv_cache_config: KVCacheConfig | None) -> CacheGroups:
     """The groups of ``kv_cache_config`` (one group: ``CacheGroups()``); a ``LayoutError``
     naming them when kvtier cannot store them (module docstring)."""

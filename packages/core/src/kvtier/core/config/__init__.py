@@ -169,8 +169,16 @@ class KVTierConfig:
         "Load/store layer by layer, overlapping with the forward pass.", default=False
     )
     load_async: bool = _doc(
-        "vLLM: load a hit on a worker thread while other requests run (the request waits in WAITING_FOR_REMOTE_KVS); False loads before the forward pass. Layer-wise loads are always synchronous.",
+        "vLLM: load a hit on a worker thread while other requests run (the request waits in WAITING_FOR_REMOTE_KVS; a short hit already in host memory loads before the forward pass all the same: sync_load_mb); False loads every hit before the forward pass. Layer-wise loads are always synchronous.",
         default=True,
+    )
+    sync_load_mb: float = _doc(
+        "vLLM, with load_async: a hit already in host memory is loaded before the forward pass "
+        "of the step that schedules its request (no step spent waiting, as with vLLM's own "
+        "prefix cache) while that step's such loads add up to at most this many MiB per rank; "
+        "larger hits, and hits still being saved or in lower tiers, load on the worker's thread. "
+        "0 = every hit on the thread.",
+        default=128.0,
     )
     device_staging_buffer: bool = _doc(
         "Keep the device staging memory of the CUDA and XPU movers between calls (False: "
@@ -190,8 +198,8 @@ class KVTierConfig:
     lookup: str = _doc(
         "vLLM: how a waiting request's hit is confirmed. probe: the workers look the prompt up "
         "and hold its chunks until the load (one scheduler step; a hit is never lost). index: a "
-        "hit the scheduler's index of stored chunks knows is answered at once and loaded "
-        "asynchronously; a chunk gone by the load is recomputed (needs vLLM's "
+        "hit the scheduler's index of stored chunks knows is answered at once, without a hold "
+        "(loaded as load_async and sync_load_mb say); a chunk gone by the load is recomputed (needs vLLM's "
         "kv_load_failure_policy='recompute' and load_async; with a Redis tier prompts are still "
         "probed). auto: index where it can run, else probe.",
         default="auto",

@@ -119,7 +119,13 @@ def check_modes(cfg: KVTierConfig) -> None:
         )
 
 
-_NON_NEGATIVE = ("verify_tolerance", "verify_quarantine_s", "write_queue_wait_s", "consumer_wait_s")
+_NON_NEGATIVE = (
+    "verify_tolerance",
+    "verify_quarantine_s",
+    "write_queue_wait_s",
+    "consumer_wait_s",
+    "sync_load_mb",
+)
 
 
 def check_verify(cfg: KVTierConfig) -> None:

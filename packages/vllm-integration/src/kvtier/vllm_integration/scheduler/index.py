@@ -16,7 +16,10 @@ connector metadata (``build_connector_worker_meta`` -> ``update_connector_output
   the tiers still had, so the index stops promising the rest.
 
 The scheduler also counts the chunks it has just asked the workers to save, so a request that
-arrives while they are still being copied is probed (and the probe waits for the save).
+arrives while they are still being copied is probed (and the probe waits for the save). Such a
+chunk counts as being saved until every rank reports that step's saves copied
+(``RankReport.saves_copied``); only then is it in host memory for a load in the step that
+schedules its request (``where``, ``scheduler/sync_loads.py``).
 
 The index is a filter, not a promise: it only decides whether a request is worth a probe (an
 asynchronous lookup on the workers that also holds the chunks it finds). It may say "stored"
@@ -33,6 +36,9 @@ from collections.abc import Sequence
 from kvtier.core.keys import KeyFactory, Scope
 from kvtier.vllm_integration.messages import AliasHash, RankReport
 
+# Where a prompt's hit is (``PresenceIndex.where``).
+HOST, SAVING, OTHER = "host", "saving", "other"
+
 
 class _RankIndex:
     """One rank's chunk keys (digests), oldest first, at most ``capacity``; each marked True
@@ -44,6 +50,10 @@ class _RankIndex:
         self.capacity = max(1, report.capacity)
         self.lower_tier = report.lower_tier
         self.digests: OrderedDict[str, bool] = OrderedDict()
+        # Chunks a save was asked for and the step that asked, oldest first, until the rank
+        # reports that step's saves copied (``copied``).
+        self.saving: OrderedDict[str, int] = OrderedDict()
+        self.copied = -1
 
     def add(self, digests: Sequence[str], in_host: bool = True) -> None:
         for d in digests:
@@ -60,6 +70,17 @@ class _RankIndex:
                 self.digests.pop(d, None)
             elif d in self.digests:
                 self.digests[d] = False
+
+    def expect(self, digests: Sequence[str], step: int) -> None:
+        for d in digests:
+            self.saving[d] = step
+            self.saving.move_to_end(d)
+        self.add(digests)
+
+    def saves_copied(self, step: int) -> None:
+        self.copied = max(self.copied, step)
+        while self.saving and next(iter(self.saving.values())) <= self.copied:
+            self.saving.popitem(last=False)
 
     def tier(self, digest: str | None) -> str:
         """Where the index says the chunk is: host memory, the lower tier, or "" (unknown)."""
@@ -100,6 +121,7 @@ class PresenceIndex:
         rank.add(report.added[: report.listed], in_host=False)
         rank.add(report.added[report.listed :])
         rank.left_host(report.evicted, gone=report.host_only)
+        rank.saves_copied(report.saves_copied)
 
     def digest(self, rank: int, chunk_hash: bytes, scope: Scope) -> str | None:
         """``rank``'s key digest of a chunk (None before that rank reported)."""
@@ -132,12 +154,29 @@ class PresenceIndex:
                 return j
         return 0
 
-    def expect(self, hashes: Sequence[bytes], scope: Scope) -> None:
-        """Count chunks a save was just asked for on every rank (the workers report them once
-        committed; a request arriving meanwhile is probed, and the probe waits for the save)."""
+    def where(self, hashes: Sequence[bytes], scope: Scope) -> str:
+        """``HOST`` if every rank has each of ``hashes`` in host memory with no save of it in
+        flight, else ``SAVING`` if each is in host memory or being saved there, else ``OTHER``
+        (a lower tier, unknown, or not ready)."""
+        if not self.ready:
+            return OTHER
+        out = HOST
+        for r in self._ranks.values():
+            for h in hashes:
+                d = r.digest(h, scope)
+                if r.digests.get(d) is not True:
+                    return OTHER
+                if d in r.saving:
+                    out = SAVING
+        return out
+
+    def expect(self, hashes: Sequence[bytes], scope: Scope, step: int) -> None:
+        """Count chunks a save was just asked for on every rank, in scheduler step ``step``
+        (the workers report them once committed; a request arriving meanwhile is probed, and
+        the probe waits for the save)."""
         self.version += 1
         for rank in self._ranks.values():
-            rank.add([rank.digest(h, scope) for h in hashes])
+            rank.expect([rank.digest(h, scope) for h in hashes], step)
 
     def forget(self, rank: int, hashes: Sequence[bytes], scope: Scope) -> None:
         """A probe found these chunks missing on ``rank``: stop counting them."""

@@ -26,7 +26,7 @@ import numpy as np
 
 from kvtier.core.keys import KeyScope, prompt
 from kvtier.vllm_integration.messages import AliasHash
-from kvtier.vllm_integration.scheduler.index import PresenceIndex
+from kvtier.vllm_integration.scheduler.index import HOST, OTHER, PresenceIndex
 
 logger = logging.getLogger("kvtier")
 
@@ -95,6 +95,23 @@ class IndexedPrompt(prompt.PromptHashes):
         aliases = self.aliases(n)
         alias = index.longest(aliases, self.scope) if aliases else 0
         return tokens + max(run, alias) * self.block_size
+
+    def where(self, index: PresenceIndex, hit: int) -> str:
+        """Where every rank has the chunks of the first ``hit`` tokens (at most the indexed
+        hit): ``index.HOST``, ``index.SAVING`` or ``index.OTHER`` (``PresenceIndex.where``)."""
+        c, bs = self.chunk_size, self.block_size
+        n = min(hit // c, len(self.full))
+        chunks = index.where(self.full[:n], self.scope)
+        blocks = (hit - n * c) // bs
+        if chunks == OTHER or not blocks:
+            return chunks
+        tail = self.tail(n)
+        last = index.where(tail[:blocks], self.scope) if len(tail) >= blocks else OTHER
+        if last == OTHER:  # not a run of tail blocks: an alias into a stored chunk
+            aliases = self.aliases(n)
+            if len(aliases) >= blocks:
+                last = index.where(aliases[blocks - 1 : blocks], self.scope)
+        return last if last != HOST else chunks
 
     def indexed_sources(self, index: PresenceIndex, hit: int) -> list[list[Any]]:
         """``[[start, end, tier], ...]`` of the first ``hit`` tokens (at most the indexed hit),

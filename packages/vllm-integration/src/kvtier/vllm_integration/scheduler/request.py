@@ -8,7 +8,8 @@ what each asks of the policies.
    (``scheduler/verify.py``). The hit is the minimum over ranks, cut to whole blocks and at most
    ``n - 1`` tokens (the last prompt token is always recomputed).
 2. **Allocation** (``update_state_after_alloc``): a hit loads with the request's first step, or
-   on a worker thread while it waits in WAITING_FOR_REMOTE_KVS (``load_async``).
+   on a worker thread while it waits in WAITING_FOR_REMOTE_KVS (``load_async``; a short hit
+   already in host memory loads with the first step all the same: ``scheduler/sync_loads.py``).
 3. **Each scheduled step** (``build_connector_meta``): its load, a sampled request's check once
    vLLM computed the hit, the save of the chunks this step completes (``scheduler/save_plan.py``;
    a hybrid model's groups and states: ``scheduler/hybrid.py``), a producer's receipt after its
@@ -49,6 +50,7 @@ from kvtier.vllm_integration.scheduler.prompts import Sightings
 from kvtier.vllm_integration.scheduler.request_state import Hashing, Phase, TrackedRequest
 from kvtier.vllm_integration.scheduler.save_plan import SavePlanner
 from kvtier.vllm_integration.scheduler.steps import BlockUpdate
+from kvtier.vllm_integration.scheduler.sync_loads import SyncLoads
 from kvtier.vllm_integration.scheduler.verify import VerifySampling
 
 if TYPE_CHECKING:
@@ -67,6 +69,7 @@ class Policies:
     sightings: Sightings
     weights: WeightsGeneration
     frees: BlockFrees
+    sync: SyncLoads
     waits: ConsumerWait | None = None  # a consumer's
     receipts: Receipts | None = None  # a producer's
     lazy: LazyOffload | None = None  # offload: lazy
@@ -184,6 +187,11 @@ class RequestLifecycle:
             p.lookups.release(rid, held)  # look again: the producer's writes may land
             req.looking_up(None)
             return None, False
+        new = max(0, hit - computed)
+        load_async = self.config.loads_async and new > 0
+        sync = p.sync.decide(rid, req.hashes, probe, hit, new) if load_async else False
+        if sync is None:
+            return None, False  # its chunks' saves are still copying: asked again
         self.counts["lookups"] += 1
         hold_id = None if probe.indexed else probe.hold_id
         check = p.verify.sample(req, computed, hit, hold_id)
@@ -192,9 +200,10 @@ class RequestLifecycle:
             logs.verify_sampled(rid, computed, hit)
             return 0, False
         p.lookups.record(rid, hit, probe.sources)
-        new = max(0, hit - computed)
         self.counts["hit_tokens"] += new
-        load_async = self.config.loads_async and new > 0
+        if sync:
+            p.sync.take(new)
+            load_async = False  # in host memory: loaded before this step's forward pass
         req.answered(held, computed, load_async)
         logs.lookup(rid, n, computed, new, probe, load_async)
         return new, load_async
@@ -312,7 +321,7 @@ class RequestLifecycle:
         if spec is not None:
             req.save_sent(self.step)
             if expect and len(spec.tokens) <= len(req.prompt):
-                self.p.saves.expect(req, spec.skip, len(spec.tokens))
+                self.p.saves.expect(req, spec.skip, len(spec.tokens), self.step)
         return spec
 
     # 5. Finish.
@@ -338,6 +347,7 @@ class RequestLifecycle:
         rid = request.request_id
         req = self._reqs.pop(rid, None)
         p.lookups.forget(rid)
+        p.sync.forget(rid)
         self._preempted_early.discard(rid)
         if req is None:
             return False

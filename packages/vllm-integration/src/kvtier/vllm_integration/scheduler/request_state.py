@@ -274,14 +274,19 @@ class TrackedRequest:
     # What the workers report (vLLM's update_connector_output).
 
     def failed_load(self) -> None:
-        """A load of it failed: vLLM recomputes it; it is not offered a hit again."""
+        """A load of it failed: vLLM recomputes it, which is saved again (a save made with a
+        load before the forward pass was dropped by the workers); it is not offered a hit
+        again."""
         self.load_failed = True
+        self.saved_upto, self.prompt_saved = 0, False
 
     def short(self, found: int) -> None:
         """A load found only its first ``found`` tokens: vLLM recomputes the rest, which is
         saved again."""
         c = self.hashing.chunk_size
         self.saved_upto = min(self.saved_upto, found // c * c)
+        if found < len(self.prompt):
+            self.prompt_saved = False
 
     def finished(self) -> None:
         self._go(P.FINISHED)

@@ -87,12 +87,14 @@ class SavePlanner:
         spec = SaveSpec(req.rid, tokens, list(req.block_ids[:n_blocks]), skip, req.scope)
         return spec, progress
 
-    def expect(self, req: TrackedRequest, skip: int, end: int) -> None:
-        """Tell the index (and the KV event log) what a save just asked for will store: its
-        chunks and tail blocks, and the aliases of its full chunks (a prompt diverging inside
-        one of them hits its first blocks)."""
+    def expect(self, req: TrackedRequest, skip: int, end: int, step: int) -> None:
+        """Tell the index (and the KV event log) what a save asked for in scheduler step
+        ``step`` will store: its chunks and tail blocks, and the aliases of its full chunks (a
+        prompt diverging inside one of them hits its first blocks)."""
         assert self.index is not None and self.events is not None, "not bound to an index"
         hashes = req.hashes
         spans = hashes.saved_spans(skip, end)
-        self.index.expect([h for h, _, _ in spans] + hashes.saved_aliases(skip, end), req.scope)
+        self.index.expect(
+            [h for h, _, _ in spans] + hashes.saved_aliases(skip, end), req.scope, step
+        )
         self.events.expect(req.request, spans, req.scope)

@@ -39,6 +39,7 @@ from kvtier.vllm_integration.scheduler.prompts import Sightings
 from kvtier.vllm_integration.scheduler.request import Policies, RequestLifecycle
 from kvtier.vllm_integration.scheduler.save_plan import SavePlanner
 from kvtier.vllm_integration.scheduler.steps import block_updates
+from kvtier.vllm_integration.scheduler.sync_loads import SyncLoads
 from kvtier.vllm_integration.scheduler.verify import VerifySampling
 from kvtier.vllm_integration.stats import KVTierStats, StatsTracker, StepTimer
 
@@ -68,7 +69,11 @@ class SchedulerSide:
         verifiable: bool = True,
         groups: CacheGroups | None = None,
         engine_id: str = "",
+        token_bytes: int = 0,
+        async_scheduling: bool = False,
     ) -> None:
+        """``token_bytes``: the KV bytes of one token on one rank, every layer (0: unknown);
+        ``async_scheduling``: vLLM's (``scheduler/sync_loads.py``)."""
         self.config = config
         check_role(config, role)  # a producer saves and never loads, a consumer the reverse
         self.loads_enabled = role in ("kv_both", "kv_consumer")
@@ -107,6 +112,14 @@ class SchedulerSide:
             self.lazy = LazyOffload(block_size, target, num_workers)
         self.frees = BlockFrees(num_workers)
         self.weights = WeightsGeneration(num_workers)
+        one_group = not (self.hybrid.groups.hybrid or self.hybrid.groups.tracked)
+        self.sync_loads = SyncLoads(
+            config,
+            self.index,
+            token_bytes,
+            one_group=one_group,
+            async_scheduling=async_scheduling,
+        )
         policies = Policies(
             self.lookups,
             self.saves,
@@ -115,6 +128,7 @@ class SchedulerSide:
             self.sightings,
             self.weights,
             self.frees,
+            self.sync_loads,
             self.waits,
             self.receipts,
             self.lazy,
@@ -152,6 +166,8 @@ class SchedulerSide:
         out.update(
             probes=self.lookups.sent,
             indexed_hits=self.lookups.indexed,
+            sync_loads=self.sync_loads.taken,
+            sync_loads_deferred=self.sync_loads.deferred,
             lookup_failures=self.lookups.failures,
             window_drains=self.hybrid.drains,
         )
@@ -185,6 +201,7 @@ class SchedulerSide:
         """The step's metadata: probes and releases, then what each scheduled request sends
         (``RequestLifecycle.schedule``), lazy saves now due, and the hybrid fence."""
         releases, probes = self.lookups.take()
+        self.sync_loads.next_step()
         requests = self.requests
         requests.step += 1
         meta = KVTierMetadata(
@@ -203,7 +220,7 @@ class SchedulerSide:
         if self.lazy is not None:
             for spec, req in self.lazy.due():
                 if req.generation == self.generation:
-                    self.saves.expect(req, spec.skip, len(spec.tokens))
+                    self.saves.expect(req, spec.skip, len(spec.tokens), requests.step)
                 meta.lazy_saves.append(spec)
         self.hybrid.fence(meta, scheduler_output, self.frees.copied_through)
         return meta

@@ -8,9 +8,11 @@ unfilled (``take_failed``, vLLM's ``get_block_ids_with_load_errors``): with
 ``kv_load_failure_policy="recompute"`` vLLM recomputes them, with "fail" the request fails.
 
 A load the scheduler answered from its index (``lookup: index``: no hold, ``hold_id`` None)
-first lets in-flight saves of the same prefix land (``before_indexed``), then looks the prompt up
-and holds it as a probe would (counted the same way), and loads from that; if it comes up
-short, how much it found goes back to the scheduler's index (``shortfall``).
+looks the prompt up and holds it as a probe would (counted the same way), and loads from that;
+on the loader thread it first lets in-flight saves of the same prefix land (``before_indexed``;
+a synchronous one was answered only for chunks whose saves were copied:
+``scheduler/sync_loads.py``). If it comes up short, how much it found goes back to the
+scheduler's index (``shortfall``).
 """
 
 from __future__ import annotations
@@ -78,6 +80,9 @@ class WorkerLoads:
         # cannot map block ids back to requests when there are several KV cache groups.
         self._by_request = bool(engine.layout.groups or engine.layout.states)
         self._async: dict[str, LoadSpec] = {}  # submitted asynchronous loads, by request
+        self._unfilled: set[str] = (
+            set()
+        )  # requests whose load before this step's forward fell short
         self._failed_requests: set[str] = set()
         self._loader = Loader(self._load, self._spec_blocks)
 
@@ -138,10 +143,13 @@ class WorkerLoads:
         )
 
     def _load(self, spec: LoadSpec, hold: Hold | None, ready: Marker) -> set[int]:
-        """One whole load on the loader thread (the caller releases the hold)."""
+        """One whole load, on the loader thread or before the forward pass (the caller releases
+        the hold); returns the blocks it left unfilled."""
         own = None
         if spec.hold_id is None:  # answered by the index: look up (and count) here
-            self._reports.before_indexed_load(spec)
+            if spec.load_async:
+                # A synchronous one was answered only for chunks whose saves were copied.
+                self._reports.before_indexed_load(spec)
             hold = own = self.engine.hold(spec.tokens, spec.scope)
         slots = self._slots(spec)
         try:
@@ -164,7 +172,6 @@ class WorkerLoads:
         """This step's loads (``start_load_kv``), each from its probe's hold."""
         marker = self.engine.platform.record_marker() if loads else None
         for spec in loads:
-            slots = self._slots(spec)
             hold = self.holds.take(spec.req_id, spec.hold_id)
             if spec.hold_id is None:
                 self._reports.count(indexed_loads=1)  # answered by the scheduler's index: no hold
@@ -179,21 +186,31 @@ class WorkerLoads:
                 # The retrieval takes its own references to the held objects: the hold can go
                 # as soon as it is planned, also for a layer-wise load still to run.
                 if self.config.use_layerwise:
+                    slots = self._slots(spec)
                     job = self.engine.retrieve_layerwise(
                         spec.tokens, slots, scope=spec.scope, hold=hold
                     )
-                    self._failed |= self._check_loaded(spec, job.mask, slots)
+                    failed = self._check_loaded(spec, job.mask, slots)
                     self._jobs.append(job)
                 else:
-                    t0 = time.perf_counter()
-                    mask = self.engine.retrieve(
-                        spec.tokens, slots, scope=spec.scope, hold=hold, state_blocks=spec.states
-                    )
-                    self._metrics.observe("load_seconds", time.perf_counter() - t0)
-                    self._failed |= self._check_loaded(spec, mask, slots)
+                    try:
+                        failed = self._load(spec, hold, None)
+                    except Exception:  # recomputed by vLLM (or failed, by its policy)
+                        logger.exception("kvtier: loading request %s failed", spec.req_id)
+                        failed = self._spec_blocks(spec)
+                self._failed |= failed
+                if failed:
+                    self._unfilled.add(spec.req_id)
             finally:
                 if hold is not None:
                     hold.release()
+
+    def take_unfilled(self) -> set[str]:
+        """Requests whose load before this step's forward pass left blocks unfilled (vLLM
+        discards the step's output of them and recomputes): their saves of this step would
+        store those blocks, so they are not made (``WorkerSide.wait_for_save``)."""
+        out, self._unfilled = self._unfilled, set()
+        return out
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Layer-wise loads: this layer's KV is in place (all of it after the last layer)."""

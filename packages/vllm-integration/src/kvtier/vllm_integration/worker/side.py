@@ -30,6 +30,7 @@ first drops the host-memory tier: its chunks were computed with the old weights
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -88,6 +89,7 @@ WORKER_COUNTERS = (
     "saved_tokens",
     "save_errors",
     "saves_abandoned",
+    "saves_dropped",  # a save in the step of a load that fell short: made after the recompute
     "generation_resets",
     "receipts_written",  # a producer's hand-over receipts (kvtier.core.keys.receipts)
     "receipts_unwritten",  # no host memory even for the receipt: its consumer waits it out
@@ -343,7 +345,14 @@ class WorkerSide:
         if rt is None:
             return
         rt.loads.finish()
+        unfilled = rt.loads.take_unfilled()
         if meta is not None:
+            if unfilled and any(spec.req_id in unfilled for spec in meta.saves):
+                # Their blocks were not all loaded: the scheduler saves them after vLLM's
+                # recompute (RequestLifecycle.load_failures).
+                saves = [spec for spec in meta.saves if spec.req_id not in unfilled]
+                self._count(saves_dropped=len(meta.saves) - len(saves))
+                meta = dataclasses.replace(meta, saves=saves)
             rt.saves.submit(meta)
 
     def handle_preemptions(self, meta: KVTierMetadata) -> None:
