@@ -85,3 +85,25 @@ def test_an_older_slow_load_is_not_waited_for_and_still_reported_once() -> None:
     finally:
         go.set()
         loader.close(10)
+
+
+def test_wait_idle_waits_for_every_load_in_flight_and_no_longer_than_asked() -> None:
+    """An engine step with nothing scheduled waits for kvtier's loads (``WorkerSide``): the
+    wait ends when the last one does, or at its bound while one is still running."""
+    go = threading.Event()
+
+    def load(s, hold, marker) -> set[int]:
+        go.wait(10)
+        return set()
+
+    loader = Loader(load, lambda s: set(s.block_ids))
+    try:
+        assert loader.wait_idle(0.0)  # nothing in flight
+        loader.submit(spec("a"), None, None)
+        assert not loader.wait_idle(0.05)  # still running: the bound ends the wait
+        threading.Timer(0.05, go.set).start()
+        assert loader.wait_idle(10)
+        assert loader.take_finished() == ({"a"}, set())  # reported once, by the next call
+    finally:
+        go.set()
+        loader.close(10)

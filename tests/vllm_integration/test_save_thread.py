@@ -114,6 +114,23 @@ def test_a_drain_that_times_out_abandons_the_save_in_flight(engine) -> None:
     saver.close(5)
 
 
+def test_wait_idle_waits_for_the_saves_and_abandons_nothing(engine) -> None:
+    """An engine step with nothing scheduled waits for kvtier's saves (``WorkerSide``), never
+    longer than asked, and unlike ``drain`` a save still running at the bound lands."""
+    copied, go = threading.Event(), threading.Event()
+    done = Recorder()
+    saver = Saver(store_with(engine, copied, go), done)
+    assert saver.wait_idle(0.0)  # nothing queued
+    saver.submit([spec()], None)
+    assert copied.wait(10)
+    assert saver.wait_idle(0.05) is False
+    threading.Timer(0.05, go.set).start()
+    assert saver.wait_idle(10) is True
+    assert done.wait(1) == [(len(PROMPT), False)]
+    assert engine.lookup(PROMPT) == len(PROMPT)
+    saver.close(5)
+
+
 def test_a_failed_save_is_counted_not_raised(engine) -> None:
     def broken(s, ready, keep) -> int:
         raise RuntimeError("disk on fire")

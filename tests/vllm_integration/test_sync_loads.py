@@ -191,3 +191,9 @@ def test_a_chunk_is_in_host_memory_only_once_its_save_is_reported_copied(events)
             assert where == HOST
         else:
             assert where in (HOST, OTHER)
+
+
+def test_a_step_with_nothing_scheduled_is_marked_idle(h) -> None:
+    """The workers wait for kvtier's threads in such a step (``WorkerSide._yield_idle``)."""
+    assert h.step().idle
+    assert not h.prefill(request(DOC)).idle

@@ -132,6 +132,9 @@ class KVTierMetadata(KVConnectorMetadata):
     weights_epoch: int = 0
     # This step's serial number: workers report the last step whose saves they have copied.
     step: int = 0
+    # vLLM scheduled no tokens this step (its requests wait, some on kvtier): the workers give
+    # their threads the interpreter for a moment instead of returning to a spinning engine loop.
+    idle: bool = False
     # Finished requests whose blocks vLLM freed at once, their saves copied already
     # (``scheduler/frees.py``): the workers do not report them in ``finished_sending``.
     unheld: list[str] = field(default_factory=list)

@@ -212,6 +212,7 @@ class SchedulerSide:
             loads=requests.take_loads(),
             probes=probes,
             step=requests.step,
+            idle=not scheduler_output.total_num_scheduled_tokens,
             unheld=self.frees.take_unheld(),
         )
         self.hybrid.take_offers(scheduler_output)

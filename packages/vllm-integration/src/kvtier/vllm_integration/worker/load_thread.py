@@ -98,6 +98,12 @@ class Loader:
             failed, self._failed_blocks = self._failed_blocks, set()
         return done, failed
 
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every submitted load to finish; whether none is left
+        (they are reported by the next ``take_finished``)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._running, timeout=timeout_s)
+
     @property
     def in_flight(self) -> int:
         with self._cv:

@@ -205,6 +205,10 @@ class WorkerLoads:
                 if hold is not None:
                     hold.release()
 
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the asynchronous loads in flight (``Loader.wait_idle``)."""
+        return self._loader.wait_idle(timeout_s)
+
     def take_unfilled(self) -> set[str]:
         """Requests whose load before this step's forward pass left blocks unfilled (vLLM
         discards the step's output of them and recomputes): their saves of this step would

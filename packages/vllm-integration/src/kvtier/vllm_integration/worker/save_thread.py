@@ -116,6 +116,12 @@ class Saver:
         with self._cv:
             return not job.abandoned
 
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every queued save to finish (nothing is abandoned);
+        whether none is left."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._pending, timeout=timeout_s)
+
     def drain(self, timeout_s: float) -> bool:
         """Wait for every save; on timeout abandon those still in flight and return False."""
         with self._cv:

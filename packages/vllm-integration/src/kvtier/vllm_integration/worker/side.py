@@ -78,6 +78,9 @@ logger = logging.getLogger("kvtier")
 # How long get_finished waits for this step's asynchronous loads (``worker/load_thread.py``): a
 # host-memory load is done within it and its request is scheduled a step sooner.
 LOAD_REPORT_WAIT_S = 0.005
+# How long a step in which vLLM scheduled nothing waits for kvtier's saves and loads in flight
+# (``WorkerSide._yield_idle``): the most a request arriving meanwhile waits for its first step.
+IDLE_WAIT_S = 0.01
 WORKER_COUNTERS = (
     "load_requests",
     "load_tokens_requested",
@@ -354,6 +357,18 @@ class WorkerSide:
                 self._count(saves_dropped=len(meta.saves) - len(saves))
                 meta = dataclasses.replace(meta, saves=saves)
             rt.saves.submit(meta)
+            if meta.idle:
+                self._yield_idle(rt)
+
+    def _yield_idle(self, rt: Runtime) -> None:
+        """A step with nothing scheduled: while its requests wait (some on kvtier's saves or
+        loads), vLLM's engine loop would spin through empty steps holding the interpreter, and
+        kvtier's saver and loader threads would get it only between them (once per switch
+        interval). Block here for a moment instead, until they are done or ``IDLE_WAIT_S``."""
+        deadline = time.monotonic() + IDLE_WAIT_S
+        rt.saves.saver.wait_idle(IDLE_WAIT_S)  # returns at once with no save queued
+        if rt.loads.in_flight:
+            rt.loads.wait_idle(max(0.0, deadline - time.monotonic()))
 
     def handle_preemptions(self, meta: KVTierMetadata) -> None:
         """Before the step writes anything: blocks a save may still read are reused (a
