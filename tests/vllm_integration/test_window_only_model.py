@@ -62,6 +62,7 @@ def test_a_window_only_model_never_saves_the_null_block() -> None:
             req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
         ),
         num_scheduled_tokens={req.request_id: 33},
+        total_num_scheduled_tokens=33,
     )
     meta = side.build_connector_meta(output)  # type: ignore[arg-type]
     (save,) = meta.saves
