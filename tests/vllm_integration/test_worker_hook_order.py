@@ -101,3 +101,29 @@ def test_a_short_load_is_reported_in_its_own_step_in_either_order(
         assert rt.engine.lookup(PROMPT) == 3 * CHUNK
     finally:
         side.shutdown()
+
+
+def test_a_save_in_the_step_of_a_short_load_is_not_made_and_its_request_still_finishes(
+    tmp_path, monkeypatch
+) -> None:
+    """An index answer loaded before the forward pass finds its second chunk gone; the same
+    step's save of that request would store the blocks the load did not fill. It is not made
+    (the scheduler saves the prompt after vLLM's recompute), and the request is still reported
+    done when it finishes, so vLLM gets its blocks back."""
+    monkeypatch.setenv("KVTIER_RUNTIME_DIR", str(tmp_path))  # the worker's control socket
+    side = worker(False)
+    try:
+        scope = KeyScope()
+        blocks = list(range(10, 16))
+        load = LoadSpec("r", PROMPT, blocks[:4], 0, 2 * CHUNK, scope)
+        save = SaveSpec("r", PROMPT[: 3 * CHUNK], blocks, CHUNK, scope)
+        failed, _ = step(side, KVTierMetadata(loads=[load], saves=[save], step=1), "v1")
+        assert failed == {12, 13}
+        assert side.counters.snapshot()["saves_dropped"] == 1
+        rt = side._rt
+        assert rt is not None and rt.saves.saver.drain(30)
+        assert rt.engine.lookup(PROMPT) == CHUNK  # nothing stored from the unfilled blocks
+        sending, _ = side.get_finished({"r"})
+        assert sending == {"r"}
+    finally:
+        side.shutdown()

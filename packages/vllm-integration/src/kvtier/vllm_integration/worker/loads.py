@@ -80,9 +80,8 @@ class WorkerLoads:
         # cannot map block ids back to requests when there are several KV cache groups.
         self._by_request = bool(engine.layout.groups or engine.layout.states)
         self._async: dict[str, LoadSpec] = {}  # submitted asynchronous loads, by request
-        self._unfilled: set[str] = (
-            set()
-        )  # requests whose load before this step's forward fell short
+        # Requests whose load before this step's forward pass fell short (``take_unfilled``).
+        self._unfilled: set[str] = set()
         self._failed_requests: set[str] = set()
         self._loader = Loader(self._load, self._spec_blocks)
 
@@ -212,7 +211,7 @@ class WorkerLoads:
     def take_unfilled(self) -> set[str]:
         """Requests whose load before this step's forward pass left blocks unfilled (vLLM
         discards the step's output of them and recomputes): their saves of this step would
-        store those blocks, so they are not made (``WorkerSide.wait_for_save``)."""
+        store those blocks, so they are not made (``WorkerSaves.submit``)."""
         out, self._unfilled = self._unfilled, set()
         return out
 

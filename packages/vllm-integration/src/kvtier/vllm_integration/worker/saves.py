@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Set
 from typing import Any
 
 import torch
@@ -109,8 +109,12 @@ class WorkerSaves:
         for gen in self._store_gens:
             next(gen, None)
 
-    def submit(self, meta: KVTierMetadata) -> None:
-        """``wait_for_save``: hand the step's lazy saves, checks and saves to the saver."""
+    def submit(self, meta: KVTierMetadata, unfilled: Set[str] = frozenset()) -> None:
+        """``wait_for_save``: hand the step's lazy saves, checks and saves to the saver.
+        ``unfilled``: requests whose load before this step's forward pass left blocks unfilled
+        (vLLM recomputes them): their saves of this step would store those blocks, so they are
+        not made (the scheduler saves them after the recompute); the requests still finish as
+        if they were (``finished``)."""
         platform = self.engine.platform
         # Freed by vLLM already (their saves were copied): never reported in finished_sending.
         self._saving.difference_update(meta.unheld)
@@ -134,8 +138,11 @@ class WorkerSaves:
                     pass
             self._count(saved_tokens=self.engine.stats.stored_tokens - before)
         elif meta.saves:
+            saves = [spec for spec in meta.saves if spec.req_id not in unfilled]
+            if len(saves) < len(meta.saves):
+                self._count(saves_dropped=len(meta.saves) - len(saves))
             # On the thread and stream of vLLM's forward pass: the saver's copies wait for it.
-            self.saver.submit(meta.saves, platform.record_marker(), meta.step)
+            self.saver.submit(saves, platform.record_marker(), meta.step)
         if meta.receipts:  # after the saves, on the same thread
             self.saver.submit(meta.receipts, platform.record_marker(), meta.step)
         self.saver.mark(meta.step)  # layer-wise saves are copied already

@@ -30,7 +30,6 @@ first drops the host-memory tier: its chunks were computed with the old weights
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -350,13 +349,7 @@ class WorkerSide:
         rt.loads.finish()
         unfilled = rt.loads.take_unfilled()
         if meta is not None:
-            if unfilled and any(spec.req_id in unfilled for spec in meta.saves):
-                # Their blocks were not all loaded: the scheduler saves them after vLLM's
-                # recompute (RequestLifecycle.load_failures).
-                saves = [spec for spec in meta.saves if spec.req_id not in unfilled]
-                self._count(saves_dropped=len(meta.saves) - len(saves))
-                meta = dataclasses.replace(meta, saves=saves)
-            rt.saves.submit(meta)
+            rt.saves.submit(meta, unfilled)
             if meta.idle:
                 self._yield_idle(rt)
 
