@@ -23,6 +23,7 @@ import torch
 from vllm import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
@@ -310,6 +311,12 @@ class Harness:
         for rank in self.ranks:
             rank.holds.close()
             rank.engine.close()
+
+
+def blocks(n_tokens: int) -> KVCacheBlocks:
+    """Blocks 0, 1, ... for ``n_tokens`` tokens, as vLLM's cache manager hands them to
+    ``update_state_after_alloc``."""
+    return KVCacheBlocks(([KVCacheBlock(i) for i in range(-(-n_tokens // BLOCK))],))
 
 
 def empty_output() -> SchedulerOutput:

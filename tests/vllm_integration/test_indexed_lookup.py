@@ -8,9 +8,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (install kvtier[vllm])")
 
-from sched_harness import BLOCK, CHUNK, Harness, request
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from sched_harness import BLOCK, CHUNK, Harness, blocks, request
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier.core import load_config
@@ -27,10 +25,6 @@ def h():
     harness = Harness.create(save_unfull_chunk=True, lookup="index")
     yield harness
     harness.close()
-
-
-def blocks(n_tokens: int) -> KVCacheBlocks:
-    return KVCacheBlocks(([KVCacheBlock(i) for i in range(-(-n_tokens // BLOCK))],))
 
 
 def test_a_stored_prompt_is_answered_at_once_and_loaded_without_a_hold(h) -> None:

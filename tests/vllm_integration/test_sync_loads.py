@@ -13,9 +13,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm", reason="vLLM is not installed (install kvtier[vllm])")
 
-from sched_harness import BLOCK, CHUNK, Harness, request
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from sched_harness import BLOCK, CHUNK, Harness, blocks, request
 
 from kvtier.core.keys import KeyFactory
 from kvtier.vllm_integration.messages import RankReport
@@ -38,10 +36,6 @@ def h():
     harness_ = harness()
     yield harness_
     harness_.close()
-
-
-def blocks(n_tokens: int) -> KVCacheBlocks:
-    return KVCacheBlocks(([KVCacheBlock(i) for i in range(-(-n_tokens // BLOCK))],))
 
 
 def test_a_hit_in_host_memory_loads_with_the_step_that_schedules_it(h) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 
 from kvtier.core.keys import KeyScope, prompt
 from kvtier.vllm_integration.messages import AliasHash
-from kvtier.vllm_integration.scheduler.index import HOST, OTHER, PresenceIndex
+from kvtier.vllm_integration.scheduler.index import OTHER, PresenceIndex
 
 logger = logging.getLogger("kvtier")
 
@@ -96,22 +96,26 @@ class IndexedPrompt(prompt.PromptHashes):
         alias = index.longest(aliases, self.scope) if aliases else 0
         return tokens + max(run, alias) * self.block_size
 
+    def _hit_tail(self, index: PresenceIndex, n: int, blocks: int) -> list[bytes]:
+        """The hashes of a hit's first ``blocks`` blocks after full chunk ``n - 1``: the run of
+        stored tail blocks when the index knows the last of them on rank 0, else the alias into
+        a stored chunk that covers them ([] if there is neither)."""
+        tail = self.tail(n)
+        if len(tail) >= blocks and index.tier(tail[blocks - 1], self.scope):
+            return tail[:blocks]
+        aliases = self.aliases(n)
+        return aliases[blocks - 1 : blocks] if len(aliases) >= blocks else []
+
     def where(self, index: PresenceIndex, hit: int) -> str:
         """Where every rank has the chunks of the first ``hit`` tokens (at most the indexed
         hit): ``index.HOST``, ``index.SAVING`` or ``index.OTHER`` (``PresenceIndex.where``)."""
         c, bs = self.chunk_size, self.block_size
         n = min(hit // c, len(self.full))
-        chunks = index.where(self.full[:n], self.scope)
         blocks = (hit - n * c) // bs
-        if chunks == OTHER or not blocks:
-            return chunks
-        tail = self.tail(n)
-        last = index.where(tail[:blocks], self.scope) if len(tail) >= blocks else OTHER
-        if last == OTHER:  # not a run of tail blocks: an alias into a stored chunk
-            aliases = self.aliases(n)
-            if len(aliases) >= blocks:
-                last = index.where(aliases[blocks - 1 : blocks], self.scope)
-        return last if last != HOST else chunks
+        last = self._hit_tail(index, n, blocks) if blocks else []
+        if blocks and not last:
+            return OTHER
+        return index.where(list(self.full[:n]) + last, self.scope)
 
     def indexed_sources(self, index: PresenceIndex, hit: int) -> list[list[Any]]:
         """``[[start, end, tier], ...]`` of the first ``hit`` tokens (at most the indexed hit),
@@ -123,11 +127,8 @@ class IndexedPrompt(prompt.PromptHashes):
         ]
         blocks = (hit - n * c) // bs
         if blocks:
-            tail = self.tail(n)
-            tier = index.tier(tail[blocks - 1], self.scope) if len(tail) >= blocks else ""
-            if not tier:  # not a run of tail blocks: an alias into a stored chunk
-                aliases = self.aliases(n)
-                tier = index.tier(aliases[blocks - 1], self.scope) if len(aliases) >= blocks else ""
+            last = self._hit_tail(index, n, blocks)
+            tier = index.tier(last[-1], self.scope) if last else ""
             out.append([n * c, n * c + blocks * bs, tier])
         return out
 
