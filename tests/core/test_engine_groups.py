@@ -149,3 +149,94 @@ def test_one_group_layouts_keep_their_chunks_and_keys() -> None:
     single = dataclasses.replace(hybrid, groups=())
     assert hybrid.fingerprint() != single.fingerprint()
     assert hybrid.chunk_shape(CHUNK)[0] == 2 * single.chunk_shape(CHUNK)[0]
+
+
+# Gemma 4's geometry: window groups whose blocks are 4x the full-attention group's (vLLM evened
+# their pages out); kvtier's block is the window block, holding a section per group.
+G4_GROUPS = ("SlidingWindowSpec/32", "SlidingWindowSpec/32", "FullAttentionSpec")
+G4_SIZES = (4 * BLOCK, 4 * BLOCK, BLOCK)
+G4_UNIT = 4 * BLOCK
+
+
+def g4_layout(paged: PagedLayout) -> KVLayout:
+    return dataclasses.replace(layout(paged), groups=G4_GROUPS, group_block_sizes=G4_SIZES)
+
+
+def g4_tables(n_tokens: int, seed: int) -> list[list[int]]:
+    """One block table per group, each of its own block size, disjoint, never block 0."""
+    ids = torch.randperm(NUM_BLOCKS - 1, generator=torch.Generator().manual_seed(seed)) + 1
+    out, at = [], 0
+    for size in G4_SIZES:
+        n = -(-n_tokens // size)
+        out.append(ids[at : at + n].tolist())
+        at += n
+    return out
+
+
+def g4_slots(table: list[list[int]], n: int, nulls: int = 0) -> torch.Tensor:
+    """``[groups, n]`` slots, each group's of its own block size; the window groups' first
+    ``nulls`` blocks have none."""
+    pos = torch.arange(n)
+    rows = []
+    for ids, size, kind in zip(table, G4_SIZES, G4_GROUPS, strict=True):
+        row = torch.tensor(ids)[pos // size] * size + pos % size
+        if kind.startswith("Sliding"):
+            row[: nulls * size] = -1
+        rows.append(row)
+    return torch.stack(rows)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    blocks=st.integers(1, 5),
+    nulls=st.integers(0, 5),
+    seed=st.integers(0, 1000),
+    paged=st.sampled_from([PagedLayout.LBHNC, PagedLayout.BLNHC]),
+)
+def test_groups_of_several_block_sizes_come_back_into_their_own_blocks(
+    blocks: int, nulls: int, seed: int, paged: PagedLayout
+) -> None:
+    """Gemma 4's sections: each group's blocks, of its own size, are stored with the kvtier
+    block that covers them and come back into that group's blocks of another table (the window
+    groups lacking their first ``nulls`` blocks, as vLLM allocates for a hit); the skipped ones
+    and every other block stay as they were."""
+    lay = g4_layout(paged)
+    n = blocks * G4_UNIT + 1
+    tokens = list(range(7, 7 + n))
+    src = filled(lay, seed)
+    eng = engine(lay, src)
+    before = g4_tables(n, seed)
+    assert eng.store(tokens, g4_slots(before, n)) == blocks * G4_UNIT
+    original = [v.clone() for v in src]
+    after = g4_tables(n, seed + 1)
+    for v in src:  # another request's KV everywhere
+        v.copy_(torch.randn(v.shape).to(lay.torch_dtype))
+    untouched = [v.clone() for v in src]
+    nulls = min(nulls, blocks)
+    mask = eng.retrieve(tokens, g4_slots(after, n, nulls))
+    assert int(mask.sum()) == blocks * G4_UNIT
+    written = set()
+    for g, (size, kind) in enumerate(zip(G4_SIZES, G4_GROUPS, strict=True)):
+        skipped = nulls * G4_UNIT // size if kind.startswith("Sliding") else 0
+        for i in range(blocks * G4_UNIT // size):
+            if i < skipped:
+                continue
+            b, a = before[g][i], after[g][i]
+            written.add(a)
+            for layer in range(lay.num_layers):
+                assert torch.equal(src[layer][a], original[layer][b]), (g, i, layer)
+    for b in set(range(NUM_BLOCKS)) - written:
+        for layer in range(lay.num_layers):
+            assert torch.equal(src[layer][b], untouched[layer][b]), (b, layer)
+
+
+def test_a_slot_past_its_groups_blocks_is_refused() -> None:
+    """Each group's slots are checked against its own block size: a full-attention slot past
+    the cache's blocks of 16 tokens is an error even though a window group's slots go higher."""
+    lay = g4_layout(PagedLayout.LBHNC)
+    eng = engine(lay, filled(lay, 0))
+    n = G4_UNIT + 1
+    bad = g4_slots(g4_tables(n, 0), n)
+    bad[2, 0] = NUM_BLOCKS * BLOCK  # one past the full group's last slot
+    with pytest.raises(ValueError, match="out of range"):
+        eng.store(list(range(n)), bad)

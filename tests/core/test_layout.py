@@ -45,11 +45,16 @@ def test_fingerprint_covers_every_field() -> None:
         "content_bytes": 64,
         "groups": ("SlidingWindowSpec/128", "FullAttentionSpec"),
         "states": ("MambaSpec/gated_delta_net/3x1024:bfloat16,4x128x128:float32",),
+        "group_block_sizes": (128, 16),
     }
     assert set(changes) == {f.name for f in dataclasses.fields(KVLayout)}
+    two = ("SlidingWindowSpec/64", "FullAttentionSpec")
     for name, value in changes.items():
-        extra = {"num_kv_heads": 1} if name == "use_mla" else {}
-        assert layout(**{name: value, **extra}).fingerprint() != ref, name
+        extra: dict[str, object] = {"num_kv_heads": 1} if name == "use_mla" else {}
+        base = ref
+        if name == "group_block_sizes":  # only with groups: against the same groups without
+            extra, base = {"groups": two}, layout(groups=two).fingerprint()
+        assert layout(**{name: value, **extra}).fingerprint() != base, name
     amx, vec = layout(interior="CPU_ATTN/amx"), layout(interior="CPU_ATTN/vec")
     assert amx.page_bytes == vec.page_bytes and amx.fingerprint() != vec.fingerprint()
 
@@ -72,6 +77,32 @@ def test_hybrid_chunk_holds_every_groups_pages() -> None:
     assert two.chunk_shape(32) == (4, 2, one.page_bytes)
     assert two.bytes_per_token() == 2 * one.bytes_per_token()
     assert two.chunk_nbytes(32) == 2 * one.chunk_nbytes(32)
+
+
+def test_groups_of_several_block_sizes_hold_a_section_each() -> None:
+    """Gemma 4: window groups of 128-token blocks beside a full-attention group of 16-token
+    blocks (pages of one size). kvtier's block is 128 tokens and holds one window block and 8
+    full blocks; a chunk stays whole kvtier blocks, block-major."""
+    one = layout()
+    g4 = layout(
+        groups=("SlidingWindowSpec/64", "SlidingWindowSpec/64", "FullAttentionSpec"),
+        group_block_sizes=(128, 128, 16),
+    )
+    assert g4.block_tokens == 128 and g4.group_rows == (1, 1, 8) and g4.rows_per_block == 10
+    assert g4.slot_block_sizes == (128, 128, 16)
+    assert g4.chunk_shape(256) == (20, 2, one.page_bytes)
+    assert g4.chunk_nbytes(256) == 20 * 2 * one.page_bytes
+    assert "(blocks 128/128/16)" in g4.describe()
+    with pytest.raises(LayoutError, match="whole blocks of 128"):
+        g4.chunk_shape(64)
+    same = layout(groups=("SlidingWindowSpec/64", "FullAttentionSpec"))
+    assert same.block_tokens == 16 and same.group_rows == (1, 1)
+
+
+@pytest.mark.parametrize("sizes", [(128,), (128, 0), (128, True), [128, 16]])
+def test_bad_group_block_sizes_are_named(sizes: object) -> None:
+    with pytest.raises(LayoutError, match=r"KVLayout\.group_block_sizes"):
+        layout(groups=("SlidingWindowSpec/64", "FullAttentionSpec"), group_block_sizes=sizes)
 
 
 @pytest.mark.parametrize("groups", [("FullAttentionSpec",), ["a", "b"], ("a", ""), ("a", 3)])

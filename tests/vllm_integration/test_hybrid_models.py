@@ -3,8 +3,8 @@ a model with a recurrent state and no attention (pure Mamba) configured with kvt
 vLLM builds its config, naming the model and why (docs/hybrid.md); an attention + Mamba hybrid
 starts (test_e2e_mamba.py) unless vLLM keeps no state it can take a hit into (prefix caching
 off). Plain attention models and sliding-window hybrids (served with vLLM's hybrid memory
-allocator on: test_e2e_hybrid.py) start; a hybrid whose groups differ in page geometry (Gemma 4:
-head 512 in full layers, 64 in window layers) stops at start with kvtier's named error."""
+allocator on: test_e2e_hybrid.py, and Gemma 4's groups of several block sizes:
+test_e2e_gemma4.py) start."""
 
 from __future__ import annotations
 
@@ -125,40 +125,3 @@ def test_the_check_reads_vllms_model_flags() -> None:
     assert recurrent_state_conflict(ktc, hybrid) is None  # attention + Mamba: stored
     other = SimpleNamespace(**{**vars(ktc), "kv_connector": "ExampleConnector"})
     assert recurrent_state_conflict(other, mamba) is None
-
-
-def test_groups_of_different_page_geometry_are_a_named_startup_error(
-    tmp_path, vllm_model_dir, run_engine
-) -> None:
-    """Gemma 4's full layers have head 512 and its window layers head 64: vLLM evens their pages
-    out with different block sizes (32 and 256), which kvtier cannot store; the engine stops at
-    start with an error naming both groups' pages and what to do instead."""
-    import torch
-
-    pytest.importorskip("transformers.models.gemma4", reason="transformers without Gemma 4")
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
-
-    config = Gemma4TextConfig(
-        vocab_size=3300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, global_head_dim=512,
-        sliding_window=64, layer_types=["sliding_attention", "full_attention"],
-        hidden_size_per_layer_input=0, vocab_size_per_layer_input=3300,
-        num_kv_shared_layers=0, max_position_embeddings=4096, tie_word_embeddings=False,
-        bos_token_id=0, eos_token_id=1, pad_token_id=2,
-    )  # fmt: skip
-    config.dtype = "bfloat16"
-    model_dir = tmp_path / "gemma4"
-    torch.manual_seed(0)
-    Gemma4ForCausalLM(config).bfloat16().save_pretrained(str(model_dir))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (vllm_model_dir / name).exists():
-            shutil.copy(vllm_model_dir / name, model_dir / name)
-    kvtier = {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.25}
-    with pytest.raises(AssertionError) as exc:
-        run_engine({"model": str(model_dir), "prefix_caching": False, "kvtier": kvtier,
-                    "steps": [{"op": "generate", "prompt": list(range(10, 80))}]})  # fmt: skip
-    text = str(exc.value)
-    assert "LayoutError" in text and "share one page geometry" in text
-    assert "SlidingWindowSpec" in text and "FullAttentionSpec" in text
-    assert "in block_size, head_size, content_bytes;" in text
-    assert "without kvtier" in text

@@ -19,7 +19,7 @@ HIT = 3 * CHUNK  # whole chunks, the last prompt token recomputed
 
 def verifier(h: Harness, rank: int = 0) -> WorkerVerify:
     r = h.ranks[rank]
-    return WorkerVerify(r.engine, r.holds, block_size=BLOCK, quarantined=r.feed.quarantined)
+    return WorkerVerify(r.engine, r.holds, quarantined=r.feed.quarantined)
 
 
 @pytest.fixture

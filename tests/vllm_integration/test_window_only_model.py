@@ -67,7 +67,7 @@ def test_a_window_only_model_never_saves_the_null_block() -> None:
     meta = side.build_connector_meta(output)  # type: ignore[arg-type]
     (save,) = meta.saves
     n = len(save.tokens)
-    slots = spec_slots(save.block_ids, save.groups, BLOCK, n, save.skip, n)
+    slots = spec_slots(save.block_ids, save.groups, [BLOCK], n, save.skip, n)
     stored = slots[slots >= 0]
     assert not (stored // BLOCK == NULL_BLOCK).any(), "tokens mapped into vLLM's null block"
     assert save.skip == CHUNK  # chunk [0, 64) lost its window blocks: not asked for

@@ -20,6 +20,8 @@ with the KV bytes kvtier stores per prompt token next to those of the Llama mode
 size. ``--model qwen3-next``: the same size, layers alternating Gated DeltaNet (a recurrent
 state) and full attention, served by vLLM in its Mamba "align" mode, which needs prefix
 caching: kvtier's warm request then follows a ``reset_prefix_cache`` so kvtier serves it.
+``--model gemma4``: the same size with Gemma 4's structure (five sliding-window layers of head 64
+to one full-attention layer of head 512): vLLM's window groups get blocks 8x the full group's.
 
 ``--workload doc-question`` (issue 20): each document gets ``1 + --warm-questions`` questions;
 the first question is cold, the later ones (same document, another question: the prompts
@@ -57,6 +59,7 @@ MODELS = {
     "llama": BENCH_MODEL,
     "gemma3": dataclasses.replace(BENCH_MODEL, architecture="gemma3", sliding_window=1024),
     "qwen3-next": dataclasses.replace(BENCH_MODEL, architecture="qwen3-next"),
+    "gemma4": dataclasses.replace(BENCH_MODEL, architecture="gemma4", sliding_window=1024),
 }
 MODES = ("no_connector", "prefix_cache", "kvtier")
 DOCQ_MODES = ("prefix_cache", "kvtier", "kvtier_restart")
@@ -233,7 +236,12 @@ def _main(args: argparse.Namespace, say: Callable[[str], None]) -> int:
 
 def _kv_bytes_per_token(spec: ModelSpec) -> int:
     """K and V of every attention layer, bf16 (Qwen3-Next: every other layer is Gated
-    DeltaNet, whose state is stored once per state entry, not per token)."""
+    DeltaNet, whose state is stored once per state entry, not per token; Gemma 4: its
+    full-attention layers' heads are 512, ``model.py``)."""
+    if spec.architecture == "gemma4":
+        full = sum(1 for i in range(spec.num_layers) if i % 6 == 5 or i == spec.num_layers - 1)
+        window = spec.num_layers - full
+        return 2 * spec.num_kv_heads * (window * spec.head_size + full * 512) * 2
     layers = spec.num_layers // 2 if spec.architecture == "qwen3-next" else spec.num_layers
     return 2 * layers * spec.num_kv_heads * spec.head_size * 2
 

@@ -8,7 +8,10 @@ the output depends clearly on the context: loading the wrong KV changes the gene
 sliding-window (``sliding_window`` tokens) and full attention: a hybrid model that vLLM serves
 with two KV cache groups; ``"gemma3-sliding"``: every layer sliding window (one group);
 ``"qwen3-next"``: Gated DeltaNet (linear attention, a recurrent state) and full attention
-layers alternating, which vLLM serves with a Mamba group in "align" mode. Untied embeddings
+layers alternating, which vLLM serves with a Mamba group in "align" mode; ``"gemma4"``: Gemma
+4's structure, five sliding-window layers to one full-attention layer (the last layer full),
+with its real head sizes (window heads of 64, full-attention heads of 512), so vLLM gives the
+window groups blocks 8x larger than the full-attention group's (pages of one size). Untied embeddings
 keep the greedy output context-sensitive (with tied ones the last token's embedding dominates
 and it repeats one token).
 """
@@ -48,8 +51,8 @@ class ModelSpec:
     max_position_embeddings: int = 4096
     init_range: float = 0.2
     seed: int = 0
-    architecture: str = "llama"  # or "gemma3", "gemma3-sliding", "qwen3-next" (module doc)
-    sliding_window: int = 64  # gemma3 only
+    architecture: str = "llama"  # or "gemma3", "gemma3-sliding", "qwen3-next", "gemma4"
+    sliding_window: int = 64  # gemma3 and gemma4 only
 
     @property
     def head_size(self) -> int:
@@ -171,7 +174,28 @@ def _model(spec: ModelSpec) -> Any:
         )
         qwen.architectures = ["Qwen3NextForCausalLM"]
         return Qwen3NextForCausalLM(qwen)
+    if spec.architecture == "gemma4":
+        from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+        n = spec.num_layers
+        kinds = [
+            "full_attention" if i % 6 == 5 or i == n - 1 else "sliding_attention" for i in range(n)
+        ]
+        # Gemma 4's full-attention head size (transformers' typed signature lacks it).
+        gemma4_heads: dict[str, Any] = {"global_head_dim": 512}
+        gemma4 = Gemma4TextConfig(
+            **common,
+            pad_token_id=2,
+            sliding_window=spec.sliding_window,
+            layer_types=kinds,
+            **gemma4_heads,
+            hidden_size_per_layer_input=0,
+            vocab_size_per_layer_input=spec.vocab_size,
+            num_kv_shared_layers=0,
+        )
+        return Gemma4ForCausalLM(gemma4)
     raise ValueError(
-        "ModelSpec.architecture must be 'llama', 'gemma3', 'gemma3-sliding' or 'qwen3-next', "
+        "ModelSpec.architecture must be 'llama', 'gemma3', 'gemma3-sliding', 'qwen3-next' or "
+        "'gemma4', "
         f"got {spec.architecture!r}"
     )

@@ -231,7 +231,10 @@ def zero_stored_chunks(tokens: list[int], salt: str | None = None, group: int | 
                 assert stored is not None, "the chunk to corrupt is not stored"
                 with stored:
                     obj.tensor.copy_(stored.tensor)
-                obj.tensor[group :: lay.num_groups].zero_()  # rows i * groups + group
+                # Each block's rows hold every group's section in turn (KVLayout.group_rows).
+                first = sum(lay.group_rows[:group])
+                rows = obj.tensor.view(-1, lay.rows_per_block, *obj.tensor.shape[1:])
+                rows[:, first : first + lay.group_rows[group]].zero_()
             engine.storage.put(span.key, obj)
         n += 1
     return n

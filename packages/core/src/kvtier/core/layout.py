@@ -22,12 +22,20 @@ tensor holds one layer of every group, and a block id belongs to one group at a 
 then holds every group's pages: ``[n // block_size * G, num_layers, page_bytes]``, row
 ``i * G + g`` being group ``g``'s ``i``-th block (still block-major: a prefix of ``k`` blocks is
 the first ``k * G`` rows).
+
+Groups whose layers differ in head size (Gemma 4: full-attention heads of 512, window heads of
+64) get different block sizes from vLLM, which evens out their pages' bytes
+(``group_block_sizes``). kvtier's block is then their least common multiple
+(``block_tokens``, the hit granularity), and each block holds a *section* per group: group
+``g``'s ``block_tokens / group_block_sizes[g]`` blocks in turn (``group_rows``), so a chunk is
+``[n // block_tokens * rows_per_block, num_layers, page_bytes]`` and stays block-major.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass
 from enum import Enum
 
@@ -112,6 +120,10 @@ class KVLayout:
       kind (its state's shapes and dtypes). Their blocks hold one recurrent state each, in the
       same tensors; a chunk holds none of them, a state entry (``kvtier.core.engine.states``) holds
       one block of each: ``state_shape``.
+    - ``group_block_sizes``: each group's block size in tokens, when they differ (empty: every
+      group's is ``block_size``). The pages of every group are ``page_bytes`` long (vLLM evens
+      them out); ``block_size`` and the geometry above are those of the pages the mover reads
+      them through, and each group's own geometry is part of its name in ``groups``.
     """
 
     num_layers: int
@@ -126,6 +138,7 @@ class KVLayout:
     content_bytes: int = 0
     groups: tuple[str, ...] = ()
     states: tuple[str, ...] = ()
+    group_block_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_kv_heads", "head_size", "block_size"):
@@ -164,6 +177,16 @@ class KVLayout:
             raise LayoutError(
                 f"KVLayout.states must be a tuple of non-empty strs, got {self.states!r}"
             )
+        sizes = self.group_block_sizes
+        if sizes and (
+            not isinstance(sizes, tuple)
+            or len(sizes) != len(groups)
+            or any(not isinstance(b, int) or isinstance(b, bool) or b <= 0 for b in sizes)
+        ):
+            raise LayoutError(
+                f"KVLayout.group_block_sizes must be empty or one positive int per group "
+                f"({len(groups)}), got {sizes!r}"
+            )
         if self.use_mla and self.num_kv_heads != 1:
             raise LayoutError(
                 f"an MLA layout has one latent 'head', got num_kv_heads={self.num_kv_heads}"
@@ -189,21 +212,41 @@ class KVLayout:
 
     @property
     def num_groups(self) -> int:
-        """KV cache groups: rows of a chunk per block."""
+        """KV cache groups: row sections of a chunk's block."""
         return max(1, len(self.groups))
+
+    @property
+    def slot_block_sizes(self) -> tuple[int, ...]:
+        """Each group's block size in tokens (one per row of a hybrid slot mapping)."""
+        return self.group_block_sizes or (self.block_size,) * self.num_groups
+
+    @property
+    def block_tokens(self) -> int:
+        """Tokens of one kvtier block, the hit granularity: the block size, or the least
+        common multiple of the groups' block sizes."""
+        return math.lcm(*self.slot_block_sizes)
+
+    @property
+    def group_rows(self) -> tuple[int, ...]:
+        """Rows of each group in one kvtier block (its blocks of ``block_tokens``)."""
+        b = self.block_tokens
+        return tuple(b // s for s in self.slot_block_sizes)
+
+    @property
+    def rows_per_block(self) -> int:
+        return sum(self.group_rows)
 
     @property
     def chunk_dtype(self) -> torch.dtype:
         return CHUNK_DTYPE
 
     def chunk_shape(self, num_tokens: int) -> tuple[int, int, int]:
-        """A chunk of ``num_tokens`` (whole blocks) in host memory: ``[blocks * groups, layers,
-        page]``."""
-        if num_tokens % self.block_size:
-            raise LayoutError(
-                f"a chunk of {num_tokens} tokens is not whole blocks of {self.block_size}"
-            )
-        rows = num_tokens // self.block_size * self.num_groups
+        """A chunk of ``num_tokens`` (whole kvtier blocks) in host memory: ``[blocks *
+        rows_per_block, layers, page]``."""
+        bt = self.block_tokens
+        if num_tokens % bt:
+            raise LayoutError(f"a chunk of {num_tokens} tokens is not whole blocks of {bt}")
+        rows = num_tokens // bt * self.rows_per_block
         return (rows, self.num_layers, self.page_bytes)
 
     @property
@@ -215,7 +258,7 @@ class KVLayout:
         return (len(self.states), self.num_layers, self.page_bytes)
 
     def bytes_per_token(self) -> int:
-        return self.num_groups * self.num_layers * self.page_bytes // self.block_size
+        return self.rows_per_block * self.num_layers * self.page_bytes // self.block_tokens
 
     def chunk_nbytes(self, num_tokens: int) -> int:
         return self.bytes_per_token() * num_tokens
@@ -244,6 +287,8 @@ class KVLayout:
             del fields["groups"]  # a one-group engine keeps the fingerprint it always had
         if not self.states:
             del fields["states"]
+        if not self.group_block_sizes:
+            del fields["group_block_sizes"]
         blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.blake2b(blob, digest_size=8).hexdigest()
 
@@ -251,6 +296,8 @@ class KVLayout:
         """One line for logs and errors."""
         mla = " mla" if self.use_mla else ""
         groups = f", groups {' + '.join(self.groups)}" if self.groups else ""
+        if self.group_block_sizes:
+            groups += f" (blocks {'/'.join(map(str, self.group_block_sizes))})"
         if self.states:
             groups += f", states {' + '.join(self.states)}"
         return (

@@ -277,8 +277,8 @@ def _payload_meta(
     want = dtype_name(layout.chunk_dtype)
     if dtype != want:
         raise PayloadError(f"stale: dtype {dtype!r}, expected {want!r}")
-    if not isinstance(tokens, int) or tokens <= 0 or tokens % layout.block_size:
-        raise PayloadError(f"corrupt: {tokens!r} tokens, not whole blocks of {layout.block_size}")
+    if not isinstance(tokens, int) or tokens <= 0 or tokens % layout.block_tokens:
+        raise PayloadError(f"corrupt: {tokens!r} tokens, not whole blocks of {layout.block_tokens}")
     if shape != layout.chunk_shape(tokens):
         raise PayloadError(f"corrupt: shape {shape}, expected {layout.chunk_shape(tokens)}")
     return MemoryObjMeta(shape, layout.chunk_dtype, tokens)

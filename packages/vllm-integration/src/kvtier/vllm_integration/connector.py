@@ -47,6 +47,7 @@ from kvtier.vllm_integration import logs
 from kvtier.vllm_integration.groups import (
     cache_groups,
     check_hybrid,
+    hash_block_size,
     hybrid_chunk_size,
     token_bytes,
 )
@@ -114,11 +115,14 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 "about to evict); turn prefix caching on or use offload=eager",
             )
         self.groups = cache_groups(kv_cache_config)
+        # kvtier's block: vLLM's, or for groups of several block sizes (Gemma 4) their least
+        # common multiple, where vLLM's own hybrid prefix cache hits too.
+        self.hit_block = self.groups.hit_block(self.block_size)
         # A Mamba hybrid's block size is raised by vLLM (one block holds a state): the default
         # chunk size follows it; a chunk size the user set must be a multiple.
         explicit = self.config.chunk_size != KVTierConfig().chunk_size
         chunk = hybrid_chunk_size(
-            self.config, self.block_size, explicit, states=bool(self.groups.mambas)
+            self.config, self.hit_block, explicit, states=bool(self.groups.mambas)
         )
         if chunk != self.config.chunk_size:
             self.config = dataclasses.replace(self.config, chunk_size=chunk)
@@ -129,7 +133,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
                 self.config,
-                block_size=self.block_size,
+                block_size=self.hit_block,
                 num_workers=int(vllm_config.parallel_config.world_size),
                 max_num_batched_tokens=int(vllm_config.scheduler_config.max_num_batched_tokens),
                 load_failure_policy=str(self._kv_transfer_config.kv_load_failure_policy),
@@ -147,6 +151,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 async_scheduling=bool(
                     getattr(vllm_config.scheduler_config, "async_scheduling", False)
                 ),
+                hash_block_size=hash_block_size(vllm_config, kv_cache_config, self.hit_block),
             )
         else:
             self._worker = WorkerSide(

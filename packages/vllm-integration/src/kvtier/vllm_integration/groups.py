@@ -9,9 +9,12 @@ its blocks, every group's pages (``KVLayout.groups``), so a hit of any length gi
 what vLLM's hybrid prefix-cache rule asks for. Window groups' pages are stored in full, as a
 full-attention layer's are (what a hit can use of them is a later refinement: issue 38).
 
-What kvtier moves this way: attention groups (full attention, sliding window) of one page
-geometry (block size, heads, head size, element type) with the same number of layers, at least
-one of them full attention. A Mamba / linear-attention hybrid (Qwen3-Next's Gated DeltaNet)
+What kvtier moves this way: attention groups (full attention, sliding window) with the same
+number of layers, at least one of them full attention, whose pages are the same bytes: one page
+geometry, or (Gemma 4: full-attention heads of 512, window heads of 64) geometries vLLM evened
+out to one page size by giving the groups different block sizes. kvtier's block is then the
+groups' least common block size (``CacheGroups.hit_block``: hits and chunks are whole blocks of
+it) and a chunk holds a section of each group's blocks (``KVLayout.group_block_sizes``). A Mamba / linear-attention hybrid (Qwen3-Next's Gated DeltaNet)
 served with vLLM's ``mamba_cache_mode="align"`` (prefix caching on) has Mamba groups beside
 one full-attention group: chunks hold the attention group's pages, the Mamba groups' states
 are state entries (``kvtier.core.engine.states``, ``scheduler/hybrid.py``). Anything else is a
@@ -24,6 +27,7 @@ puts its null block (id 0) in their place; ``null_to_slot`` makes those "no slot
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -60,6 +64,19 @@ class CacheGroups:
     window_sizes: tuple[int, ...] = ()  # the window groups' windows, in tokens
     # Mamba groups ("align" mode): one recurrent state per request, stored as state entries.
     mambas: tuple[int, ...] = ()
+    # Each group's block size in tokens, where they differ (empty: every group's is the
+    # engine's block size).
+    block_sizes: tuple[int, ...] = ()
+
+    def block_size_of(self, group: int, block_size: int) -> int:
+        """Group ``group``'s block size (``block_size``: the engine's, where they are one)."""
+        return self.block_sizes[group] if self.block_sizes else block_size
+
+    def hit_block(self, block_size: int) -> int:
+        """kvtier's block: the least common multiple of the chunk groups' block sizes (the
+        engine's block size where they are one). Hits, chunks and saves are whole blocks of
+        it, as vLLM's own hybrid prefix cache hits at multiples of it."""
+        return math.lcm(*(self.block_size_of(g, block_size) for g in self.rows))
 
     @property
     def hybrid(self) -> bool:
@@ -76,15 +93,15 @@ class CacheGroups:
         """The groups whose pages a chunk holds (every group but the Mamba ones)."""
         return tuple(i for i in range(len(self.kinds) or 1) if i not in self.mambas)
 
-    def live_from(self, block_ids: Sequence[Sequence[int]]) -> int:
-        """The first block from which every window group still has its blocks (vLLM freed
-        the ones before it)."""
+    def live_from(self, block_ids: Sequence[Sequence[int]], block_size: int) -> int:
+        """The first token from which every window group still has its blocks (vLLM freed
+        the ones before it); ``block_size``: the engine's (``block_size_of``)."""
         first = 0
         for g in self.windows:
             ids = np.asarray(block_ids[g], dtype=np.int64)
             nulls = np.flatnonzero(ids == NULL_BLOCK)
             if nulls.size:
-                first = max(first, int(nulls[-1]) + 1)
+                first = max(first, (int(nulls[-1]) + 1) * self.block_size_of(g, block_size))
         return first
 
 
@@ -198,21 +215,41 @@ def cache_groups(kv_cache_config: KVCacheConfig | None) -> CacheGroups:
         for g in groups
     )  # fmt: skip
     sizes = tuple(w for _, w in events if w)
-    return CacheGroups(kinds, full[0], windows, events, sizes, mambas)
+    blocks = tuple(int(g.kv_cache_spec.block_size) for g in groups)
+    if len(set(blocks[i] for i in range(len(groups)) if i not in mambas)) == 1:
+        blocks = ()  # one block size: a chunk's blocks are every group's alike
+    return CacheGroups(kinds, full[0], windows, events, sizes, mambas, blocks)
 
 
-def _holds_state(state: torch.Tensor, page: torch.Tensor) -> bool:
+def hash_block_size(vllm_config: Any, kv_cache_config: Any, default: int) -> int:
+    """The tokens of one of a request's block hashes (``Request.block_hashes``), as vLLM
+    resolves it for these groups (the groups' greatest common block size unless
+    ``prefix_match_unit`` says otherwise); ``default`` where this vLLM does not say."""
+    try:
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+    except ImportError:
+        return default
+    try:
+        return int(resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1])
+    except (AttributeError, TypeError, ValueError):
+        return default
+
+
+def _holds_state(state: torch.Tensor, page: torch.Tensor, *, whole: bool = False) -> bool:
     """Whether the Mamba view ``state`` keeps each block's state in the first bytes of the
     same block's page of the attention view ``page``: one address, one block stride, pages
-    that are one run of bytes at least as long as a state."""
+    that are one run of bytes at least as long as a state (``whole``: as long as the page,
+    for two attention views of different shapes over the same pages)."""
     size = state.element_size()
+    state_bytes = state[0].numel() * size
+    page_bytes = page[0].numel() * page.element_size()
     return (
         state.data_ptr() == page.data_ptr()
         and state.shape[0] == page.shape[0]
         and state.stride(0) * size == page.stride(0) * page.element_size()
         and state[0].is_contiguous()
         and page[0].is_contiguous()
-        and state[0].numel() * size <= page[0].numel() * page.element_size()
+        and (state_bytes == page_bytes if whole else state_bytes <= page_bytes)
     )
 
 
@@ -221,13 +258,16 @@ def shared_views(
     kv_caches: Mapping[str, torch.Tensor],
     primary: int,
     mambas: Sequence[int] = (),
+    *,
+    evened: bool = False,
 ) -> tuple[list[str], dict[str, int]]:
     """The primary group's layer names in vLLM's order (one view per shared tensor) and, for
     every layer of every group, the position of the tensor it lives in. Group ``g``'s ``i``-th
     layer must be a view of the same bytes as the primary group's ``i``-th (same address,
     shape, strides, element type; a Mamba group's, listed in ``mambas``, must keep each
-    block's state in the first bytes of that block's page: ``_holds_state``): else a
-    ``LayoutError`` naming the two layers."""
+    block's state in the first bytes of that block's page: ``_holds_state``; with ``evened``,
+    groups of different page shapes, each block's page must be the same run of bytes in
+    both); else a ``LayoutError`` naming the two layers."""
     groups = kv_cache_config.kv_cache_groups
     reps = list(groups[primary].layer_names)
     position: dict[str, int] = {}
@@ -241,6 +281,8 @@ def shared_views(
             same = (
                 _holds_state(a, b)
                 if g in mambas
+                else _holds_state(a, b, whole=True)
+                if evened and g != primary
                 else (
                     a.data_ptr() == b.data_ptr()
                     and a.shape == b.shape
@@ -252,7 +294,7 @@ def shared_views(
                 raise LayoutError(
                     f"layers {name!r} and {rep!r} of two KV cache groups do not share their "
                     "pages (kvtier stores hybrid models whose groups overlay one allocation "
-                    "with one page geometry)"
+                    "with pages of one size, each block's page one run of bytes)"
                 )
             position[name] = i
     return reps, position

@@ -109,6 +109,20 @@ def group_spec(kv_cache_config: KVCacheConfig, layer_names: Sequence[str]) -> Ca
     return CacheSpec.of(spec)
 
 
+def page_bytes(spec: CacheSpec) -> int:
+    """Bytes of one layer's block of a cache with ``spec``."""
+    return spec.num_heads * spec.block_size * spec.content_bytes
+
+
+def geometry(spec: CacheSpec, interior: str) -> str:
+    """A group's page geometry and interior writer, as its name in ``KVLayout.groups`` carries
+    them where the groups differ: ``block x heads x head size x content bytes, writer``."""
+    mla = " mla" if spec.use_mla else ""
+    return (
+        f"{spec.block_size}x{spec.num_heads}x{spec.head_size}x{spec.content_bytes}{mla},{interior}"
+    )
+
+
 def resolved_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> PagedLayout:
     """The ``KVCacheLayout`` vLLM resolved for this engine."""
     name: str | None = None
@@ -239,32 +253,49 @@ def read_registration(
     rows = groups.rows
     specs = [group_spec(kv_cache_config, all_groups[g].layer_names) for g in rows]
     spec = specs[rows.index(groups.primary)]
-    for kind, other in zip([groups.kinds[g] for g in rows], specs, strict=True):
+    writers = [
+        interior_writer(vllm_config, all_groups[g].layer_names, s, cache_dtype)
+        for g, s in zip(rows, specs, strict=True)
+    ]
+    kinds = [groups.kinds[g] for g in rows]
+    evened = any(s != specs[0] for s in specs) or len(set(writers)) > 1
+    for kind, other in zip(kinds, specs, strict=True):
         differ = [
             f.name
             for f in dataclasses.fields(spec)
             if f.name != "kind" and getattr(other, f.name) != getattr(spec, f.name)
         ]
-        if differ:
+        if differ and page_bytes(other) != page_bytes(spec):
             raise LayoutError(
                 f"the {kind} group's pages ({other}) differ from the "
-                f"{groups.kinds[groups.primary]} group's ({spec}) in {', '.join(differ)}; "
-                "kvtier stores hybrid models whose groups share one page geometry (Gemma 4's "
-                "window and full layers differ in head size, so vLLM gives them different "
-                "block sizes). Serve this model without kvtier"
+                f"{groups.kinds[groups.primary]} group's ({spec}) in {', '.join(differ)}, "
+                f"and their sizes ({page_bytes(other)} and {page_bytes(spec)} bytes) too; "
+                "kvtier stores hybrid models whose groups' pages vLLM evened out to one size. "
+                "Serve this model without kvtier"
             )
-    reps, position = shared_views(kv_cache_config, kv_caches, groups.primary, groups.mambas)
-    attention = [n for g in rows for n in all_groups[g].layer_names]
+    if evened:
+        # Groups of several geometries (Gemma 4): each group's is part of its name, so the
+        # fingerprint tells their pages apart; the mover reads every page through the
+        # primary group's views, whose pages are the same bytes (shared_views checks it).
+        kinds = [f"{k}@{geometry(s, w)}" for k, s, w in zip(kinds, specs, writers, strict=True)]
+    reps, position = shared_views(
+        kv_cache_config, kv_caches, groups.primary, groups.mambas, evened=evened
+    )
     reg = page_layout(
         kv_caches,
         spec,
         paged_layout=paged_layout,
         num_blocks=num_blocks,
         cache_dtype=cache_dtype,
-        interior=interior_writer(vllm_config, attention, spec, cache_dtype),
-        groups=tuple(groups.kinds[g] for g in rows) if len(rows) > 1 else (),
+        interior=writers[rows.index(groups.primary)],
+        groups=tuple(kinds) if len(rows) > 1 else (),
         names=reps,
     )
+    if groups.block_sizes:
+        sizes = tuple(s.block_size for s in specs)
+        reg = dataclasses.replace(
+            reg, layout=dataclasses.replace(reg.layout, group_block_sizes=sizes)
+        )
     if groups.mambas:
         states = tuple(groups.kinds[g] for g in groups.mambas)
         reg = dataclasses.replace(reg, layout=dataclasses.replace(reg.layout, states=states))

@@ -10,6 +10,7 @@ they are only hashed into chunk keys, the KV itself comes from the paged cache.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,19 +166,22 @@ def slot_mapping(
 def spec_slots(
     block_ids: list[int],
     groups: list[list[int]] | None,
-    block_size: int,
+    block_sizes: Sequence[int],
     length: int,
     start: int,
     end: int,
 ) -> np.ndarray:
     """``slot_mapping`` of a spec: ``[length]`` for one group, ``[groups, length]`` for a
-    hybrid model's; with ``groups`` (the live block ids of a model with window layers) vLLM's
-    null block (a freed window block) has no slot."""
+    hybrid model's, each group's slots of its own block size (``block_sizes``, one per group
+    of ``groups``, else the one of ``block_ids``); with ``groups`` (the live block ids of a
+    model with window layers) vLLM's null block (a freed window block) has no slot."""
     if groups is None:
-        return slot_mapping(block_ids, block_size, length, start, end)
+        return slot_mapping(block_ids, block_sizes[0], length, start, end)
+    if len(block_sizes) != len(groups):
+        raise ValueError(f"{len(groups)} groups of block ids need one block size each")
     rows = [
-        null_to_slot(slot_mapping(ids, block_size, length, start, end), ids, block_size)
-        for ids in groups
+        null_to_slot(slot_mapping(ids, bs, length, start, end), ids, bs)
+        for ids, bs in zip(groups, block_sizes, strict=True)
     ]
     return rows[0] if len(rows) == 1 else np.stack(rows)
 

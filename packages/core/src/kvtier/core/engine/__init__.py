@@ -71,11 +71,11 @@ class CacheEngine:
         platform: Platform | None = None,
         storage: StorageManager | None = None,
     ) -> None:
-        if config.chunk_size % layout.block_size:
+        if config.chunk_size % layout.block_tokens:
             raise ConfigError(
                 "chunk_size",
                 config.chunk_size,
-                f"must be a multiple of the engine's block size {layout.block_size}",
+                f"must be a multiple of the engine's block size {layout.block_tokens}",
             )
         self.config = config
         self.layout = layout
@@ -99,7 +99,7 @@ class CacheEngine:
             self.keys,
             storage,
             chunk_size=self.chunk_size,
-            block_size=layout.block_size,
+            block_size=layout.block_tokens,
             tails=config.save_unfull_chunk,
         )
         self.mover: PageMover | None = None
@@ -233,9 +233,12 @@ class CacheEngine:
 
     def _slots(self, slot_mapping: torch.Tensor | Sequence[int], n_tokens: int) -> torch.Tensor:
         """``slot_mapping`` checked against the registered cache (``checked_slots``)."""
+        return checked_slots(slot_mapping, n_tokens, self.num_slots(), self.layout.num_groups)
+
+    def num_slots(self) -> list[int] | None:
+        """Slots of the registered cache, per slot row (None before a cache is registered)."""
         m = self.mover
-        limit = m.num_blocks * self.layout.block_size if m else None
-        return checked_slots(slot_mapping, n_tokens, limit, self.layout.num_groups)
+        return [m.num_blocks * b for b in self.layout.slot_block_sizes] if m else None
 
     def _plan_store(
         self, tokens: TokenIds, slot_mapping: torch.Tensor | Sequence[int], scope: Scope
@@ -317,7 +320,7 @@ class CacheEngine:
         else:
             spans, objs = held_objects(hold, prompt, wanted)
         try:
-            transfers, mask = load_transfers(spans, objs, cpu_slots, self.layout.block_size)
+            transfers, mask = load_transfers(spans, objs, cpu_slots, self.layout.slot_block_sizes)
         except BaseException:
             release_all(objs)
             raise

@@ -34,16 +34,16 @@ def load_transfers(
     spans: Sequence[ChunkSpan],
     objs: Sequence[MemoryObj],
     cpu_slots: torch.Tensor,
-    block_size: int,
+    block_sizes: Sequence[int],
 ) -> tuple[list[Transfer], torch.Tensor]:
     """A ``Transfer`` of each object into the cache blocks of its span's slots, and the bool
     mask (one per token) of the tokens those transfers write (the span's slots that are not
     -1; for a hybrid engine's ``[groups, n]`` slots, those of any group). Slots must map whole
-    blocks (``span_blocks``)."""
+    blocks (``span_blocks``) of each row's ``block_sizes``."""
     mask = torch.zeros(cpu_slots.shape[-1], dtype=torch.bool)
     transfers = []
     for span, obj in zip(spans, objs, strict=True):
-        blocks = span_rows(cpu_slots, span.start, span.end, block_size)
+        blocks = span_rows(cpu_slots, span.start, span.end, block_sizes)
         rows = obj.tensor.shape[0]
         if rows > len(blocks):
             # A prefix of a stored chunk (an alias hit): the rest of its blocks are skipped.

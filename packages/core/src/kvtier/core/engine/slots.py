@@ -7,6 +7,7 @@ the engine did not compute)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -16,12 +17,12 @@ import torch
 def checked_slots(
     slot_mapping: torch.Tensor | Sequence[int] | Sequence[Sequence[int]],
     n_tokens: int,
-    num_slots: int | None,
+    num_slots: int | Sequence[int] | None,
     groups: int = 1,
 ) -> torch.Tensor:
     """``slot_mapping`` as a long tensor, checked: integers, one per token (``groups`` rows of
-    them for a hybrid engine), each -1 or a slot below ``num_slots`` (when known)
-    (``ValueError`` naming the bad entry otherwise)."""
+    them for a hybrid engine), each -1 or a slot below ``num_slots`` (when known; one per row
+    where the groups' blocks differ in size) (``ValueError`` naming the bad entry otherwise)."""
     if isinstance(slot_mapping, torch.Tensor):  # on any device: kept there
         bad_dtype = (
             slot_mapping.is_floating_point()
@@ -44,14 +45,18 @@ def checked_slots(
             f"slot_mapping must have {per} of one entry per token ({n_tokens}): shape {want}, "
             f"got shape {tuple(slots.shape)}"
         )
-    if slots.numel():
-        lo, hi = (int(v) for v in torch.aminmax(slots))
+    if not slots.numel():
+        return slots
+    limits = [num_slots] if num_slots is None or isinstance(num_slots, int) else list(num_slots)
+    rows = [slots] if len(limits) == 1 else list(slots)
+    for row, limit in zip(rows, limits, strict=True):
+        lo, hi = (int(v) for v in torch.aminmax(row))
         if lo < -1:
             raise ValueError(f"slot_mapping entry {lo} is invalid: a slot is -1 (none) or >= 0")
-        if num_slots is not None and hi >= num_slots:
+        if limit is not None and hi >= limit:
             raise ValueError(
                 f"slot_mapping entry {hi} is out of range: the registered KV cache "
-                f"has {num_slots} slots"
+                f"has {limit} slots"
             )
     return slots
 
@@ -83,14 +88,28 @@ def span_blocks(slots: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.where(first >= 0, torch.div(first, block_size, rounding_mode="floor"), first)
 
 
-def span_rows(slots: torch.Tensor, start: int, end: int, block_size: int) -> torch.Tensor:
+def span_rows(
+    slots: torch.Tensor, start: int, end: int, block_sizes: int | Sequence[int]
+) -> torch.Tensor:
     """The cache block of each row of the chunk object of tokens ``[start, end)``
-    (``span_blocks``): for a hybrid engine's ``[groups, n]`` slots, each block's groups in turn
-    (row ``i * groups + g`` is group ``g``'s ``i``-th block, ``KVLayout.chunk_shape``)."""
+    (``span_blocks``). ``block_sizes``: each slot row's block size (one int for a one-group
+    engine's ``[n]`` slots). For a hybrid engine's ``[groups, n]`` slots, each kvtier block
+    (the groups' least common block size) holds every group's blocks in turn: with one block
+    size, row ``i * groups + g`` is group ``g``'s ``i``-th block (``KVLayout.chunk_shape``)."""
+    sizes = [block_sizes] if isinstance(block_sizes, int) else list(block_sizes)
     if slots.dim() == 1:
-        return span_blocks(slots[start:end], block_size)
-    per_group = [span_blocks(row[start:end], block_size) for row in slots]
-    return torch.stack(per_group, dim=1).reshape(-1)
+        return span_blocks(slots[start:end], sizes[0])
+    if len(sizes) != slots.shape[0]:
+        raise ValueError(f"{slots.shape[0]} slot rows need one block size each, got {sizes}")
+    unit = math.lcm(*sizes)
+    if (end - start) % unit:
+        raise ValueError(f"a span of {end - start} tokens is not whole blocks of {unit}")
+    units = (end - start) // unit
+    per_group = [
+        span_blocks(row[start:end], bs).view(units, unit // bs)
+        for row, bs in zip(slots, sizes, strict=True)
+    ]
+    return torch.cat(per_group, dim=1).reshape(-1)
 
 
 def written(slots: torch.Tensor) -> torch.Tensor:

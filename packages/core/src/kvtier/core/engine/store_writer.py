@@ -72,7 +72,7 @@ class StoreWriter:
         if not spans:
             return [], {}
         # Checked before anything is allocated: a bad mapping raises with nothing to release.
-        bs = self.layout.block_size
+        bs = self.layout.slot_block_sizes
         blocks = {s.key: span_rows(cpu_slots, s.start, s.end, bs) for s in spans}
         present = self.storage.contains([s.key for s in spans])
         plan: StorePlan = []

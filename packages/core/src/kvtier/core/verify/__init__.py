@@ -146,9 +146,10 @@ class Verifier:
                 f"kvtier cannot read {self.engine.layout.describe()} pages as numbers: "
                 "verification needs plain float or fp8 elements"
             )
-        bs = self.engine.layout.block_size
-        limit = self._mover().num_blocks * bs
-        slots = checked_slots(slot_mapping, len(tokens), limit, self.engine.layout.num_groups)
+        layout = self.engine.layout
+        bs = layout.slot_block_sizes
+        limit = [self._mover().num_blocks * b for b in bs]
+        slots = checked_slots(slot_mapping, len(tokens), limit, layout.num_groups)
         tiers = hold.sources + ["unknown"] * (len(hold.spans) - len(hold.sources))
         picked: list[_Picked] = []
         for span, obj, tier in zip(hold.spans, hold.objs, tiers, strict=False):
@@ -234,7 +235,7 @@ class Verifier:
         err = page_errors(fresh.tensor[rows], stored[rows], self.dtype)
         worst = int(torch.argmax(err))
         row, layer = divmod(worst, err.shape[1])
-        block = int(rows[row]) // self.engine.layout.num_groups  # rows are blocks x groups
+        block = int(rows[row]) // self.engine.layout.rows_per_block  # a block's rows in turn
         return ChunkCheck(
             p.span.key, p.tier, float(err.flatten()[worst]), layer, block, self.tolerance
         )

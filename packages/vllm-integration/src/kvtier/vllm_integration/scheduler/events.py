@@ -14,7 +14,9 @@ hashes a router computes for the same prompt), the blocks' token ids, LoRA name,
 - one event per chunk (a chunk covers ``chunk_size / block_size`` blocks), for rank 0's shard;
   for a hybrid model (several KV cache groups, ``groups.py``) one per chunk and group, with the
   group's index, spec kind and window, as vLLM's own hybrid events (a chunk holds every
-  group's pages of its blocks).
+  group's pages of its blocks); where the groups' blocks differ in size (Gemma 4), each
+  group's event names its own blocks, by the hash vLLM gives a block of that size (the
+  request's hash at the block's last ``hash_block_size`` boundary).
 
 The scheduler records what a save it asks for will cover (``expect``); the workers' reports name
 the chunks by key digest; this log turns the two into events. It remembers at most
@@ -69,19 +71,29 @@ class EventLog:
         digest: Callable[[bytes, Scope], str | None],
         groups: Sequence[tuple[str, int | None]] = (),
         stateful: Sequence[int] = (),
+        group_block_sizes: Sequence[int] = (),
+        hash_block_size: int | None = None,
     ) -> None:
         """``digest(chunk_hash, scope)``: rank 0's key digest of a chunk (None until rank 0
         has reported its key namespace); ``groups``: a hybrid model's (spec kind, window) per
         KV cache group (``CacheGroups.event_specs``), empty for one group; ``stateful``: its
-        Mamba groups, whose blocks a chunk does not hold (no event names them)."""
+        Mamba groups, whose blocks a chunk does not hold (no event names them);
+        ``group_block_sizes``: each group's block size where they differ;
+        ``hash_block_size``: the tokens of one of the request's block hashes (default
+        ``block_size``)."""
         self.block_size = block_size
+        self.hash_block = hash_block_size or block_size
         self.enabled = enabled
-        # The group fields of each chunk's events: one event per group, or one without them.
-        self._group_fields: list[dict[str, Any]] = [
-            {"group_idx": i, "kv_cache_spec_kind": kind, "kv_cache_spec_sliding_window": window}
-            for i, (kind, window) in enumerate(groups)
+        # The group fields of each chunk's events (one event per group, or one without
+        # them), each with its group's block size.
+        self._group_fields: list[tuple[dict[str, Any], int]] = [
+            (
+                {"group_idx": i, "kv_cache_spec_kind": kind, "kv_cache_spec_sliding_window": w},
+                group_block_sizes[i] if group_block_sizes else block_size,
+            )
+            for i, (kind, w) in enumerate(groups)
             if i not in stateful
-        ] or [{}]
+        ] or [({}, block_size)]
         self._digest = digest
         self._chunks: OrderedDict[str, _Chunk] = OrderedDict()  # rank-0 key digest -> chunk
         self._unnamed: list[tuple[bytes, Scope, _Chunk]] = []  # expected before rank 0 reported
@@ -93,7 +105,7 @@ class EventLog:
         """A save of ``request`` was asked for: ``(chunk hash, start, end)`` per chunk."""
         if not self.enabled:
             return
-        bs = self.block_size
+        bs = self.hash_block
         hashes = request.block_hashes
         lora = request.lora_request
         tokens = request.all_token_ids
@@ -133,13 +145,13 @@ class EventLog:
             if c is None or medium in c.media:
                 continue
             c.media.add(medium)
-            for group in self._group_fields:
+            for group, bs in self._group_fields:
                 self._events.append(
                     BlockStored(
-                        block_hashes=c.block_hashes,
+                        block_hashes=self._hashes(c, bs),
                         parent_block_hash=c.parent,
                         token_ids=c.token_ids.tolist(),
-                        block_size=self.block_size,
+                        block_size=bs,
                         lora_id=c.lora_id,
                         medium=medium,
                         lora_name=c.lora_name,
@@ -156,10 +168,10 @@ class EventLog:
             if c is None or medium not in c.media:
                 continue
             c.media.discard(medium)
-            for group in self._group_fields:
+            for group, bs in self._group_fields:
                 self._events.append(
                     BlockRemoved(
-                        block_hashes=c.block_hashes,
+                        block_hashes=self._hashes(c, bs),
                         medium=medium,
                         ownership=OWNER,
                         group_idx=group.get("group_idx"),
@@ -167,6 +179,12 @@ class EventLog:
                 )
             if not c.media:
                 del self._chunks[d]
+
+    def _hashes(self, chunk: _Chunk, block_size: int) -> list[Any]:
+        """The chunk's block hashes for blocks of ``block_size`` tokens: the hash at each
+        block's last hash boundary (vLLM's ``BlockHashListWithBlockSize``)."""
+        scale = block_size // self.hash_block
+        return chunk.block_hashes[scale - 1 :: scale] if scale > 1 else chunk.block_hashes
 
     def take(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []

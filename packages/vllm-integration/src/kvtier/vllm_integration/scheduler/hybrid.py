@@ -29,7 +29,8 @@ the saves first. A load names the block of each Mamba group vLLM gave for the st
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 from kvtier.vllm_integration.groups import NULL_BLOCK, CacheGroups
@@ -71,7 +72,7 @@ class HybridBlocks:
             live = [b for b in ids[g] if b != NULL_BLOCK]
             if live:
                 self._running.add(live[-1])
-        return ids, self.groups.live_from(ids) * self.block_size
+        return ids, self.groups.live_from(ids, self.block_size)
 
     def take_offers(self, output: SchedulerOutput) -> None:
         """The step's boundary-state offers: for each request, ``(boundary, block of each
@@ -120,10 +121,18 @@ class HybridBlocks:
     def attach(
         self, spec: LoadSpec | SaveSpec | VerifySpec, groups: Sequence[Sequence[int]] | None
     ) -> None:
-        """Give ``spec`` every group's block ids, as many as its primary ones."""
+        """Give ``spec`` every group's block ids for its tokens (the groups' blocks may differ
+        in size: each group's own); where they differ, its primary ones too."""
         if self.groups.tracked and groups is not None:
-            n = len(spec.block_ids)
-            spec.groups = [list(groups[g][:n]) for g in self.groups.rows]
+            g0 = self.groups
+            if not g0.block_sizes:
+                n = len(spec.block_ids)
+                spec.groups = [list(groups[g][:n]) for g in g0.rows]
+            else:
+                end = spec.end if isinstance(spec, LoadSpec) else len(spec.tokens)
+                cut = [list(ids[: -(-end // g0.block_sizes[g])]) for g, ids in enumerate(groups)]
+                spec.groups = [cut[g] for g in g0.rows]
+                spec.block_ids = cut[g0.primary]
             if isinstance(spec, LoadSpec) and self.groups.mambas:
                 spec.states = self._state_blocks(groups, spec.end)
 
@@ -141,7 +150,8 @@ class HybridBlocks:
         if not self.groups.tracked:
             return
         self._reading = {b: s for b, s in self._reading.items() if s > copied_through}
-        written = [*_written(meta, output, self.block_size), *self._running]
+        size_of = partial(self.groups.block_size_of, block_size=self.block_size)
+        written = [*_written(meta, output, size_of), *self._running]
         if self._reading and any(b in self._reading for b in written):
             meta.drain_saves = True
             self.drains += 1
@@ -159,15 +169,16 @@ class HybridBlocks:
                     self._reading[b] = meta.step
 
 
-def _written(meta: KVTierMetadata, output: SchedulerOutput, block_size: int) -> Iterable[int]:
-    """Every block this step may write: newly scheduled requests' blocks past what they had
-    computed (before it: vLLM's prefix-cache hits, read only; kvtier's loads are listed with
+def _written(
+    meta: KVTierMetadata, output: SchedulerOutput, size_of: Callable[[int], int]
+) -> Iterable[int]:
+    """Every block this step may write (``size_of``: a group's block size): newly scheduled
+    requests' blocks past what they had computed (before it: vLLM's prefix-cache hits, read only; kvtier's loads are listed with
     the loads), new blocks of every group, the blocks of the loads it carries (their state
     blocks too) and the targets of vLLM's block copies."""
     for new in output.scheduled_new_reqs:
-        first = new.num_computed_tokens // block_size
-        for ids in new.block_ids:
-            yield from ids[first:]
+        for g, ids in enumerate(new.block_ids):
+            yield from ids[new.num_computed_tokens // size_of(g) :]
     for blocks in output.scheduled_cached_reqs.new_block_ids:
         for ids in blocks or ():
             yield from ids

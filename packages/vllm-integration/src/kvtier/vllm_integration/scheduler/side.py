@@ -71,9 +71,12 @@ class SchedulerSide:
         engine_id: str = "",
         token_bytes: int = 0,
         async_scheduling: bool = False,
+        hash_block_size: int | None = None,
     ) -> None:
-        """``token_bytes``: the KV bytes of one token on one rank, every layer (0: unknown);
-        ``async_scheduling``: vLLM's (``scheduler/sync_loads.py``)."""
+        """``block_size``: kvtier's block (``CacheGroups.hit_block``); ``token_bytes``: the KV
+        bytes of one token on one rank, every layer (0: unknown); ``async_scheduling``:
+        vLLM's (``scheduler/sync_loads.py``); ``hash_block_size``: the tokens of one of a
+        request's block hashes (default ``block_size``)."""
         self.config = config
         check_role(config, role)  # a producer saves and never loads, a consumer the reverse
         self.loads_enabled = role in ("kv_both", "kv_consumer")
@@ -103,6 +106,8 @@ class SchedulerSide:
             lambda h, scope: self.index.digest(0, h, scope),
             self.hybrid.groups.event_specs,
             self.hybrid.groups.mambas,
+            self.hybrid.groups.block_sizes,
+            hash_block_size,
         )
         self.sightings = Sightings(config.store_threshold)
         self.saves = SavePlanner(config, block_size, self.sightings, self.index, self.events)

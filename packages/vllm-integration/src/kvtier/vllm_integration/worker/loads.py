@@ -134,7 +134,7 @@ class WorkerLoads:
             spec_slots(
                 spec.block_ids,
                 spec.groups,
-                self.block_size,
+                self.engine.layout.slot_block_sizes,
                 len(spec.tokens),
                 spec.start,
                 spec.end,

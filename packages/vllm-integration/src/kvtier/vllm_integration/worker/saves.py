@@ -51,7 +51,6 @@ class WorkerSaves:
         engine: CacheEngine,
         verify: WorkerVerify,
         *,
-        block_size: int,
         layer_of: dict[str, int],
         count: Callable[..., None],
         metrics: StatsTracker,
@@ -59,7 +58,6 @@ class WorkerSaves:
         self.config = config
         self.engine = engine
         self.verify = verify
-        self.block_size = block_size
         self.layer_of = layer_of
         self._count = count
         self.metrics = metrics
@@ -71,7 +69,9 @@ class WorkerSaves:
 
     def _slots(self, spec: SaveSpec) -> torch.Tensor:
         n = len(spec.tokens)
-        slots = spec_slots(spec.block_ids, spec.groups, self.block_size, n, spec.skip, n)
+        slots = spec_slots(
+            spec.block_ids, spec.groups, self.engine.layout.slot_block_sizes, n, spec.skip, n
+        )
         return torch.from_numpy(slots)
 
     def _run(self, spec: SaveSpec | VerifySpec | ReceiptSpec, ready: Marker, keep: Any) -> int:

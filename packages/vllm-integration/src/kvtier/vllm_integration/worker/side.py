@@ -220,10 +220,7 @@ class WorkerSide:
             saves=WorkerSaves(
                 self.config,
                 engine,
-                WorkerVerify(
-                    engine, holds, block_size=self.block_size, quarantined=feed.quarantined
-                ),
-                block_size=self.block_size,
+                WorkerVerify(engine, holds, quarantined=feed.quarantined),
                 layer_of=layer_of,
                 count=self._count,
                 metrics=self.metrics,

@@ -33,7 +33,6 @@ class WorkerVerify:
         engine: CacheEngine,
         holds: HoldTable,
         *,
-        block_size: int,
         quarantined: Callable[[list[tuple[str, float]]], None],
     ) -> None:
         """``quarantined(tiers)`` is told the tiers a mismatch put in quarantine (name,
@@ -41,7 +40,6 @@ class WorkerVerify:
         cfg = engine.config
         self.engine = engine
         self.holds = holds
-        self.block_size = block_size
         self.verifier = Verifier(
             engine, tolerance=cfg.verify_tolerance, quarantine_s=cfg.verify_quarantine_s
         )
@@ -72,7 +70,9 @@ class WorkerVerify:
             hold = self.engine.hold(spec.tokens, spec.scope)
         n = len(spec.tokens)
         slots = torch.from_numpy(
-            spec_slots(spec.block_ids, spec.groups, self.block_size, n, spec.start, n)
+            spec_slots(
+                spec.block_ids, spec.groups, self.engine.layout.slot_block_sizes, n, spec.start, n
+            )
         )
         with hold:
             checks = self.verifier.check(spec.tokens, slots, hold, ready=ready)
