@@ -1,5 +1,7 @@
 """HostObjectLRU, the host tier's index (core's host-only manager and kvtier-storage's local_cpu):
-random put/get/remove/evict sequences checked against a model of its recency order."""
+random put/get/remove/evict sequences checked against a model of its recency order, with chunks
+whose alias entries age with them (``put_chunk``: a read of the chunk marks its aliases recently
+used, and an alias of a borrowed chunk is not evicted)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from kvtier.core.memory import HostArena, MemoryObjMeta
 from kvtier.core.memory.lru import HostObjectLRU
 
 META = MemoryObjMeta((256,), torch.uint8, 1)  # one arena alignment unit
-KEYS = st.integers(0, 5)
+KEYS = st.integers(0, 9)
+CHUNKS = st.integers(0, 5)
+ALIASES = st.lists(st.integers(6, 9), unique=True, max_size=3)  # alias keys: 6-9
 
 
 def key(i: int) -> ChunkKey:
@@ -29,6 +33,31 @@ class LRUMachine(RuleBasedStateMachine):
         self.version: dict[int, int] = {}
         self.borrowed: list[tuple[int, int, object]] = []  # (key, version, handle)
         self.next_version = 0
+        self.links: dict[int, tuple[int, ...]] = {}  # chunk -> its aliases (the model's)
+        self.owner: dict[int, int] = {}  # alias -> its chunk
+
+    def _unlink(self, k: int) -> None:
+        for a in self.links.pop(k, ()):
+            self.owner.pop(a, None)
+        c = self.owner.pop(k, None)
+        if c is not None:
+            rest = tuple(a for a in self.links.get(c, ()) if a != k)
+            if rest:
+                self.links[c] = rest
+            else:
+                self.links.pop(c, None)
+
+    def _put_model(self, k: int) -> None:
+        if k in self.order:
+            self.order.remove(k)
+            self._unlink(k)
+        self.order.append(k)
+        self.version[k] = self.next_version
+        self.next_version += 1
+
+    def _in_use(self, k: int) -> bool:
+        c = self.owner.get(k)
+        return self._borrows(k) > 0 or (c is not None and c in self.order and self._borrows(c) > 0)
 
     def _borrows(self, k: int) -> int:
         return sum(1 for bk, bv, _ in self.borrowed if bk == k and bv == self.version[k])
@@ -39,11 +68,24 @@ class LRUMachine(RuleBasedStateMachine):
         assert obj is not None
         self.lru.put([(key(k), obj)])
         obj.release()  # the index keeps its own handle
-        if k in self.order:
-            self.order.remove(k)
-        self.order.append(k)
-        self.version[k] = self.next_version
-        self.next_version += 1
+        self._put_model(k)
+
+    @rule(c=CHUNKS, aliases=ALIASES)
+    def put_chunk(self, c: int, aliases: list[int]) -> None:
+        objs = []
+        for _ in range(1 + len(aliases)):
+            obj = self.arena.allocate(META)
+            assert obj is not None
+            objs.append(obj)
+        entries = [(key(a), o) for a, o in zip(aliases, objs[1:], strict=True)]
+        self.lru.put_chunk(key(c), objs[0], entries)
+        for o in objs:
+            o.release()
+        for k in (c, *aliases):
+            self._put_model(k)
+        if aliases:
+            self.links[c] = tuple(aliases)
+            self.owner.update((a, c) for a in aliases)
 
     @rule(k=KEYS)
     def get(self, k: int) -> None:
@@ -52,8 +94,9 @@ class LRUMachine(RuleBasedStateMachine):
             assert got is None
             return
         assert got is not None
-        self.order.remove(k)
-        self.order.append(k)
+        for m in (k, *(a for a in self.links.get(k, ()) if a in self.order)):
+            self.order.remove(m)
+            self.order.append(m)
         self.borrowed.append((k, self.version[k], got))
 
     @rule(k=KEYS)
@@ -74,13 +117,15 @@ class LRUMachine(RuleBasedStateMachine):
         self.lru.remove([key(k)])
         if k in self.order:
             self.order.remove(k)
+            self._unlink(k)
 
     @rule()
     def evict_one(self) -> None:
-        # The model: the first entry no reader holds goes; borrowed ones met first move to the end.
+        # The model: the first entry no reader holds (nor its chunk's) goes; those in use met
+        # first move to the end.
         victim = None
         for k in list(self.order):
-            if self._borrows(k) == 0:
+            if not self._in_use(k):
                 victim = k
                 break
             self.order.remove(k)
@@ -88,10 +133,14 @@ class LRUMachine(RuleBasedStateMachine):
         assert self.lru.evict_one() is (victim is not None)
         if victim is not None:
             self.order.remove(victim)
+            self._unlink(victim)
 
     @invariant()
     def matches_the_model(self) -> None:
-        assert self.lru.contains([key(k) for k in range(6)]) == [k in self.order for k in range(6)]
+        assert self.lru.contains([key(k) for k in range(10)]) == [
+            k in self.order for k in range(10)
+        ]
+        assert self.lru.key_list() == [key(k) for k in self.order]
         assert len(self.lru) == len(self.order)
         assert self.lru.used_bytes == len(self.order) * META.nbytes
         # Bytes in use: the indexed objects plus replaced or evicted ones a reader still holds.

@@ -152,6 +152,12 @@ class HostMemoryStorageManager(StorageManager):
     def put(self, key: ChunkKey, obj: MemoryObj) -> None:
         self._index.put([(key, obj)])
 
+    def put_with_aliases(
+        self, key: ChunkKey, obj: MemoryObj, aliases: Sequence[tuple[ChunkKey, MemoryObj]]
+    ) -> None:
+        """The chunk and its alias entries, which age with it (``HostObjectLRU.put_chunk``)."""
+        self._index.put_chunk(key, obj, aliases)
+
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         if self.quarantined.blocked(HOST_TIER):
             return [False] * len(keys)

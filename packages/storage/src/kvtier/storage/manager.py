@@ -158,7 +158,7 @@ class TieredStorageManager(StorageManager):
         """``put`` a chunk and its alias entries: all into the host tier now, and to the lower
         tiers as one queued write (aliases never take queue room from chunks)."""
         self._check_open()
-        self.host.batched_put([(key, obj), *aliases])
+        self.host.put_chunk(key, obj, aliases)
         self.stats.add("put.chunks")
         if aliases:
             self.stats.add("put.aliases", len(aliases))

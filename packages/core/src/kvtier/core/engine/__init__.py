@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from kvtier.core.config import KVTierConfig
@@ -45,7 +46,6 @@ from kvtier.core.engine.states import StateEntries
 from kvtier.core.engine.store_writer import AliasPlan, StorePlan, StoreWriter, release_all
 from kvtier.core.errors import ClosedError, ConfigError, KVTierError
 from kvtier.core.keys import ChunkKey, KeyFactory, Scope, TokenIds
-from kvtier.core.keys.prompt import PromptHashes
 from kvtier.core.keys.spans import SpanPlanner
 from kvtier.core.layout import KVLayout
 from kvtier.core.memory import MemoryObj
@@ -209,19 +209,12 @@ class CacheEngine:
             objs,
             prompt.digest(spans[-1].end if spans else 0),
             sources=sources[: len(spans)],
-            pins=self._alias_pins(prompt, spans),
             state=state,
             state_source=state_source if state is not None else "",
         )
         self.stats.add(lookups=1, lookup_hit_tokens=hold.num_tokens)
         self._tier_hits.count(spans, hold.sources)
         return hold
-
-    def _alias_pins(self, prompt: PromptHashes, spans: list[ChunkSpan]) -> list[MemoryObj]:
-        """Host handles on the held full chunks' alias entries (which marks them recently used:
-        aliases age with their chunk)."""
-        keys = self.spans.alias_keys_of(prompt, spans)
-        return [o for o in self.storage.host_get(keys) if o is not None] if keys else []
 
     def chunk_sources(self, keys: Sequence[ChunkKey]) -> list[str]:
         """The tier name holding each of ``keys`` (``kvtier.core.engine.sources.chunk_sources``)."""
@@ -311,9 +304,11 @@ class CacheEngine:
     ) -> tuple[list[Transfer], torch.Tensor]:
         prompt = self.spans.prompt(tokens, scope)
         cpu_slots = self._slots(slot_mapping, len(prompt.arr)).cpu()
+        # Per token, whether any group has a slot; summed once, so a span's test is a subtraction.
+        seen = np.concatenate(([0], np.cumsum(written(cpu_slots).numpy())))
 
         def wanted(span: ChunkSpan) -> bool:
-            return bool(written(cpu_slots[..., span.start : span.end]).any())
+            return bool(seen[span.end] > seen[span.start])
 
         if hold is None:
             spans, objs = self._fetch_prefix([s for s in self.spans.hits(prompt) if wanted(s)])

@@ -3,6 +3,7 @@ or taken from a ``Hold``), each paired with the cache slots its object is writte
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -39,15 +40,36 @@ def load_transfers(
     """A ``Transfer`` of each object into the cache blocks of its span's slots, and the bool
     mask (one per token) of the tokens those transfers write (the span's slots that are not
     -1; for a hybrid engine's ``[groups, n]`` slots, those of any group). Slots must map whole
-    blocks (``span_blocks``) of each row's ``block_sizes``."""
+    blocks (``span_blocks``) of each row's ``block_sizes``. Each run of adjacent spans (a hit
+    is one) is read in one pass and cut per span: the work does not grow with its chunks."""
     mask = torch.zeros(cpu_slots.shape[-1], dtype=torch.bool)
+    sizes = list(block_sizes) if cpu_slots.dim() > 1 else [block_sizes[0]]
+    unit = math.lcm(*sizes)  # tokens of one block of rows
+    per_block = sum(unit // b for b in sizes)  # rows of one block
+    cuts: list[torch.Tensor] = []
+    for run in _runs(spans):
+        start, end = run[0].start, run[-1].end
+        rows = span_rows(cpu_slots, start, end, block_sizes)
+        mask[start:end] = written(cpu_slots[..., start:end])
+        for span in run:
+            first = (span.start - start) // unit * per_block
+            cuts.append(rows[first : first + span.num_tokens // unit * per_block])
     transfers = []
-    for span, obj in zip(spans, objs, strict=True):
-        blocks = span_rows(cpu_slots, span.start, span.end, block_sizes)
-        rows = obj.tensor.shape[0]
-        if rows > len(blocks):
+    for blocks, obj in zip(cuts, objs, strict=True):
+        n = obj.tensor.shape[0]
+        if n > len(blocks):
             # A prefix of a stored chunk (an alias hit): the rest of its blocks are skipped.
-            blocks = torch.cat([blocks, blocks.new_full((rows - len(blocks),), -1)])
+            blocks = torch.cat([blocks, blocks.new_full((n - len(blocks),), -1)])
         transfers.append(Transfer(obj, blocks))
-        mask[span.start : span.end] = written(cpu_slots[..., span.start : span.end])
     return transfers, mask
+
+
+def _runs(spans: Sequence[ChunkSpan]) -> list[list[ChunkSpan]]:
+    """``spans`` in runs of adjacent ones (each starting where the one before ends)."""
+    runs: list[list[ChunkSpan]] = []
+    for span in spans:
+        if runs and runs[-1][-1].end == span.start:
+            runs[-1].append(span)
+        else:
+            runs.append([span])
+    return runs

@@ -83,11 +83,6 @@ class SpanPlanner:
             for j, t in enumerate(prompt.tail_hashes(index), 1)
         ]
 
-    def alias_keys_of(self, prompt: PromptHashes, spans: Sequence[ChunkSpan]) -> list[ChunkKey]:
-        """The alias keys of the full chunks among ``spans`` (a hit, from token 0)."""
-        full = [s for s in spans if s.num_tokens == self.chunk_size]
-        return [k for i in range(len(full)) for k, _ in self.aliases(prompt, i)]
-
     # -- hits --------------------------------------------------------------------------------
     def hits(self, prompt: PromptHashes) -> list[ChunkSpan]:
         """The contiguous run of stored spans covering a prefix of the prompt."""

@@ -73,16 +73,12 @@ class Hold:
         objs: list[MemoryObj],
         digest: bytes,
         sources: list[str] | None = None,
-        pins: list[MemoryObj] | None = None,
         state: tuple[int, MemoryObj] | None = None,
         state_source: str = "",
     ) -> None:
         self.spans = spans
         self.objs = objs
         self.digest = digest  # ``PromptHashes.digest``: the tokens and scope it was taken for
-        # Other entries kept in host memory while held (the held chunks' alias entries: a chunk
-        # that survives eviction because it is held keeps its aliases too); never loaded.
-        self.pins: list[MemoryObj] = list(pins) if pins is not None else []
         # A state layout's state entry at the hit's end (``kvtier.core.engine.states``): (end, object),
         # and the tier it was read from.
         self.state = state
@@ -105,7 +101,7 @@ class Hold:
             if self._released:
                 return
             self._released = True
-        for obj in self.objs + self.pins:
+        for obj in self.objs:
             obj.release()
         if self.state is not None:
             self.state[1].release()

@@ -6,6 +6,11 @@ budget: when an allocation does not fit, the owner calls ``evict_one`` until it 
 O(1) per object (an ``OrderedDict`` in recency order) and skips objects that a reader or a
 pending lower-tier write still holds: dropping them would free no bytes, and a borrowed object is
 never freed under its reader anyway (its handle keeps the bytes alive).
+
+A full chunk's alias entries (``kvtier.core.keys.aliases``: a prompt diverging inside the chunk
+hits its first blocks through them) age with their chunk: ``put_chunk`` links them, every read
+of the chunk marks them recently used too, and none is evicted while its chunk is borrowed. So a
+hit does not hash or read each of its chunks' aliases to keep them.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ class HostObjectLRU:
         self._bytes = 0
         self._closed = False
         self._on_remove: list[Callable[[list[ChunkKey]], None]] = []
+        self._aliases: dict[ChunkKey, tuple[ChunkKey, ...]] = {}  # chunk -> its alias entries
+        self._chunk_of: dict[ChunkKey, ChunkKey] = {}  # alias entry -> its chunk
 
     def watch_removals(self, listener: Callable[[list[ChunkKey]], None]) -> None:
         """Call ``listener(keys)`` with the keys of entries evicted, removed or cleared (after
@@ -65,9 +72,48 @@ class HostObjectLRU:
                 obj = self._entries.get(k)
                 if obj is not None:
                     self._entries.move_to_end(k)
+                    for alias in self._aliases.get(k, ()):
+                        if alias in self._entries:
+                            self._entries.move_to_end(alias)
                     obj = obj.share()
                 out.append(obj)
         return out
+
+    def put_chunk(
+        self, key: ChunkKey, obj: MemoryObj, aliases: Sequence[tuple[ChunkKey, MemoryObj]]
+    ) -> None:
+        """``put`` a chunk and its alias entries, the aliases linked to it (module doc)."""
+        self.put([(key, obj), *aliases])
+        with self._lock:
+            if self._closed or key not in self._entries:
+                return
+            keys = tuple(k for k, _ in aliases)
+            for alias in self._aliases.pop(key, ()):
+                self._chunk_of.pop(alias, None)
+            if keys:
+                self._aliases[key] = keys
+                self._chunk_of.update((k, key) for k in keys)
+
+    def _unlink(self, key: ChunkKey) -> None:
+        """Forget ``key``'s links as a chunk (its aliases then age alone) and as an alias.
+        Under the lock."""
+        for alias in self._aliases.pop(key, ()):
+            self._chunk_of.pop(alias, None)
+        chunk = self._chunk_of.pop(key, None)
+        if chunk is not None:
+            rest = tuple(a for a in self._aliases.get(chunk, ()) if a != key)
+            if rest:
+                self._aliases[chunk] = rest
+            else:
+                self._aliases.pop(chunk, None)
+
+    def _borrowed(self, key: ChunkKey, obj: MemoryObj) -> bool:
+        """Whether a reader holds ``obj``, or the chunk ``key`` is an alias of. Under the lock."""
+        if obj.holders > 1:
+            return True
+        chunk = self._chunk_of.get(key)
+        owner = self._entries.get(chunk) if chunk is not None else None
+        return owner is not None and owner.holders > 1
 
     def put(self, items: Sequence[tuple[ChunkKey, MemoryObj]]) -> None:
         """Index a handle of its own on each object (the caller keeps theirs); a key already
@@ -82,6 +128,7 @@ class HostObjectLRU:
                 if old is not None:
                     self._bytes -= old.meta.nbytes
                     replaced.append(old)
+                    self._unlink(key)
                 self._entries[key] = mine
                 self._bytes += mine.meta.nbytes
         for old in replaced:
@@ -95,6 +142,7 @@ class HostObjectLRU:
                 if obj is not None:
                     self._bytes -= obj.meta.nbytes
                     gone.append((k, obj))
+                    self._unlink(k)
         for _, obj in gone:
             obj.release()
         self._removed([k for k, _ in gone])
@@ -102,16 +150,17 @@ class HostObjectLRU:
     def evict_one(self) -> bool:
         """Drop the least recently used entry that only this index holds; False if there is none.
 
-        A borrowed entry met on the way is moved to the recent end (it is in use), so each call
-        looks at every entry at most once.
+        A borrowed entry (or an alias of a borrowed chunk) met on the way is moved to the
+        recent end (it is in use), so each call looks at every entry at most once.
         """
         victim: MemoryObj | None = None
         with self._lock:
             for _ in range(len(self._entries)):
                 key, obj = next(iter(self._entries.items()))
-                if obj.holders == 1:
+                if not self._borrowed(key, obj):
                     del self._entries[key]
                     self._bytes -= obj.meta.nbytes
+                    self._unlink(key)
                     victim = obj
                     break
                 self._entries.move_to_end(key)
@@ -126,6 +175,8 @@ class HostObjectLRU:
         with self._lock:
             entries, self._entries = self._entries, OrderedDict()
             self._bytes = 0
+            self._aliases.clear()
+            self._chunk_of.clear()
         for obj in entries.values():
             obj.release()
         self._removed(list(entries))

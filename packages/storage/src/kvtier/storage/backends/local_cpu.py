@@ -50,6 +50,12 @@ class LocalCPUBackend(StorageBackend):
     def batched_put(self, items: Sequence[tuple[ChunkKey, MemoryObj]]) -> None:
         self._index.put(items)
 
+    def put_chunk(
+        self, key: ChunkKey, obj: MemoryObj, aliases: Sequence[tuple[ChunkKey, MemoryObj]]
+    ) -> None:
+        """A chunk and its alias entries, which age with it (``HostObjectLRU.put_chunk``)."""
+        self._index.put_chunk(key, obj, aliases)
+
     def remove(self, keys: Sequence[ChunkKey]) -> None:
         self._index.remove(keys)
 
