@@ -6,6 +6,7 @@ page (vLLM freed a window block) is not stored; a load skips the blocks a group 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -49,22 +50,53 @@ def engine(lay: KVLayout, views: list[torch.Tensor]) -> CacheEngine:
     return eng
 
 
-def tables(n_blocks: int, seed: int) -> list[list[int]]:
-    """One block table per group, disjoint (a block belongs to one group), never block 0."""
+@dataclass(frozen=True)
+class Geometry:
+    """A hybrid engine's groups and each one's block size (tokens)."""
+
+    groups: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def unit(self) -> int:  # kvtier's block: the largest here
+        return max(self.sizes)
+
+    def layout(self, paged: PagedLayout = PagedLayout.LBHNC) -> KVLayout:
+        sizes = self.sizes if len(set(self.sizes)) > 1 else ()
+        return dataclasses.replace(layout(paged), groups=self.groups, group_block_sizes=sizes)
+
+
+# Stage 1: a window group and a full group of one block size. Gemma 4: window groups whose
+# blocks are 4x the full group's (vLLM evened their pages out); kvtier's block is the window
+# block, holding a section per group.
+STAGE1 = Geometry(GROUPS, (BLOCK, BLOCK))
+GEMMA4 = Geometry(
+    ("SlidingWindowSpec/32", "SlidingWindowSpec/32", "FullAttentionSpec"),
+    (4 * BLOCK, 4 * BLOCK, BLOCK),
+)
+
+
+def tables(geo: Geometry, n_tokens: int, seed: int) -> list[list[int]]:
+    """One block table per group, each of its own block size, disjoint (a block belongs to one
+    group), never block 0."""
     ids = torch.randperm(NUM_BLOCKS - 1, generator=torch.Generator().manual_seed(seed)) + 1
-    ids = ids.tolist()
-    return [ids[:n_blocks], ids[n_blocks : 2 * n_blocks]]
+    out, at = [], 0
+    for size in geo.sizes:
+        n = -(-n_tokens // size)
+        out.append(ids[at : at + n].tolist())
+        at += n
+    return out
 
 
-def slots(table: list[list[int]], n: int, nulls: int = 0) -> torch.Tensor:
-    """``[groups, n]`` slots; the first ``nulls`` blocks of group 0 (the window) have none."""
+def slots(geo: Geometry, table: list[list[int]], n: int, nulls: int = 0) -> torch.Tensor:
+    """``[groups, n]`` slots, each group's of its own block size; the window groups have none
+    for their blocks before token ``nulls * geo.unit``."""
     pos = torch.arange(n)
     rows = []
-    for g, ids in enumerate(table):
-        blocks = torch.tensor(ids)[pos // BLOCK]
-        row = blocks * BLOCK + pos % BLOCK
-        if g == 0:
-            row[: nulls * BLOCK] = -1
+    for ids, size, kind in zip(table, geo.sizes, geo.groups, strict=True):
+        row = torch.tensor(ids)[pos // size] * size + pos % size
+        if kind.startswith("Sliding"):
+            row[: nulls * geo.unit] = -1
         rows.append(row)
     return torch.stack(rows)
 
@@ -79,37 +111,38 @@ def filled(lay: KVLayout, seed: int) -> list[torch.Tensor]:
 
 @settings(max_examples=25, deadline=None)
 @given(
-    blocks=st.integers(1, 12),
-    nulls=st.integers(0, 12),
+    geo=st.sampled_from([STAGE1, GEMMA4]),
+    blocks=st.integers(1, 5),
+    nulls=st.integers(0, 5),
     seed=st.integers(0, 1000),
     paged=st.sampled_from([PagedLayout.LBHNC, PagedLayout.BLNHC, PagedLayout.LHBNC]),
 )
 def test_every_groups_pages_come_back_into_each_groups_blocks(
-    blocks: int, nulls: int, seed: int, paged: PagedLayout
+    geo: Geometry, blocks: int, nulls: int, seed: int, paged: PagedLayout
 ) -> None:
-    """Store a prompt with every group's slots; load it into other tables whose window group
-    lacks its first ``nulls`` blocks (as vLLM allocates for a hit): each group's block gets the
-    page that group stored there, the skipped ones and every other block stay as they were."""
-    lay = layout(paged)
-    n = blocks * BLOCK + 1  # the last token is never stored (n - 1 rule of the engine's caller)
+    """Store a prompt with every group's slots; load it into other tables whose window groups
+    lack their first ``nulls`` kvtier blocks (as vLLM allocates for a hit): each group's block,
+    of its own size, gets the page that group stored there, the skipped ones and every other
+    block stay as they were. With Gemma 4's geometry a kvtier block holds a section per group."""
+    lay = geo.layout(paged)
+    n = blocks * geo.unit + 1  # the last token is never stored (the engine caller's n - 1 rule)
     tokens = list(range(7, 7 + n))
     src = filled(lay, seed)
     eng = engine(lay, src)
-    before = tables(blocks + 1, seed)
-    assert eng.store(tokens, slots(before, n)) == blocks * BLOCK
+    before = tables(geo, n, seed)
+    assert eng.store(tokens, slots(geo, before, n)) == blocks * geo.unit
     original = [v.clone() for v in src]
-    after = tables(blocks + 1, seed + 1)
+    after = tables(geo, n, seed + 1)
     for v in src:  # another request's KV everywhere
         v.copy_(torch.randn(v.shape).to(lay.torch_dtype))
     untouched = [v.clone() for v in src]
     nulls = min(nulls, blocks)
-    mask = eng.retrieve(tokens, slots(after, n, nulls))
-    assert int(mask.sum()) == blocks * BLOCK
+    mask = eng.retrieve(tokens, slots(geo, after, n, nulls))
+    assert int(mask.sum()) == blocks * geo.unit
     written = set()
-    for g in range(2):
-        for i in range(blocks):
-            if g == 0 and i < nulls:
-                continue
+    for g, (size, kind) in enumerate(zip(geo.sizes, geo.groups, strict=True)):
+        skipped = nulls * geo.unit // size if kind.startswith("Sliding") else 0
+        for i in range(skipped, blocks * geo.unit // size):
             b, a = before[g][i], after[g][i]
             written.add(a)
             for layer in range(lay.num_layers):
@@ -125,8 +158,8 @@ def test_a_chunk_missing_a_window_page_is_not_stored() -> None:
     lay = layout()
     n = 3 * CHUNK + 1
     eng = engine(lay, filled(lay, 0))
-    table = tables(3 * CHUNK // BLOCK + 1, 0)
-    stored = eng.store(list(range(n)), slots(table, n, nulls=CHUNK // BLOCK + 1))
+    table = tables(STAGE1, n, 0)
+    stored = eng.store(list(range(n)), slots(STAGE1, table, n, nulls=CHUNK // BLOCK + 1))
     assert stored == CHUNK  # chunk 0 and chunk 1 miss window pages; chunk 2 is whole
     assert [eng.storage.contains([s.key])[0] for s in eng.full_spans(list(range(n)))] == [
         False,
@@ -151,92 +184,13 @@ def test_one_group_layouts_keep_their_chunks_and_keys() -> None:
     assert hybrid.chunk_shape(CHUNK)[0] == 2 * single.chunk_shape(CHUNK)[0]
 
 
-# Gemma 4's geometry: window groups whose blocks are 4x the full-attention group's (vLLM evened
-# their pages out); kvtier's block is the window block, holding a section per group.
-G4_GROUPS = ("SlidingWindowSpec/32", "SlidingWindowSpec/32", "FullAttentionSpec")
-G4_SIZES = (4 * BLOCK, 4 * BLOCK, BLOCK)
-G4_UNIT = 4 * BLOCK
-
-
-def g4_layout(paged: PagedLayout) -> KVLayout:
-    return dataclasses.replace(layout(paged), groups=G4_GROUPS, group_block_sizes=G4_SIZES)
-
-
-def g4_tables(n_tokens: int, seed: int) -> list[list[int]]:
-    """One block table per group, each of its own block size, disjoint, never block 0."""
-    ids = torch.randperm(NUM_BLOCKS - 1, generator=torch.Generator().manual_seed(seed)) + 1
-    out, at = [], 0
-    for size in G4_SIZES:
-        n = -(-n_tokens // size)
-        out.append(ids[at : at + n].tolist())
-        at += n
-    return out
-
-
-def g4_slots(table: list[list[int]], n: int, nulls: int = 0) -> torch.Tensor:
-    """``[groups, n]`` slots, each group's of its own block size; the window groups' first
-    ``nulls`` blocks have none."""
-    pos = torch.arange(n)
-    rows = []
-    for ids, size, kind in zip(table, G4_SIZES, G4_GROUPS, strict=True):
-        row = torch.tensor(ids)[pos // size] * size + pos % size
-        if kind.startswith("Sliding"):
-            row[: nulls * size] = -1
-        rows.append(row)
-    return torch.stack(rows)
-
-
-@settings(max_examples=25, deadline=None)
-@given(
-    blocks=st.integers(1, 5),
-    nulls=st.integers(0, 5),
-    seed=st.integers(0, 1000),
-    paged=st.sampled_from([PagedLayout.LBHNC, PagedLayout.BLNHC]),
-)
-def test_groups_of_several_block_sizes_come_back_into_their_own_blocks(
-    blocks: int, nulls: int, seed: int, paged: PagedLayout
-) -> None:
-    """Gemma 4's sections: each group's blocks, of its own size, are stored with the kvtier
-    block that covers them and come back into that group's blocks of another table (the window
-    groups lacking their first ``nulls`` blocks, as vLLM allocates for a hit); the skipped ones
-    and every other block stay as they were."""
-    lay = g4_layout(paged)
-    n = blocks * G4_UNIT + 1
-    tokens = list(range(7, 7 + n))
-    src = filled(lay, seed)
-    eng = engine(lay, src)
-    before = g4_tables(n, seed)
-    assert eng.store(tokens, g4_slots(before, n)) == blocks * G4_UNIT
-    original = [v.clone() for v in src]
-    after = g4_tables(n, seed + 1)
-    for v in src:  # another request's KV everywhere
-        v.copy_(torch.randn(v.shape).to(lay.torch_dtype))
-    untouched = [v.clone() for v in src]
-    nulls = min(nulls, blocks)
-    mask = eng.retrieve(tokens, g4_slots(after, n, nulls))
-    assert int(mask.sum()) == blocks * G4_UNIT
-    written = set()
-    for g, (size, kind) in enumerate(zip(G4_SIZES, G4_GROUPS, strict=True)):
-        skipped = nulls * G4_UNIT // size if kind.startswith("Sliding") else 0
-        for i in range(blocks * G4_UNIT // size):
-            if i < skipped:
-                continue
-            b, a = before[g][i], after[g][i]
-            written.add(a)
-            for layer in range(lay.num_layers):
-                assert torch.equal(src[layer][a], original[layer][b]), (g, i, layer)
-    for b in set(range(NUM_BLOCKS)) - written:
-        for layer in range(lay.num_layers):
-            assert torch.equal(src[layer][b], untouched[layer][b]), (b, layer)
-
-
 def test_a_slot_past_its_groups_blocks_is_refused() -> None:
     """Each group's slots are checked against its own block size: a full-attention slot past
     the cache's blocks of 16 tokens is an error even though a window group's slots go higher."""
-    lay = g4_layout(PagedLayout.LBHNC)
+    lay = GEMMA4.layout()
     eng = engine(lay, filled(lay, 0))
-    n = G4_UNIT + 1
-    bad = g4_slots(g4_tables(n, 0), n)
+    n = GEMMA4.unit + 1
+    bad = slots(GEMMA4, tables(GEMMA4, n, 0), n)
     bad[2, 0] = NUM_BLOCKS * BLOCK  # one past the full group's last slot
     with pytest.raises(ValueError, match="out of range"):
         eng.store(list(range(n)), bad)

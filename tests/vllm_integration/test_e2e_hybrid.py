@@ -1,44 +1,72 @@
-"""A hybrid model through real vLLM on CPU (issue 38): Gemma 3, layers alternating sliding
-window (64 tokens) and full attention, which vLLM serves with its hybrid memory allocator on
-(two KV cache groups) because kvtier supports it (``SupportsHMA``).
+"""Hybrid models through real vLLM on CPU, served with vLLM's hybrid memory allocator on because
+kvtier supports it (``SupportsHMA``):
 
-kvtier stores every group's pages of each chunk (``kvtier.vllm_integration.groups``), so a hit
-of any whole-block length gives both groups what vLLM's hybrid rule asks for. The reference is
-vLLM's own prefix cache, no kvtier, in the same mode, hitting the same blocks of the same
-prompts; with ``prefix_cache_retention_interval=None`` vLLM keeps its window blocks at every
-block, so it hits SHARED's 384 shared tokens as kvtier does (by default it keeps them only at a
+- Gemma 3 (issue 38): layers alternating sliding window (64 tokens) and full attention, two KV
+  cache groups of one block size (32); kvtier stores every group's pages of each chunk
+  (``kvtier.vllm_integration.groups``), so a hit of any whole-block length serves both groups.
+- Gemma 4 (issue 56): five sliding-window layers (head 64, window 64) to one full-attention layer
+  (head 512), which vLLM serves as six groups of one layer each over one allocation, the window
+  groups with blocks of 256 tokens and the full group with blocks of 32 (pages of one size).
+  kvtier's block is then 256 tokens (the groups' least common block size, where vLLM's own
+  hybrid prefix cache hits too) and each stored block holds a section per group
+  (``KVLayout.group_block_sizes``).
+
+The reference is vLLM's own prefix cache, no kvtier, in the same mode, hitting the same blocks of
+the same prompts; with ``prefix_cache_retention_interval=None`` vLLM keeps its window blocks at
+every block, so it hits SHARED's shared tokens as kvtier does (by default it keeps them only at a
 prompt's replay boundary and hits nothing of SHARED). Tokens and logprobs must be equal.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
-from prompts import (
-    DOC,
-    FLUSH,
-    FULL_HIT,
-    OTHER,
-    PARTIAL_HIT,
-    SHARED,
-    STATS,
-    gen,
-    loaded_after_each,
-)
+from prompts import DOC, FLUSH, FULL_HIT, OTHER, SHARED, STATS, gen, loaded_after_each
 
 pytestmark = [pytest.mark.vllm]
 
 EXT = DOC + [5, 6, 7, 8] * 20  # DOC continued (a second turn): hits DOC's stored prefix
 INFO = {"op": "engine_info"}
-GROUPS = ["SlidingWindowSpec", "FullAttentionSpec"]
 HOST = {"tiers": ["local_cpu"], "local_cpu_size_gb": 0.25}
 
 
-@pytest.fixture(scope="module")
-def hybrid_reference(run_engine, hybrid_model_dir) -> dict[str, dict]:
-    """vLLM's own prefix cache on the hybrid model, no kvtier: DOC cold, then DOC, SHARED,
-    EXT and OTHER twice, each hitting what a kvtier hit loads."""
+@dataclass(frozen=True)
+class Model:
+    """A hybrid test model and what its hits are."""
+
+    name: str
+    fixture: str  # the session fixture that builds it
+    groups: list[str]  # vLLM's KV cache groups
+    block: int  # kvtier's block, the hit granularity (vLLM's own hybrid prefix cache's too)
+    window_group: int  # a window group's section, zeroed in a negative control
+    full_group: int  # the full-attention group's
+    verify_group: int  # the group whose section verification must catch zeroed
+    doc_entries: int  # entries DOC is stored as (chunks and tail blocks), at least
+
+    def hit(self, prompt_len: int, shared: int | None = None) -> int:
+        """The tokens a repeat of a stored prompt hits (``shared``: of a prompt sharing that
+        many tokens with it)."""
+        n = prompt_len - 1 if shared is None else shared
+        return n // self.block * self.block
+
+
+GEMMA3 = Model(
+    "gemma3", "hybrid_model_dir", ["SlidingWindowSpec", "FullAttentionSpec"], 32, 0, 1, 0, 3
+)
+GEMMA4 = Model(
+    "gemma4", "gemma4_model_dir", ["SlidingWindowSpec"] * 5 + ["FullAttentionSpec"], 256, 4, 5, 5, 2
+)
+
+
+@pytest.fixture(scope="module", params=[GEMMA3, GEMMA4], ids=lambda m: m.name)
+def hybrid(request, run_engine) -> tuple[Model, str, dict[str, dict]]:
+    """A model, its directory, and vLLM's own prefix cache on it, no kvtier: DOC cold, then
+    DOC, SHARED, EXT and OTHER twice, each hitting what a kvtier hit loads."""
+    m: Model = request.param
+    model = str(request.getfixturevalue(m.fixture))
     spec = {
-        "model": str(hybrid_model_dir),
+        "model": model,
         "kvtier": None,
         "prefix_caching": True,
         "prefix_cache_retention_interval": None,
@@ -46,36 +74,40 @@ def hybrid_reference(run_engine, hybrid_model_dir) -> dict[str, dict]:
     }
     steps = [INFO, gen(DOC), gen(DOC), gen(SHARED), gen(EXT), gen(OTHER), gen(OTHER)]
     info, *out = run_engine({**spec, "steps": steps})
-    assert info["kv_cache_groups"] == GROUPS  # HMA on: vLLM's two groups
+    assert info["kv_cache_groups"] == m.groups  # HMA on: vLLM's groups
     cached = [r.pop("cached_tokens") for r in out]
-    assert cached == [0, FULL_HIT, PARTIAL_HIT, FULL_HIT, 0, (len(OTHER) - 1) // 32 * 32]
-    return dict(zip(("cold", "doc", "shared", "ext", "other_cold", "other"), out, strict=True))
+    full = m.hit(len(DOC))
+    assert cached == [0, full, m.hit(len(SHARED), 400), full, 0, m.hit(len(OTHER))]
+    ref = dict(zip(("cold", "doc", "shared", "ext", "other_cold", "other"), out, strict=True))
+    return m, model, ref
 
 
-def test_hits_equal_vllms_prefix_cache_with_hma_on(
-    run_engine, hybrid_model_dir, hybrid_reference
-) -> None:
+def test_the_models_output_follows_its_context(hybrid) -> None:
+    """The fixture model is useful for comparing outputs: two prompts, two answers."""
+    _, _, ref = hybrid
+    assert ref["cold"]["tokens"] != ref["other_cold"]["tokens"]
+
+
+def test_hits_equal_vllms_prefix_cache_with_hma_on(run_engine, hybrid) -> None:
     """Cold, full, partial (a prompt diverging inside a chunk) and multi-turn hits from host
-    memory, with vLLM's hybrid memory allocator on (two groups, as without kvtier)."""
+    memory, with vLLM's hybrid memory allocator on (the same groups as without kvtier)."""
+    m, model, ref = hybrid
     steps = [INFO, gen(DOC), STATS, gen(DOC), STATS, gen(SHARED), STATS, gen(EXT), STATS]
-    info, *out = run_engine(
-        {"model": str(hybrid_model_dir), "kvtier": HOST, "steps": steps, "log_stats": True}
-    )
-    assert info["kv_cache_groups"] == GROUPS and info["connector"] == "KVTierConnector"
-    assert loaded_after_each(out) == [0, FULL_HIT, PARTIAL_HIT, FULL_HIT]
-    ref = hybrid_reference
+    info, *out = run_engine({"model": model, "kvtier": HOST, "steps": steps, "log_stats": True})
+    assert info["kv_cache_groups"] == m.groups and info["connector"] == "KVTierConnector"
+    full = m.hit(len(DOC))
+    assert loaded_after_each(out) == [0, full, m.hit(len(SHARED), 400), full]
     assert out[0::2] == [ref["cold"], ref["doc"], ref["shared"], ref["ext"]]
     stats = out[-1]
     assert stats["load_failed_blocks"] == 0 and stats["save_errors"] == 0
 
 
-def test_verification_compares_every_groups_pages(
-    run_engine, hybrid_model_dir, hybrid_reference
-) -> None:
+def test_verification_compares_every_groups_pages(run_engine, hybrid) -> None:
     """``verify_fraction`` 1.0: a hit is recomputed instead of loaded and every page vLLM still
-    holds (both groups' pages of the blocks it computed) is compared with the stored chunk. A
-    right cache raises no alarm (the answer is the cold one); OTHER with only its
-    sliding-window pages zeroed is caught."""
+    holds (every group's pages of the blocks it computed) is compared with the stored chunk. A
+    right cache raises no alarm (the answer is the cold one); OTHER with only one group's
+    pages zeroed is caught."""
+    m, model, ref = hybrid
     kvtier = {**HOST, "verify_fraction": 1.0}
     steps = [
         gen(DOC),
@@ -83,51 +115,49 @@ def test_verification_compares_every_groups_pages(
         FLUSH,
         STATS,
         gen(OTHER),
-        {"op": "corrupt", "prompt": OTHER, "salt": None, "group": 0},
+        {"op": "corrupt", "prompt": OTHER, "salt": None, "group": m.verify_group},
         gen(OTHER),
         FLUSH,
         STATS,
     ]
-    out = run_engine({"model": str(hybrid_model_dir), "kvtier": kvtier, "steps": steps})
+    out = run_engine({"model": model, "kvtier": kvtier, "steps": steps})
     cold, checked, right, wrong = out[0], out[1], out[3], out[8]
-    assert cold == checked == hybrid_reference["cold"]
-    assert right["verify_chunks"] >= 3 and right["verify_mismatches"] == 0, right
+    assert cold == checked == ref["cold"]
+    assert right["verify_chunks"] >= m.doc_entries and right["verify_mismatches"] == 0, right
     assert wrong["verify_mismatches"] >= 1, wrong
 
 
-def test_restart_from_disk_and_one_groups_pages_matter(
-    run_engine, hybrid_model_dir, hybrid_reference, tmp_path
-) -> None:
-    """A new engine on the same disk loads DOC's chunks (both groups' pages) and answers as
-    vLLM's prefix cache; zeroing only the sliding-window group's pages of a stored prompt, or
+def test_restart_from_disk_and_each_groups_pages_matter(run_engine, hybrid, tmp_path) -> None:
+    """A new engine on the same disk loads DOC's chunks (every group's pages) and answers as
+    vLLM's prefix cache; zeroing only a sliding-window group's pages of a stored prompt, or
     only the full-attention group's, changes the answer (the negative controls: each group's
-    pages are loaded and used)."""
+    pages are loaded into its own blocks and used)."""
+    m, model, ref = hybrid
     tiers = {
         "tiers": ["local_cpu", "local_disk"],
         "local_cpu_size_gb": 0.25,
         "local_disk_path": str(tmp_path / "disk"),
     }
-    model = str(hybrid_model_dir)
     first = run_engine({"model": model, "kvtier": tiers, "steps": [gen(DOC), FLUSH]})
-    assert first[0] == hybrid_reference["cold"]
+    assert first[0] == ref["cold"]
     steps = [
         gen(DOC),
         STATS,
-        {"op": "corrupt", "prompt": DOC, "salt": None, "group": 0},  # the sliding group's pages
+        {"op": "corrupt", "prompt": DOC, "salt": None, "group": m.window_group},
         gen(DOC),
         gen(OTHER),
-        {"op": "corrupt", "prompt": OTHER, "salt": None, "group": 1},  # the full group's
+        {"op": "corrupt", "prompt": OTHER, "salt": None, "group": m.full_group},
         gen(OTHER),
     ]
     again, stats, zeroed_window, window_out, other_cold, zeroed_full, full_out = run_engine(
         {"model": model, "kvtier": tiers, "steps": steps}
     )
-    assert again == hybrid_reference["doc"]
-    assert stats["loaded_tokens"] == FULL_HIT
-    assert zeroed_window >= 3 and zeroed_full >= 1  # DOC: 2 chunks and tail blocks
-    assert other_cold == hybrid_reference["other_cold"]
+    assert again == ref["doc"]
+    assert stats["loaded_tokens"] == m.hit(len(DOC))
+    assert zeroed_window >= m.doc_entries and zeroed_full >= 1
+    assert other_cold == ref["other_cold"]
     for wrong, right in ((window_out, "doc"), (full_out, "other")):
-        assert wrong != hybrid_reference[right]
+        assert wrong != ref[right]
 
 
 def test_freed_window_blocks_are_not_read_after_reuse(run_engine, hybrid_model_dir) -> None:

@@ -3,8 +3,7 @@ a model with a recurrent state and no attention (pure Mamba) configured with kvt
 vLLM builds its config, naming the model and why (docs/hybrid.md); an attention + Mamba hybrid
 starts (test_e2e_mamba.py) unless vLLM keeps no state it can take a hit into (prefix caching
 off). Plain attention models and sliding-window hybrids (served with vLLM's hybrid memory
-allocator on: test_e2e_hybrid.py, and Gemma 4's groups of several block sizes:
-test_e2e_gemma4.py) start."""
+allocator on, Gemma 4's groups of several block sizes included: test_e2e_hybrid.py) start."""
 
 from __future__ import annotations
 
