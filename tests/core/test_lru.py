@@ -153,6 +153,8 @@ class LRUMachine(RuleBasedStateMachine):
             handle.release()  # type: ignore[attr-defined]
         self.lru.close()
         assert self.arena.used_bytes == 0
+        # No link outlives its entries (a leak has no public surface: the maps themselves).
+        assert not self.lru._aliases and not self.lru._chunk_of
         obj = self.arena.allocate(META)
         assert obj is not None
         self.lru.put([(key(0), obj)])  # after close nothing is kept

@@ -493,3 +493,64 @@ def test_kv_events_name_each_groups_own_blocks() -> None:
     assert stored[0].block_hashes == [h(15)]  # tokens 256-511: hash 15 covers them all
     assert stored[2].block_hashes == [h(i) for i in range(8, 16)]
     assert all(e.parent_block_hash == h(7) for e in stored)
+
+
+def test_only_groups_of_another_geometry_are_evened() -> None:
+    """Full and sliding-window groups of one geometry keep their names, so their fingerprint
+    and stored chunks (differing in kind is not a geometry); a head size, block size or
+    interior writer of its own makes the groups evened (each named with its geometry)."""
+    from kvtier.vllm_integration.layout import CacheSpec, evened_groups
+
+    full = CacheSpec(32, 2, 64, 256, False, "FullAttentionSpec")
+    window = CacheSpec(32, 2, 64, 256, False, "SlidingWindowSpec")
+    gemma4_full = CacheSpec(32, 2, 512, 2048, False, "FullAttentionSpec")
+    gemma4_window = CacheSpec(256, 2, 64, 256, False, "SlidingWindowSpec")
+    assert not evened_groups([window, full], ["CPU_ATTN/vec"] * 2)
+    assert evened_groups([gemma4_window, gemma4_full], ["CPU_ATTN/vec"] * 2)
+    assert evened_groups([window, full], ["CPU_ATTN/vec", "CPU_ATTN/vec16"])
+
+
+def _views(order: str, shapes: list[tuple[int, int, int]], blocks: int = 8) -> list[torch.Tensor]:
+    """Logical ``[B, H, N, C]`` views over one buffer of ``blocks`` pages, one per shape
+    ``(H, N, C)`` (every page the same bytes), laid out ``NHD`` (a block's page one run,
+    token-major) or ``head-outer`` (one run per head, heads across the blocks)."""
+    page = shapes[0][0] * shapes[0][1] * shapes[0][2]
+    buf = torch.zeros(blocks * page, dtype=torch.bfloat16)
+    out = []
+    for h, n, c in shapes:
+        assert h * n * c == page
+        if order == "NHD":
+            strides = (page, c, h * c, 1)
+        else:  # heads outermost: [H, B, N, C] in memory
+            strides = (n * c, blocks * n * c, c, 1)
+        out.append(buf.as_strided((blocks, h, n, c), strides))
+    return out
+
+
+@pytest.mark.parametrize("order", ["NHD", "head-outer"])
+def test_evened_groups_share_a_view_only_where_each_page_is_one_run(order: str) -> None:
+    """Gemma 4's window and full views over one allocation: in an NHD layout (vLLM's default
+    for backends that declare none, FlashAttention's) each block's page is one run of bytes in
+    both views, so the mover reads the window group's pages through the full group's view; in
+    a head-outer layout a block is one run per head, which two head counts would split apart:
+    refused by name."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from kvtier.vllm_integration.groups import shared_views
+
+    window = SlidingWindowSpec(
+        block_size=512, num_kv_heads=1, head_size=64, dtype=torch.bfloat16, sliding_window=64
+    )
+    full_spec = FullAttentionSpec(
+        block_size=32, num_kv_heads=2, head_size=512, dtype=torch.bfloat16
+    )
+    cfg = config(window, full_spec, layers=1)
+    names = [g.layer_names[0] for g in cfg.kv_cache_groups]
+    views = _views(order, [(1, 512, 128), (2, 32, 1024)])  # pages of 64 Ki elements each
+    caches = dict(zip(names, views, strict=True))
+    if order == "NHD":
+        reps, position = shared_views(cfg, caches, 1, evened=True)
+        assert reps == [names[1]] and position == {names[0]: 0, names[1]: 0}
+    else:
+        with pytest.raises(LayoutError, match="do not share their pages"):
+            shared_views(cfg, caches, 1, evened=True)

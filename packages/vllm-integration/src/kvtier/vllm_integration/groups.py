@@ -235,20 +235,32 @@ def hash_block_size(vllm_config: Any, kv_cache_config: Any, default: int) -> int
         return default
 
 
+def _run_bytes(block: torch.Tensor) -> int | None:
+    """The bytes of ``block`` (one block of a view) when its elements fill one run of memory
+    from its first byte, in any order of its dimensions (vLLM's NHD and HND pages both do);
+    None when they do not (a head-outer layout's page is one run per head)."""
+    expected = 1
+    dims = zip(block.stride(), block.shape, strict=True)
+    for stride, size in sorted((st, sz) for st, sz in dims if sz != 1):
+        if stride != expected:
+            return None
+        expected *= size
+    return expected * block.element_size()
+
+
 def _holds_state(state: torch.Tensor, page: torch.Tensor, *, whole: bool = False) -> bool:
     """Whether the Mamba view ``state`` keeps each block's state in the first bytes of the
     same block's page of the attention view ``page``: one address, one block stride, pages
     that are one run of bytes at least as long as a state (``whole``: as long as the page,
     for two attention views of different shapes over the same pages)."""
     size = state.element_size()
-    state_bytes = state[0].numel() * size
-    page_bytes = page[0].numel() * page.element_size()
+    state_bytes, page_bytes = _run_bytes(state[0]), _run_bytes(page[0])
     return (
-        state.data_ptr() == page.data_ptr()
+        state_bytes is not None
+        and page_bytes is not None
+        and state.data_ptr() == page.data_ptr()
         and state.shape[0] == page.shape[0]
         and state.stride(0) * size == page.stride(0) * page.element_size()
-        and state[0].is_contiguous()
-        and page[0].is_contiguous()
         and (state_bytes == page_bytes if whole else state_bytes <= page_bytes)
     )
 

@@ -109,6 +109,14 @@ def group_spec(kv_cache_config: KVCacheConfig, layer_names: Sequence[str]) -> Ca
     return CacheSpec.of(spec)
 
 
+def evened_groups(specs: Sequence[CacheSpec], writers: Sequence[str]) -> bool:
+    """Whether the groups' pages differ in geometry or interior writer (vLLM evened their
+    sizes out with different block sizes: Gemma 4), not only in kind (full attention and
+    sliding window of one geometry stay as they were, their fingerprints too)."""
+    shapes = {dataclasses.replace(s, kind="") for s in specs}
+    return len(shapes) > 1 or len(set(writers)) > 1
+
+
 def page_bytes(spec: CacheSpec) -> int:
     """Bytes of one layer's block of a cache with ``spec``."""
     return spec.num_heads * spec.block_size * spec.content_bytes
@@ -258,7 +266,7 @@ def read_registration(
         for g, s in zip(rows, specs, strict=True)
     ]
     kinds = [groups.kinds[g] for g in rows]
-    evened = any(s != specs[0] for s in specs) or len(set(writers)) > 1
+    evened = evened_groups(specs, writers)
     for kind, other in zip(kinds, specs, strict=True):
         differ = [
             f.name

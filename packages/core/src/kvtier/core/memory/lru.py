@@ -79,21 +79,6 @@ class HostObjectLRU:
                 out.append(obj)
         return out
 
-    def put_chunk(
-        self, key: ChunkKey, obj: MemoryObj, aliases: Sequence[tuple[ChunkKey, MemoryObj]]
-    ) -> None:
-        """``put`` a chunk and its alias entries, the aliases linked to it (module doc)."""
-        self.put([(key, obj), *aliases])
-        with self._lock:
-            if self._closed or key not in self._entries:
-                return
-            keys = tuple(k for k, _ in aliases)
-            for alias in self._aliases.pop(key, ()):
-                self._chunk_of.pop(alias, None)
-            if keys:
-                self._aliases[key] = keys
-                self._chunk_of.update((k, key) for k in keys)
-
     def _unlink(self, key: ChunkKey) -> None:
         """Forget ``key``'s links as a chunk (its aliases then age alone) and as an alias.
         Under the lock."""
@@ -120,19 +105,38 @@ class HostObjectLRU:
         indexed is replaced. After ``close`` nothing is kept."""
         replaced: list[MemoryObj] = []
         with self._lock:
-            if self._closed:
-                return
-            for key, obj in items:
-                mine = obj.share()
-                old = self._entries.pop(key, None)
-                if old is not None:
-                    self._bytes -= old.meta.nbytes
-                    replaced.append(old)
-                    self._unlink(key)
-                self._entries[key] = mine
-                self._bytes += mine.meta.nbytes
+            self._put(items, replaced)
         for old in replaced:
             old.release()
+
+    def put_chunk(
+        self, key: ChunkKey, obj: MemoryObj, aliases: Sequence[tuple[ChunkKey, MemoryObj]]
+    ) -> None:
+        """``put`` a chunk and its alias entries, the aliases linked to it (module doc)."""
+        replaced: list[MemoryObj] = []
+        with self._lock:
+            if self._put([(key, obj), *aliases], replaced):
+                keys = tuple(k for k, _ in aliases)
+                if keys:
+                    self._aliases[key] = keys
+                    self._chunk_of.update((k, key) for k in keys)
+        for old in replaced:
+            old.release()
+
+    def _put(self, items: Sequence[tuple[ChunkKey, MemoryObj]], replaced: list[MemoryObj]) -> bool:
+        """``put``'s work, under the lock; False after ``close`` (nothing kept)."""
+        if self._closed:
+            return False
+        for key, obj in items:
+            mine = obj.share()
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= old.meta.nbytes
+                replaced.append(old)
+                self._unlink(key)
+            self._entries[key] = mine
+            self._bytes += mine.meta.nbytes
+        return True
 
     def remove(self, keys: Sequence[ChunkKey]) -> None:
         gone: list[tuple[ChunkKey, MemoryObj]] = []

@@ -19,7 +19,7 @@ def index_capacity(engine: CacheEngine) -> int:
     cfg = engine.config
     size_gb = cfg.local_cpu_size_gb + (cfg.local_disk_size_gb if "local_disk" in cfg.tiers else 0)
     chunk = max(1, engine.layout.chunk_nbytes(engine.chunk_size))
-    per_chunk = max(1, engine.chunk_size // engine.layout.block_size)
+    per_chunk = max(1, engine.chunk_size // engine.layout.block_tokens)
     return max(4096, 4 * per_chunk * int(size_gb * (1 << 30) / chunk))
 
 
