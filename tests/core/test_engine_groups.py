@@ -185,12 +185,17 @@ def test_one_group_layouts_keep_their_chunks_and_keys() -> None:
 
 
 def test_a_slot_past_its_groups_blocks_is_refused() -> None:
-    """Each group's slots are checked against its own block size: a full-attention slot past
-    the cache's blocks of 16 tokens is an error even though a window group's slots go higher."""
+    """Each group's slots are checked against its own block size: a window group's slots in the
+    cache's last block (of 64 tokens) go past every slot of the full group's 16-token blocks
+    and are fine; a full-attention slot one past its last is an error."""
     lay = GEMMA4.layout()
     eng = engine(lay, filled(lay, 0))
     n = GEMMA4.unit + 1
-    bad = slots(GEMMA4, tables(GEMMA4, n, 0), n)
+    # The cache's last blocks for the window groups: slots past NUM_BLOCKS * BLOCK.
+    good = slots(GEMMA4, [[63, 61], [62, 60], [1, 2, 3, 4, 5]], n)
+    assert int(good[0].max()) >= NUM_BLOCKS * BLOCK
+    assert eng.store(list(range(n)), good) == GEMMA4.unit
+    bad = slots(GEMMA4, tables(GEMMA4, n, 1), n)
     bad[2, 0] = NUM_BLOCKS * BLOCK  # one past the full group's last slot
     with pytest.raises(ValueError, match="out of range"):
         eng.store(list(range(n)), bad)
