@@ -31,8 +31,11 @@ loader thread: vLLM recomputes from the first block not loaded (``kv_load_failur
 step's save of the request would store the blocks the load did not fill: the workers drop it
 (``WorkerLoads.take_unfilled``) and the scheduler saves the request again after the recompute
 (``TrackedRequest.failed_load``, ``short``). With vLLM's async scheduling the next step is
-scheduled before the failure is known, and its save could still read those blocks: there a hit
-answered by the index loads on the loader thread (a probe's hold never falls short).
+scheduled before the failure is known, and its save could still read those blocks; vLLM 0.32's
+recompute of a failed synchronous load does not mark that step's output stale either (only
+preemption does, ``num_stale_output_tokens``), so its token would come from the unfilled
+blocks. There a hit answered by the index loads on the loader thread (a probe's hold never
+falls short).
 """
 
 from __future__ import annotations
