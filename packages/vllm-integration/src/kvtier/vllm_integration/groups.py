@@ -14,8 +14,8 @@ number of layers, at least one of them full attention, whose pages are the same 
 geometry, or (Gemma 4: full-attention heads of 512, window heads of 64) geometries vLLM evened
 out to one page size by giving the groups different block sizes. kvtier's block is then the
 groups' least common block size (``CacheGroups.hit_block``: hits and chunks are whole blocks of
-it) and a chunk holds a section of each group's blocks (``KVLayout.group_block_sizes``). A Mamba / linear-attention hybrid (Qwen3-Next's Gated DeltaNet)
-served with vLLM's ``mamba_cache_mode="align"`` (prefix caching on) has Mamba groups beside
+it) and a chunk holds a section of each group's blocks (``KVLayout.group_block_sizes``). A
+Mamba / linear-attention hybrid (Qwen3-Next's Gated DeltaNet) served with vLLM's ``mamba_cache_mode="align"`` (prefix caching on) has Mamba groups beside
 one full-attention group: chunks hold the attention group's pages, the Mamba groups' states
 are state entries (``kvtier.core.engine.states``, ``scheduler/hybrid.py``). Anything else is a
 ``LayoutError`` naming the groups.
@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError, LayoutError
@@ -216,7 +215,7 @@ def cache_groups(kv_cache_config: KVCacheConfig | None) -> CacheGroups:
     )  # fmt: skip
     sizes = tuple(w for _, w in events if w)
     blocks = tuple(int(g.kv_cache_spec.block_size) for g in groups)
-    if len(set(blocks[i] for i in range(len(groups)) if i not in mambas)) == 1:
+    if len({b for i, b in enumerate(blocks) if i not in mambas}) == 1:
         blocks = ()  # one block size: a chunk's blocks are every group's alike
     return CacheGroups(kinds, full[0], windows, events, sizes, mambas, blocks)
 
@@ -233,83 +232,6 @@ def hash_block_size(vllm_config: Any, kv_cache_config: Any, default: int) -> int
         return int(resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1])
     except (AttributeError, TypeError, ValueError):
         return default
-
-
-def _run_bytes(block: torch.Tensor) -> int | None:
-    """The bytes of ``block`` (one block of a view) when its elements fill one run of memory
-    from its first byte, in any order of its dimensions (vLLM's NHD and HND pages both do);
-    None when they do not (a head-outer layout's page is one run per head)."""
-    expected = 1
-    dims = zip(block.stride(), block.shape, strict=True)
-    for stride, size in sorted((st, sz) for st, sz in dims if sz != 1):
-        if stride != expected:
-            return None
-        expected *= size
-    return expected * block.element_size()
-
-
-def _holds_state(state: torch.Tensor, page: torch.Tensor, *, whole: bool = False) -> bool:
-    """Whether the Mamba view ``state`` keeps each block's state in the first bytes of the
-    same block's page of the attention view ``page``: one address, one block stride, pages
-    that are one run of bytes at least as long as a state (``whole``: as long as the page,
-    for two attention views of different shapes over the same pages)."""
-    size = state.element_size()
-    state_bytes, page_bytes = _run_bytes(state[0]), _run_bytes(page[0])
-    return (
-        state_bytes is not None
-        and page_bytes is not None
-        and state.data_ptr() == page.data_ptr()
-        and state.shape[0] == page.shape[0]
-        and state.stride(0) * size == page.stride(0) * page.element_size()
-        and (state_bytes == page_bytes if whole else state_bytes <= page_bytes)
-    )
-
-
-def shared_views(
-    kv_cache_config: KVCacheConfig,
-    kv_caches: Mapping[str, torch.Tensor],
-    primary: int,
-    mambas: Sequence[int] = (),
-    *,
-    evened: bool = False,
-) -> tuple[list[str], dict[str, int]]:
-    """The primary group's layer names in vLLM's order (one view per shared tensor) and, for
-    every layer of every group, the position of the tensor it lives in. Group ``g``'s ``i``-th
-    layer must be a view of the same bytes as the primary group's ``i``-th (same address,
-    shape, strides, element type; a Mamba group's, listed in ``mambas``, must keep each
-    block's state in the first bytes of that block's page: ``_holds_state``; with ``evened``,
-    groups of different page shapes, each block's page must be the same run of bytes in
-    both); else a ``LayoutError`` naming the two layers."""
-    groups = kv_cache_config.kv_cache_groups
-    reps = list(groups[primary].layer_names)
-    position: dict[str, int] = {}
-    for g, group in enumerate(groups):
-        for i, name in enumerate(group.layer_names):
-            rep = reps[i]
-            a, b = kv_caches.get(name), kv_caches.get(rep)
-            if a is None or b is None:
-                missing = name if a is None else rep
-                raise LayoutError(f"register_kv_caches got no KV tensor for layer {missing!r}")
-            same = (
-                _holds_state(a, b)
-                if g in mambas
-                else _holds_state(a, b, whole=True)
-                if evened and g != primary
-                else (
-                    a.data_ptr() == b.data_ptr()
-                    and a.shape == b.shape
-                    and a.stride() == b.stride()
-                    and a.dtype == b.dtype
-                )
-            )
-            if not same:
-                raise LayoutError(
-                    f"layers {name!r} and {rep!r} of two KV cache groups do not share their "
-                    "pages (kvtier stores hybrid models whose groups overlay one allocation "
-                    "with pages of one size, each block's page one run of bytes)"
-                )
-            position[name] = i
-    return reps, position
 
 
 def null_to_slot(slots: np.ndarray, block_ids: Sequence[int], block_size: int) -> np.ndarray:

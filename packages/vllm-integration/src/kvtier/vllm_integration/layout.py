@@ -32,7 +32,8 @@ import torch
 
 from kvtier.core.errors import LayoutError
 from kvtier.core.layout import KVLayout, PagedLayout, dtype_name
-from kvtier.vllm_integration.groups import cache_groups, shared_views
+from kvtier.vllm_integration.group_views import shared_views
+from kvtier.vllm_integration.groups import cache_groups
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -68,6 +69,11 @@ class CacheSpec:
     content_bytes: int  # per head slot and token (vLLM's ``state_content_size_bytes``)
     use_mla: bool
     kind: str  # the spec's class name (FullAttentionSpec, MLAAttentionSpec, ...)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one layer's block."""
+        return self.num_heads * self.block_size * self.content_bytes
 
     @classmethod
     def of(cls, spec: Any) -> CacheSpec:
@@ -115,11 +121,6 @@ def evened_groups(specs: Sequence[CacheSpec], writers: Sequence[str]) -> bool:
     sliding window of one geometry stay as they were, their fingerprints too)."""
     shapes = {dataclasses.replace(s, kind="") for s in specs}
     return len(shapes) > 1 or len(set(writers)) > 1
-
-
-def page_bytes(spec: CacheSpec) -> int:
-    """Bytes of one layer's block of a cache with ``spec``."""
-    return spec.num_heads * spec.block_size * spec.content_bytes
 
 
 def geometry(spec: CacheSpec, interior: str) -> str:
@@ -273,11 +274,11 @@ def read_registration(
             for f in dataclasses.fields(spec)
             if f.name != "kind" and getattr(other, f.name) != getattr(spec, f.name)
         ]
-        if differ and page_bytes(other) != page_bytes(spec):
+        if differ and other.page_bytes != spec.page_bytes:
             raise LayoutError(
                 f"the {kind} group's pages ({other}) differ from the "
                 f"{groups.kinds[groups.primary]} group's ({spec}) in {', '.join(differ)}, "
-                f"and their sizes ({page_bytes(other)} and {page_bytes(spec)} bytes) too; "
+                f"and their sizes ({other.page_bytes} and {spec.page_bytes} bytes) too; "
                 "kvtier stores hybrid models whose groups' pages vLLM evened out to one size. "
                 "Serve this model without kvtier"
             )

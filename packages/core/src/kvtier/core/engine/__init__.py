@@ -315,7 +315,7 @@ class CacheEngine:
         else:
             spans, objs = held_objects(hold, prompt, wanted)
         try:
-            transfers, mask = load_transfers(spans, objs, cpu_slots, self.layout.slot_block_sizes)
+            transfers, mask = load_transfers(spans, objs, cpu_slots, self.layout)
         except BaseException:
             release_all(objs)
             raise

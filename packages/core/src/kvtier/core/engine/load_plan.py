@@ -3,7 +3,6 @@ or taken from a ``Hold``), each paired with the cache slots its object is writte
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -11,6 +10,7 @@ import torch
 from kvtier.core.engine.slots import span_rows, written
 from kvtier.core.errors import KVTierError
 from kvtier.core.keys.prompt import PromptHashes
+from kvtier.core.layout import KVLayout
 from kvtier.core.memory import MemoryObj
 from kvtier.core.memory.handles import ChunkSpan, Hold
 from kvtier.core.platform.mover import Transfer
@@ -35,21 +35,20 @@ def load_transfers(
     spans: Sequence[ChunkSpan],
     objs: Sequence[MemoryObj],
     cpu_slots: torch.Tensor,
-    block_sizes: Sequence[int],
+    layout: KVLayout,
 ) -> tuple[list[Transfer], torch.Tensor]:
     """A ``Transfer`` of each object into the cache blocks of its span's slots, and the bool
     mask (one per token) of the tokens those transfers write (the span's slots that are not
     -1; for a hybrid engine's ``[groups, n]`` slots, those of any group). Slots must map whole
-    blocks (``span_blocks``) of each row's ``block_sizes``. Each run of adjacent spans (a hit
-    is one) is read in one pass and cut per span: the work does not grow with its chunks."""
+    blocks (``span_blocks``) of each group's block size (``layout``). Each run of adjacent
+    spans (a hit is one) is read in one pass and cut per span: the work does not grow with its
+    chunks."""
     mask = torch.zeros(cpu_slots.shape[-1], dtype=torch.bool)
-    sizes = list(block_sizes) if cpu_slots.dim() > 1 else [block_sizes[0]]
-    unit = math.lcm(*sizes)  # tokens of one block of rows
-    per_block = sum(unit // b for b in sizes)  # rows of one block
+    unit, per_block = layout.block_tokens, layout.rows_per_block
     cuts: list[torch.Tensor] = []
     for run in _runs(spans):
         start, end = run[0].start, run[-1].end
-        rows = span_rows(cpu_slots, start, end, block_sizes)
+        rows = span_rows(cpu_slots, start, end, layout.slot_block_sizes)
         mask[start:end] = written(cpu_slots[..., start:end])
         for span in run:
             first = (span.start - start) // unit * per_block

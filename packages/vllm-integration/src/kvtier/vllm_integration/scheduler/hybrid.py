@@ -173,9 +173,9 @@ def _written(
     meta: KVTierMetadata, output: SchedulerOutput, size_of: Callable[[int], int]
 ) -> Iterable[int]:
     """Every block this step may write (``size_of``: a group's block size): newly scheduled
-    requests' blocks past what they had computed (before it: vLLM's prefix-cache hits, read only; kvtier's loads are listed with
-    the loads), new blocks of every group, the blocks of the loads it carries (their state
-    blocks too) and the targets of vLLM's block copies."""
+    requests' blocks past what they had computed (before it: vLLM's prefix-cache hits, read
+    only; kvtier's loads are listed with the loads), new blocks of every group, the blocks of
+    the loads it carries (their state blocks too) and the targets of vLLM's block copies."""
     for new in output.scheduled_new_reqs:
         for g, ids in enumerate(new.block_ids):
             yield from ids[new.num_computed_tokens // size_of(g) :]
