@@ -126,6 +126,26 @@ def test_a_fraction_samples_about_that_share() -> None:
         h.close()
 
 
+def test_a_request_looked_up_again_and_again_is_drawn_once() -> None:
+    """vLLM asks for a waiting request's hit every step until it has blocks for it (under
+    memory pressure, many steps): the share sampled stays ``verify_fraction`` of requests, and
+    a request answered a hit is answered the same hit again, never sampled later."""
+    h = Harness.create(verify_fraction=0.25)
+    try:
+        h.store(request(PROMPT))
+        answers = []
+        for _ in range(200):
+            req = request(PROMPT)
+            answers.append({h.hit(req) for _ in range(6)})
+        assert all(len(a) == 1 for a in answers), "one request, one answer"
+        sampled = sum(a == {0} for a in answers)
+        assert sampled == h.sched.verify.requests
+        # binomial(200, 0.25): mean 50, sd 6; six draws a request would sample about 165
+        assert 25 <= sampled <= 80, sampled
+    finally:
+        h.close()
+
+
 def test_caches_whose_pages_are_not_numbers_are_never_sampled() -> None:
     """Read from vLLM's own cache spec on the scheduler: a dense bf16 cache can be verified; a
     cache that packs scales next to its values (``state_content_bytes``) cannot, and sampling

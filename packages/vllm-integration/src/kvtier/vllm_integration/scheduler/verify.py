@@ -6,10 +6,15 @@ computes its prefix; the step whose forward pass computes the last token of the 
 ``VerifySpec`` (the workers compare that KV with the held chunks on their savers, before the
 step's saves). Only ``kv_both`` engines sample (a producer never loads, a consumer's prefill is
 someone else's), only hits of at most ``verify_max_tokens``, and a request at most once.
+
+vLLM asks for a waiting request's hit every step until it has blocks for it (under memory
+pressure, many times), so the draw is a function of the request id, not a new draw per lookup:
+a request is sampled with probability ``verify_fraction`` however often it is looked up.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import time
@@ -46,7 +51,7 @@ class VerifySampling:
             )
         self.max_tokens = config.verify_max_tokens
         self.block_size = block_size
-        self._rng = rng or random.Random()
+        self._salt = (rng or random.Random()).getrandbits(64).to_bytes(8, "little")
         self._clock = clock
         self.requests = 0  # sampled
         self.tokens = 0  # hit tokens the sampled requests computed instead of loading
@@ -60,11 +65,17 @@ class VerifySampling:
         new = hit - computed
         if self.fraction <= 0 or new <= 0 or new > self.max_tokens or req.verify_step >= 0:
             return None
-        if self._rng.random() >= self.fraction:
+        if self._draw(req.rid) >= self.fraction:
             return None
         self.requests += 1
         self.tokens += new
         return PendingVerify(computed, hit, hold_id)
+
+    def _draw(self, rid: str) -> float:
+        """The request's draw in [0, 1): the same on every lookup of it (see the module
+        docstring); the salt keeps engines from sampling the same request ids."""
+        digest = hashlib.blake2b(rid.encode(), digest_size=8, key=self._salt).digest()
+        return int.from_bytes(digest, "little") / 2.0**64
 
     def due(self, req: TrackedRequest, end: int) -> VerifySpec | None:
         """The check to send with a step after whose forward pass the request has KV for
