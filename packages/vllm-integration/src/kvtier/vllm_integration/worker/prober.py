@@ -10,6 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from kvtier.core.affinity import enter_background
 from kvtier.vllm_integration.messages import ProbeAnswer, ProbeSpec
 
 logger = logging.getLogger("kvtier")
@@ -33,7 +34,9 @@ class Prober:
     ) -> None:
         self._probe = probe
         self._answer = answer
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-probe")
+        self._pool = ThreadPoolExecutor(
+            threads, thread_name_prefix="kvtier-probe", initializer=enter_background
+        )
 
     def submit(self, spec: ProbeSpec) -> None:
         self._pool.submit(self._run, spec)
