@@ -12,8 +12,8 @@ span planner) and hands those hashes to the spans, the hold check, the load plan
 writer.
 
 Storing: ``kvtier.core.engine.store_writer`` plans which spans a store copies and commits them (with
-their alias entries) once the copy is done; ``kvtier.core.engine.load_plan`` builds a retrieve's
-transfers.
+their alias entries) once the copy is done; ``kvtier.core.engine.load_plan`` fetches a hit prefix's
+objects (what a hold keeps) and builds a retrieve's transfers.
 
 Holds: ``hold(tokens)`` looks a prompt up *and* keeps its hit objects in host memory (fetching
 lower-tier hits now, like a prefetch) until the hold is released, so a load that follows the
@@ -35,12 +35,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
-import numpy as np
 import torch
 
 from kvtier.core.config import KVTierConfig
-from kvtier.core.engine.load_plan import held_objects, load_transfers
-from kvtier.core.engine.slots import checked_slots, written
+from kvtier.core.engine.load_plan import LoadPlanner
+from kvtier.core.engine.slots import checked_slots
 from kvtier.core.engine.sources import TierHits, chunk_sources
 from kvtier.core.engine.states import StateEntries
 from kvtier.core.engine.store_writer import AliasPlan, StorePlan, StoreWriter, release_all
@@ -48,7 +47,6 @@ from kvtier.core.errors import ClosedError, ConfigError, KVTierError
 from kvtier.core.keys import ChunkKey, KeyFactory, Scope, TokenIds
 from kvtier.core.keys.spans import SpanPlanner
 from kvtier.core.layout import KVLayout
-from kvtier.core.memory import MemoryObj
 from kvtier.core.memory.handles import ChunkSpan, EngineStats, Hold, RetrieveJob
 from kvtier.core.platform import Marker, Platform, get_platform
 from kvtier.core.platform.mover import PageMover, Transfer
@@ -112,6 +110,7 @@ class CacheEngine:
             if layout.states
             else None
         )
+        self._loads = LoadPlanner(storage, self.spans, layout, self.states, self.stats)
 
     # -- setup ---------------------------------------------------------------------------------
     def register_kv_caches(
@@ -170,25 +169,6 @@ class CacheEngine:
         self.stats.add(lookups=1, lookup_hit_tokens=n)
         return n
 
-    def _fetch_prefix(self, spans: Sequence[ChunkSpan]) -> tuple[list[ChunkSpan], list[MemoryObj]]:
-        """Get the objects of ``spans``; keep only the contiguous run from the first one.
-
-        Once a chunk is gone (or is not what its span says), later chunks are useless: they are
-        released, not returned.
-        """
-        objs = self.storage.batched_get([s.key for s in spans]) if spans else []
-        kept: list[MemoryObj] = []
-        for i, (span, obj) in enumerate(zip(spans, objs, strict=True)):
-            if obj is None:
-                continue
-            if len(kept) == i and obj.num_tokens == span.object_tokens:
-                kept.append(obj)
-            else:
-                obj.release()
-        if len(kept) < len(spans):
-            self.stats.add(retrieve_misses=1)
-        return list(spans[: len(kept)]), kept
-
     def hold(self, tokens: TokenIds, scope: Scope = None) -> Hold:
         """Look ``tokens`` up and keep the hit prefix's objects in host memory (see ``Hold``)."""
         self._check_open()
@@ -198,7 +178,7 @@ class CacheEngine:
             hits, state, state_source = self.states.cut(prompt, hits)
         try:
             sources = self.chunk_sources([s.key for s in hits])
-            spans, objs = self._fetch_prefix(hits)
+            spans, objs = self._loads.fetch_prefix(hits)
         except BaseException:
             if state is not None:
                 state[1].release()
@@ -304,26 +284,7 @@ class CacheEngine:
     ) -> tuple[list[Transfer], torch.Tensor]:
         prompt = self.spans.prompt(tokens, scope)
         cpu_slots = self._slots(slot_mapping, len(prompt.arr)).cpu()
-        # Per token, whether any group has a slot; summed once, so a span's test is a subtraction.
-        seen = np.concatenate(([0], np.cumsum(written(cpu_slots).numpy())))
-
-        def wanted(span: ChunkSpan) -> bool:
-            return bool(seen[span.end] > seen[span.start])
-
-        if hold is None:
-            spans, objs = self._fetch_prefix([s for s in self.spans.hits(prompt) if wanted(s)])
-        else:
-            spans, objs = held_objects(hold, prompt, wanted)
-        try:
-            transfers, mask = load_transfers(spans, objs, cpu_slots, self.layout)
-        except BaseException:
-            release_all(objs)
-            raise
-        if self.states is None or not transfers:
-            return transfers, mask
-        return self.states.with_state(
-            prompt, cpu_slots, transfers, mask, hold.state if hold else None, state_blocks
-        )
+        return self._loads.plan(prompt, cpu_slots, hold, state_blocks)
 
     def retrieve(
         self,

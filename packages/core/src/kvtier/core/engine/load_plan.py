@@ -1,19 +1,94 @@
-"""The transfers of one ``CacheEngine.retrieve``: the hit spans the caller wants (fetched now,
-or taken from a ``Hold``), each paired with the cache slots its object is written to."""
+"""The read side of ``CacheEngine``: the objects a lookup's hit prefix keeps
+(``LoadPlanner.fetch_prefix``, what ``hold`` takes) and the transfers of one ``retrieve``
+(``LoadPlanner.plan``): the hit spans the caller wants (fetched now, or taken from a ``Hold``),
+each paired with the cache slots its object is written to."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from kvtier.core.engine.slots import span_rows, written
+from kvtier.core.engine.states import StateEntries
+from kvtier.core.engine.store_writer import release_all
 from kvtier.core.errors import KVTierError
 from kvtier.core.keys.prompt import PromptHashes
+from kvtier.core.keys.spans import SpanPlanner
 from kvtier.core.layout import KVLayout
 from kvtier.core.memory import MemoryObj
-from kvtier.core.memory.handles import ChunkSpan, Hold
+from kvtier.core.memory.handles import ChunkSpan, EngineStats, Hold
 from kvtier.core.platform.mover import Transfer
+from kvtier.core.storage import StorageManager
+
+
+class LoadPlanner:
+    """Fetches hit prefixes and plans the loads of one engine (its storage, spans and layout)."""
+
+    def __init__(
+        self,
+        storage: StorageManager,
+        spans: SpanPlanner,
+        layout: KVLayout,
+        states: StateEntries | None,
+        stats: EngineStats,
+    ) -> None:
+        self.storage = storage
+        self.spans = spans
+        self.layout = layout
+        self.states = states
+        self.stats = stats
+
+    def fetch_prefix(self, spans: Sequence[ChunkSpan]) -> tuple[list[ChunkSpan], list[MemoryObj]]:
+        """Get the objects of ``spans``; keep only the contiguous run from the first one.
+
+        Once a chunk is gone (or is not what its span says), later chunks are useless: they are
+        released, not returned.
+        """
+        objs = self.storage.batched_get([s.key for s in spans]) if spans else []
+        kept: list[MemoryObj] = []
+        for i, (span, obj) in enumerate(zip(spans, objs, strict=True)):
+            if obj is None:
+                continue
+            if len(kept) == i and obj.num_tokens == span.object_tokens:
+                kept.append(obj)
+            else:
+                obj.release()
+        if len(kept) < len(spans):
+            self.stats.add(retrieve_misses=1)
+        return list(spans[: len(kept)]), kept
+
+    def plan(
+        self,
+        prompt: PromptHashes,
+        cpu_slots: torch.Tensor,
+        hold: Hold | None,
+        state_blocks: Sequence[int] | None = None,
+    ) -> tuple[list[Transfer], torch.Tensor]:
+        """The transfers of a retrieve of ``prompt`` into ``cpu_slots`` (checked, on the host)
+        and the mask of the tokens they write: from ``hold``'s objects, else fetched now. The
+        transfers' objects are the caller's to release."""
+        # Per token, whether any group has a slot; summed once, so a span's test is a subtraction.
+        seen = np.concatenate(([0], np.cumsum(written(cpu_slots).numpy())))
+
+        def wanted(span: ChunkSpan) -> bool:
+            return bool(seen[span.end] > seen[span.start])
+
+        if hold is None:
+            spans, objs = self.fetch_prefix([s for s in self.spans.hits(prompt) if wanted(s)])
+        else:
+            spans, objs = held_objects(hold, prompt, wanted)
+        try:
+            transfers, mask = load_transfers(spans, objs, cpu_slots, self.layout)
+        except BaseException:
+            release_all(objs)
+            raise
+        if self.states is None or not transfers:
+            return transfers, mask
+        return self.states.with_state(
+            prompt, cpu_slots, transfers, mask, hold.state if hold else None, state_blocks
+        )
 
 
 def held_objects(
