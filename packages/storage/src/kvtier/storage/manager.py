@@ -39,7 +39,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, TypeVar
 
-from kvtier.core.affinity import enter_background
 from kvtier.core.errors import ClosedError, ConfigError, OutOfHostMemory
 from kvtier.core.quarantine import Quarantine
 from kvtier.core.storage import StorageManager
@@ -104,9 +103,7 @@ class TieredStorageManager(StorageManager):
             threads=io_threads,
             wait_s=write_queue_wait_s,
         )
-        self._readers = ThreadPoolExecutor(
-            io_threads, thread_name_prefix="kvtier-reader", initializer=enter_background
-        )
+        self._readers = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-reader")
         self.quarantined = Quarantine()
 
     def readable(self, tiers: Sequence[StorageBackend]) -> list[StorageBackend]:

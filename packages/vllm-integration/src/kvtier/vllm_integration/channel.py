@@ -33,7 +33,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvtier.core.affinity import background
 from kvtier.core.errors import ConfigError
 from kvtier.core.private_dir import private_dir
 
@@ -192,7 +191,7 @@ class ControlServer:
         # Unlinks the socket file on close(), on garbage collection and at interpreter exit.
         self._finalizer = weakref.finalize(self, _close_and_unlink, self._sock, path)
         self._thread = threading.Thread(
-            target=background(self._accept_loop), name="kvtier-control", daemon=True
+            target=self._accept_loop, name="kvtier-control", daemon=True
         )
         self._thread.start()
 
@@ -203,10 +202,7 @@ class ControlServer:
             except OSError:
                 return
             threading.Thread(
-                target=background(self._serve),
-                args=(conn,),
-                name="kvtier-control-conn",
-                daemon=True,
+                target=self._serve, args=(conn,), name="kvtier-control-conn", daemon=True
             ).start()
 
     def _serve(self, conn: socket.socket) -> None:

@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvtier.core.affinity import background
 from kvtier.core.memory import HostArena
 
 logger = logging.getLogger("kvtier")
@@ -55,9 +54,7 @@ class ArenaGrowth:
         self._stop = threading.Event()
         self._done = threading.Event()
         self._lock = threading.Lock()  # pinning vs. unpinning at close
-        self._thread = threading.Thread(
-            target=background(self._run), name="kvtier-arena-pin", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name="kvtier-arena-pin", daemon=True)
         arena.on_close(self.close)
 
     def start(self) -> ArenaGrowth:

@@ -22,7 +22,6 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtier.core.affinity import background
 from kvtier.core.memory.handles import Hold
 from kvtier.core.platform import Marker
 from kvtier.vllm_integration.messages import LoadSpec
@@ -56,9 +55,7 @@ class Loader:
         self._running: set[int] = set()  # seqs submitted and not finished
         self._seq = 0
         self._taken_upto = 0  # loads submitted before the last take_finished (their seqs)
-        self._thread = threading.Thread(
-            target=background(self._loop), name="kvtier-loader", daemon=True
-        )
+        self._thread = threading.Thread(target=self._loop, name="kvtier-loader", daemon=True)
         self._thread.start()
 
     def submit(self, spec: LoadSpec, hold: Hold | None, marker: Marker) -> None:

@@ -10,7 +10,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvtier.core.affinity import enter_background
 from kvtier.vllm_integration.messages import ProbeAnswer, ProbeSpec
 
 logger = logging.getLogger("kvtier")
@@ -34,9 +33,7 @@ class Prober:
     ) -> None:
         self._probe = probe
         self._answer = answer
-        self._pool = ThreadPoolExecutor(
-            threads, thread_name_prefix="kvtier-probe", initializer=enter_background
-        )
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-probe")
 
     def submit(self, spec: ProbeSpec) -> None:
         self._pool.submit(self._run, spec)

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtier.core.affinity import background
 from kvtier.core.keys import KeyScope
 from kvtier.core.platform import Marker
 from kvtier.vllm_integration.messages import ReceiptSpec, SaveSpec, VerifySpec
@@ -57,9 +56,7 @@ class Saver:
         self._pending: dict[str, int] = {}  # req_id -> saves queued or running
         self._inflight: set[_Job] = set()
         self._latest = -1  # the last step handed over (``submit`` or ``mark``)
-        self._thread = threading.Thread(
-            target=background(self._loop), name="kvtier-saver", daemon=True
-        )
+        self._thread = threading.Thread(target=self._loop, name="kvtier-saver", daemon=True)
         self._thread.start()
 
     def submit(self, specs: Sequence[Spec], marker: Marker, step: int = -1) -> None:

@@ -18,8 +18,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from kvtier.core.affinity import enter_background
-
 if TYPE_CHECKING:
     from kvtier.core.memory import MemoryObj
 
@@ -47,9 +45,7 @@ class BatchReaders:
                 return None
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(
-                    self.threads - 1,
-                    thread_name_prefix="kvtier-disk-read",
-                    initializer=enter_background,
+                    self.threads - 1, thread_name_prefix="kvtier-disk-read"
                 )
             return self._pool
 

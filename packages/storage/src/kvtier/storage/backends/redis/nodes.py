@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
-from kvtier.core.affinity import enter_background
 from kvtier.storage.backends.redis.cluster import SlotMap, key_slot
 from kvtier.storage.backends.redis.resp import Connection, Deadline, Endpoint, Pool, ProtocolError
 
@@ -134,9 +133,7 @@ class Nodes:
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(
-                    max(4, 4 * self.connections),
-                    thread_name_prefix="kvtier-redis",
-                    initializer=enter_background,
+                    max(4, 4 * self.connections), thread_name_prefix="kvtier-redis"
                 )
             return self._executor
 
