@@ -68,9 +68,10 @@ def test_a_disk_only_hit_is_probed_without_stalling_the_scheduler(
     run_engine, hit_reference, tmp_path
 ) -> None:
     """After a restart DOC is only on disk. Its lookup (a probe on the worker's threads, slowed
-    to 2 s by a test hook as a slow disk would be) runs while OTHER decodes: the scheduler
+    to 4 s by a test hook as a slow disk would be: long enough that OTHER decodes past its
+    batched tokens on a slow day too) runs while OTHER decodes: the scheduler
     answers "not yet" instead of waiting, so OTHER keeps decoding and no scheduler step
-    takes anywhere near the probe's 2 s (kvtier's share of each step is the
+    takes anywhere near the probe's 4 s (kvtier's share of each step is the
     ``scheduler_seconds`` histogram, read through vLLM's own metrics). DOC is then loaded from
     disk; its tokens equal vLLM's prefix cache hitting the same blocks."""
     config = {
@@ -85,7 +86,7 @@ def test_a_disk_only_hit_is_probed_without_stalling_the_scheduler(
             "op": "load_while_decoding",
             "first": DOC,
             "second": OTHER[:200],
-            "delay_s": 2.0,
+            "delay_s": 4.0,
             "delay": "hold",
             "second_max_tokens": 24,
         },
@@ -101,4 +102,4 @@ def test_a_disk_only_hit_is_probed_without_stalling_the_scheduler(
     assert out[1]["loaded_tokens"] == FULL_HIT  # from disk, through the probe's hold
     (hist,) = out[2]
     assert hist["count"] > 10
-    assert hist["buckets"]["0.5"] == hist["count"]  # no step waited for the 2 s probe
+    assert hist["buckets"]["0.5"] == hist["count"]  # no step waited for the 4 s probe
