@@ -39,6 +39,9 @@ class Subject:
 
 SUBJECTS = [
     Subject("cpu", "cpu"),
+    # The CPU mover loading block by block (what it does where a block's pages are large,
+    # ``BLOCK_COPY_BYTES``), on every case here: ``test_page_mover.platform`` lowers the bound.
+    Subject("cpu-by-block", "cpu"),
     Subject("xpu", "xpu"),
     Subject("xpu-unstaged", "xpu", {"staging_buffer": False}),
     Subject("cuda", "cuda"),

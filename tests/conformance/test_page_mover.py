@@ -41,6 +41,7 @@ from kvtier.core.errors import LayoutError
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena
 from kvtier.core.platform import Platform
+from kvtier.core.platform import mover as mover_module
 from kvtier.core.platform.mover import PageMover, Transfer
 
 ALL = pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
@@ -66,7 +67,9 @@ def device(test_device: torch.device) -> torch.device:
 
 
 @pytest.fixture
-def platform(subject: Subject, device: torch.device) -> Platform:
+def platform(subject: Subject, device: torch.device, monkeypatch: pytest.MonkeyPatch) -> Platform:
+    if subject.id == "cpu-by-block":
+        monkeypatch.setattr(mover_module, "BLOCK_COPY_BYTES", 0)
     return make_platform(subject, device)
 
 

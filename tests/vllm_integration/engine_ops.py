@@ -74,6 +74,26 @@ def host_tier_gb(worker) -> dict:
     }
 
 
+def thread_cpus(worker) -> dict:
+    """Runs in each worker: the CPUs its own thread (vLLM's, bound to the rank's cores), its
+    parent process (vLLM's engine process) and each of kvtier's running threads may use."""
+    import os
+    import threading
+
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return {
+        "rank": get_tp_group().rank_in_group,
+        "worker": sorted(os.sched_getaffinity(0)),
+        "parent": sorted(os.sched_getaffinity(os.getppid())),
+        "kvtier": {
+            t.name: sorted(os.sched_getaffinity(t.native_id))
+            for t in threading.enumerate()
+            if t.name.startswith("kvtier-") and t.native_id is not None
+        },
+    }
+
+
 @contextlib.contextmanager
 def forced_async_scheduling() -> Iterator[None]:
     """Keep ``async_scheduling=True`` through vLLM CPU's platform check, which turns it off."""

@@ -80,6 +80,8 @@ multiprocess or TP engine, or one with vLLM's stats or KV events, gets a process
   scheduler-side connector and of each KV cache group's spec, and its final block size).
 - ``{"op": "host_tier_gb"}`` -> each worker's kvtier ``local_cpu_size_gb`` and its host arena's
   bytes, by rank (``collective_rpc``).
+- ``{"op": "thread_cpus"}`` -> by rank, the CPUs each worker's thread, its parent process and
+  each of kvtier's threads there may use (``collective_rpc``).
 """
 
 from __future__ import annotations
@@ -283,6 +285,8 @@ def run(spec: dict) -> list:
             )
         elif op == "host_tier_gb":
             results.append(sorted(llm.collective_rpc(ops.host_tier_gb), key=lambda r: r["rank"]))
+        elif op == "thread_cpus":
+            results.append(sorted(llm.collective_rpc(ops.thread_cpus), key=lambda r: r["rank"]))
         elif op == "flush":
             results.append(flush_worker(engine_id, step.get("rank", 0)))
         elif op == "load_while_decoding":

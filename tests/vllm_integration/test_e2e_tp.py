@@ -57,9 +57,20 @@ def test_tp2_cold_warm_and_restart_equal_vllm(run_engine, tp2_reference, tmp_pat
                 stats(1),
                 {"op": "flush", "rank": 0},
                 {"op": "flush", "rank": 1},
+                {"op": "thread_cpus"},
             ],
         }
     )
+    *first, threads = first
+    # vLLM binds each rank's worker to its cores; the disk tier's writers there run on the CPUs
+    # of the engine process (core/affinity.py), the saver and the loader where the worker runs.
+    for r in threads:
+        assert set(r["worker"]) < set(r["parent"]), r  # bound: the case this checks
+        cpus = r["kvtier"]
+        assert any(n.startswith("kvtier-writer") for n in cpus), r
+        for name, on in cpus.items():
+            want = r["parent"] if name.startswith(("kvtier-writer", "kvtier-crc")) else r["worker"]
+            assert on == want, (name, r)
     assert first[0:8:2] == [
         one_token(ref["cold"]),
         one_token(ref["doc"]),

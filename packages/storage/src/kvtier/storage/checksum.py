@@ -16,6 +16,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import xxhash
 
+from kvtier.core.affinity import enter_background
+
 SEGMENT = 512 << 10
 
 _crc_pool: ThreadPoolExecutor | None = None
@@ -27,7 +29,9 @@ def _pool() -> ThreadPoolExecutor:
     with _crc_pool_lock:
         if _crc_pool is None:
             workers = max(2, min(8, os.cpu_count() or 2))
-            _crc_pool = ThreadPoolExecutor(workers, thread_name_prefix="kvtier-crc")
+            _crc_pool = ThreadPoolExecutor(
+                workers, thread_name_prefix="kvtier-crc", initializer=enter_background
+            )
         return _crc_pool
 
 

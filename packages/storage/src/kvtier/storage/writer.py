@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvtier.core.affinity import background
 from kvtier.storage._log import warn_throttled
 
 if TYPE_CHECKING:
@@ -109,7 +110,10 @@ class LowerTierWriter:
         self._listeners: list[Callable[[str, list[str], list[str]], None]] = []
         if self.lower:
             for i in range(threads):
-                t = threading.Thread(target=self._run, name=f"kvtier-writer-{i}", daemon=True)
+                # off the forward pass's cores where vLLM bound them: nothing waits on a writer
+                t = threading.Thread(
+                    target=background(self._run), name=f"kvtier-writer-{i}", daemon=True
+                )
                 t.start()
                 self._threads.append(t)
 

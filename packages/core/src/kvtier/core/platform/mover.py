@@ -195,6 +195,13 @@ class PageMover(ABC):
         """Load one layer of every transfer (attention may read it on return)."""
 
 
+#: A load into host memory copies block by block (rather than ``index_copy_``, which copies
+#: element by element) where one block's pages of every layer are at least this many bytes:
+#: measured on a 2-core Xeon (AVX-512), 8 layers x 64 KiB: 7.3-8.7 ms against 9.8-11.3 ms for
+#: 49 MB (a memcpy: 7.0 ms); 4 x 16 KiB: the same either way.
+BLOCK_COPY_BYTES = 256 << 10
+
+
 def _widest_word(byte_counts: Sequence[int]) -> torch.dtype:
     """The widest integer dtype whose size divides every one of ``byte_counts``."""
     for dtype in (torch.int64, torch.int32, torch.int16):
@@ -240,6 +247,8 @@ class TorchPageMover(PageMover):
             pages = [p.reshape(n, page) for p in pages]
         self._pages = [p.view(self.word) for p in pages]
         self.stacked = self._stacked_pages()
+        # Loads copy block by block where a block (every layer's pages) is at least this large.
+        self._copy_by_block = page * layout.num_layers >= BLOCK_COPY_BYTES
 
     def _stacked_pages(self) -> torch.Tensor | None:
         """Every layer's pages as one view ``[blocks, layers, *grid, run]`` (in ``word``s) when
@@ -264,6 +273,16 @@ class TorchPageMover(PageMover):
     def words(self, t: torch.Tensor) -> torch.Tensor:
         """A uint8 tensor of whole pages (innermost dimension contiguous) as ``word`` elements."""
         return t.view(self.word)
+
+    def _same_memory(self, host: torch.Tensor) -> bool:
+        """Whether ``host`` (an object's tensor) can be read and written by the cache's own ops:
+        the cache is in host memory (the CPU platform) and the object is contiguous."""
+        return host.device == self.device and host.is_contiguous()
+
+    def _as_stacked(self, t: Transfer) -> torch.Tensor:
+        """A transfer's object as ``stacked``'s rows: ``[blocks, layers, *grid, run]`` words."""
+        assert self.stacked is not None
+        return self.words(t.obj.tensor).view(-1, *self.stacked.shape[1:])
 
     # -- picking -------------------------------------------------------------------------------
     def _pick(self, transfer: Transfer) -> Picked:
@@ -325,10 +344,16 @@ class TorchPageMover(PageMover):
         picked = [(t, self._pick(t)) for t in transfers]
         if self.stacked is not None:
             for t, p in picked:
-                if p.blocks.numel():
-                    flat = t.obj.tensor.view(t.obj.tensor.shape[0], -1)
-                    gathered = self.stacked.index_select(0, p.blocks).view(torch.uint8)
-                    self._copy_to_host(flat, p.rows, gathered.reshape(-1, flat.shape[1]))
+                if not p.blocks.numel():
+                    continue
+                if p.rows is None and self._same_memory(t.obj.tensor):
+                    # Gathered straight into the object: no temporary the size of the chunk
+                    # (allocating and faulting one in cost three times the copy).
+                    torch.index_select(self.stacked, 0, p.blocks, out=self._as_stacked(t))
+                    continue
+                flat = t.obj.tensor.view(t.obj.tensor.shape[0], -1)
+                gathered = self.stacked.index_select(0, p.blocks).view(torch.uint8)
+                self._copy_to_host(flat, p.rows, gathered.reshape(-1, flat.shape[1]))
             return
         for layer in range(self.layout.num_layers):
             self._store_layer(layer, picked)
@@ -338,10 +363,18 @@ class TorchPageMover(PageMover):
         if self.stacked is not None:
             shape = self.stacked.shape[1:]
             for t, p in picked:
-                if p.blocks.numel():
-                    flat = t.obj.tensor.view(t.obj.tensor.shape[0], -1)
-                    values = self.words(self._copy_to_device(flat, p.rows)).view(-1, *shape)
-                    self.stacked.index_copy_(0, p.blocks, values)
+                if not p.blocks.numel():
+                    continue
+                if p.rows is None and self._same_memory(t.obj.tensor) and self._copy_by_block:
+                    # One plain copy per block (a run of every layer's pages each): faster than
+                    # index_copy_'s element loop once a block is this large.
+                    values = self._as_stacked(t)
+                    for i, block in enumerate(p.blocks.tolist()):
+                        self.stacked[block].copy_(values[i])
+                    continue
+                flat = t.obj.tensor.view(t.obj.tensor.shape[0], -1)
+                values = self.words(self._copy_to_device(flat, p.rows)).view(-1, *shape)
+                self.stacked.index_copy_(0, p.blocks, values)
             return
         for layer in range(self.layout.num_layers):
             self._load_layer(layer, picked)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from kvtier.core.affinity import set_background_cpus, unbound_cpus
 from kvtier.core.config import KVTierConfig
 from kvtier.core.engine import CacheEngine
 from kvtier.core.engine.thread_cpu import PROCESS_THREADS
@@ -175,6 +176,9 @@ class WorkerSide:
         model, weights, live = served_weights(vc)
         self.weights.started(model, live)
         weights = engine_weights(vc, weights)
+        # vLLM's CPU backend bound this process to its forward pass's cores: the lower tiers'
+        # writers (started from here on) take the CPUs the process was started with.
+        set_background_cpus(unbound_cpus())
         platform = get_platform(
             self.config.platform or caches[0].device.type,
             self.config.plugins,
