@@ -116,16 +116,18 @@ def test_a_cache_engines_writers_leave_the_binding_and_its_readers_keep_it(
     assert all(cpus == ONE for n, cpus in threads.items() if n not in moved), threads
 
 
-def test_an_openmp_binding_is_undone_to_the_parents_cpus() -> None:
+def test_an_openmp_binding_leaves_the_parents_other_cpus() -> None:
     """``unbound_cpus``: with an OpenMP binding in the environment and the process narrowed,
-    the parent's CPUs (vLLM's engine process starts its workers); nothing without a binding."""
+    the parent's CPUs outside the binding (vLLM's engine process starts its workers); nothing
+    without a binding."""
     code = (
         "import os; from kvtier.core.affinity import unbound_cpus; "
         f"os.sched_setaffinity(0, {set(ONE)!r}); c = unbound_cpus(); "
         "print(sorted(c) if c is not None else None)"
     )
     env = {k: v for k, v in os.environ.items() if k not in affinity.OMP_BINDING}
-    for extra, want in (({"GOMP_CPU_AFFINITY": str(min(CPUS))}, sorted(CPUS)), ({}, None)):
+    bound = {"GOMP_CPU_AFFINITY": str(min(CPUS))}
+    for extra, want in ((bound, sorted(CPUS - ONE)), ({}, None)):
         out = subprocess.run(
             [sys.executable, "-c", code],
             env={**env, **extra},

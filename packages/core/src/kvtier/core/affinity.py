@@ -55,9 +55,14 @@ def enter_background() -> None:
 
 
 def unbound_cpus() -> frozenset[int] | None:
-    """The CPUs this process was started with, if an OpenMP binding (``OMP_BINDING`` in the
-    environment) narrowed the calling thread to fewer: the parent process's set, which the
-    binding did not touch (vLLM's engine process starts its workers). None otherwise."""
+    """If an OpenMP binding (``OMP_BINDING`` in the environment) narrowed the calling thread to
+    fewer CPUs than the process was started with (the parent process's set, which the binding
+    did not touch: vLLM's engine process starts its workers): the CPUs of that set outside the
+    binding (where vLLM reserves a core for its front end; with a rank per core, the other
+    ranks'). None otherwise.
+
+    Outside the binding rather than anywhere in the set: a thread the bound thread wakes tends to
+    run on the waker's CPU, and there it takes its time from the forward pass again."""
     if not any(os.environ.get(k) for k in OMP_BINDING) or not hasattr(os, "sched_getaffinity"):
         return None
     try:
@@ -65,7 +70,9 @@ def unbound_cpus() -> frozenset[int] | None:
         mine = frozenset(os.sched_getaffinity(0))
     except OSError:
         return None
-    return parent if parent > mine else None
+    if not parent > mine:
+        return None
+    return parent - mine
 
 
 def background(target: Callable[..., object]) -> Callable[..., None]:
