@@ -49,7 +49,14 @@ from typing import Any
 
 from kvtier.bench.model import ModelSpec, build_model
 from kvtier.bench.screen import add_verbose, logged
-from kvtier.bench.workload import BENCH_KVTIER, Engine, build_requests, require_extras, results_dir
+from kvtier.bench.workload import (
+    BENCH_KVTIER,
+    Engine,
+    build_requests,
+    cpu_kind,
+    require_extras,
+    results_dir,
+)
 from kvtier.core.config import default_cache_dir
 
 BENCH_MODEL = ModelSpec(
@@ -191,7 +198,7 @@ def _main(args: argparse.Namespace, say: Callable[[str], None]) -> int:
         "docs": args.docs,
         "max_tokens": 1,
         "gap_s": args.gap_s,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cpus, {cpu_kind()}",
         **results,
     }
     if "kvtier" in results and "no_connector" in results:

@@ -221,6 +221,8 @@ class Picked:
 class TorchPageMover(PageMover):
     """Reference mover: ``index_select``/``index_copy_`` over per-layer page views (a whole call
     over one view of every layer, ``stacked``, where the layers share a storage and a stride).
+    With the cache in host memory (the CPU platform) a store gathers straight into the object
+    and a load of large blocks copies them one by one (``BLOCK_COPY_BYTES``).
 
     Subclasses change *where* the bytes go between device and host by overriding
     ``_copy_to_host``/``_copy_to_device`` (streams, staging buffers), not the page indexing.
