@@ -12,10 +12,10 @@ step waits for them, and on the bound core they run exactly then (moving them al
 slower, docs/serving.md). The lower tiers' writers and their checksum helpers are waited on by
 nothing: their work (a disk write with its checksum and fsync of every saved chunk) only takes
 CPU from the forward pass there. So the worker tells kvtier which CPUs such threads may use
-(``set_background_cpus``; the vLLM connector passes ``unbound_cpus()``, the CPUs the process was
-started with), and those threads call ``enter_background()`` first. Where no set was given
-(kvtier used outside such a worker, a GPU worker, a process nothing bound) threads keep the
-affinity they inherit.
+(``set_background_cpus``; the vLLM connector passes ``unbound_cpus()``, the process's CPUs
+outside the binding), and those threads call ``enter_background()`` first. Where no set was
+given (kvtier used outside such a worker, a GPU worker, a process nothing bound) threads keep
+the affinity they inherit.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def background_cpus() -> frozenset[int] | None:
 
 
 def enter_background() -> None:
-    """Called first by each background thread: take the background CPUs, if any were given. A set the
-    kernel refuses (a cpuset that changed since) leaves the thread as it is."""
+    """Called first by each background thread: take the background CPUs, if any were given. A
+    set the kernel refuses (a cpuset that changed since) leaves the thread as it is."""
     cpus = _cpus
     if cpus is None or not hasattr(os, "sched_setaffinity"):
         return
