@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -31,7 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.model import ModelSpec, build_model
-from kvtier.bench.workload import BENCH_KVTIER, Engine, Request, build_requests, results_dir
+from kvtier.bench.workload import (
+    BENCH_KVTIER,
+    Engine,
+    Request,
+    build_requests,
+    machine_name,
+    results_dir,
+)
 
 TARGET = 1.1
 
@@ -124,7 +129,7 @@ def run_doc_question(
         "prompt_tokens": lengths,
         "max_tokens": 1,
         "target_over_prefix_cache": TARGET,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
+        "machine": machine_name(),
         **results,
     }
     out = results_dir(args.out)

@@ -38,7 +38,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -53,7 +52,7 @@ from kvtier.bench.workload import (
     BENCH_KVTIER,
     Engine,
     build_requests,
-    cpu_kind,
+    machine_name,
     require_extras,
     results_dir,
 )
@@ -198,7 +197,7 @@ def _main(args: argparse.Namespace, say: Callable[[str], None]) -> int:
         "docs": args.docs,
         "max_tokens": 1,
         "gap_s": args.gap_s,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cpus, {cpu_kind()}",
+        "machine": machine_name(),
         **results,
     }
     if "kvtier" in results and "no_connector" in results:

@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import platform
 import shutil
 import signal
 import sys
@@ -60,14 +58,13 @@ from kvtier.bench.serve_plan import (
 )
 from kvtier.bench.serve_plot import Scrape, chart
 from kvtier.bench.serve_report import (
-    cpu_flags,
     row,
     source_revision,
     table,
     targets,
 )
 from kvtier.bench.serve_rounds import combine, schedule
-from kvtier.bench.workload import require_extras, results_dir
+from kvtier.bench.workload import machine_name, require_extras, results_dir
 from kvtier.core.config import load_config
 from kvtier.core.errors import ConfigError
 from kvtier.storage.tiers import load_backend_class
@@ -158,7 +155,7 @@ def main(argv: list[str]) -> int:
         }
         skipped = {**old.get("skipped", {}), **skipped}
     report = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cpus, {cpu_flags()}",
+        "machine": machine_name(),
         "model": {**asdict(BENCH_MODEL), "dtype": "bfloat16", "kv_bytes_per_token": per_token},
         "workloads": described,
         "client": "vllm bench serve (vLLM's own client; one process for all runs)",

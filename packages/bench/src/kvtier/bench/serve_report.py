@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.serve_plot import Scrape
-from kvtier.bench.workload import cpu_kind
 
 SCHED_HISTOGRAM = "vllm:kvtier_scheduler_seconds"
 SCHED_CPU_HISTOGRAM = "vllm:kvtier_scheduler_cpu_seconds"
@@ -213,10 +212,6 @@ def source_revision() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
-
-
-def cpu_flags() -> str:
-    return cpu_kind()
 
 
 def table(console: Any, results: list[dict[str, Any]], skipped: dict[str, str]) -> None:

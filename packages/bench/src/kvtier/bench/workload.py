@@ -9,6 +9,7 @@ from vLLM's own per-request metrics.
 from __future__ import annotations
 
 import os
+import platform
 import random
 import time
 from dataclasses import dataclass, field
@@ -255,6 +256,11 @@ def cpu_kind() -> str:
     if "avx512f" in flags:
         return "AVX-512 + AMX" if "amx_tile" in flags else "AVX-512"
     return "AVX2 only" if "avx2" in flags else "no AVX2"
+
+
+def machine_name() -> str:
+    """What a benchmark's JSON calls the machine: architecture, CPU count and ``cpu_kind``."""
+    return f"{platform.machine()}, {os.cpu_count()} cpus, {cpu_kind()}"
 
 
 def require_extras() -> None:

@@ -195,10 +195,9 @@ class PageMover(ABC):
         """Load one layer of every transfer (attention may read it on return)."""
 
 
-#: A load into host memory copies block by block (rather than ``index_copy_``, which copies
-#: element by element) where one block's pages of every layer are at least this many bytes:
-#: measured on a 2-core Xeon (AVX-512), 8 layers x 64 KiB: 7.3-8.7 ms against 9.8-11.3 ms for
-#: 49 MB (a memcpy: 7.0 ms); 4 x 16 KiB: the same either way.
+#: A load into host memory copies block by block (one plain copy per block, rather than
+#: ``index_copy_``'s element loop) where one block's pages of every layer are at least this many
+#: bytes; below it the per-call overhead weighs as much as the loop (docs/serving.md).
 BLOCK_COPY_BYTES = 256 << 10
 
 
@@ -349,8 +348,8 @@ class TorchPageMover(PageMover):
                 if not p.blocks.numel():
                     continue
                 if p.rows is None and self._same_memory(t.obj.tensor):
-                    # Gathered straight into the object: no temporary the size of the chunk
-                    # (allocating and faulting one in cost three times the copy).
+                    # Gathered straight into the object: no temporary the size of the chunk to
+                    # allocate, fault in and copy again.
                     torch.index_select(self.stacked, 0, p.blocks, out=self._as_stacked(t))
                     continue
                 flat = t.obj.tensor.view(t.obj.tensor.shape[0], -1)
