@@ -17,6 +17,7 @@ from device_cases import CASE_IDS, CASES, Case, make_layout
 from fixtures.kv_views import layer_names, replica_views, vllm_views
 from kvtier.core.layout import KVLayout, PagedLayout
 from kvtier.core.memory import HostArena, MemoryObjMeta
+from kvtier.core.platform import mover as mover_module
 from kvtier.core.platform.cpu import CPUPlatform
 from kvtier.core.platform.mover import Transfer
 
@@ -96,14 +97,20 @@ def test_vllms_amx_writer_packs_k_otherwise_than_vec() -> None:
     assert not torch.equal(pages["amx"], pages["vec"])
 
 
+@pytest.mark.parametrize("by_block", [False, True], ids=["index_copy", "by_block"])
 @pytest.mark.parametrize("paged", [PagedLayout.LBHNC, PagedLayout.BLHNC], ids=lambda p: p.value)
 @pytest.mark.parametrize("isa", ISAS)
-def test_pages_written_by_vllms_cpu_writer_round_trip(isa: str, paged: PagedLayout) -> None:
+def test_pages_written_by_vllms_cpu_writer_round_trip(
+    isa: str, paged: PagedLayout, by_block: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """vLLM CPU's ``cpu_attn_reshape_and_cache`` packs K by ISA; kvtier copies the packed pages
-    as they are: stored from some blocks and loaded into others, every byte lands."""
+    as they are: stored from some blocks and loaded into others, every byte lands, on both of
+    the CPU mover's load paths (``by_block``: what it does for large blocks)."""
     from vllm import _custom_ops as ops
 
     _need_writer(isa)
+    if by_block:
+        monkeypatch.setattr(mover_module, "BLOCK_COPY_BYTES", 0)
 
     block = 16 if isa == "vec16" else 32
     heads, head = 2, 64
