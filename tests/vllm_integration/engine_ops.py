@@ -146,6 +146,22 @@ def delayed_loads(delay_s: float, what: str = "retrieve") -> Iterator[None]:
         setattr(engine, what, original)
 
 
+@contextlib.contextmanager
+def background_cpus(cpus: list[int]) -> Iterator[None]:
+    """Engines built meanwhile (in this process) see ``cpus`` as the CPUs outside their worker's
+    binding, as vLLM CPU's default binding in its own process leaves them: their synchronous
+    loads go to the layer pipe (``worker/layer_pipe.py``), which an unbound in-process worker
+    does not start."""
+    from kvtier.vllm_integration.worker import side
+
+    original = side.unbound_cpus
+    side.unbound_cpus = lambda: frozenset(cpus)
+    try:
+        yield
+    finally:
+        side.unbound_cpus = original
+
+
 def step_until_done(llm, outputs: dict, on_output=None, limit_s: float = 120.0) -> None:
     import time
 

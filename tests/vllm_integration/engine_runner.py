@@ -64,6 +64,9 @@ multiprocess or TP engine, or one with vLLM's stats or KV events, gets a process
   worker's saves have landed, a digest of the bytes of each chunk and tail block kvtier stores
   the prompt under (None where nothing is stored).
 - ``"max_num_batched_tokens": n`` passes vLLM's (a longer prompt is prefilled in steps of n).
+- ``"background_cpus": [cpus]`` (in-process only): the worker takes these CPUs for the ones
+  outside its binding (``engine_ops.background_cpus``): its synchronous loads run on the layer
+  pipe, as in a multiprocess engine bound by vLLM CPU's default binding.
 - ``"slow_saves_s": x`` (in-process only): every save of the worker waits ``x`` seconds before
   it copies (a slow saver: the engine goes on meanwhile).
 - ``"prefix_cache_retention_interval": k`` passes vLLM's (``None``: a hybrid model's window
@@ -179,7 +182,12 @@ def run(spec: dict) -> list:
     if spec.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     forcing = spec.get("force_async_scheduling")
-    with ops.forced_async_scheduling() if forcing else contextlib.nullcontext():
+    building = contextlib.ExitStack()
+    if forcing:
+        building.enter_context(ops.forced_async_scheduling())
+    if spec.get("background_cpus") is not None:
+        building.enter_context(ops.background_cpus(spec["background_cpus"]))
+    with building:
         llm = LLM(
             model=spec["model"],
             enforce_eager=True,

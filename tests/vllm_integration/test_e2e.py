@@ -18,6 +18,8 @@ The negative control (zeroed stored KV) moves the logprobs by far more than
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from prompts import (
     CORRUPT_GAP,
@@ -69,23 +71,26 @@ def with_fillers(steps: list[dict]) -> tuple[list[dict], set[int]]:
 
 
 @pytest.mark.parametrize(
-    ("layerwise", "load_async", "offload"),
+    ("layerwise", "load_async", "offload", "pipe"),
     [
-        (False, True, "eager"),
-        (False, False, "eager"),
-        (True, False, "eager"),
-        (False, True, "lazy"),
+        (False, True, "eager", False),
+        (False, False, "eager", False),
+        (True, False, "eager", False),
+        (False, True, "lazy", False),
+        (False, True, "eager", True),
     ],
-    ids=["whole-async", "whole-sync", "layerwise", "lazy"],
+    ids=["whole-async", "whole-sync", "layerwise", "lazy", "layer-pipe"],
 )
 def test_outputs_match_and_hits_are_used(
-    run_engine, reference, hit_reference, layerwise, load_async, offload
+    run_engine, reference, hit_reference, layerwise, load_async, offload, pipe
 ) -> None:
     """vLLM's default kv_load_failure_policy ("fail"), a small host tier only. Between the full
     hit's lookup and its load, other chunks are put until the tier is full (as other requests'
     saves would): without the lookup's hold they evict every chunk of the prompt and the load
     fails the request; the hold keeps them, so it neither fails nor recomputes. ``lazy``: the
-    same with lazy offload (see ``LAZY_ENGINE``)."""
+    same with lazy offload (see ``LAZY_ENGINE``). ``layer-pipe``: synchronous loads copied on
+    another thread while the forward pass runs (``worker/layer_pipe.py``), as in an engine that
+    vLLM CPU bound to its cores."""
     steps = [
         gen(DOC),
         STATS,  # cold
@@ -118,7 +123,8 @@ def test_outputs_match_and_hits_are_used(
         out = run_engine({"kvtier": config, **LAZY_ENGINE, "steps": steps})
         out = [r for i, r in enumerate(out) if i not in fillers]
     else:
-        out = run_engine({"kvtier": config, "steps": steps})
+        extra = {"background_cpus": sorted(os.sched_getaffinity(0))} if pipe else {}
+        out = run_engine({"kvtier": config, "steps": steps, **extra})
     sched = out.pop()
     evict = out[2].pop("evict")
     # Chunks [0,256) [256,512) and tail blocks [512,672) were stored; filling the tier evicted
@@ -150,6 +156,7 @@ def test_outputs_match_and_hits_are_used(
     stats = out[-1]
     assert stats["load_failed_blocks"] == 0 and stats["save_errors"] == 0
     assert stats["loads_without_hold"] == 0
+    assert (stats["layer_pipe_loads"] > 0) == pipe
     assert stats["holds"] == stats["held_objects"] == 0  # every lookup's hold was let go
     # A request whose saves every worker reported copied before it finished gives its blocks
     # back at once (lazy offload saves only after the request finished).

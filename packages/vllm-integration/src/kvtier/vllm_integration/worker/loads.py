@@ -1,7 +1,9 @@
 """The worker's loads: from the probe's hold into vLLM's paged cache, counted and checked.
 
 Synchronous loads run before the forward pass (``run``), or layer by layer with
-``use_layerwise`` (``wait_for_layer``); loads marked ``load_async`` go to the loader thread
+``use_layerwise`` (``wait_for_layer``); on the CPU platform, where the worker has CPUs outside
+its binding, layer by layer on a thread there while the forward pass runs
+(``worker/layer_pipe.py``). Loads marked ``load_async`` go to the loader thread
 (``worker/load_thread.py``) with a device marker of the forward pass and come back through
 ``take_finished``. A load that fills fewer tokens than asked reports the blocks it left
 unfilled (``take_failed``, vLLM's ``get_block_ids_with_load_errors``): with
@@ -23,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from kvtier.core.affinity import background_cpus
 from kvtier.core.config import KVTierConfig
 from kvtier.core.engine import CacheEngine
 from kvtier.core.engine.slots import written
@@ -32,6 +35,7 @@ from kvtier.vllm_integration.groups import NULL_BLOCK
 from kvtier.vllm_integration.messages import LoadSpec, spec_slots
 from kvtier.vllm_integration.stats import StatsTracker
 from kvtier.vllm_integration.worker.holds import HoldTable
+from kvtier.vllm_integration.worker.layer_pipe import LAYER_WAIT_S, LayerPipe
 from kvtier.vllm_integration.worker.load_thread import Loader
 
 logger = logging.getLogger("kvtier")
@@ -74,7 +78,8 @@ class WorkerLoads:
         self._layer_of = layer_of
         self._metrics = metrics
         self._reports = reports
-        self._jobs: list[RetrieveJob] = []
+        self._jobs: list[RetrieveJob] = []  # this step's layer-wise loads, run inline
+        self._piped: list[LoadSpec] = []  # this step's loads on the layer pipe
         self._failed: set[int] = set()
         # A hybrid model's failed loads go to vLLM as requests (``failed_recving``): vLLM
         # cannot map block ids back to requests when there are several KV cache groups.
@@ -84,6 +89,15 @@ class WorkerLoads:
         self._unfilled: set[str] = set()
         self._failed_requests: set[str] = set()
         self._loader = Loader(self._load, self._spec_blocks)
+        # The cache is host memory and there are CPUs besides the forward pass's: synchronous
+        # loads are copied there layer by layer (a hybrid's keep their path: they load on the
+        # loader thread anyway).
+        cpus = background_cpus()
+        self._pipe = (
+            LayerPipe(engine.layout.num_layers)
+            if cpus and engine.platform.name == "cpu" and not self._by_request
+            else None
+        )
 
     @property
     def in_flight(self) -> int:
@@ -170,6 +184,9 @@ class WorkerLoads:
     def run(self, loads: list[LoadSpec]) -> None:
         """This step's loads (``start_load_kv``), each from its probe's hold."""
         marker = self.engine.platform.record_marker() if loads else None
+        # The layer pipe takes the step's synchronous loads if it is free (decided once a step:
+        # its batch is this step's whole).
+        piped = self._pipe is not None and not self._pipe.busy
         for spec in loads:
             hold = self.holds.take(spec.req_id, spec.hold_id)
             if spec.hold_id is None:
@@ -182,27 +199,52 @@ class WorkerLoads:
                 self._loader.submit(spec, hold, marker)
                 continue
             try:
-                # The retrieval takes its own references to the held objects: the hold can go
-                # as soon as it is planned, also for a layer-wise load still to run.
-                if self.config.use_layerwise:
-                    slots = self._slots(spec)
-                    job = self.engine.retrieve_layerwise(
-                        spec.tokens, slots, scope=spec.scope, hold=hold
-                    )
-                    failed = self._check_loaded(spec, job.mask, slots)
-                    self._jobs.append(job)
+                if piped or self.config.use_layerwise:
+                    failed = self._plan_layers(spec, hold, piped)
                 else:
                     try:
                         failed = self._load(spec, hold, None)
                     except Exception:  # recomputed by vLLM (or failed, by its policy)
                         logger.exception("kvtier: loading request %s failed", spec.req_id)
                         failed = self._spec_blocks(spec)
-                self._failed |= failed
-                if failed:
-                    self._unfilled.add(spec.req_id)
+                self._fail(spec, failed)
             finally:
                 if hold is not None:
                     hold.release()
+        if self._piped:
+            assert self._pipe is not None
+            self._pipe.submit([(spec.req_id, job.layers) for spec, job in self._take_jobs()])
+
+    def _plan_layers(self, spec: LoadSpec, hold: Hold | None, piped: bool) -> set[int]:
+        """Plan a layer-wise load of ``spec`` (the retrieval takes its own references to the held
+        objects, so the hold can go now); the blocks it will leave unfilled."""
+        own = None
+        try:
+            if spec.hold_id is None:  # answered by the index: look up (and count) here
+                hold = own = self.engine.hold(spec.tokens, spec.scope)
+            slots = self._slots(spec)
+            job = self.engine.retrieve_layerwise(spec.tokens, slots, scope=spec.scope, hold=hold)
+        except Exception:  # recomputed by vLLM (or failed, by its policy)
+            logger.exception("kvtier: loading request %s failed", spec.req_id)
+            return self._spec_blocks(spec)
+        finally:
+            if own is not None:
+                own.release()
+        self._jobs.append(job)
+        if piped:
+            self._piped.append(spec)
+        return self._check_loaded(spec, job.mask, slots)
+
+    def _take_jobs(self) -> list[tuple[LoadSpec, RetrieveJob]]:
+        jobs, self._jobs = self._jobs, []
+        return list(zip(self._piped, jobs, strict=True))
+
+    def _fail(self, spec: LoadSpec, blocks: set[int]) -> None:
+        """``spec``'s load left ``blocks`` unfilled: reported to vLLM, and the step's save of its
+        request is not made (``take_unfilled``)."""
+        self._failed |= blocks
+        if blocks:
+            self._unfilled.add(spec.req_id)
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the asynchronous loads in flight (``Loader.wait_idle``)."""
@@ -217,15 +259,43 @@ class WorkerLoads:
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Layer-wise loads: this layer's KV is in place (all of it after the last layer)."""
+        layer = self._layer_of.get(layer_name)
+        last = layer == len(self._layer_of) - 1
+        if self._piped:
+            assert self._pipe is not None
+            if layer is not None and not last and not self._pipe.wait_layer(layer, LAYER_WAIT_S):
+                self.finish()  # times out too: the batch's loads are reported failed
+            elif last:
+                self.finish()
+            return
         if not self._jobs:
             return
         for job in self._jobs:
             next(job.layers, None)
-        if self._layer_of.get(layer_name) == len(self._layer_of) - 1:
+        if last:
             self.finish()
 
     def finish(self) -> None:
-        """Run every layer-wise load to its end."""
+        """Run every layer-wise load to its end (wait for the layer pipe's)."""
+        if self._piped:
+            assert self._pipe is not None
+            piped, self._piped = self._piped, []
+            self._reports.count(layer_pipe_loads=len(piped))
+            ended, failed, seconds = self._pipe.finish(LAYER_WAIT_S)
+            if not ended:
+                logger.error(
+                    "kvtier: a synchronous load's copy took over %.0f s; its %d load(s) are "
+                    "reported failed (vLLM recomputes them)",
+                    LAYER_WAIT_S,
+                    len(piped),
+                )
+            for spec in piped:
+                if not ended or spec.req_id in failed:
+                    self._fail(spec, self._spec_blocks(spec))
+                    self._reports.count(load_failed_blocks=len(self._spec_blocks(spec)))
+                else:
+                    self._metrics.observe("load_seconds", seconds)
+            return
         jobs, self._jobs = self._jobs, []
         for job in jobs:
             for _ in job.layers:
@@ -258,3 +328,5 @@ class WorkerLoads:
 
     def close(self, timeout_s: float) -> None:
         self._loader.close(timeout_s)
+        if self._pipe is not None:
+            self._pipe.close(timeout_s)

@@ -88,6 +88,7 @@ WORKER_COUNTERS = (
     "load_failed_blocks",
     "loads_without_hold",
     "indexed_loads",
+    "layer_pipe_loads",  # synchronous loads copied on the layer pipe (worker/layer_pipe.py)
     "save_jobs",
     "saved_tokens",
     "save_errors",
