@@ -62,16 +62,18 @@ def test_tp2_cold_warm_and_restart_equal_vllm(run_engine, tp2_reference, tmp_pat
         }
     )
     *first, threads = first
-    # vLLM binds each rank's worker to its cores; the disk tier's writers there run on the
-    # engine process's other CPUs (core/affinity.py), the saver and the loader where the worker
-    # runs.
+    # vLLM binds each rank's worker to its cores; the disk tier's writers and the layer pipe
+    # there run on the engine process's other CPUs (core/affinity.py), the saver and the loader
+    # where the worker runs.
     for r in threads:
         assert set(r["worker"]) < set(r["parent"]), r  # bound: the case this checks
         others = sorted(set(r["parent"]) - set(r["worker"]))
         cpus = r["kvtier"]
         assert any(n.startswith("kvtier-writer") for n in cpus), r
+        assert "kvtier-layers" in cpus, r
         for name, on in cpus.items():
-            want = others if name.startswith(("kvtier-writer", "kvtier-crc")) else r["worker"]
+            away = name.startswith(("kvtier-writer", "kvtier-crc", "kvtier-layers"))
+            want = others if away else r["worker"]
             assert on == want, (name, r)
     assert first[0:8:2] == [
         one_token(ref["cold"]),
@@ -81,6 +83,8 @@ def test_tp2_cold_warm_and_restart_equal_vllm(run_engine, tp2_reference, tmp_pat
     ]
     assert loaded_after_each(first[:8]) == [0, FULL_HIT, FULL_HIT, PARTIAL_HIT]
     assert first[8]["loaded_tokens"] == first[7]["loaded_tokens"]  # rank 1 loaded its shards
+    # Each rank is bound to its core: its hits from host memory were copied on the layer pipe.
+    assert [s["layer_pipe_loads"] for s in first[7:9]] == [s["load_requests"] for s in first[7:9]]
     assert first[7]["holds"] == first[7]["held_objects"] == 0
     assert first[9:] == [True, True]
     hit = ref["doc"]
