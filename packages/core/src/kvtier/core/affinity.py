@@ -13,7 +13,9 @@ slower, docs/serving.md). The lower tiers' writers and their checksum helpers ar
 nothing: their work (a disk write with its checksum and fsync of every saved chunk) only takes
 CPU from the forward pass there. So the worker tells kvtier which CPUs such threads may use
 (``set_background_cpus``; the vLLM connector passes ``unbound_cpus()``, the process's CPUs
-outside the binding), and those threads call ``enter_background()`` first. Where no set was
+outside the binding), and those threads call ``enter_background()`` first. So does the vLLM
+connector's layer pipe, which a step does wait on, but whose copies only overlap the forward
+pass if they run on another core (``kvtier.vllm_integration.worker.layer_pipe``). Where no set was
 given (kvtier used outside such a worker, a GPU worker, a process nothing bound) threads keep
 the affinity they inherit.
 """

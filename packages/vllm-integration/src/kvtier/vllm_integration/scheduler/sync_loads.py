@@ -6,8 +6,9 @@ worker reports the load done, so the request runs a step later than with vLLM's 
 cache, and the load competes for the interpreter with vLLM's engine loop, which spins through
 empty steps while a request waits (docs/serving.md measures both). A hit whose bytes are already
 in host memory needs neither: answered as a synchronous load, vLLM schedules the request in the
-same step and the worker copies its chunks before the forward pass (``worker/loads.py``), as
-vLLM's prefix cache would serve it, plus the copy.
+same step and the worker copies its chunks before the forward pass (``worker/loads.py``), or on
+the CPU platform beside it, layer by layer (``worker/layer_pipe.py``), as vLLM's prefix cache
+would serve it, plus the copy.
 
 A hit loads so when
 

@@ -15,7 +15,9 @@ before its load (``messages.hold_ttl_s``); such a load reads the tiers again and
 evicted meanwhile. A short load is reported through ``get_block_ids_with_load_errors``: with
 ``kv_load_failure_policy="recompute"`` vLLM recomputes those blocks, with "fail" the request fails.
 Synchronous loads run in ``start_load_kv`` before the forward pass, or layer by layer in
-``wait_for_layer_load`` with ``use_layerwise``; loads marked ``load_async`` go to the loader thread
+``wait_for_layer_load`` with ``use_layerwise``, or (CPU platform, a worker bound to some of its
+CPUs) layer by layer on the layer pipe while the forward pass runs, each layer waited for in
+``wait_for_layer_load``; loads marked ``load_async`` go to the loader thread
 and are reported through ``get_finished`` (their failed blocks through
 ``get_block_ids_with_load_errors`` in the same step's output). The loads themselves:
 ``worker/loads.py``.
