@@ -79,7 +79,7 @@ class WorkerLoads:
         self._metrics = metrics
         self._reports = reports
         self._jobs: list[RetrieveJob] = []  # this step's layer-wise loads, run inline
-        self._piped: list[LoadSpec] = []  # this step's loads on the layer pipe
+        self._piped: list[LoadSpec] = []  # this step's loads on the layer pipe, until finished
         self._failed: set[int] = set()
         # A hybrid model's failed loads go to vLLM as requests (``failed_recving``): vLLM
         # cannot map block ids back to requests when there are several KV cache groups.
@@ -155,15 +155,22 @@ class WorkerLoads:
             )
         )
 
+    def _index_hold(self, spec: LoadSpec) -> Hold | None:
+        """A load the scheduler's index answered (no probe's hold): the prompt looked up and held
+        here, counted as a probe's lookup (the caller releases it). None for any other load."""
+        if spec.hold_id is not None:
+            return None
+        if spec.load_async:
+            # A synchronous one was answered only for chunks whose saves were copied.
+            self._reports.before_indexed_load(spec)
+        return self.engine.hold(spec.tokens, spec.scope)
+
     def _load(self, spec: LoadSpec, hold: Hold | None, ready: Marker) -> set[int]:
         """One whole load, on the loader thread or before the forward pass (the caller releases
         the hold); returns the blocks it left unfilled."""
-        own = None
-        if spec.hold_id is None:  # answered by the index: look up (and count) here
-            if spec.load_async:
-                # A synchronous one was answered only for chunks whose saves were copied.
-                self._reports.before_indexed_load(spec)
-            hold = own = self.engine.hold(spec.tokens, spec.scope)
+        own = self._index_hold(spec)
+        if own is not None:
+            hold = own
         slots = self._slots(spec)
         try:
             t0 = time.perf_counter()
@@ -187,6 +194,7 @@ class WorkerLoads:
         # The layer pipe takes the step's synchronous loads if it is free (decided once a step:
         # its batch is this step's whole).
         piped = self._pipe is not None and not self._pipe.busy
+        batch: list[tuple[LoadSpec, RetrieveJob]] = []  # the pipe's
         for spec in loads:
             hold = self.holds.take(spec.req_id, spec.hold_id)
             if spec.hold_id is None:
@@ -200,7 +208,11 @@ class WorkerLoads:
                 continue
             try:
                 if piped or self.config.use_layerwise:
-                    failed = self._plan_layers(spec, hold, piped)
+                    failed, job = self._plan_layers(spec, hold)
+                    if job is not None and piped:
+                        batch.append((spec, job))
+                    elif job is not None:
+                        self._jobs.append(job)
                 else:
                     try:
                         failed = self._load(spec, hold, None)
@@ -211,33 +223,31 @@ class WorkerLoads:
             finally:
                 if hold is not None:
                     hold.release()
-        if self._piped:
+        if batch:
             assert self._pipe is not None
-            self._pipe.submit([(spec.req_id, job.layers) for spec, job in self._take_jobs()])
+            self._piped = [spec for spec, _ in batch]
+            self._pipe.submit([(spec.req_id, job.layers) for spec, job in batch])
 
-    def _plan_layers(self, spec: LoadSpec, hold: Hold | None, piped: bool) -> set[int]:
+    def _plan_layers(
+        self, spec: LoadSpec, hold: Hold | None
+    ) -> tuple[set[int], RetrieveJob | None]:
         """Plan a layer-wise load of ``spec`` (the retrieval takes its own references to the held
-        objects, so the hold can go now); the blocks it will leave unfilled."""
+        objects, so the hold can go now): the blocks it will leave unfilled, and the job (None
+        if planning failed)."""
         own = None
         try:
-            if spec.hold_id is None:  # answered by the index: look up (and count) here
-                hold = own = self.engine.hold(spec.tokens, spec.scope)
+            own = self._index_hold(spec)
+            if own is not None:
+                hold = own
             slots = self._slots(spec)
             job = self.engine.retrieve_layerwise(spec.tokens, slots, scope=spec.scope, hold=hold)
         except Exception:  # recomputed by vLLM (or failed, by its policy)
             logger.exception("kvtier: loading request %s failed", spec.req_id)
-            return self._spec_blocks(spec)
+            return self._spec_blocks(spec), None
         finally:
             if own is not None:
                 own.release()
-        self._jobs.append(job)
-        if piped:
-            self._piped.append(spec)
-        return self._check_loaded(spec, job.mask, slots)
-
-    def _take_jobs(self) -> list[tuple[LoadSpec, RetrieveJob]]:
-        jobs, self._jobs = self._jobs, []
-        return list(zip(self._piped, jobs, strict=True))
+        return self._check_loaded(spec, job.mask, slots), job
 
     def _fail(self, spec: LoadSpec, blocks: set[int]) -> None:
         """``spec``'s load left ``blocks`` unfilled: reported to vLLM, and the step's save of its
@@ -263,9 +273,9 @@ class WorkerLoads:
         last = layer == len(self._layer_of) - 1
         if self._piped:
             assert self._pipe is not None
-            if layer is not None and not last and not self._pipe.wait_layer(layer, LAYER_WAIT_S):
-                self.finish()  # times out too: the batch's loads are reported failed
-            elif last:
+            # After the last layer, or a wait that timed out: the batch's end (reported failed if
+            # it does not come either).
+            if layer is not None and (last or not self._pipe.wait_layer(layer, LAYER_WAIT_S)):
                 self.finish()
             return
         if not self._jobs:
@@ -291,8 +301,9 @@ class WorkerLoads:
                 )
             for spec in piped:
                 if not ended or spec.req_id in failed:
-                    self._fail(spec, self._spec_blocks(spec))
-                    self._reports.count(load_failed_blocks=len(self._spec_blocks(spec)))
+                    blocks = self._spec_blocks(spec)
+                    self._fail(spec, blocks)
+                    self._reports.count(load_failed_blocks=len(blocks))
                 else:
                     self._metrics.observe("load_seconds", seconds)
             return
